@@ -1,0 +1,27 @@
+"""cupy_dsa: bf16 index keys for the DeepSeek sparse-attention (DSA) indexer.
+
+Public API:
+
+* :func:`store_index_k` / :func:`store_index_k_from_plan` -- fused RMSNorm/LayerNorm -> RoPE ->
+  Hadamard -> paged store of index keys (bf16 256 B/token, or SGLang's fp8 132 B/token);
+* :func:`paged_mqa_logits` (decode, MTP rows) and :func:`mqa_logits` (prefill) -- indexer logits
+  ``sum_h relu(q_h . k) * w_h`` from those keys;
+* :func:`to_cupy` / :func:`to_torch` -- zero-copy views for users who want CuPy arrays;
+* :func:`warm_up` -- compile every kernel instantiation before CUDA-graph capture.
+
+Every op accepts CPU tensors too and then runs the torch reference (the test oracle).
+"""
+
+from .layouts import (BF16_BYTES_PER_TOKEN, BF16_PAGE_BYTES, FP4_BYTES_PER_TOKEN, FP8_BYTES_PER_TOKEN,
+                      FP8_PAGE_BYTES, HEAD_DIM, PAGE_SLOTS, empty_cache)
+from .logits import mqa_logits, paged_mqa_logits
+from .runtime import to_cupy, to_torch, warm_up
+from .store import store_index_k, store_index_k_from_plan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "store_index_k", "store_index_k_from_plan", "paged_mqa_logits", "mqa_logits", "to_cupy", "to_torch",
+    "warm_up", "empty_cache", "PAGE_SLOTS", "HEAD_DIM", "BF16_BYTES_PER_TOKEN", "FP8_BYTES_PER_TOKEN",
+    "FP4_BYTES_PER_TOKEN", "BF16_PAGE_BYTES", "FP8_PAGE_BYTES",
+]

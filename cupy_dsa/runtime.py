@@ -1,0 +1,258 @@
+"""Compile, cache and launch the CUDA sources in ``kernels/`` on torch tensors.
+
+Every kernel is a C++ template in one ``.cu`` file under ``kernels/``; a variant is a *name expression*
+such as ``store_index_k<0, 1, 0, true, float, 0>``. This module:
+
+* compiles a (file, name expression) pair once per (device, arch, options) with ``cupy.RawModule``
+  (NVRTC; CuPy keeps its own disk cache, keyed on source, options and name expressions);
+* launches on **torch's current stream** of the tensors' device with raw ``data_ptr()`` arguments, so a
+  launch needs no DLPack conversion, no CuPy allocation and no host sync and can be captured by
+  ``torch.cuda.graph`` once the kernel was warmed up outside the capture;
+* compiles for an arbitrary arch **without a GPU** (:func:`compile_cubin`), used by the CI compile matrix.
+
+Op modules declare every instantiation they can launch with :func:`register_instantiations`, so the
+compile matrix and :func:`warm_up` see exactly what production can run.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+# Options shared by run-time compiles and the GPU-free compile matrix. CuPy itself appends
+# -ftz=true and --device-as-default-execution-space; the matrix adds the same two.
+_BASE_OPTIONS = ("-std=c++17",)
+
+_INSTANTIATIONS: dict[str, list[str]] = {}
+_FUNCTIONS: dict[tuple, object] = {}
+_STREAMS: dict[int, object] = {}
+_SMEM_OPT_IN: dict[tuple, int] = {}
+_LOCK = threading.Lock()
+
+
+def kernel_dir() -> Path:
+    """Directory holding the CUDA sources: inside the installed package, or ``kernels/`` of a checkout."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "kernels", here.parent / "kernels"):
+        if (cand / "common.cuh").is_file():
+            return cand
+    raise FileNotFoundError(f"cupy_dsa kernel sources not found next to {here}")
+
+
+@functools.lru_cache(maxsize=None)
+def read_source(filename: str) -> str:
+    return (kernel_dir() / filename).read_text()
+
+
+def compile_options() -> tuple[str, ...]:
+    return _BASE_OPTIONS + (f"-I{kernel_dir()}",)
+
+
+def register_instantiations(filename: str, name_expressions) -> None:
+    """Declare the template instantiations an op may launch (read by the compile matrix and warm_up)."""
+    lst = _INSTANTIATIONS.setdefault(filename, [])
+    for expr in name_expressions:
+        if expr not in lst:
+            lst.append(expr)
+
+
+def instantiations() -> dict[str, list[str]]:
+    """All declared instantiations, by source file. Importing the op modules fills it."""
+    from . import logits, store  # noqa: F401  (registration happens at import)
+
+    return {k: list(v) for k, v in _INSTANTIATIONS.items()}
+
+
+# --------------------------------------------------------------------------------------------------
+# CuPy import guard
+# --------------------------------------------------------------------------------------------------
+
+_CUPY_DISTS = ("cupy-cuda12x", "cupy-cuda13x", "cupy")
+
+
+@functools.lru_cache(maxsize=None)
+def cupy_module():
+    """Import CuPy lazily, with an install hint naming the extra that matches torch's CUDA major."""
+    found = []
+    for dist in _CUPY_DISTS:
+        try:
+            importlib.metadata.version(dist)
+            found.append(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    torch_major = (torch.version.cuda or "").split(".")[0]
+    if not found:
+        extra = "cu12" if torch_major == "12" else "cu13"
+        raise ImportError(
+            "cupy_dsa needs CuPy for its GPU kernels: pip install 'cupy-dsa[%s]' "
+            "(cu13 for a torch built with CUDA 13, cu12 for CUDA 12)" % extra
+        )
+    if len(found) > 1:
+        warnings.warn(f"several CuPy wheels are installed ({', '.join(found)}); uninstall all but one")
+    import cupy
+
+    cupy_major = str(cupy.cuda.runtime.runtimeGetVersion() // 1000)
+    if torch_major and torch_major != cupy_major:
+        warnings.warn(f"CuPy is built for CUDA {cupy_major} but torch for CUDA {torch_major}; "
+                      f"install cupy-dsa[cu{torch_major}]")
+    return cupy
+
+
+# --------------------------------------------------------------------------------------------------
+# Run-time compile and launch
+# --------------------------------------------------------------------------------------------------
+
+def get_function(filename: str, name_expression: str, device_index: int):
+    """The compiled kernel for one instantiation on one device (compiled on first use, then cached)."""
+    key = (device_index, filename, name_expression)
+    fn = _FUNCTIONS.get(key)
+    if fn is not None:
+        return fn
+    with _LOCK:
+        fn = _FUNCTIONS.get(key)
+        if fn is None:
+            cp = cupy_module()
+            with cp.cuda.Device(device_index):
+                module = cp.RawModule(code=read_source(filename), options=compile_options(),
+                                      name_expressions=[name_expression])
+                fn = module.get_function(name_expression)
+                fn.compile()  # load the module now, not inside a capture
+            _FUNCTIONS[key] = fn
+    return fn
+
+
+def _stream_for(device: torch.device):
+    """CuPy wrapper of torch's current stream on ``device``, cached by stream pointer (never by device:
+    inside ``torch.cuda.graph`` the current stream is the capture stream)."""
+    ts = torch.cuda.current_stream(device)
+    ptr = ts.cuda_stream
+    s = _STREAMS.get(ptr)
+    if s is None:
+        cp = cupy_module()
+        s = cp.cuda.Stream.from_external(_StreamRef(ptr))
+        _STREAMS[ptr] = s
+    return s
+
+
+class _StreamRef:
+    """Minimal ``__cuda_stream__`` provider (works on torch versions without the protocol)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def launch(filename: str, name_expression: str, device: torch.device, grid, block, args,
+           shared_mem: int = 0) -> None:
+    """Launch one instantiation on torch's current stream of ``device``.
+
+    ``args`` must already be kernel-typed: ``int`` pointers from ``data_ptr()`` and NumPy scalars
+    (``np.int32``, ``np.float32``, ...); a Python float would be passed as a double.
+    """
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    fn = get_function(filename, name_expression, idx)
+    key = (idx, filename, name_expression)
+    if shared_mem > 48 * 1024 and _SMEM_OPT_IN.get(key, 0) < shared_mem:
+        fn.max_dynamic_shared_size_bytes = shared_mem  # opt in above the 48 KiB default
+        _SMEM_OPT_IN[key] = shared_mem
+    stream = _stream_for(device)
+    cp = cupy_module()
+    if cp.cuda.runtime.getDevice() != idx:
+        with cp.cuda.Device(idx):
+            fn(grid, block, args, shared_mem=shared_mem, stream=stream)
+    else:
+        fn(grid, block, args, shared_mem=shared_mem, stream=stream)
+
+
+def warm_up(device: torch.device | int | None = None) -> int:
+    """Compile and load every declared instantiation on ``device`` (call before graph capture).
+    Returns the number of instantiations loaded."""
+    if device is None:
+        device = torch.cuda.current_device()
+    idx = device if isinstance(device, int) else (device.index or 0)
+    n = 0
+    for filename, exprs in instantiations().items():
+        for expr in exprs:
+            get_function(filename, expr, idx)
+            n += 1
+    return n
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU-free compile (CI compile matrix)
+# --------------------------------------------------------------------------------------------------
+
+def cuda_include_dir() -> str:
+    """Directory of the CUDA runtime headers (cuda_bf16.h, cuda_fp8.h) that NVRTC needs."""
+    env = os.environ.get("CUDA_PATH")
+    if env and (Path(env) / "include" / "cuda_bf16.h").is_file():
+        return str(Path(env) / "include")
+    from cuda.pathfinder import find_nvidia_header_directory
+
+    inc = find_nvidia_header_directory("cudart")
+    if inc is None:
+        raise FileNotFoundError("CUDA runtime headers not found: pip install 'cupy-dsa[cu13]' (or [cu12])")
+    return str(inc)
+
+
+def compile_cubin(filename: str, name_expressions, arch: str) -> tuple[bytes, dict[str, str]]:
+    """Compile ``kernels/filename`` with NVRTC for ``arch`` (e.g. ``"sm_90"``) without a GPU.
+
+    Uses the same options as run time plus the two CuPy appends. Returns the cubin and the lowered
+    name of every expression; raises ``RuntimeError`` with NVRTC's log on failure.
+    """
+    cp = cupy_module()
+    nvrtc = cp.cuda.nvrtc
+    src = read_source(filename)
+    opts = compile_options() + (f"-I{cuda_include_dir()}", f"-arch={arch}", "-ftz=true",
+                                "--device-as-default-execution-space")
+    prog = nvrtc.createProgram(src, filename, (), ())
+    try:
+        for expr in name_expressions:
+            nvrtc.addNameExpression(prog, expr)
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"NVRTC failed for {filename} ({arch}):\n{nvrtc.getProgramLog(prog)}") from e
+        cubin = nvrtc.getCUBIN(prog)
+        lowered = {expr: nvrtc.getLoweredName(prog, expr) for expr in name_expressions}
+    finally:
+        nvrtc.destroyProgram(prog)
+    return cubin, lowered
+
+
+# --------------------------------------------------------------------------------------------------
+# torch <-> CuPy zero-copy helpers (for users; the ops themselves pass raw pointers)
+# --------------------------------------------------------------------------------------------------
+
+_FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
+def to_cupy(t: torch.Tensor):
+    """A CuPy array sharing ``t``'s memory, ordered on torch's current stream.
+
+    fp8 tensors come back as ``uint8`` (CuPy has no fp8 dtype); bf16 needs ``ml_dtypes`` installed
+    (otherwise pass ``t.view(torch.int16)``).
+    """
+    if not t.is_cuda:
+        raise ValueError(f"t: expected a CUDA tensor, got device {t.device}")
+    cp = cupy_module()
+    if t.dtype in _FP8_DTYPES:
+        t = t.view(torch.uint8)
+    with cp.cuda.Device(t.device.index), _stream_for(t.device):
+        return cp.from_dlpack(t)
+
+
+def to_torch(a) -> torch.Tensor:
+    """A torch tensor sharing the CuPy array's memory (torch's current stream waits on CuPy's)."""
+    return torch.from_dlpack(a)
