@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The whole GPU suite in one call (used on the H200): GPU tests, compute-sanitizer over every kernel
+# family (small shapes incl. out-of-range indices), then `cupy-dsa bench all`. Prints a short summary last.
+#   usage: bash tests/run_gpu_suite.sh [pytest -k expression]     (results under $OUT, default ./out)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-$PWD/.cupy_cache}
+T0=$(date +%s)
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { echo "pip install failed"; tail -5 "$OUT/pip.log"; }
+python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
+git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /'
+
+K=${1:-}
+python3 -m pytest -q -m gpu tests ${K:+-k "$K"} -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log"
+PYTEST_LINE=$(tail -1 "$OUT/pytest_gpu.log")
+
+compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/gpu_sanitize.py >"$OUT/sanitizer.log" 2>&1
+SAN_RC=$?
+SAN_LINE=$(grep -E "ERROR SUMMARY" "$OUT/sanitizer.log" | tail -1)
+tail -5 "$OUT/sanitizer.log"
+
+if [ -z "${SKIP_BENCH:-}" ]; then
+  python3 -m cupy_dsa bench all --backend cuda --json "$OUT/h200.json" --plot "$OUT/h200.png" \
+      --markdown "$OUT/headline.md" 2>&1 | tee "$OUT/bench.log" | tail -60
+fi
+echo "================ SUMMARY ($(($(date +%s) - T0)) s) ================"
+echo "device: $(cat "$OUT/device.txt")"
+echo "pytest -m gpu: $PYTEST_LINE"
+echo "compute-sanitizer memcheck (rc=$SAN_RC): $SAN_LINE"
+[ -f "$OUT/headline.md" ] && cat "$OUT/headline.md"
+exit 0
