@@ -1,0 +1,90 @@
+"""Small launches of every kernel family for compute-sanitizer (run by tests/run_gpu_suite.sh).
+
+Shapes are small (the sanitizer slows kernels down 10-100x) but cover every template axis and the
+out-of-range cases: negative / past-the-end out_loc, positions past the RoPE table, block-table entries
+outside [0, P), zero-length rows, key counts not a multiple of 64. Exits non-zero on a Python error;
+memory errors are reported by the sanitizer itself.
+"""
+import torch
+
+import cupy_dsa
+from cupy_dsa import runtime
+
+dev = torch.device("cuda")
+torch.manual_seed(0)
+P, max_pos = 8, 4096
+
+
+def store_cases():
+    for layout in ("bf16", "fp8"):
+        for numerics in (("exact", "fp4sim") if layout == "bf16" else ("exact",)):
+            for key_style in ("v4", "v32"):
+                for in_dtype in (torch.float32, torch.bfloat16):
+                    yield layout, numerics, key_style, in_dtype
+
+
+def run_store():
+    n = 0
+    for layout, numerics, key_style, in_dtype in store_cases():
+        N = 77
+        kv = torch.randn(N, 128, device=dev).to(in_dtype)
+        cache = cupy_dsa.empty_cache(P, layout, device=dev)
+        out_loc = torch.randint(-70, P * 64 + 70, (N,), device=dev)   # some < 0, some past the end
+        positions = torch.randint(-3, max_pos + 50, (N,), device=dev)   # some past the table
+        w = torch.rand(128, device=dev)
+        b = torch.randn(128, device=dev) if key_style == "v32" else None
+        freqs = torch.randn(max_pos, 64, device=dev)
+        cupy_dsa.store_index_k(kv, cache, positions=positions, out_loc=out_loc, norm_weight=w, norm_bias=b,
+                               freqs_cis=freqs, numerics=numerics, key_style=key_style)
+        for is_decode in (True, False):
+            plan = torch.randint(0, 256, (N, 16), dtype=torch.uint8, device=dev)
+            plan[:, 0:4] = torch.randint(0, 600, (N, 1), device=dev).to(torch.int32).view(torch.uint8)
+            if not is_decode:
+                plan[::5, 0:4] = 255                                      # invalid entries
+                plan[:, 4:6] = torch.randint(0, N, (N, 1), device=dev).to(torch.int16).view(torch.uint8)
+            cupy_dsa.store_index_k_from_plan(kv, plan, cache=cache, out_loc=out_loc, norm_weight=w, norm_bias=b,
+                                             freqs_cis=freqs, is_decode=is_decode, numerics=numerics,
+                                             key_style=key_style)
+        n += 3
+    return n
+
+
+def run_logits():
+    n = 0
+    for layout in ("bf16", "fp8"):
+        cache = cupy_dsa.empty_cache(P, layout, device=dev)
+        cache.random_(0, 120)                                  # small bytes: finite fp8 and bf16 values
+        for q_dtype in (torch.float8_e4m3fn, torch.bfloat16):
+            for next_n in (1, 2, 3, 4):
+                B, max_pages = 3, 5
+                q = torch.randn(B, next_n, 64, 128, device=dev).to(q_dtype)
+                w = torch.rand(B * next_n, 64, device=dev)
+                lens = torch.tensor([0, 77, 5 * 64 + 9], dtype=torch.int32, device=dev)  # last one too long
+                bt = torch.randint(-2, P + 3, (B, max_pages), dtype=torch.int32, device=dev)  # bad entries
+                for clean in (False, True):
+                    cupy_dsa.paged_mqa_logits(q, cache, w, lens, bt, max_pages * 64, clean_logits=clean)
+                    n += 1
+            T = 37
+            q = torch.randn(T, 64, 128, device=dev).to(q_dtype)
+            w = torch.rand(T, 64, device=dev)
+            ks = torch.randint(0, 50, (T,), dtype=torch.int32, device=dev)
+            ke = ks + torch.randint(0, 200, (T,), dtype=torch.int32, device=dev)
+            bt = torch.randint(-1, P + 1, (4,), dtype=torch.int32, device=dev)
+            cupy_dsa.mqa_logits(q, cache, w, ks, ke.clamp(max=4 * 64), block_table=bt)
+            cupy_dsa.mqa_logits(q, cache, w, ks, ke.clamp(max=4 * 64), block_table=bt, max_seqlen_k=100,
+                                clean_logits=False, rows=(3, 30))
+            n += 2
+            if layout == "bf16":
+                S = 201                                         # not a multiple of 64: no read past S
+                kv = torch.randn(S, 128, device=dev).to(torch.bfloat16)
+                cupy_dsa.mqa_logits(q, kv, w, ks, ke.clamp(max=S))
+                n += 1
+    return n
+
+
+if __name__ == "__main__":
+    print("instantiations warmed:", runtime.warm_up(dev))
+    print("store launches:", run_store())
+    print("logits launches:", run_logits())
+    torch.cuda.synchronize()
+    print("gpu_sanitize: done")
