@@ -1,0 +1,402 @@
+"""Fused index-key store: norm -> RoPE -> Hadamard -> (fp4-simulate | fp8-quantize) -> paged cache.
+
+One warp per compressed token, lane ``l`` owning elements ``4l..4l+3`` (natural order); the CUDA
+template is ``kernels/store_index_k.cu``. The torch reference below follows the kernel's operation order
+(per-lane partial sums then the same xor-butterfly tree, the same RoPE and Hadamard stages, no fused
+multiply-adds), so it matches the kernel to the bit except where ``rsqrtf`` (hardware approximation,
+<= 2 ulp) and ``torch.rsqrt`` differ: then single elements differ by one bf16 ulp (one e4m3 code, and
+the fp8 scale by a few fp32 ulp).
+
+Layouts (``cupy_dsa.layouts``): ``uint8 [P, 16384]`` -> bf16 (256 B/token), ``uint8 [P, 8448]`` -> fp8
+(SGLang's 132 B/token). Key styles: ``"v4"`` (RMSNorm, interleaved RoPE on the trailing 64 dims) and
+``"v32"`` (LayerNorm with bias, NeoX RoPE on the leading 64 dims). Numerics: ``"exact"`` (RNE of the fp32
+key) and ``"fp4sim"`` (DeepSeek-V4's QAT: e2m1 with a power-of-two scale per 32 elements, stored as bf16;
+bf16 layout only).
+
+CPU tensors run the torch reference; CUDA tensors launch the kernel on torch's current stream.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import runtime
+from .layouts import FP8_MAX, FP8_MIN_AMAX, FP8_SCALE_OFFSET, HEAD_DIM, PAGE_SLOTS, ROPE_DIM, as_page_rows, layout_of
+
+_FILE = "store_index_k.cu"
+
+# Template arguments of store_index_k<Layout, Numerics, Style, Hadamard, TIn, Source, TIdx>.
+_LAYOUT_ID = {"bf16": 0, "fp8": 1}
+_NUMERICS_ID = {"exact": 0, "fp4sim": 1}
+_STYLE_ID = {"v4": 0, "v32": 1}
+_SRC_DIRECT, _SRC_DECODE, _SRC_PREFILL = 0, 1, 2
+_IN_TYPE = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16"}
+_IDX_TYPE = {torch.int32: "int", torch.int64: "long long"}
+
+WARPS_PER_BLOCK = 8
+BLOCK = (32 * WARPS_PER_BLOCK, 1, 1)
+
+FP4_BLOCK = 32
+FP4_MAX = 6.0
+FP4_MIN_AMAX = 1e-4
+PLAN_INVALID = 0xFFFFFFFF
+
+# The reference's reciprocal square root. The kernel uses rsqrtf (hardware approximation, <= 2 ulp);
+# tests on a GPU may swap in a device rsqrtf to make the reference bit-exact.
+_rsqrt = torch.rsqrt
+
+
+def _expr(layout, numerics, style, hadamard, in_dtype, source, idx_dtype) -> str:
+    return (f"store_index_k<{_LAYOUT_ID[layout]}, {_NUMERICS_ID[numerics]}, {_STYLE_ID[style]}, "
+            f"{'true' if hadamard else 'false'}, {_IN_TYPE[in_dtype]}, {source}, {_IDX_TYPE[idx_dtype]}>")
+
+
+def _all_instantiations() -> list[str]:
+    out = []
+    for layout, numerics in (("bf16", "exact"), ("bf16", "fp4sim"), ("fp8", "exact")):
+        for style in _STYLE_ID:
+            for had in (True, False):
+                for in_dtype in _IN_TYPE:
+                    for src in (_SRC_DIRECT, _SRC_DECODE, _SRC_PREFILL):
+                        for idx in _IDX_TYPE:
+                            out.append(_expr(layout, numerics, style, had, in_dtype, src, idx))
+    return out
+
+
+runtime.register_instantiations(_FILE, _all_instantiations())
+
+
+# --------------------------------------------------------------------------------------------------
+# Contract checks (tensor metadata only: no host sync)
+# --------------------------------------------------------------------------------------------------
+
+def _check_dtype(name, t, dtypes):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name}: expected dtype {want}, got {t.dtype}")
+
+
+def _check_shape(name, t, shape_desc, ok):
+    if not ok:
+        raise ValueError(f"{name}: expected shape {shape_desc}, got {tuple(t.shape)}")
+
+
+def _check_contig(name, t):
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+
+
+def _check_device(name, t, device):
+    if t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (the device of kv), got {t.device}")
+
+
+def _check_align(name, t, nbytes):
+    if t.is_cuda and t.data_ptr() % nbytes:
+        raise ValueError(f"{name}: expected a {nbytes}-byte aligned data pointer, got {t.data_ptr():#x}")
+
+
+def _check_common(kv, cache, norm_weight, norm_bias, freqs_cis, eps, numerics, key_style, hadamard):
+    _check_dtype("kv", kv, (torch.float32, torch.bfloat16))
+    _check_shape("kv", kv, f"[N, {HEAD_DIM}]", kv.dim() == 2 and kv.shape[1] == HEAD_DIM)
+    _check_contig("kv", kv)
+    dev = kv.device
+    if numerics not in _NUMERICS_ID:
+        raise ValueError(f"numerics: expected one of {tuple(_NUMERICS_ID)}, got {numerics!r}")
+    if key_style not in _STYLE_ID:
+        raise ValueError(f"key_style: expected one of {tuple(_STYLE_ID)}, got {key_style!r}")
+    if not isinstance(hadamard, bool):
+        raise TypeError(f"hadamard: expected a bool, got {type(hadamard).__name__}")
+    if not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps: expected a non-negative float, got {eps!r}")
+    if not isinstance(cache, torch.Tensor):
+        raise TypeError(f"cache: expected a torch.Tensor, got {type(cache).__name__}")
+    try:
+        layout = layout_of(cache)
+    except ValueError as e:
+        raise ValueError(f"cache: {e}") from None
+    _check_contig("cache", cache)
+    _check_device("cache", cache, dev)
+    _check_align("cache", cache, 16)
+    if numerics == "fp4sim" and layout != "bf16":
+        raise ValueError("numerics: 'fp4sim' needs a bf16-layout cache (uint8 [P, 16384]), got an fp8 cache")
+    _check_dtype("norm_weight", norm_weight, (torch.float32,))
+    _check_shape("norm_weight", norm_weight, f"[{HEAD_DIM}]", tuple(norm_weight.shape) == (HEAD_DIM,))
+    _check_contig("norm_weight", norm_weight)
+    _check_device("norm_weight", norm_weight, dev)
+    if key_style == "v32":
+        if norm_bias is None:
+            raise ValueError("norm_bias: key_style 'v32' (LayerNorm) needs a float32 [128] bias")
+        _check_dtype("norm_bias", norm_bias, (torch.float32,))
+        _check_shape("norm_bias", norm_bias, f"[{HEAD_DIM}]", tuple(norm_bias.shape) == (HEAD_DIM,))
+        _check_contig("norm_bias", norm_bias)
+        _check_device("norm_bias", norm_bias, dev)
+    elif norm_bias is not None:
+        raise ValueError("norm_bias: only key_style 'v32' (LayerNorm) takes a bias; pass None for 'v4'")
+    _check_dtype("freqs_cis", freqs_cis, (torch.float32,))
+    _check_shape("freqs_cis", freqs_cis, f"[max_pos, {ROPE_DIM}]",
+                 freqs_cis.dim() == 2 and freqs_cis.shape[1] == ROPE_DIM)
+    _check_contig("freqs_cis", freqs_cis)
+    _check_device("freqs_cis", freqs_cis, dev)
+    _check_align("freqs_cis", freqs_cis, 16)
+    _check_align("kv", kv, 16 if kv.dtype == torch.float32 else 8)
+    return layout
+
+
+def _check_direct(kv, positions, out_loc):
+    n = kv.shape[0]
+    _check_dtype("positions", positions, (torch.int32, torch.int64))
+    _check_shape("positions", positions, f"[{n}] (N of kv)", tuple(positions.shape) == (n,))
+    _check_contig("positions", positions)
+    _check_device("positions", positions, kv.device)
+    _check_dtype("out_loc", out_loc, (torch.int64,))
+    _check_shape("out_loc", out_loc, f"[{n}] (N of kv)", tuple(out_loc.shape) == (n,))
+    _check_contig("out_loc", out_loc)
+    _check_device("out_loc", out_loc, kv.device)
+
+
+def _check_plan(kv, plan, out_loc, compress_ratio, is_decode):
+    n = kv.shape[0]
+    _check_dtype("plan", plan, (torch.uint8,))
+    _check_shape("plan", plan, f"[{n}, 16] (one 16-byte plan row per kv row)",
+                 plan.dim() == 2 and tuple(plan.shape) == (n, 16))
+    _check_contig("plan", plan)
+    _check_device("plan", plan, kv.device)
+    _check_align("plan", plan, 16)
+    _check_dtype("out_loc", out_loc, (torch.int32, torch.int64))
+    _check_shape("out_loc", out_loc, "[M] (1-D)", out_loc.dim() == 1)
+    if is_decode and out_loc.shape[0] < n:
+        raise ValueError(f"out_loc: a decode plan needs at least {n} entries (one per plan row), "
+                         f"got {out_loc.shape[0]}")
+    _check_contig("out_loc", out_loc)
+    _check_device("out_loc", out_loc, kv.device)
+    if not isinstance(is_decode, bool):
+        raise TypeError(f"is_decode: expected a bool, got {type(is_decode).__name__}")
+    if isinstance(compress_ratio, bool) or not isinstance(compress_ratio, int) or not 0 < compress_ratio < 2**31:
+        raise ValueError(f"compress_ratio: expected a positive int, got {compress_ratio!r}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------
+
+def store_index_k(kv, cache, *, positions, out_loc, norm_weight, freqs_cis, norm_bias=None, eps=1e-6,
+                  numerics="exact", key_style="v4", hadamard=True) -> None:
+    """Normalize, rotate and store index keys ``kv`` (float32/bfloat16 ``[N, 128]``) into ``cache``.
+
+    ``positions`` int32/int64 ``[N]`` (RoPE row of ``freqs_cis`` float32 ``[max_pos, 64]``), ``out_loc``
+    int64 ``[N]`` (``page*64 + slot``). Rows with ``out_loc < 0``, ``out_loc >> 6 >= num_pages`` or a
+    position outside ``[0, max_pos)`` are skipped; nothing else in the cache changes.
+    """
+    layout = _check_common(kv, cache, norm_weight, norm_bias, freqs_cis, eps, numerics, key_style, hadamard)
+    _check_direct(kv, positions, out_loc)
+    if not kv.is_cuda:
+        _store_reference(kv, cache, positions, out_loc, norm_weight, freqs_cis, norm_bias, eps, numerics,
+                         key_style, hadamard, layout)
+        return
+    n = kv.shape[0]
+    if n == 0:
+        return
+    rows = as_page_rows(cache)
+    expr = _expr(layout, numerics, key_style, hadamard, kv.dtype, _SRC_DIRECT, positions.dtype)
+    _launch(expr, kv, rows, positions, out_loc, norm_weight, norm_bias, freqs_cis, n, eps, 0)
+
+
+def store_index_k_from_plan(kv, plan, *, cache, out_loc, norm_weight, freqs_cis, is_decode, compress_ratio=4,
+                            norm_bias=None, eps=1e-6, numerics="exact", key_style="v4",
+                            hadamard=True) -> None:
+    """Plan-native store (SGLang's 16-byte plan rows, uint8 ``[N, 16]``): work item ``w`` uses kv row ``w``.
+
+    Decode (DecodePlan): skip if ``seq_len % compress_ratio != 0``; ``out_loc[w]``.
+    Prefill/extend (CompressPlan): skip if ``seq_len == 0xFFFFFFFF``; ``out_loc[ragged_id]`` (the caller
+    guarantees ``ragged_id < len(out_loc)``, as in SGLang). ``position = seq_len - compress_ratio``.
+    """
+    layout = _check_common(kv, cache, norm_weight, norm_bias, freqs_cis, eps, numerics, key_style, hadamard)
+    _check_plan(kv, plan, out_loc, compress_ratio, is_decode)
+    if not kv.is_cuda:
+        positions, locs = plan_to_direct(plan, out_loc, is_decode=is_decode, compress_ratio=compress_ratio)
+        _store_reference(kv, cache, positions, locs, norm_weight, freqs_cis, norm_bias, eps, numerics,
+                         key_style, hadamard, layout)
+        return
+    n = kv.shape[0]
+    if n == 0:
+        return
+    rows = as_page_rows(cache)
+    src = _SRC_DECODE if is_decode else _SRC_PREFILL
+    expr = _expr(layout, numerics, key_style, hadamard, kv.dtype, src, out_loc.dtype)
+    _launch(expr, kv, rows, plan, out_loc, norm_weight, norm_bias, freqs_cis, n, eps, compress_ratio)
+
+
+def _launch(expr, kv, rows, items, out_loc, norm_weight, norm_bias, freqs_cis, n, eps, ratio):
+    grid = ((n + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, 1, 1)
+    args = (kv.data_ptr(), rows.data_ptr(), items.data_ptr(), out_loc.data_ptr(), norm_weight.data_ptr(),
+            0 if norm_bias is None else norm_bias.data_ptr(), freqs_cis.data_ptr(), np.int64(n),
+            np.int64(rows.shape[0]), np.int64(freqs_cis.shape[0]), np.float32(eps), np.int32(ratio))
+    runtime.launch(_FILE, expr, kv.device, grid, BLOCK, args)
+
+
+# --------------------------------------------------------------------------------------------------
+# Torch reference (CPU backend and test oracle)
+# --------------------------------------------------------------------------------------------------
+
+def plan_to_direct(plan, out_loc, *, is_decode, compress_ratio=4):
+    """Decode 16-byte plan rows into ``(positions int64 [N], out_loc int64 [N])``; skipped rows get
+    ``out_loc = -1`` (the reference helper; the kernel decodes plans itself)."""
+    p = plan.to(torch.int64)
+    seq_len = p[:, 0] | (p[:, 1] << 8) | (p[:, 2] << 16) | (p[:, 3] << 24)
+    positions = seq_len - compress_ratio
+    locs_all = out_loc.to(torch.int64)
+    if is_decode:
+        valid = (seq_len % compress_ratio) == 0
+        locs = locs_all[: plan.shape[0]].clone()
+    else:
+        valid = seq_len != PLAN_INVALID
+        ragged = p[:, 4] | (p[:, 5] << 8)
+        safe = torch.where(valid, ragged, torch.zeros_like(ragged))
+        if safe.numel() and int(safe.max()) >= locs_all.shape[0]:
+            raise ValueError(f"plan: ragged_id {int(safe.max())} out of range for out_loc of length "
+                             f"{locs_all.shape[0]}")
+        locs = locs_all[safe]
+    locs = torch.where(valid & (positions >= 0), locs, torch.full_like(locs, -1))
+    return positions, locs
+
+
+def _warp_sum(v: torch.Tensor) -> torch.Tensor:
+    """dsa::warp_sum on ``[..., 32]`` lane values: xor butterfly 16, 8, 4, 2, 1 (every lane equal)."""
+    lane = torch.arange(32, device=v.device)
+    for m in (16, 8, 4, 2, 1):
+        v = v + v[..., lane ^ m]
+    return v[..., 0]
+
+
+def _lane_sum4(a: torch.Tensor) -> torch.Tensor:
+    """Per-lane ``((a0 + a1) + a2) + a3`` over ``[..., 32, 4]``."""
+    return ((a[..., 0] + a[..., 1]) + a[..., 2]) + a[..., 3]
+
+
+def _hadamard128(x: torch.Tensor) -> torch.Tensor:
+    """dsa::hadamard128 on ``[N, 32, 4]`` (two in-lane stages, then shuffles over lane bits 0..4)."""
+    a0 = x[..., 0] + x[..., 1]
+    a1 = x[..., 0] - x[..., 1]
+    a2 = x[..., 2] + x[..., 3]
+    a3 = x[..., 2] - x[..., 3]
+    x = torch.stack((a0 + a2, a1 + a3, a0 - a2, a1 - a3), dim=-1)
+    lane = torch.arange(32, device=x.device)
+    for m in (1, 2, 4, 8, 16):
+        upper = ((lane & m) != 0)[:, None]
+        o = x[:, lane ^ m, :]
+        x = torch.where(upper, o - x, x + o)
+    return x
+
+
+def _fp4sim(k: torch.Tensor) -> torch.Tensor:
+    """e2m1 rounding with a power-of-two (ue8m0) scale per 32 elements, ties to the even code."""
+    kb = k.view(-1, HEAD_DIM // FP4_BLOCK, FP4_BLOCK)
+    amax = kb.abs().amax(dim=-1, keepdim=True)
+    t = torch.clamp_min(amax, FP4_MIN_AMAX) / FP4_MAX
+    # exact ceil(log2(t)) for a normal fp32 t: exponent, +1 unless the mantissa is zero
+    bits = t.view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - 127
+    e = e + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    scale = torch.ldexp(torch.ones_like(t), e)
+    q = kb / scale
+    a = q.abs()
+    r = torch.where(a <= 0.25, 0.0, torch.where(a < 0.75, 0.5, torch.where(a <= 1.25, 1.0, torch.where(
+        a < 1.75, 1.5, torch.where(a <= 2.5, 2.0, torch.where(a < 3.5, 3.0, torch.where(a <= 5.0, 4.0, 6.0)))))))
+    r = torch.copysign(r.to(torch.float32), q)
+    return (r * scale).view(-1, HEAD_DIM)
+
+
+def rotate_index_k_reference(kv, positions, norm_weight, freqs_cis, norm_bias=None, eps=1e-6, key_style="v4",
+                             hadamard=True, numerics="exact") -> torch.Tensor:
+    """The fp32 key the kernel stores (before bf16/fp8 rounding; fp4-rounded for ``numerics='fp4sim'``),
+    float32 ``[N, 128]``, in the kernel's operation order. Positions must lie in ``[0, max_pos)``."""
+    if key_style not in _STYLE_ID:
+        raise ValueError(f"key_style: expected one of {tuple(_STYLE_ID)}, got {key_style!r}")
+    if numerics not in _NUMERICS_ID:
+        raise ValueError(f"numerics: expected one of {tuple(_NUMERICS_ID)}, got {numerics!r}")
+    n = kv.shape[0]
+    pos = positions.to(device=kv.device, dtype=torch.int64)
+    if n and (int(pos.min()) < 0 or int(pos.max()) >= freqs_cis.shape[0]):
+        raise ValueError(f"positions: expected values in [0, {freqs_cis.shape[0]}) (rows of freqs_cis)")
+    x = kv.to(torch.float32).reshape(n, 32, 4)
+    w = norm_weight.to(torch.float32).reshape(32, 4)
+    eps32 = torch.tensor(eps, dtype=torch.float32, device=kv.device)
+    if key_style == "v4":
+        ss = _warp_sum(_lane_sum4(x * x))
+        nf = _rsqrt(ss / 128.0 + eps32)
+        k = (x * nf[:, None, None]) * w
+    else:
+        mean = _warp_sum(_lane_sum4(x)) / 128.0
+        d = x - mean[:, None, None]
+        var = _warp_sum(_lane_sum4(d * d)) / 128.0
+        rs = _rsqrt(var + eps32)
+        k = ((d * rs[:, None, None]) * w) + norm_bias.to(torch.float32).reshape(32, 4)
+    k = k.reshape(n, HEAD_DIM).clone()
+    f = freqs_cis[pos].to(torch.float32)
+    cos, sin = f[:, 0::2], f[:, 1::2]
+    if key_style == "v4":
+        re, im = k[:, 64::2], k[:, 65::2]
+    else:
+        re, im = k[:, 0:32], k[:, 32:64]
+    re2 = re * cos - im * sin
+    im2 = re * sin + im * cos
+    if key_style == "v4":
+        k[:, 64::2], k[:, 65::2] = re2, im2
+    else:
+        k[:, 0:32], k[:, 32:64] = re2, im2
+    if hadamard:
+        inv = _rsqrt(torch.full((1,), 128.0, dtype=torch.float32, device=kv.device))
+        k = _hadamard128(k.reshape(n, 32, 4)).reshape(n, HEAD_DIM) * inv
+    if numerics == "fp4sim":
+        k = _fp4sim(k)
+    return k
+
+
+def fp8_quantize_reference(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's per-token fp8: ``scale = max(amax, 1e-4)/448`` (plain fp32), ``e4m3(RNE(k * (1/scale)))``.
+    Returns ``(codes uint8 [N, 128], scales float32 [N])``."""
+    amax = k.abs().amax(dim=-1)
+    scale = torch.clamp_min(amax, FP8_MIN_AMAX) / FP8_MAX
+    inv = 1.0 / scale
+    v = (k * inv[:, None]).clamp(-FP8_MAX, FP8_MAX)
+    return v.to(torch.float8_e4m3fn).view(torch.uint8), scale
+
+
+def store_index_k_reference(kv, cache, *, positions, out_loc, norm_weight, freqs_cis, norm_bias=None, eps=1e-6,
+                            numerics="exact", key_style="v4", hadamard=True) -> None:
+    """Torch reference of :func:`store_index_k` (any device; same checks, same skip rules)."""
+    layout = _check_common(kv, cache, norm_weight, norm_bias, freqs_cis, eps, numerics, key_style, hadamard)
+    _check_direct(kv, positions, out_loc)
+    _store_reference(kv, cache, positions, out_loc, norm_weight, freqs_cis, norm_bias, eps, numerics,
+                     key_style, hadamard, layout)
+
+
+def _store_reference(kv, cache, positions, out_loc, norm_weight, freqs_cis, norm_bias, eps, numerics,
+                     key_style, hadamard, layout):
+    rows = as_page_rows(cache)
+    num_pages = rows.shape[0]
+    pos = positions.to(torch.int64)
+    loc = out_loc.to(torch.int64)
+    valid = (loc >= 0) & ((loc >> 6) < num_pages) & (pos >= 0) & (pos < freqs_cis.shape[0])
+    idx = valid.nonzero().flatten()
+    if idx.numel() == 0:
+        return
+    k = rotate_index_k_reference(kv[idx], pos[idx], norm_weight, freqs_cis, norm_bias, eps, key_style,
+                                 hadamard, numerics)
+    loc = loc[idx]
+    page, slot = loc >> 6, loc & (PAGE_SLOTS - 1)
+    if layout == "bf16":
+        rows.view(torch.bfloat16).view(num_pages * PAGE_SLOTS, HEAD_DIM)[loc] = k.to(torch.bfloat16)
+        return
+    codes, scales = fp8_quantize_reference(k)
+    values = rows[:, :FP8_SCALE_OFFSET].view(num_pages, PAGE_SLOTS, HEAD_DIM)
+    values[page, slot] = codes
+    rows[:, FP8_SCALE_OFFSET:].view(torch.float32)[page, slot] = scales
+
+
+__all__ = ["store_index_k", "store_index_k_from_plan", "store_index_k_reference", "rotate_index_k_reference",
+           "fp8_quantize_reference", "plan_to_direct"]

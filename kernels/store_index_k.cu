@@ -1,0 +1,236 @@
+// Fused index-key store: norm -> RoPE -> Hadamard -> (fp4-simulate | fp8-quantize) -> paged cache.
+//
+// One warp per compressed token (8 per 256-thread block); lane l owns elements 4l..4l+3 in natural
+// order, so every stage is in-lane or a warp shuffle and every global access is one vector per lane.
+// Products and sums use __fmul_rn/__fadd_rn so no multiply-add is contracted: the torch reference in
+// cupy_dsa/store.py then reproduces every rounding except rsqrtf's hardware approximation.
+#include "common.cuh"
+
+namespace dsa {
+
+// ---- template parameters -------------------------------------------------------------------------
+enum StoreNumerics { kNumExact = 0, kNumFp4Sim = 1 };
+enum KeyStyle { kStyleV4 = 0, kStyleV32 = 1 };     // RMSNorm + interleaved tail RoPE | LayerNorm + NeoX head RoPE
+enum WorkSource { kSrcDirect = 0, kSrcDecodePlan = 1, kSrcPrefillPlan = 2 };
+
+constexpr u32 kPlanInvalid = 0xFFFFFFFFu;
+
+// ---- loads ------------------------------------------------------------------------------------------
+// kv row `t`, lane `lane`: elements 4l..4l+3 as one 16-byte (fp32) or 8-byte (bf16) streaming load.
+__device__ __forceinline__ void load4(const float* kv, i64 t, int lane, float (&x)[4]) {
+  const float4 v = __ldcs(reinterpret_cast<const float4*>(kv + t * kHeadDim) + lane);
+  x[0] = v.x; x[1] = v.y; x[2] = v.z; x[3] = v.w;
+}
+
+__device__ __forceinline__ void load4(const __nv_bfloat16* kv, i64 t, int lane, float (&x)[4]) {
+  const uint2 v = __ldcs(reinterpret_cast<const uint2*>(kv + t * kHeadDim) + lane);
+  x[0] = __uint_as_float(v.x << 16); x[1] = __uint_as_float(v.x & 0xFFFF0000u);
+  x[2] = __uint_as_float(v.y << 16); x[3] = __uint_as_float(v.y & 0xFFFF0000u);
+}
+
+__device__ __forceinline__ float sum4_sq(const float (&x)[4]) {
+  return __fadd_rn(__fadd_rn(__fadd_rn(__fmul_rn(x[0], x[0]), __fmul_rn(x[1], x[1])), __fmul_rn(x[2], x[2])),
+                   __fmul_rn(x[3], x[3]));
+}
+
+// ---- norms ----------------------------------------------------------------------------------------
+// RMSNorm (V4): k = x * rsqrtf(mean(x^2) + eps) * w.
+__device__ __forceinline__ void rms_norm(float (&x)[4], const float* w, float eps, int lane) {
+  const float ss = warp_sum(sum4_sq(x));
+  const float nf = rsqrtf(__fadd_rn(ss / 128.f, eps));
+  const float4 wv = *reinterpret_cast<const float4*>(w + 4 * lane);
+  x[0] = __fmul_rn(__fmul_rn(x[0], nf), wv.x);
+  x[1] = __fmul_rn(__fmul_rn(x[1], nf), wv.y);
+  x[2] = __fmul_rn(__fmul_rn(x[2], nf), wv.z);
+  x[3] = __fmul_rn(__fmul_rn(x[3], nf), wv.w);
+}
+
+// LayerNorm (V3.2): k = (x - mean) * rsqrtf(var + eps) * w + b.
+__device__ __forceinline__ void layer_norm(float (&x)[4], const float* w, const float* b, float eps, int lane) {
+  const float mean = warp_sum(__fadd_rn(__fadd_rn(__fadd_rn(x[0], x[1]), x[2]), x[3])) / 128.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) x[i] = __fsub_rn(x[i], mean);
+  const float var = warp_sum(sum4_sq(x)) / 128.f;
+  const float rs = rsqrtf(__fadd_rn(var, eps));
+  const float4 wv = *reinterpret_cast<const float4*>(w + 4 * lane);
+  const float4 bv = *reinterpret_cast<const float4*>(b + 4 * lane);
+  x[0] = __fadd_rn(__fmul_rn(__fmul_rn(x[0], rs), wv.x), bv.x);
+  x[1] = __fadd_rn(__fmul_rn(__fmul_rn(x[1], rs), wv.y), bv.y);
+  x[2] = __fadd_rn(__fmul_rn(__fmul_rn(x[2], rs), wv.z), bv.z);
+  x[3] = __fadd_rn(__fmul_rn(__fmul_rn(x[3], rs), wv.w), bv.w);
+}
+
+// ---- RoPE -----------------------------------------------------------------------------------------
+__device__ __forceinline__ float rot_re(float re, float im, float c, float s) {
+  return __fsub_rn(__fmul_rn(re, c), __fmul_rn(im, s));
+}
+__device__ __forceinline__ float rot_im(float re, float im, float c, float s) {
+  return __fadd_rn(__fmul_rn(re, s), __fmul_rn(im, c));
+}
+
+// (cos, sin) of the pairs a lane rotates, loaded before the norm so the latency hides behind it.
+// V4: lane 16+q rotates pairs 2q, 2q+1 = one float4 of the freqs row.
+// V3.2: lanes l and l+8 (l < 8) both need pairs 4l..4l+3 = two float4.
+template <int Style>
+__device__ __forceinline__ void load_freqs(const float* frow, int lane, float4& f0, float4& f1) {
+  if (Style == kStyleV4) {
+    if (lane >= 16) f0 = *reinterpret_cast<const float4*>(frow + 4 * (lane - 16));
+  } else if (lane < 16) {
+    f0 = *reinterpret_cast<const float4*>(frow + 8 * (lane & 7));
+    f1 = *reinterpret_cast<const float4*>(frow + 8 * (lane & 7) + 4);
+  }
+}
+
+// V4: trailing 64 dims, interleaved pairs (x[64+2j], x[65+2j]).
+__device__ __forceinline__ void rope_v4(float (&x)[4], const float4& f, int lane) {
+  if (lane >= 16) {
+    const float r0 = rot_re(x[0], x[1], f.x, f.y), i0 = rot_im(x[0], x[1], f.x, f.y);
+    const float r1 = rot_re(x[2], x[3], f.z, f.w), i1 = rot_im(x[2], x[3], f.z, f.w);
+    x[0] = r0; x[1] = i0; x[2] = r1; x[3] = i1;
+  }
+}
+
+// V3.2: leading 64 dims, NeoX pairs (x[i], x[i+32]); lanes l and l+8 (l < 8) swap halves by shuffle.
+__device__ __forceinline__ void rope_v32(float (&x)[4], const float4& f0, const float4& f1, int lane) {
+  float o[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) o[i] = __shfl_xor_sync(0xffffffffu, x[i], 8);
+  if (lane < 16) {
+    const float c[4] = {f0.x, f0.z, f1.x, f1.z}, s[4] = {f0.y, f0.w, f1.y, f1.w};
+    if (lane < 8) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) x[i] = rot_re(x[i], o[i], c[i], s[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) x[i] = rot_im(o[i], x[i], c[i], s[i]);
+    }
+  }
+}
+
+// ---- quantizers -----------------------------------------------------------------------------------
+// DeepSeek-V4 QAT: e2m1 value times a ue8m0 scale 2^ceil(log2(max(amax, 1e-4) / 6)) per 32 elements
+// (8 lanes); ties go to the even code. Every result is exact in bf16.
+__device__ __forceinline__ float e2m1_round(float q) {
+  const float a = fabsf(q);
+  float r;
+  if (a <= 0.25f) r = 0.f;
+  else if (a < 0.75f) r = 0.5f;
+  else if (a <= 1.25f) r = 1.f;
+  else if (a < 1.75f) r = 1.5f;
+  else if (a <= 2.5f) r = 2.f;
+  else if (a < 3.5f) r = 3.f;
+  else if (a <= 5.f) r = 4.f;
+  else r = 6.f;
+  return copysignf(r, q);
+}
+
+__device__ __forceinline__ void fp4_simulate(float (&x)[4]) {
+  float amax = fmaxf(fmaxf(fabsf(x[0]), fabsf(x[1])), fmaxf(fabsf(x[2]), fabsf(x[3])));
+  amax = group_max<8>(amax);
+  const float t = fmaxf(amax, 1e-4f) / 6.f;
+  const u32 bits = __float_as_uint(t);
+  const int e = static_cast<int>((bits >> 23) & 0xFFu) - 127 + ((bits & 0x7FFFFFu) != 0u);  // ceil(log2 t)
+  const float scale = __uint_as_float(static_cast<u32>(e + 127) << 23);
+  const float inv = __uint_as_float(static_cast<u32>(127 - e) << 23);  // exact 1/scale
+#pragma unroll
+  for (int i = 0; i < 4; ++i) x[i] = __fmul_rn(e2m1_round(__fmul_rn(x[i], inv)), scale);
+}
+
+// ---- store ----------------------------------------------------------------------------------------
+// Per-token work item: position and destination slot, or skip (position < 0 => skip).
+struct WorkItem {
+  i64 position;
+  i64 out_loc;
+};
+
+template <int Source, typename TIdx>
+__device__ __forceinline__ WorkItem work_item(const void* items, const void* out_loc, i64 t, int ratio) {
+  WorkItem wi;
+  if (Source == kSrcDirect) {
+    wi.position = static_cast<i64>(static_cast<const TIdx*>(items)[t]);
+    wi.out_loc = static_cast<const i64*>(out_loc)[t];
+  } else {
+    const uint4 row = reinterpret_cast<const uint4*>(items)[t];  // 16-byte plan row (broadcast to the warp)
+    const u32 seq_len = row.x;
+    wi.position = static_cast<i64>(seq_len) - ratio;
+    i64 idx;
+    bool skip;
+    if (Source == kSrcDecodePlan) {
+      skip = (seq_len % static_cast<u32>(ratio)) != 0u;
+      idx = t;
+    } else {
+      skip = seq_len == kPlanInvalid;
+      idx = static_cast<i64>(row.y & 0xFFFFu);  // ragged_id
+    }
+    if (skip) {
+      wi.position = -1;
+      wi.out_loc = -1;
+    } else {
+      wi.out_loc = static_cast<i64>(static_cast<const TIdx*>(out_loc)[idx]);
+    }
+  }
+  return wi;
+}
+
+// kv: [n, 128] TIn; cache: uint8 page rows; items: positions [n] (TIdx) or plan rows [n, 16];
+// out_loc: [n] int64 (direct) or [>= rows] TIdx (plans); norm_b only for V3.2; freqs: [max_pos, 64] fp32.
+template <int Layout, int Numerics, int Style, bool Hadamard, typename TIn, int Source, typename TIdx>
+__global__ void __launch_bounds__(256) store_index_k(
+    const TIn* __restrict__ kv, unsigned char* __restrict__ cache, const void* __restrict__ items,
+    const void* __restrict__ out_loc, const float* __restrict__ norm_w, const float* __restrict__ norm_b,
+    const float* __restrict__ freqs, i64 n, i64 num_pages, i64 max_pos, float eps, int ratio) {
+  static_assert(!(Layout == kLayoutFp8 && Numerics == kNumFp4Sim), "fp4sim needs the bf16 layout");
+  const int lane = threadIdx.x & 31;
+  const i64 t = static_cast<i64>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (t >= n) return;
+
+  // The kv row is always in bounds: issue its load before the (dependent) work-item loads so the two
+  // memory latencies overlap; a skipped row only wastes its own 512 B.
+  float x[4];
+  load4(kv, t, lane, x);
+  const WorkItem wi = work_item<Source, TIdx>(items, out_loc, t, ratio);
+  if (wi.position < 0 || wi.position >= max_pos) return;
+  constexpr int kPageBytes = Layout == kLayoutBf16 ? kBf16PageBytes : kFp8PageBytes;
+  constexpr int kSlotBytes = Layout == kLayoutBf16 ? 2 * kHeadDim : kHeadDim;
+  const i64 off = slot_byte_offset<kPageBytes, kSlotBytes>(wi.out_loc, num_pages);
+  if (off < 0) return;  // warp-uniform: no shuffle below runs with a partial warp
+
+  float4 f0 = make_float4(0.f, 0.f, 0.f, 0.f), f1 = f0;
+  load_freqs<Style>(freqs + wi.position * 64, lane, f0, f1);
+  if (Style == kStyleV4) {
+    rms_norm(x, norm_w, eps, lane);
+    rope_v4(x, f0, lane);
+  } else {
+    layer_norm(x, norm_w, norm_b, eps, lane);
+    rope_v32(x, f0, f1, lane);
+  }
+  if (Hadamard) {
+    hadamard128(x, lane);
+    const float hs = rsqrtf(128.f);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[i] = __fmul_rn(x[i], hs);
+  }
+
+  if (Layout == kLayoutBf16) {
+    if (Numerics == kNumFp4Sim) fp4_simulate(x);
+    const uint2 v = make_uint2(pack_bf16x2(x[0], x[1]), pack_bf16x2(x[2], x[3]));
+    reinterpret_cast<uint2*>(cache + off)[lane] = v;
+  } else {
+    float amax = fmaxf(fmaxf(fabsf(x[0]), fabsf(x[1])), fmaxf(fabsf(x[2]), fabsf(x[3])));
+    amax = warp_max(amax);
+    const float scale = fmaxf(amax, 1e-4f) / 448.f;
+    const float inv = 1.f / scale;
+    const u32 v = static_cast<u32>(pack_e4m3x2(__fmul_rn(x[0], inv), __fmul_rn(x[1], inv))) |
+                  (static_cast<u32>(pack_e4m3x2(__fmul_rn(x[2], inv), __fmul_rn(x[3], inv))) << 16);
+    reinterpret_cast<u32*>(cache + off)[lane] = v;
+    if (lane == 0) {
+      const i64 page = wi.out_loc >> kPageBits;
+      const i64 slot = wi.out_loc & (kPageSlots - 1);
+      *reinterpret_cast<float*>(cache + page * kFp8PageBytes + kFp8ScaleOffset + slot * 4) = scale;
+    }
+  }
+}
+
+}  // namespace dsa
+
+using dsa::store_index_k;
