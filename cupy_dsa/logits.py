@@ -1,0 +1,467 @@
+"""Indexer logits: ``logits[r, n] = sum_{h<64} relu(q[r,h,:] . k[n,:]) * w[r,h]`` (fp32 accumulate).
+
+Two entry points, both dispatching CPU tensors to the torch reference (the CPU backend and the test oracle)
+and CUDA tensors to one templated kernel in ``kernels/mqa_logits.cu``:
+
+* :func:`paged_mqa_logits` -- decode / MTP verify: ``q [B, next_n, 64, 128]`` against each request's
+  paged keys (DeepGEMM ``fp8_paged_mqa_logits`` contract, either cache layout);
+* :func:`mqa_logits` -- prefill: ``q [T, 64, 128]`` against one request's keys (contiguous bf16 ``[S, 128]``
+  or the paged cache plus that request's block table), row ``i`` seeing keys ``[ks[i], ke[i])``.
+
+fp8 layout: ``logit = k_scale[n] * sum_h relu(q . k_fp8) * w`` (the scale applied after the head sum, as
+DeepGEMM does). Outputs are fp32 with a row stride that is a multiple of 4 elements (top-k needs it).
+
+The GPU path does no host sync and allocates only with torch: the launch grid depends on host integers
+only (batch, next_n, max_context_len, rows), so it can be captured in a CUDA graph after :func:`warm_up`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+
+from . import runtime
+from .layouts import (BF16_PAGE_BYTES, FP8_PAGE_BYTES, HEAD_DIM, N_HEADS, PAGE_SLOTS, bf16_view, fp8_views,
+                      layout_of)
+
+_SRC = "mqa_logits.cu"
+_FP8 = torch.float8_e4m3fn
+_Q_DTYPES = (_FP8, torch.bfloat16)
+_NEG_INF = float("-inf")
+
+# Kernel range modes (must match kernels/mqa_logits.cu).
+_MODE_CAUSAL_1D, _MODE_LENS_2D, _MODE_KS_KE = 0, 1, 2
+_MAX_CHUNK_PAGES = 64  # kernel constant kMaxChunkPages: a CTA covers at most 64 pages (4096 keys)
+
+# Host-side tuning knobs (read on every call, so a bench can flip them; defaults are the shipped choice).
+TUNING = {
+    "decode_prefetch": 1,        # register double-buffer of the next key tile (1) or rely on occupancy (0)
+    "decode_ctas_per_sm": 8,     # target CTAs per SM when choosing pages per CTA
+    "decode_max_pages_per_cta": 16,
+    "prefill_rows": 8,           # query rows per CTA (8 needs ~131 KiB shared memory; falls back to 4)
+    "prefill_warps": 8,
+    "prefill_prefetch": 0,
+    "prefill_chunk_keys": 4096,  # keys per CTA (multiple of 64, <= 4096)
+}
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --------------------------------------------------------------------------------------------------
+# Instantiations
+# --------------------------------------------------------------------------------------------------
+
+def _expr(key_fp8: int, q_fp8: int, rows: int, paged: int, warps: int, prefetch: int) -> str:
+    return f"mqa_logits_kernel<{key_fp8}, {q_fp8}, {rows}, {paged}, {warps}, {prefetch}>"
+
+
+def _declared_instantiations() -> list[str]:
+    ex = []
+    for kf in (0, 1):
+        for qf in (1, 0):
+            for rows in (1, 2, 3, 4):  # decode (next_n) and paged prefill with 4-row tiles
+                for pf in (1, 0):
+                    ex.append(_expr(kf, qf, rows, 1, 4, pf))
+            ex.append(_expr(kf, qf, 4, 1, 8, 0))   # paged prefill, 4-row tiles
+            ex.append(_expr(kf, qf, 8, 1, 8, 0))   # paged prefill, 8-row tiles
+    for qf in (1, 0):                               # contiguous bf16 keys (prefill)
+        for rows in (4, 8):
+            for pf in (0, 1):
+                ex.append(_expr(0, qf, rows, 0, 8, pf))
+    return ex
+
+
+_INSTANTIATIONS = _declared_instantiations()
+runtime.register_instantiations(_SRC, _INSTANTIATIONS)
+
+
+def _smem_bytes(rows: int) -> int:
+    # q fragments (rows x 64 heads x 128 x 16 bit) + weights + page entries
+    return rows * (N_HEADS * HEAD_DIM * 2 + N_HEADS * 4) + _MAX_CHUNK_PAGES * 4
+
+
+@functools.lru_cache(maxsize=None)
+def _device_info(index: int) -> tuple[int, int]:
+    props = torch.cuda.get_device_properties(index)
+    optin = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
+    return props.multi_processor_count, optin
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation (host metadata only)
+# --------------------------------------------------------------------------------------------------
+
+def _check_dtype(name, t, dtypes):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+
+
+def _check_device(name, t, device):
+    if t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (same device as q), got {t.device}")
+
+
+def _check_contiguous(name, t):
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+
+
+def _check_int(name, v, lo=0):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+    if v < lo:
+        raise ValueError(f"{name}: expected an int >= {lo}, got {v}")
+    return int(v)
+
+
+def _check_kv_cache(kv_cache, device):
+    if not isinstance(kv_cache, torch.Tensor):
+        raise TypeError(f"kv_cache: expected a torch.Tensor, got {type(kv_cache).__name__}")
+    layout = layout_of(kv_cache)  # ValueError naming kv_cache
+    _check_device("kv_cache", kv_cache, device)
+    _check_contiguous("kv_cache", kv_cache)
+    return layout
+
+
+def _alloc_out(out, rows, width, device):
+    """fp32 [rows, width] whose row stride is a multiple of 4 elements (a view of [rows, ceil4(width)])."""
+    if out is None:
+        return torch.empty(rows, _ceil_div(width, 4) * 4, dtype=torch.float32, device=device)[:, :width]
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
+    if out.dtype != torch.float32:
+        raise TypeError(f"out: expected dtype torch.float32, got {out.dtype}")
+    if tuple(out.shape) != (rows, width):
+        raise ValueError(f"out: expected shape {(rows, width)}, got {tuple(out.shape)}")
+    if out.device != device:
+        raise ValueError(f"out: expected a tensor on {device}, got {out.device}")
+    if rows > 0 and width > 0 and (out.stride(1) != 1 or out.stride(0) % 4 != 0 or out.stride(0) < width):
+        raise ValueError(f"out: expected stride(1) == 1 and a row stride that is a multiple of 4 and >= {width}, "
+                         f"got strides {out.stride()}")
+    return out
+
+
+def _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len):
+    _check_dtype("q", q, _Q_DTYPES)
+    if q.dim() != 4 or q.shape[2] != N_HEADS or q.shape[3] != HEAD_DIM or not 1 <= q.shape[1] <= 4:
+        raise ValueError(f"q: expected shape [B, next_n, {N_HEADS}, {HEAD_DIM}] with next_n in 1..4, "
+                         f"got {tuple(q.shape)}")
+    _check_contiguous("q", q)
+    device = q.device
+    B, next_n = q.shape[0], q.shape[1]
+    layout = _check_kv_cache(kv_cache, device)
+    _check_dtype("weights", weights, (torch.float32,))
+    if tuple(weights.shape) != (B * next_n, N_HEADS):
+        raise ValueError(f"weights: expected shape {(B * next_n, N_HEADS)}, got {tuple(weights.shape)}")
+    _check_device("weights", weights, device)
+    _check_contiguous("weights", weights)
+    _check_dtype("context_lens", context_lens, (torch.int32,))
+    if tuple(context_lens.shape) not in ((B,), (B, next_n)):
+        raise ValueError(f"context_lens: expected shape ({B},) or ({B}, {next_n}), got {tuple(context_lens.shape)}")
+    _check_device("context_lens", context_lens, device)
+    _check_contiguous("context_lens", context_lens)
+    _check_dtype("block_table", block_table, (torch.int32,))
+    if block_table.dim() != 2 or block_table.shape[0] != B:
+        raise ValueError(f"block_table: expected shape [{B}, max_pages], got {tuple(block_table.shape)}")
+    if block_table.shape[1] > 0 and block_table.stride(1) != 1:
+        raise ValueError(f"block_table: expected stride(1) == 1, got strides {block_table.stride()}")
+    _check_device("block_table", block_table, device)
+    max_context_len = _check_int("max_context_len", max_context_len)
+    return layout, B, next_n, max_context_len
+
+
+def _check_prefill(q, kv, weights, ks, ke, block_table, max_seqlen_k, rows):
+    _check_dtype("q", q, _Q_DTYPES)
+    if q.dim() != 3 or q.shape[1] != N_HEADS or q.shape[2] != HEAD_DIM:
+        raise ValueError(f"q: expected shape [T, {N_HEADS}, {HEAD_DIM}], got {tuple(q.shape)}")
+    _check_contiguous("q", q)
+    device = q.device
+    T = q.shape[0]
+    if not isinstance(kv, torch.Tensor):
+        raise TypeError(f"kv: expected a torch.Tensor, got {type(kv).__name__}")
+    if block_table is None:
+        if kv.dtype != torch.bfloat16:
+            raise TypeError(f"kv: expected contiguous bfloat16 keys [S, {HEAD_DIM}] (or a paged cache with "
+                            f"block_table=), got dtype {kv.dtype}")
+        if kv.dim() != 2 or kv.shape[1] != HEAD_DIM:
+            raise ValueError(f"kv: expected shape [S, {HEAD_DIM}], got {tuple(kv.shape)}")
+        _check_device("kv", kv, device)
+        _check_contiguous("kv", kv)
+        layout, num_keys, bt = "contiguous", kv.shape[0], None
+    else:
+        try:
+            layout = layout_of(kv)
+        except ValueError as e:
+            raise ValueError(str(e).replace("kv_cache:", "kv (paged cache):")) from None
+        _check_device("kv", kv, device)
+        _check_contiguous("kv", kv)
+        _check_dtype("block_table", block_table, (torch.int32,))
+        if block_table.dim() == 2 and block_table.shape[0] == 1:
+            bt = block_table[0]
+        elif block_table.dim() == 1:
+            bt = block_table
+        else:
+            raise ValueError(f"block_table: expected shape [num_pages] or [1, num_pages] (one request), "
+                             f"got {tuple(block_table.shape)}")
+        if bt.shape[0] > 0 and bt.stride(0) != 1:
+            raise ValueError(f"block_table: expected unit stride along pages, got strides {block_table.stride()}")
+        _check_device("block_table", block_table, device)
+        num_keys = bt.shape[0] * PAGE_SLOTS
+    _check_dtype("weights", weights, (torch.float32,))
+    if tuple(weights.shape) != (T, N_HEADS):
+        raise ValueError(f"weights: expected shape {(T, N_HEADS)}, got {tuple(weights.shape)}")
+    _check_device("weights", weights, device)
+    _check_contiguous("weights", weights)
+    for name, t in (("ks", ks), ("ke", ke)):
+        _check_dtype(name, t, (torch.int32,))
+        if tuple(t.shape) != (T,):
+            raise ValueError(f"{name}: expected shape ({T},), got {tuple(t.shape)}")
+        _check_device(name, t, device)
+        _check_contiguous(name, t)
+    max_seqlen_k = _check_int("max_seqlen_k", max_seqlen_k)
+    if rows is None:
+        start, end = 0, T
+    else:
+        try:
+            start, end = (int(v) for v in rows)
+        except (TypeError, ValueError):
+            raise TypeError(f"rows: expected a (start, end) pair of ints, got {rows!r}") from None
+        if not 0 <= start <= end <= T:
+            raise ValueError(f"rows: expected 0 <= start <= end <= {T}, got {rows!r}")
+    width = max_seqlen_k if max_seqlen_k > 0 else num_keys
+    return layout, bt, num_keys, width, start, end
+
+
+# --------------------------------------------------------------------------------------------------
+# References (torch, any device, fp32 math, bounded memory)
+# --------------------------------------------------------------------------------------------------
+
+_REF_KEY_CHUNK = 4096
+_REF_ROW_CHUNK = 64
+
+
+def _key_source(layout, kv):
+    """(values [P,64,128] as fp32-convertible, scales [P,64] fp32 or None) for a paged cache."""
+    if layout == "bf16":
+        return bf16_view(kv), None
+    values, scales = fp8_views(kv)
+    return values.view(_FP8), scales
+
+
+def _gather_pages(values, scales, entries, num_pages):
+    """Keys of the given block-table entries as fp32 [n*64, 128] (zeros for invalid entries), their fp32
+    scales [n*64] (ones for the bf16 layout) and a validity mask [n*64]."""
+    entries = entries.long()
+    valid = (entries >= 0) & (entries < num_pages)
+    idx = torch.where(valid, entries, torch.zeros_like(entries))
+    k = values[idx].float() * valid[:, None, None]
+    k = k.reshape(-1, HEAD_DIM)
+    s = (scales[idx].reshape(-1) if scales is not None
+         else torch.ones(k.shape[0], dtype=torch.float32, device=k.device))
+    return k, s, valid.repeat_interleave(PAGE_SLOTS)
+
+
+def _head_sum(qf, wf, k, s):
+    """qf [R,64,128] fp32, wf [R,64], k [N,128] fp32, s [N] -> [R, N] fp32."""
+    scores = torch.einsum("rhd,nd->rhn", qf, k)
+    return torch.einsum("rhn,rh->rn", scores.clamp_min_(0), wf) * s
+
+
+def paged_mqa_logits_reference(q, kv_cache, weights, context_lens, block_table, max_context_len, *,
+                               clean_logits=False, out=None):
+    """Torch reference of :func:`paged_mqa_logits` (any device; writes -inf to every masked column)."""
+    layout, B, next_n, width = _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len)
+    out = _alloc_out(out, B * next_n, width, q.device)
+    out.fill_(_NEG_INF)
+    if width == 0 or B == 0:
+        return out
+    values, scales = _key_source(layout, kv_cache)
+    num_pages = kv_cache.shape[0]
+    lens = context_lens.long()
+    if lens.dim() == 1:
+        lens = lens[:, None] - (next_n - 1 - torch.arange(next_n, device=lens.device))[None, :]
+    lens = lens.clamp(0, width).cpu()
+    bt_width = block_table.shape[1]
+    qf_all = q.float().view(B, next_n, N_HEADS, HEAD_DIM)
+    wf_all = weights.view(B, next_n, N_HEADS)
+    for b in range(B):
+        L = int(lens[b].max())
+        n_pages = min(_ceil_div(L, PAGE_SLOTS), bt_width)
+        if n_pages == 0:
+            continue
+        pos_lim = lens[b].to(q.device)
+        for p0 in range(0, n_pages, _REF_KEY_CHUNK // PAGE_SLOTS):
+            p1 = min(n_pages, p0 + _REF_KEY_CHUNK // PAGE_SLOTS)
+            k, s, valid = _gather_pages(values, scales, block_table[b, p0:p1], num_pages)
+            vals = _head_sum(qf_all[b], wf_all[b], k, s)                     # [next_n, n]
+            pos = torch.arange(p0 * PAGE_SLOTS, p1 * PAGE_SLOTS, device=q.device)
+            vis = (pos[None, :] < pos_lim[:, None]) & valid[None, :]
+            c1 = min(p1 * PAGE_SLOTS, width)
+            n = c1 - p0 * PAGE_SLOTS
+            out[b * next_n:(b + 1) * next_n, p0 * PAGE_SLOTS:c1] = torch.where(
+                vis[:, :n], vals[:, :n], torch.full_like(vals[:, :n], _NEG_INF))
+    return out
+
+
+def mqa_logits_reference(q, kv, weights, ks, ke, *, block_table=None, max_seqlen_k=0, clean_logits=True,
+                         rows=None, out=None):
+    """Torch reference of :func:`mqa_logits` (any device; writes -inf to every masked column)."""
+    layout, bt, num_keys, width, start, end = _check_prefill(q, kv, weights, ks, ke, block_table,
+                                                            max_seqlen_k, rows)
+    out = _alloc_out(out, end - start, width, q.device)
+    out.fill_(_NEG_INF)
+    if width == 0 or end == start:
+        return out
+    compressed = max_seqlen_k > 0
+    ks_l = ks.long().cpu()
+    ke_l = ke.long().cpu()
+    if layout != "contiguous":
+        values, scales = _key_source(layout, kv)
+    for r0 in range(start, end, _REF_ROW_CHUNK):
+        r1 = min(end, r0 + _REF_ROW_CHUNK)
+        lo = ks_l[r0:r1].clamp(0, num_keys)
+        hi = torch.minimum(ke_l[r0:r1], torch.tensor(num_keys)).clamp_min(0)
+        nonempty = hi > lo
+        if not bool(nonempty.any()):
+            continue
+        k_lo = int(lo[nonempty].min())
+        k_hi = int(hi[nonempty].max())
+        qf = q[r0:r1].float()
+        wf = weights[r0:r1]
+        lo_d, hi_d = lo.to(q.device), hi.to(q.device)
+        for c0 in range(k_lo - k_lo % PAGE_SLOTS, k_hi, _REF_KEY_CHUNK):
+            c1 = min(k_hi, c0 + _REF_KEY_CHUNK)
+            if layout == "contiguous":
+                k = kv[c0:c1].float()
+                s = torch.ones(c1 - c0, dtype=torch.float32, device=q.device)
+                valid = torch.ones(c1 - c0, dtype=torch.bool, device=q.device)
+            else:
+                p0, p1 = c0 // PAGE_SLOTS, _ceil_div(c1, PAGE_SLOTS)
+                k, s, valid = _gather_pages(values, scales, bt[p0:p1], kv.shape[0])
+                k, s, valid = k[: c1 - c0], s[: c1 - c0], valid[: c1 - c0]
+            vals = _head_sum(qf, wf, k, s)                                       # [rows, c1-c0]
+            pos = torch.arange(c0, c1, device=q.device)
+            vis = (pos[None, :] >= lo_d[:, None]) & (pos[None, :] < hi_d[:, None]) & valid[None, :]
+            vals = torch.where(vis, vals, torch.full_like(vals, _NEG_INF))
+            if not compressed:
+                out[r0 - start:r1 - start, c0:c1] = vals
+                continue
+            for i in range(r1 - r0):                  # column c of row i holds key ks[i] + c
+                if not bool(nonempty[i]):
+                    continue
+                off = int(ks_l[r0 + i])
+                a, b_ = max(c0, int(lo[i])), min(c1, int(hi[i]), off + width)
+                if b_ > a:
+                    out[r0 - start + i, a - off:b_ - off] = vals[i, a - c0:b_ - c0]
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Public ops
+# --------------------------------------------------------------------------------------------------
+
+_I32 = np.int32
+_I64 = np.int64
+
+
+def _launch(expr, device, grid, warps, rows, args):
+    runtime.launch(_SRC, expr, device, grid, (warps * 32, 1, 1), args, shared_mem=_smem_bytes(rows))
+
+
+def paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len, *,
+                     clean_logits=False, out=None):
+    """Decode / MTP logits against paged keys (DeepGEMM ``fp8_paged_mqa_logits`` semantics).
+
+    q: fp8 e4m3 or bf16 ``[B, next_n, 64, 128]``, next_n 1..4. kv_cache: bf16 layout (uint8 ``[P, 16384]`` or
+    bf16 ``[P, 64, 128]``) or fp8 layout (uint8 ``[P, 8448]`` or ``[P, 64, 1, 132]``). weights: fp32
+    ``[B*next_n, 64]``. context_lens: int32 ``[B]`` (row ``i`` of request ``b`` sees
+    ``ctx[b] - (next_n-1-i)`` keys) or ``[B, next_n]`` (per-row lengths). block_table: int32 ``[B, max_pages]``;
+    entries outside ``[0, P)`` are never read and their keys are masked.
+
+    Returns fp32 ``[B*next_n, max_context_len]`` (row stride a multiple of 4). Columns ``< len`` are valid;
+    with ``clean_logits`` every other column is -inf, otherwise they are unspecified.
+    """
+    if not q.is_cuda:
+        return paged_mqa_logits_reference(q, kv_cache, weights, context_lens, block_table, max_context_len,
+                                          clean_logits=clean_logits, out=out)
+    layout, B, next_n, width = _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len)
+    out = _alloc_out(out, B * next_n, width, q.device)
+    if B == 0 or width == 0:
+        return out
+    n_sms, _ = _device_info(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    total_pages = _ceil_div(width, PAGE_SLOTS)
+    target = max(1, n_sms * TUNING["decode_ctas_per_sm"])
+    ppc = max(1, min(TUNING["decode_max_pages_per_cta"], _MAX_CHUNK_PAGES, (B * total_pages) // target))
+    chunk = ppc * PAGE_SLOTS
+    grid = (_ceil_div(width, chunk), B, 1)
+    prefetch = 1 if TUNING["decode_prefetch"] else 0
+    expr = _expr(int(layout == "fp8"), int(q.dtype == _FP8), next_n, 1, 4, prefetch)
+    mode = _MODE_LENS_2D if context_lens.dim() == 2 else _MODE_CAUSAL_1D
+    bt_width = block_table.shape[1]
+    args = (q.data_ptr(), weights.data_ptr(), kv_cache.data_ptr(), _I64(kv_cache.shape[0]),
+            block_table.data_ptr(), _I64(block_table.stride(0) if bt_width > 0 else 0), _I32(bt_width),
+            context_lens.data_ptr(), context_lens.data_ptr(), _I32(mode), _I32(0), _I32(B * next_n),
+            _I32(width), _I32(chunk), out.data_ptr(), _I64(out.stride(0)), _I32(width), _I32(0),
+            _I32(1 if clean_logits else 0))
+    _launch(expr, q.device, grid, 4, next_n, args)
+    return out
+
+
+def mqa_logits(q, kv, weights, ks, ke, *, block_table=None, max_seqlen_k=0, clean_logits=True, rows=None,
+               out=None):
+    """Prefill logits of one request: row ``i`` sees key columns ``j in [ks[i], ke[i])``.
+
+    q: fp8 e4m3 or bf16 ``[T, 64, 128]``. kv: contiguous bf16 keys ``[S, 128]``, or a paged cache (either
+    layout) with ``block_table`` int32 ``[num_pages]`` / ``[1, num_pages]`` of this request (S = num_pages*64).
+    weights: fp32 ``[T, 64]``; ks, ke: int32 ``[T]``.
+
+    Returns fp32 ``[end-start, S]``, or ``[end-start, max_seqlen_k]`` when ``max_seqlen_k > 0`` (compressed:
+    column ``c`` of row ``i`` holds key ``ks[i] + c``). ``rows=(start, end)`` computes query rows
+    ``start..end-1`` only. ``clean_logits``: columns outside ``[ks, ke)`` are -inf (else unspecified).
+    """
+    if not q.is_cuda:
+        return mqa_logits_reference(q, kv, weights, ks, ke, block_table=block_table, max_seqlen_k=max_seqlen_k,
+                                    clean_logits=clean_logits, rows=rows, out=out)
+    layout, bt, num_keys, width, start, end = _check_prefill(q, kv, weights, ks, ke, block_table,
+                                                            max_seqlen_k, rows)
+    out = _alloc_out(out, end - start, width, q.device)
+    n_rows = end - start
+    if n_rows == 0 or width == 0:
+        return out
+    compressed = max_seqlen_k > 0
+    if compressed and clean_logits:
+        out.fill_(_NEG_INF)  # the kernel writes only columns whose key it processes
+    if num_keys == 0:
+        if clean_logits:
+            out.fill_(_NEG_INF)
+        return out
+    _, optin = _device_info(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    tile_rows = TUNING["prefill_rows"]
+    if _smem_bytes(tile_rows) > optin:
+        tile_rows = 4
+    if n_rows <= 4:
+        tile_rows = 4
+    warps = TUNING["prefill_warps"]
+    paged = layout != "contiguous"
+    prefetch = 1 if (TUNING["prefill_prefetch"] and not paged) else 0
+    chunk = max(PAGE_SLOTS, min(_MAX_CHUNK_PAGES * PAGE_SLOTS,
+                                TUNING["prefill_chunk_keys"] // PAGE_SLOTS * PAGE_SLOTS))
+    grid = (_ceil_div(num_keys, chunk), _ceil_div(n_rows, tile_rows), 1)
+    expr = _expr(int(layout == "fp8"), int(q.dtype == _FP8), tile_rows, int(paged), warps, prefetch)
+    if paged:
+        kv_ptr, n_pages, bt_ptr, bt_width = kv.data_ptr(), kv.shape[0], bt.data_ptr(), bt.shape[0]
+    else:
+        kv_ptr, n_pages, bt_ptr, bt_width = kv.data_ptr(), 0, 0, 0
+    args = (q.data_ptr(), weights.data_ptr(), kv_ptr, _I64(n_pages), bt_ptr, _I64(0), _I32(bt_width),
+            ks.data_ptr(), ke.data_ptr(), _I32(_MODE_KS_KE), _I32(start), _I32(end), _I32(num_keys),
+            _I32(chunk), out.data_ptr(), _I64(out.stride(0)), _I32(width), _I32(1 if compressed else 0),
+            _I32(1 if (clean_logits and not compressed) else 0))
+    _launch(expr, q.device, grid, warps, tile_rows, args)
+    return out
