@@ -301,7 +301,7 @@ def _fp4sim(k: torch.Tensor) -> torch.Tensor:
     bits = t.view(torch.int32)
     e = ((bits >> 23) & 0xFF) - 127
     e = e + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    scale = torch.ldexp(torch.ones_like(t), e)
+    scale = ((e + 127) << 23).view(torch.float32)  # exact 2^e
     q = kb / scale
     a = q.abs()
     r = torch.where(a <= 0.25, 0.0, torch.where(a < 0.75, 0.5, torch.where(a <= 1.25, 1.0, torch.where(

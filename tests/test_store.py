@@ -1,0 +1,621 @@
+"""store_index_k: torch reference vs an independent float64 formulation (CPU), cache addressing and skip
+rules, plan entries, bad input; on a GPU the kernel vs the reference, bit for bit.
+
+Bit-exactness bound: the reference follows the kernel's operation order, so with the GPU's own rsqrtf
+swapped into the reference (fixture ``device_rsqrt``) kernel and reference must agree on every byte. With
+torch.rsqrt instead (<= 2 ulp apart from rsqrtf) at most 1 in 1000 bf16 elements may differ, each by one
+bf16 ulp (fp8: one e4m3 code; scales within 4e-7 relative).
+"""
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from cupy_dsa import layouts, runtime, store
+from cupy_dsa.layouts import BF16_PAGE_BYTES, FP8_PAGE_BYTES, FP8_SCALE_OFFSET, PAGE_SLOTS
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+STYLES = ("v4", "v32")
+QUANT = (("bf16", "exact"), ("bf16", "fp4sim"), ("fp8", "exact"))
+
+
+# --------------------------------------------------------------------------------------------------
+# inputs and the independent float64 formulation
+# --------------------------------------------------------------------------------------------------
+
+def make_inputs(n, *, style="v4", max_pos=300, in_dtype=torch.float32, device="cpu", pos_dtype=torch.int64):
+    kv = (torch.randn(n, 128) * (torch.rand(n, 1) * 4 + 0.5) + torch.randn(n, 1) * 0.3).to(in_dtype)
+    w = torch.rand(128) + 0.5
+    b = torch.randn(128) * 0.2 if style == "v32" else None
+    ang = (torch.rand(max_pos, 32, dtype=torch.float64) * 2 - 1) * math.pi
+    freqs = torch.stack((ang.cos(), ang.sin()), dim=-1).reshape(max_pos, 64).float()
+    pos = torch.randint(0, max_pos, (n,)).to(pos_dtype)
+    out = dict(kv=kv, positions=pos, norm_weight=w, norm_bias=b, freqs_cis=freqs)
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
+
+
+def _hadamard_matrix():
+    i = np.arange(128)
+    pc = np.vectorize(lambda v: bin(int(v)).count("1"))(i[:, None] & i[None, :])
+    return torch.from_numpy(np.where(pc % 2 == 0, 1.0, -1.0) / math.sqrt(128.0))
+
+
+H128 = _hadamard_matrix()
+
+
+def ideal_key(kv, positions, norm_weight, freqs_cis, norm_bias=None, eps=1e-6, key_style="v4", hadamard=True):
+    """float64: norm, complex-multiplication RoPE, explicit Hadamard matrix."""
+    x = kv.double().cpu()
+    w = norm_weight.double().cpu()
+    if key_style == "v4":
+        x = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+    else:
+        d = x - x.mean(-1, keepdim=True)
+        x = d / torch.sqrt((d * d).mean(-1, keepdim=True) + eps) * w + norm_bias.double().cpu()
+    f = freqs_cis.double().cpu()[positions.long().cpu()]
+    rot = torch.complex(f[:, 0::2], f[:, 1::2])
+    x = x.clone()
+    if key_style == "v4":
+        z = torch.complex(x[:, 64::2], x[:, 65::2]) * rot
+        x[:, 64::2], x[:, 65::2] = z.real, z.imag
+    else:
+        z = torch.complex(x[:, :32], x[:, 32:64]) * rot
+        x[:, :32], x[:, 32:64] = z.real, z.imag
+    if hadamard:
+        x = x @ H128.T
+    return x
+
+
+def fp4_ideal(x):
+    """float64 e2m1 rounding (nearest value, ties to the even code) with scale 2^ceil(log2(max(amax,1e-4)/6))."""
+    xb = x.reshape(-1, 4, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    scale = torch.exp2(torch.ceil(torch.log2(torch.clamp_min(amax, 1e-4) / 6.0)))
+    q = xb / scale
+    dist = (q.abs()[..., None] - E2M1).abs()
+    best = dist.min(-1, keepdim=True).values
+    # among equally near codes take the even one (codes 0..7 in E2M1 order)
+    cand = (dist == best) & (torch.arange(8) % 2 == 0)
+    code = torch.where(cand.any(-1), cand.float().argmax(-1), dist.argmin(-1))
+    return (torch.copysign(E2M1[code], q) * scale).reshape(x.shape), scale
+
+
+def row_rms(x):
+    return x.double().pow(2).mean(-1, keepdim=True).sqrt()
+
+
+def unique_locs(n, num_pages, device="cpu"):
+    return torch.randperm(num_pages * PAGE_SLOTS)[:n].to(device)
+
+
+def poisoned(num_pages, layout, device="cpu"):
+    return torch.randint(0, 256, (num_pages, layouts.page_bytes(layout)), dtype=torch.uint8, device=device)
+
+
+def slot_bytes(cache, loc, layout):
+    """Flat byte indices of the slots ``loc`` (values then scale for fp8), computed from the layout spec."""
+    loc = loc.long().cpu()
+    page, slot = loc // 64, loc % 64
+    if layout == "bf16":
+        base = page * BF16_PAGE_BYTES + slot * 256
+        return (base[:, None] + torch.arange(256)).flatten()
+    vals = page[:, None] * FP8_PAGE_BYTES + slot[:, None] * 128 + torch.arange(128)
+    sc = page[:, None] * FP8_PAGE_BYTES + FP8_SCALE_OFFSET + slot[:, None] * 4 + torch.arange(4)
+    return torch.cat((vals, sc), 1).flatten()
+
+
+def read_slots(cache, loc, layout):
+    """(values float32 [n, 128], scales float32 [n] or None) of the slots ``loc``."""
+    flat = cache.reshape(-1).cpu()
+    idx = slot_bytes(cache, loc, layout).view(len(loc), -1)
+    raw = flat[idx]
+    if layout == "bf16":
+        return raw.contiguous().view(torch.bfloat16).float(), None
+    vals = raw[:, :128].contiguous().view(torch.float8_e4m3fn).float()
+    sc = raw[:, 128:].contiguous().view(torch.float32).flatten()
+    return vals * sc[:, None], sc
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU: reference numerics
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key_style", STYLES)
+@pytest.mark.parametrize("hadamard", [True, False])
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+def test_reference_exact_vs_float64(seed, key_style, hadamard, in_dtype):
+    n = 384
+    inp = make_inputs(n, style=key_style, in_dtype=in_dtype)
+    args = dict(norm_weight=inp["norm_weight"], freqs_cis=inp["freqs_cis"], norm_bias=inp["norm_bias"],
+                key_style=key_style, hadamard=hadamard)
+    ref = store.rotate_index_k_reference(inp["kv"], inp["positions"], **args)
+    ideal = ideal_key(inp["kv"], inp["positions"], **args)
+    assert ref.dtype == torch.float32 and ref.shape == (n, 128)
+    err = (ref.double() - ideal).abs() / row_rms(ideal)
+    assert err.max() < 4e-6, f"seed {seed}: fp32 reference vs float64, max error {err.max():.3g} x row rms"
+
+    cache = layouts.empty_cache(8, "bf16")
+    loc = unique_locs(n, 8)
+    store.store_index_k(inp["kv"], cache, positions=inp["positions"], out_loc=loc, **args)
+    got, _ = read_slots(cache, loc, "bf16")
+    bound = ideal.abs() * 2.0**-8 + 2e-6 * row_rms(ideal)
+    bad = ((got.double() - ideal).abs() > bound).sum().item()
+    assert bad == 0, f"seed {seed}: {bad} stored bf16 values further than half a bf16 ulp from float64"
+    # and exactly the RNE of the reference
+    assert torch.equal(got, ref.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("key_style", STYLES)
+@pytest.mark.parametrize("hadamard", [True, False])
+def test_reference_fp4sim(seed, key_style, hadamard):
+    n = 512
+    inp = make_inputs(n, style=key_style)
+    args = dict(norm_weight=inp["norm_weight"], freqs_cis=inp["freqs_cis"], norm_bias=inp["norm_bias"],
+                key_style=key_style, hadamard=hadamard)
+    k4 = store.rotate_index_k_reference(inp["kv"], inp["positions"], numerics="fp4sim", **args)
+    k32 = store.rotate_index_k_reference(inp["kv"], inp["positions"], **args)
+    # e2m1 value times the block's power-of-two scale (scale from the fp32 key's block amax, in float64)
+    amax = k32.double().reshape(n, 4, 32).abs().amax(-1, keepdim=True)
+    scale = torch.exp2(torch.ceil(torch.log2(torch.clamp_min(amax, 1e-4) / 6.0)))
+    q = (k4.double().reshape(n, 4, 32) / scale).abs()
+    on_grid = (q[..., None] == E2M1).any(-1)
+    assert on_grid.all(), f"seed {seed}: {(~on_grid).sum().item()} values are not e2m1 x 2^k"
+    # amax / scale lies in (3, 6], so every block's largest value is 3, 4 or 6 times its scale
+    assert (q.amax(-1) >= 3).all(), "a block's amax did not round to 3, 4 or 6"
+    # against an independent float64 rounding of the float64 key: only boundary cases may differ
+    ideal4, _ = fp4_ideal(ideal_key(inp["kv"], inp["positions"], **args))
+    diff = (k4.double() != ideal4).sum().item()
+    assert diff <= 1e-3 * k4.numel(), f"seed {seed}: {diff} of {k4.numel()} fp4 values differ from float64"
+    # stored bf16 holds the fp4 values exactly
+    cache = layouts.empty_cache(8, "bf16")
+    loc = unique_locs(n, 8)
+    store.store_index_k(inp["kv"], cache, positions=inp["positions"], out_loc=loc, numerics="fp4sim", **args)
+    got, _ = read_slots(cache, loc, "bf16")
+    assert torch.equal(got, k4), f"seed {seed}: stored bf16 differs from the fp4 values"
+
+
+def test_fp4_rounding_ties():
+    # one block with amax 6 -> scale 1; boundaries and ties to the even code
+    v = torch.tensor([0.25, 0.26, 0.75, 1.25, 1.26, 1.75, 2.5, 2.6, 3.5, 5.0, 5.01, -0.25, -0.75, -3.4, 6.0])
+    x = torch.zeros(1, 128)
+    x[0, :15] = v
+    want = torch.tensor([0.0, 0.5, 1.0, 1.0, 1.5, 2.0, 2.0, 3.0, 4.0, 4.0, 6.0, -0.0, -1.0, -3.0, 6.0])
+    got = store._fp4sim(x)[0, :15]
+    assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want)), got
+    # scale: amax 6.01 -> 2; amax 0 -> 2^ceil(log2(1e-4/6)) and all zero
+    x[0, 0] = 6.01
+    assert store._fp4sim(x)[0, 0] == 6.0
+    z = store._fp4sim(torch.zeros(1, 128))
+    assert torch.equal(z, torch.zeros(1, 128))
+
+
+@pytest.mark.parametrize("key_style", STYLES)
+def test_reference_fp8(seed, key_style):
+    n = 384
+    inp = make_inputs(n, style=key_style)
+    args = dict(norm_weight=inp["norm_weight"], freqs_cis=inp["freqs_cis"], norm_bias=inp["norm_bias"],
+                key_style=key_style)
+    cache = layouts.empty_cache(8, "fp8")
+    loc = unique_locs(n, 8)
+    store.store_index_k(inp["kv"], cache, positions=inp["positions"], out_loc=loc, **args)
+    deq, sc = read_slots(cache, loc, "fp8")
+    ideal = ideal_key(inp["kv"], inp["positions"], **args)
+    want_sc = torch.clamp_min(ideal.abs().amax(-1), 1e-4) / 448.0
+    sc_err = ((sc.double() - want_sc).abs() / want_sc).max().item()
+    assert sc_err < 2e-6, f"seed {seed}: fp8 scale vs float64 amax/448, max rel error {sc_err:.3g}"
+    bound = torch.maximum(ideal.abs() * 2.0**-4, sc.double()[:, None] * 2.0**-10) * (1 + 1e-5)
+    bad = ((deq.double() - ideal).abs() > bound).sum().item()
+    assert bad == 0, f"seed {seed}: {bad} fp8 values further than half an e4m3 ulp from float64"
+    # the amax element of every token quantizes to +-448
+    flat = cache.reshape(-1)
+    codes = flat[slot_bytes(cache, loc, "fp8").view(n, 132)[:, :128]]
+    assert ((codes & 0x7F) == 0x7E).any(-1).all(), "every token must hold a +-448 code"
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU: addressing, skips, plans
+# --------------------------------------------------------------------------------------------------
+
+def _expected_after(cache0, layout, kv, pos, loc, inp, numerics="exact", key_style="v4", valid=None):
+    """The poisoned cache with the valid rows written, addressed from the layout spec (not the store)."""
+    exp = cache0.clone().reshape(-1)
+    idx = valid.nonzero().flatten()
+    if idx.numel() == 0:
+        return exp.view(cache0.shape)
+    k = store.rotate_index_k_reference(kv[idx], pos[idx], inp["norm_weight"], inp["freqs_cis"], inp["norm_bias"],
+                                       key_style=key_style, numerics=numerics)
+    if layout == "bf16":
+        raw = k.to(torch.bfloat16).view(torch.uint8).reshape(len(idx), 256)
+    else:
+        codes, sc = store.fp8_quantize_reference(k)
+        raw = torch.cat((codes, sc.view(torch.uint8).view(-1, 4)), 1)
+    exp[slot_bytes(cache0, loc[idx], layout)] = raw.reshape(-1)
+    return exp.view(cache0.shape)
+
+
+@pytest.mark.parametrize("layout,numerics", QUANT)
+@pytest.mark.parametrize("key_style", STYLES)
+def test_store_writes_only_target_slots(seed, layout, numerics, key_style):
+    n, num_pages, max_pos = 200, 5, 300
+    inp = make_inputs(n, style=key_style, max_pos=max_pos)
+    loc = unique_locs(n, num_pages)
+    pos = inp["positions"].clone()
+    # skips: negative out_loc, page == num_pages, huge page, position -1 / max_pos
+    loc[0], loc[1], loc[2], loc[3] = -1, num_pages * 64, num_pages * 64 + 63, 1 << 40
+    loc[4] = -(1 << 40)
+    pos[5], pos[6], pos[7] = -1, max_pos, max_pos + 1000
+    valid = torch.ones(n, dtype=torch.bool)
+    valid[:8] = False
+    cache = poisoned(num_pages, layout)
+    cache0 = cache.clone()
+    store.store_index_k(inp["kv"], cache, positions=pos, out_loc=loc, norm_weight=inp["norm_weight"],
+                        freqs_cis=inp["freqs_cis"], norm_bias=inp["norm_bias"], numerics=numerics,
+                        key_style=key_style)
+    exp = _expected_after(cache0, layout, inp["kv"], pos, loc, inp, numerics, key_style, valid)
+    nbad = (cache != exp).sum().item()
+    assert nbad == 0, f"seed {seed}: {nbad} cache bytes differ from the expected write"
+
+
+def test_store_nothing_valid_and_empty():
+    inp = make_inputs(4)
+    cache = poisoned(2, "bf16")
+    c0 = cache.clone()
+    loc = torch.tensor([-1, 128, 1000, -7])
+    store.store_index_k(inp["kv"], cache, positions=inp["positions"], out_loc=loc,
+                        norm_weight=inp["norm_weight"], freqs_cis=inp["freqs_cis"])
+    assert torch.equal(cache, c0)
+    e = torch.empty(0, 128)
+    store.store_index_k(e, cache, positions=torch.empty(0, dtype=torch.int64),
+                        out_loc=torch.empty(0, dtype=torch.int64), norm_weight=inp["norm_weight"],
+                        freqs_cis=inp["freqs_cis"])
+    assert torch.equal(cache, c0)
+
+
+def _decode_plan(seq_lens):
+    rows = np.zeros((len(seq_lens), 16), dtype=np.uint8)
+    for i, s in enumerate(seq_lens):
+        rows[i] = np.frombuffer(np.array([s & 0xFFFFFFFF, 0xDEADBEEF, 7, 9], dtype="<u4").tobytes(), np.uint8)
+    return torch.from_numpy(rows)
+
+
+def _prefill_plan(seq_lens, ragged):
+    rows = np.zeros((len(seq_lens), 16), dtype=np.uint8)
+    for i, (s, r) in enumerate(zip(seq_lens, ragged)):
+        rows[i, :4] = np.frombuffer(np.uint32(s).tobytes(), np.uint8)
+        rows[i, 4:6] = np.frombuffer(np.uint16(r).tobytes(), np.uint8)
+        rows[i, 6:8] = np.frombuffer(np.uint16(0xBEEF).tobytes(), np.uint8)
+        rows[i, 8:16] = 0xAB
+    return torch.from_numpy(rows)
+
+
+@pytest.mark.parametrize("layout", ["bf16", "fp8"])
+@pytest.mark.parametrize("loc_dtype", [torch.int64, torch.int32])
+def test_decode_plan(seed, layout, loc_dtype):
+    n, num_pages, max_pos = 40, 3, 300
+    inp = make_inputs(n, max_pos=max_pos)
+    seq = [int(v) for v in torch.randint(1, max_pos, (n,))]
+    seq[0], seq[1], seq[2], seq[3] = 0, 4, 8, 5  # 0 -> position -4 (skip); 4 -> position 0
+    loc = unique_locs(n + 5, num_pages).to(loc_dtype)  # longer than the plan: only the first n are used
+    plan = _decode_plan(seq)
+    cache = poisoned(num_pages, layout)
+    cache0 = cache.clone()
+    store.store_index_k_from_plan(inp["kv"], plan, cache=cache, out_loc=loc, norm_weight=inp["norm_weight"],
+                                  freqs_cis=inp["freqs_cis"], is_decode=True, compress_ratio=4)
+    pos = torch.tensor([s - 4 for s in seq])
+    valid = torch.tensor([s % 4 == 0 and s >= 4 for s in seq])
+    exp = _expected_after(cache0, layout, inp["kv"], pos, loc[:n].long(), inp, valid=valid)
+    nbad = (cache != exp).sum().item()
+    assert valid.sum() > 3 and nbad == 0, f"seed {seed}: {nbad} bytes differ ({valid.sum()} valid rows)"
+
+
+@pytest.mark.parametrize("layout", ["bf16", "fp8"])
+@pytest.mark.parametrize("loc_dtype", [torch.int64, torch.int32])
+def test_prefill_plan(seed, layout, loc_dtype):
+    n, num_pages, max_pos = 40, 3, 300
+    inp = make_inputs(n, max_pos=max_pos)
+    seq = [int(v) for v in torch.randint(4, max_pos, (n,))]
+    for i in range(0, n, 5):
+        seq[i] = 0xFFFFFFFF
+    seq[1] = 2  # position -2: skipped although the plan row is valid
+    ragged = [int(v) for v in torch.randperm(n + 10)[:n]]
+    loc = unique_locs(n + 10, num_pages).to(loc_dtype)
+    plan = _prefill_plan(seq, ragged)
+    cache = poisoned(num_pages, layout)
+    cache0 = cache.clone()
+    store.store_index_k_from_plan(inp["kv"], plan, cache=cache, out_loc=loc, norm_weight=inp["norm_weight"],
+                                  freqs_cis=inp["freqs_cis"], is_decode=False)
+    pos = torch.tensor([(s - 4) if s != 0xFFFFFFFF else -1 for s in seq])
+    rloc = torch.tensor([int(loc[r]) for r in ragged])
+    valid = torch.tensor([s != 0xFFFFFFFF and s >= 4 for s in seq])
+    exp = _expected_after(cache0, layout, inp["kv"], pos, rloc, inp, valid=valid)
+    nbad = (cache != exp).sum().item()
+    assert nbad == 0, f"seed {seed}: {nbad} bytes differ ({valid.sum()} valid rows)"
+
+
+def test_typed_cache_views():
+    """bf16 [P, 64, 128] and fp8 [P, 64, 1, 132] views are accepted and written in place."""
+    inp = make_inputs(10)
+    loc = unique_locs(10, 2)
+    kw = dict(positions=inp["positions"], out_loc=loc, norm_weight=inp["norm_weight"], freqs_cis=inp["freqs_cis"])
+    for layout in ("bf16", "fp8"):
+        rows = layouts.empty_cache(2, layout)
+        view = rows.view(torch.bfloat16).view(2, 64, 128) if layout == "bf16" else rows.view(2, 64, 1, 132)
+        ref = layouts.empty_cache(2, layout)
+        store.store_index_k(inp["kv"], view, **kw)
+        store.store_index_k(inp["kv"], ref, **kw)
+        assert torch.equal(rows, ref) and rows.any()
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU: bad input
+# --------------------------------------------------------------------------------------------------
+
+def _good():
+    inp = make_inputs(6, style="v4")
+    return dict(kv=inp["kv"], cache=layouts.empty_cache(2, "bf16"), positions=inp["positions"],
+                out_loc=unique_locs(6, 2), norm_weight=inp["norm_weight"], freqs_cis=inp["freqs_cis"])
+
+
+BAD = [
+    ("kv", lambda g: g["kv"].double(), TypeError),
+    ("kv", lambda g: g["kv"].half(), TypeError),
+    ("kv", lambda g: g["kv"][:, :64], ValueError),
+    ("kv", lambda g: torch.randn(128, 6).t(), ValueError),
+    ("cache", lambda g: torch.zeros(2, 16000, dtype=torch.uint8), ValueError),
+    ("cache", lambda g: torch.zeros(16384, 4, dtype=torch.uint8).t(), ValueError),
+    ("positions", lambda g: g["positions"].float(), TypeError),
+    ("positions", lambda g: g["positions"][:3], ValueError),
+    ("out_loc", lambda g: g["out_loc"].int(), TypeError),
+    ("out_loc", lambda g: g["out_loc"][:5], ValueError),
+    ("out_loc", lambda g: torch.stack((g["out_loc"], g["out_loc"]), 1)[:, 0], ValueError),
+    ("norm_weight", lambda g: g["norm_weight"].bfloat16(), TypeError),
+    ("norm_weight", lambda g: g["norm_weight"][:64], ValueError),
+    ("freqs_cis", lambda g: g["freqs_cis"].double(), TypeError),
+    ("freqs_cis", lambda g: g["freqs_cis"][:, :32], ValueError),
+    ("freqs_cis", lambda g: torch.randn(64, 300).t(), ValueError),
+]
+
+
+@pytest.mark.parametrize("name,bad,exc", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_input(name, bad, exc):
+    g = _good()
+    g[name] = bad(g)
+    kv, cache = g.pop("kv"), g.pop("cache")
+    with pytest.raises(exc, match=name):
+        store.store_index_k(kv, cache, **g)
+
+
+def test_bad_options():
+    g = _good()
+    kv, cache = g.pop("kv"), g.pop("cache")
+    with pytest.raises(ValueError, match="numerics"):
+        store.store_index_k(kv, layouts.empty_cache(2, "fp8"), numerics="fp4sim", **g)
+    with pytest.raises(ValueError, match="numerics"):
+        store.store_index_k(kv, cache, numerics="fp8", **g)
+    with pytest.raises(ValueError, match="key_style"):
+        store.store_index_k(kv, cache, key_style="v3", **g)
+    with pytest.raises(ValueError, match="norm_bias"):
+        store.store_index_k(kv, cache, key_style="v32", **g)
+    with pytest.raises(ValueError, match="norm_bias"):
+        store.store_index_k(kv, cache, norm_bias=torch.zeros(128), **g)
+    with pytest.raises(TypeError, match="norm_bias"):
+        store.store_index_k(kv, cache, key_style="v32", norm_bias=torch.zeros(128, dtype=torch.float64), **g)
+    with pytest.raises(ValueError, match="device"):
+        store.store_index_k(kv, cache.to("meta"), **g)
+    plan = _decode_plan([4] * 6)
+    pk = dict(cache=cache, norm_weight=g["norm_weight"], freqs_cis=g["freqs_cis"])
+    with pytest.raises(ValueError, match="plan"):
+        store.store_index_k_from_plan(kv, plan[:, :8], out_loc=g["out_loc"], is_decode=True, **pk)
+    with pytest.raises(TypeError, match="plan"):
+        store.store_index_k_from_plan(kv, plan.int(), out_loc=g["out_loc"], is_decode=True, **pk)
+    with pytest.raises(ValueError, match="out_loc"):
+        store.store_index_k_from_plan(kv, plan, out_loc=g["out_loc"][:3], is_decode=True, **pk)
+    with pytest.raises(TypeError, match="out_loc"):
+        store.store_index_k_from_plan(kv, plan, out_loc=g["out_loc"].float(), is_decode=True, **pk)
+    with pytest.raises(ValueError, match="compress_ratio"):
+        store.store_index_k_from_plan(kv, plan, out_loc=g["out_loc"], is_decode=True, compress_ratio=0, **pk)
+
+
+def test_instantiations_registered():
+    exprs = runtime.instantiations()["store_index_k.cu"]
+    # 3 (layout, numerics) x 2 styles x 2 hadamard x 2 kv dtypes x 3 sources x 2 index dtypes
+    assert len(exprs) == 144 and len(set(exprs)) == 144
+    assert not any(e.startswith("store_index_k<1, 1,") for e in exprs)  # fp8 + fp4sim unreachable
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: kernel vs reference
+# --------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def device_rsqrt(monkeypatch):
+    """Swap the GPU's rsqrtf into the reference, so kernel and reference must agree bit for bit."""
+    cp = runtime.cupy_module()
+    kern = cp.RawKernel(r'''
+extern "C" __global__ void rsq(const float* x, float* y, long long n) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = rsqrtf(x[i]);
+}''', "rsq", options=("-ftz=true",))
+
+    def dev_rsqrt(x):
+        xs = x.to("cuda", torch.float32).contiguous()
+        y = torch.empty_like(xs)
+        n = xs.numel()
+        if n:
+            torch.cuda.synchronize()
+            with cp.cuda.Device(xs.device.index):
+                kern(((n + 255) // 256,), (256,), (xs.data_ptr(), y.data_ptr(), np.int64(n)))
+                cp.cuda.runtime.deviceSynchronize()
+        return y.to(x.device)
+
+    monkeypatch.setattr(store, "_rsqrt", dev_rsqrt)
+    return dev_rsqrt
+
+
+def _skip_mix(n, num_pages, max_pos, pos, loc):
+    """~10% skips: negative / out-of-range out_loc and out-of-range positions."""
+    r = torch.rand(n, device=loc.device)
+    loc = torch.where(r < 0.03, torch.full_like(loc, -1), loc)
+    loc = torch.where((r >= 0.03) & (r < 0.05), loc + num_pages * 64, loc)
+    pos = torch.where((r >= 0.05) & (r < 0.08), torch.full_like(pos, -3), pos)
+    pos = torch.where((r >= 0.08) & (r < 0.10), pos + max_pos, pos)
+    return pos, loc
+
+
+def _count(a, b):
+    return (a != b).sum().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 7, 64, 1000, 65537, 1 << 20])
+@pytest.mark.parametrize("layout,numerics", QUANT)
+@pytest.mark.parametrize("key_style", STYLES)
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_kernel_vs_reference(seed, device_rsqrt, n, layout, numerics, key_style, in_dtype):
+    dev = torch.device("cuda")
+    max_pos = 4096
+    pos_dtype = torch.int64 if in_dtype == torch.float32 else torch.int32
+    inp = make_inputs(n, style=key_style, max_pos=max_pos, in_dtype=in_dtype, device=dev, pos_dtype=pos_dtype)
+    num_pages = (n * 11 // 10) // 64 + 2
+    loc = unique_locs(n, num_pages, dev)
+    pos, loc = _skip_mix(n, num_pages, max_pos, inp["positions"], loc)
+    kw = dict(positions=pos, out_loc=loc, norm_weight=inp["norm_weight"], freqs_cis=inp["freqs_cis"],
+              norm_bias=inp["norm_bias"], numerics=numerics, key_style=key_style)
+    cache = poisoned(num_pages, layout, dev)
+    cache0 = cache.clone()
+    expected = cache0.clone()
+    store.store_index_k_reference(inp["kv"], expected, **kw)
+    store.store_index_k(inp["kv"], cache, **kw)
+    torch.cuda.synchronize()
+    # non-target bytes untouched, target bytes as the reference
+    valid = (loc >= 0) & ((loc >> 6) < num_pages) & (pos >= 0) & (pos < max_pos)
+    target = torch.zeros(cache.numel(), dtype=torch.bool, device=dev)
+    if valid.any():
+        target[slot_bytes(cache, loc[valid], layout).to(dev)] = True
+    flat, flat0, flate = cache.reshape(-1), cache0.reshape(-1), expected.reshape(-1)
+    outside = _count(flat[~target], flat0[~target])
+    inside = _count(flat[target], flate[target])
+    assert outside == 0, f"seed {seed}: kernel changed {outside} bytes outside the {valid.sum()} target slots"
+    assert inside == 0, (f"seed {seed}: {inside} of {target.sum().item()} target bytes differ from the reference "
+                         f"(with the device rsqrtf)")
+    # rerun over a different poison: bitwise identical target bytes, so every target byte was written
+    cache2 = poisoned(num_pages, layout, dev)
+    poison2 = cache2.clone()
+    store.store_index_k(inp["kv"], cache2, **kw)
+    torch.cuda.synchronize()
+    f2 = cache2.reshape(-1)
+    assert _count(f2[target], flat[target]) == 0, f"seed {seed}: rerun differs in target bytes"
+    assert _count(f2[~target], poison2.reshape(-1)[~target]) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,numerics", QUANT)
+@pytest.mark.parametrize("key_style", STYLES)
+def test_gpu_vs_plain_reference_ulp_bound(seed, layout, numerics, key_style):
+    """Against the reference with torch.rsqrt: rare 1-ulp differences only (the documented bound)."""
+    dev = torch.device("cuda")
+    n, num_pages = 65536, 1025
+    inp = make_inputs(n, style=key_style, max_pos=4096, device=dev)
+    loc = unique_locs(n, num_pages, dev)
+    kw = dict(positions=inp["positions"], out_loc=loc, norm_weight=inp["norm_weight"],
+              freqs_cis=inp["freqs_cis"], norm_bias=inp["norm_bias"], numerics=numerics, key_style=key_style)
+    cache = layouts.empty_cache(num_pages, layout, dev)
+    store.store_index_k(inp["kv"], cache, **kw)
+    ref = layouts.empty_cache(num_pages, layout, "cpu")
+    store.store_index_k_reference(**{k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in
+                                     dict(kv=inp["kv"], cache=ref, **kw).items()})
+    got, gsc = read_slots(cache.cpu(), loc.cpu(), layout)
+    want, wsc = read_slots(ref, loc.cpu(), layout)
+    if layout == "bf16":
+        gi = got.to(torch.bfloat16).view(torch.int16).int()
+        wi = want.to(torch.bfloat16).view(torch.int16).int()
+        ndiff = (gi != wi).sum().item()
+        assert (gi - wi).abs().max() <= 1, f"seed {seed}: bf16 differs by more than one ulp"
+    else:
+        assert ((gsc - wsc).abs() / wsc).max() <= 4e-7, f"seed {seed}: fp8 scales differ by more than 4e-7"
+        gq = (got / gsc[:, None]).to(torch.float8_e4m3fn).view(torch.uint8).int()
+        wq = (want / wsc[:, None]).to(torch.float8_e4m3fn).view(torch.uint8).int()
+        ndiff = (gq != wq).sum().item()
+        assert ((gq & 0x7F) - (wq & 0x7F)).abs().max() <= 1, f"seed {seed}: e4m3 codes differ by more than one"
+    assert ndiff <= 1e-3 * got.numel(), f"seed {seed}: {ndiff} of {got.numel()} elements differ by one ulp"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,numerics", QUANT)
+@pytest.mark.parametrize("key_style", STYLES)
+@pytest.mark.parametrize("hadamard", [True, False])
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_every_variant(seed, device_rsqrt, layout, numerics, key_style, hadamard, in_dtype):
+    """Each (layout, numerics, style, hadamard, kv dtype) on one source/index-dtype combination (rotating
+    through all six), bitwise against the reference."""
+    combos = list(itertools.product(["direct", "decode", "prefill"], [torch.int32, torch.int64]))
+    i = (QUANT.index((layout, numerics)) * 8 + STYLES.index(key_style) * 4 + (2 if hadamard else 0)
+         + (1 if in_dtype == torch.bfloat16 else 0))
+    source, idx_dtype = combos[i % 6]
+    dev = torch.device("cuda")
+    n, num_pages, max_pos = 777, 16, 2048
+    inp = make_inputs(n, style=key_style, max_pos=max_pos, in_dtype=in_dtype, device=dev)
+    common = dict(norm_weight=inp["norm_weight"], freqs_cis=inp["freqs_cis"], norm_bias=inp["norm_bias"],
+                  numerics=numerics, key_style=key_style, hadamard=hadamard)
+    loc = unique_locs(n, num_pages, dev)
+    seq = torch.randint(4, max_pos, (n,), device=dev)
+    if source == "direct":
+        pos, dloc = inp["positions"].to(idx_dtype), loc
+        run = lambda c: store.store_index_k(inp["kv"], c, positions=pos, out_loc=dloc, **common)  # noqa: E731
+    elif source == "decode":
+        plan = _decode_plan([int(s) for s in seq.cpu()]).to(dev)
+        pos = seq - 4
+        dloc = torch.where(seq % 4 == 0, loc, torch.full_like(loc, -1))
+        run = lambda c: store.store_index_k_from_plan(inp["kv"], plan, cache=c, out_loc=loc.to(idx_dtype),  # noqa
+                                                      is_decode=True, **common)
+    else:
+        ragged = torch.randperm(n, device=dev)
+        sv = [int(s) if i % 7 else 0xFFFFFFFF for i, s in enumerate(seq.cpu())]
+        plan = _prefill_plan(sv, [int(r) for r in ragged.cpu()]).to(dev)
+        pos = seq - 4
+        dloc = torch.tensor([int(loc[r]) if s != 0xFFFFFFFF else -1 for s, r in zip(sv, ragged.cpu())],
+                            device=dev)
+        run = lambda c: store.store_index_k_from_plan(inp["kv"], plan, cache=c, out_loc=loc.to(idx_dtype),  # noqa
+                                                      is_decode=False, **common)
+    cache = poisoned(num_pages, layout, dev)
+    expected = cache.clone()
+    store.store_index_k_reference(inp["kv"], expected, positions=pos.long(), out_loc=dloc, **common)
+    run(cache)
+    torch.cuda.synchronize()
+    nbad = _count(cache, expected)
+    assert nbad == 0, f"seed {seed}: {source}/{idx_dtype}: {nbad} cache bytes differ from the reference"
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph(seed, device_rsqrt):
+    dev = torch.device("cuda")
+    n, num_pages, max_pos = 4096, 80, 4096
+    inp = make_inputs(n, max_pos=max_pos, device=dev)
+    s_kv, s_pos, s_loc = inp["kv"].clone(), inp["positions"].clone(), unique_locs(n, num_pages, dev)
+    cache = layouts.empty_cache(num_pages, "bf16", dev)
+    kw = dict(norm_weight=inp["norm_weight"], freqs_cis=inp["freqs_cis"], numerics="fp4sim")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            store.store_index_k(s_kv, cache, positions=s_pos, out_loc=s_loc, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        store.store_index_k(s_kv, cache, positions=s_pos, out_loc=s_loc, **kw)
+    for step in range(3):
+        new = make_inputs(n, max_pos=max_pos, device=dev)
+        newloc = unique_locs(n, num_pages, dev)
+        newloc[:100] = -1
+        s_kv.copy_(new["kv"])
+        s_pos.copy_(new["positions"])
+        s_loc.copy_(newloc)
+        cache.copy_(poisoned(num_pages, "bf16", dev))
+        expected = cache.clone()
+        g.replay()
+        store.store_index_k_reference(new["kv"], expected, positions=new["positions"], out_loc=newloc, **kw)
+        torch.cuda.synchronize()
+        nbad = _count(cache, expected)
+        assert nbad == 0, f"seed {seed}: graph replay {step}: {nbad} cache bytes differ from the reference"
