@@ -1,0 +1,267 @@
+"""The ``cupy-dsa`` command line: ``cupy-dsa bench [bytes|store|logits|recall|all|report]``.
+
+Options can be given to ``bench`` or to a subcommand (the subcommand's value wins). ``bench`` without a
+subcommand runs ``all``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import platform
+import re
+import time
+from pathlib import Path
+
+import click
+
+SECTIONS_ALL = ("bytes", "store", "logits", "recall")
+DEFAULTS = {"backend": "auto", "device": None, "quick": False, "json_path": None, "plot_path": None,
+            "markdown_path": None, "seed": 0, "gpu_mem_gb": 100.0}
+
+
+def common_options(f):
+    """The options every bench command accepts (defaults resolved after merging group and subcommand)."""
+    opts = [
+        click.option("--backend", type=click.Choice(["auto", "cuda", "cpu"], case_sensitive=False), default=None,
+                     help="auto = the GPU when torch sees one, else the CPU reference at small sizes. [auto]"),
+        click.option("--device", default=None, metavar="DEV",
+                     help="torch device for the GPU backend, e.g. cuda:1 (default: the current device)."),
+        click.option("--quick", is_flag=True, default=False, help="small sizes (seconds on the CPU backend)."),
+        click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
+                     help="write the results as JSON (schema cupy-dsa-bench/1)."),
+        click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
+                     help="write a PNG plot (matplotlib)."),
+        click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True), default=None,
+                     help="write the compact markdown headline table (what the README quotes)."),
+        click.option("--seed", type=click.IntRange(min=0), default=None, help="random seed. [0]"),
+        click.option("--gpu-mem-gb", type=click.FloatRange(min=0, min_open=True), default=None,
+                     help="KV memory budget for `bytes` (GB = 1e9 B). [100]"),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _merged(ctx: click.Context, own: dict) -> dict:
+    group = (ctx.parent.params if ctx.parent is not None else {}) or {}
+    out = {}
+    for k, d in DEFAULTS.items():
+        if k == "quick":
+            out[k] = bool(own.get(k)) or bool(group.get(k))
+            continue
+        v = own.get(k)
+        if v is None:
+            v = group.get(k)
+        out[k] = d if v is None else v
+    return out
+
+
+@click.group(name="cupy-dsa", context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="cupy-dsa", prog_name="cupy-dsa")
+def main():
+    """cupy_dsa: bf16 index keys for the DeepSeek sparse-attention indexer."""
+
+
+@main.group(name="bench", invoke_without_command=True)
+@common_options
+@click.pass_context
+def bench(ctx, **opts):
+    """Bytes/token, throughput and recall of the index-key layouts, side by side.
+
+    Without a subcommand, runs `all` (bytes, store, logits, recall)."""
+    if ctx.invoked_subcommand is None:
+        _run(ctx, SECTIONS_ALL, _merged_top(opts))
+
+
+def _merged_top(opts: dict) -> dict:
+    out = {}
+    for k, d in DEFAULTS.items():
+        v = opts.get(k)
+        out[k] = d if v is None else v
+    out["quick"] = bool(opts.get("quick"))
+    return out
+
+
+def _subcommand(name, sections, doc):
+    @bench.command(name=name, help=doc)
+    @common_options
+    @click.pass_context
+    def cmd(ctx, **opts):
+        _run(ctx, sections, _merged(ctx, opts))
+
+    cmd.__name__ = f"bench_{name}"
+    return cmd
+
+
+_subcommand("bytes", ("bytes",), "Bytes per index token of each layout, per C4 layer and per full token, for "
+            "DeepSeek-V4-Flash, V4-Pro and V3.2; KV capacity with fp8 vs bf16 index keys. No GPU needed.")
+_subcommand("store", ("store",), "store_index_k throughput at N = 1M tokens (bf16 exact / fp4sim, fp8; kv fp32 "
+            "and bf16) against the d2d copy bandwidth measured in the same run.")
+_subcommand("logits", ("logits",), "paged_mqa_logits (decode: B x context, next_n 1/2/4, bf16 and fp8 keys, "
+            "torch gather+bmm baseline) and mqa_logits (prefill) against copy bandwidth / bf16 matmul rate.")
+_subcommand("recall", ("recall",), "Needle-in-a-haystack on synthetic keys through the real store and logits "
+            "ops: recall@512/1024 and needle-in-top-k of fp8, fp4, bf16-fp4sim and bf16 keys vs exact fp64.")
+_subcommand("all", SECTIONS_ALL, "Run bytes, store, logits and recall (the default).")
+
+
+@bench.command(name="report")
+@click.argument("json_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="write the markdown headline table here ('-' = stdout).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="re-draw the PNG plot from the JSON.")
+def report_cmd(json_file, markdown_path, plot_path):
+    """Re-print the tables of a saved JSON result (and its markdown headline / plot)."""
+    from rich.console import Console
+
+    from . import report
+
+    try:
+        doc = json.loads(Path(json_file).read_text())
+    except ValueError as exc:
+        raise click.BadParameter(f"not a JSON file: {exc}", param_hint="JSON_FILE")
+    if doc.get("schema") != report.SCHEMA:
+        raise click.BadParameter(f"expected schema {report.SCHEMA!r}, got {doc.get('schema')!r}",
+                                 param_hint="JSON_FILE")
+    report.print_all(_console(), doc, [s for s in SECTIONS_ALL if doc.get(s)])
+    md = report.markdown_headline(doc)
+    if markdown_path == "-":
+        click.echo(md)
+    elif markdown_path:
+        Path(markdown_path).write_text(md)
+    if plot_path:
+        report.plot(doc, plot_path)
+
+
+# --------------------------------------------------------------------------------------------------
+# running
+# --------------------------------------------------------------------------------------------------
+
+def _resolve_device(backend: str, device: str | None):
+    """(torch.device, backend name); click errors for impossible combinations."""
+    import torch
+
+    dev = None
+    if device is not None:
+        if not re.fullmatch(r"cpu|cuda(:\d+)?|\d+", device.strip()):
+            raise click.BadParameter(f"expected 'cpu', 'cuda', 'cuda:N' or N, got {device!r}", param_hint="'--device'")
+        dev = torch.device(f"cuda:{device}" if device.isdigit() else device.strip())
+        if backend == "auto":
+            backend = dev.type
+        elif backend != dev.type:
+            raise click.BadParameter(f"device {device!r} does not match --backend {backend}", param_hint="'--device'")
+    if backend == "auto":
+        backend = "cuda" if torch.cuda.is_available() else "cpu"
+    if backend == "cuda":
+        if not torch.cuda.is_available():
+            raise click.BadParameter("no CUDA device is available (torch.cuda.is_available() is False); "
+                                     "use --backend cpu or auto", param_hint="'--backend'")
+        if dev is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if dev.index >= torch.cuda.device_count():
+            raise click.BadParameter(f"{dev} does not exist ({torch.cuda.device_count()} CUDA device(s))",
+                                     param_hint="'--device'")
+        return dev, "cuda"
+    return torch.device("cpu"), "cpu"
+
+
+def _device_name(dev) -> str:
+    import torch
+
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _console():
+    """stdout console; wide when not a terminal (logs, pipes) so tables are not truncated."""
+    from rich.console import Console
+
+    c = Console()
+    return c if c.is_terminal else Console(width=200)
+
+
+def _progress(console):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=console, transient=False)
+
+
+def _run(ctx: click.Context, sections, o: dict) -> dict:
+    import torch
+    from rich.console import Console
+
+    from . import bytes as bytes_mod
+    from . import report
+
+    out = _console()
+    err = Console(stderr=True)
+    needs_device = any(s in sections for s in ("store", "logits", "recall"))
+    if needs_device:
+        dev, backend = _resolve_device(o["backend"].lower(), o["device"])
+    else:
+        dev, backend = torch.device("cpu"), "none"
+    quick = o["quick"] or backend == "cpu"  # the CPU reference only runs small sizes
+    seed = int(o["seed"])
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    doc = report.new_document(backend=backend, device_name=_device_name(dev) if needs_device else "none (arithmetic)",
+                              quick=quick, seed=seed, gpu_mem_gb=float(o["gpu_mem_gb"]))
+    doc["sections"] = list(sections)
+    if backend == "cpu":
+        doc["notes"]["general"] = ["CPU backend: the torch reference at small sizes; its timings show that the "
+                                   "pipeline runs, they are not performance figures."]
+        err.print("[yellow]CPU backend: torch reference at small sizes (timings are not performance figures).[/]")
+
+    if "bytes" in sections:
+        doc["bytes"] = bytes_mod.rows(float(o["gpu_mem_gb"]))
+        doc["notes"]["bytes"] = bytes_mod.notes()
+
+    if needs_device:
+        from . import sweeps
+
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        with _progress(err) as progress:
+            if "store" in sections or "logits" in sections:
+                task = progress.add_task("ceilings", total=1)
+                from .timing import measure_ceilings
+
+                doc["ceilings"].update(measure_ceilings(dev, quick))
+                progress.advance(task)
+                doc["targets"] = dict(sweeps.TARGETS)
+            if "store" in sections:
+                doc["store"] = sweeps.store_rows(dev, quick, seed, doc["ceilings"], progress)
+                doc["notes"]["store"] = [sweeps.STORE_COUNTED]
+            if "logits" in sections:
+                doc["logits"] = (sweeps.decode_rows(dev, quick, seed, doc["ceilings"], progress)
+                                 + sweeps.prefill_rows(dev, quick, seed, doc["ceilings"], progress))
+                doc["notes"]["logits"] = [sweeps.LOGITS_COUNTED]
+            if "recall" in sections:
+                from . import recall
+
+                doc["recall"] = recall.run(dev, quick, seed, progress)
+                doc["notes"]["recall"] = [recall.RECALL_NOTE] + [f"{k}: {v}" for k, v in recall.FORMAT_NOTES.items()]
+    doc["elapsed_s"] = time.perf_counter() - t0
+
+    report.print_all(out, doc, sections)
+    if o["json_path"]:
+        report.write_json(doc, o["json_path"])
+        err.print(f"wrote {o['json_path']}")
+    if o["markdown_path"]:
+        Path(o["markdown_path"]).parent.mkdir(parents=True, exist_ok=True)
+        Path(o["markdown_path"]).write_text(report.markdown_headline(doc))
+        err.print(f"wrote {o['markdown_path']}")
+    if o["plot_path"]:
+        report.plot(doc, o["plot_path"])
+        err.print(f"wrote {o['plot_path']}")
+    err.print(f"[dim]done in {doc['elapsed_s']:.1f} s[/]")
+    return doc
+
+
+if __name__ == "__main__":
+    main()

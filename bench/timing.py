@@ -1,0 +1,219 @@
+"""Timing and ceilings: CUDA-graph replay timed with CUDA events, peak-memory deltas, and the copy /
+matmul / read-only ceilings every ratio in the bench is measured against (in the same process)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+L2_FALLBACK_BYTES = 50 * 2**20  # H200
+
+
+@dataclass
+class Timing:
+    seconds: float          # median time of one call
+    p10: float
+    p90: float
+    reps: int               # timed repetitions (each of `calls` calls)
+    calls: int              # calls per repetition (rotating input buffers)
+    method: str             # "cuda-graph" | "cuda-events" | "cpu"
+
+
+def l2_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "L2_cache_size", 0) or L2_FALLBACK_BYTES)
+
+
+def rotations(device: torch.device, bytes_per_call: int, cap: int = 64) -> int:
+    """How many distinct input buffers to cycle so that consecutive calls cannot hit in L2
+    (3x the L2 size in total), capped."""
+    if device.type != "cuda" or bytes_per_call <= 0:
+        return 1
+    return max(1, min(cap, math.ceil(3 * l2_bytes(device) / bytes_per_call)))
+
+
+def _quantiles(samples: Sequence[float]) -> tuple[float, float, float]:
+    s = sorted(samples)
+    n = len(s)
+    return statistics.median(s), s[max(0, int(0.1 * (n - 1)))], s[min(n - 1, int(math.ceil(0.9 * (n - 1))))]
+
+
+def time_calls(calls: Sequence[Callable[[], object]], device: torch.device, *, reps: int = 25,
+               warmup: int = 3, use_graph: bool = True) -> Timing:
+    """Median time of one call. One repetition runs every callable of ``calls`` once (each on its own
+    input buffers); on CUDA the repetition is captured in a CUDA graph and each replay is timed with
+    events; the per-call time is the replay time divided by ``len(calls)``."""
+    n = len(calls)
+    if device.type != "cuda":
+        for f in calls[:1]:
+            f()
+        samples = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for f in calls:
+                f()
+            samples.append((time.perf_counter() - t0) / n)
+        med, lo, hi = _quantiles(samples)
+        return Timing(med, lo, hi, reps, n, "cpu")
+
+    with torch.cuda.device(device):
+        for f in calls:  # eager warm-up: compiles kernels, allocates
+            f()
+        torch.cuda.synchronize()
+        run = None
+        method = "cuda-events"
+        if use_graph:
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for f in calls:
+                        f()
+                torch.cuda.current_stream().wait_stream(side)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for f in calls:
+                        f()
+                torch.cuda.synchronize()
+                run = graph.replay
+                method = "cuda-graph"
+            except Exception:  # an op that cannot be captured is timed eagerly
+                torch.cuda.synchronize()
+                run = None
+        if run is None:
+            def run():
+                for f in calls:
+                    f()
+        for _ in range(warmup):
+            run()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for i in range(reps):
+            starts[i].record()
+            run()
+            ends[i].record()
+        torch.cuda.synchronize()
+        samples = [s.elapsed_time(e) * 1e-3 / n for s, e in zip(starts, ends)]
+        del run
+    med, lo, hi = _quantiles(samples)
+    return Timing(med, lo, hi, reps, n, method)
+
+
+def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
+    """Peak memory allocated by one eager call above what was allocated before it (its output included)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    out = fn()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del out
+    return int(peak)
+
+
+# --------------------------------------------------------------------------------------------------
+# Ceilings
+# --------------------------------------------------------------------------------------------------
+
+def copy_bandwidth(device: torch.device, nbytes: int, reps: int = 20) -> float:
+    """Device-to-device copy of ``nbytes`` (torch ``copy_``); bytes/s counting read + write."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    t = time_calls([lambda: dst.copy_(src)], device, reps=reps, use_graph=False)
+    del src, dst
+    return 2 * nbytes / t.seconds
+
+
+def matmul_rate(device: torch.device, n: int, reps: int = 20) -> float:
+    """bf16 ``n^3`` matmul (torch.mm); FLOP/s."""
+    dtype = torch.bfloat16
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    c = torch.empty(n, n, device=device, dtype=dtype)
+    t = time_calls([lambda: torch.mm(a, b, out=c)], device, reps=reps, use_graph=False)
+    del a, b, c
+    return 2 * n**3 / t.seconds
+
+
+_READ_SRC = r"""
+extern "C" __global__ void read_stream(const uint4* __restrict__ p, unsigned long long n16,
+                                       unsigned int* __restrict__ sink) {
+  unsigned int acc = 0;
+  unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += stride) {
+    uint4 v = __ldcs(p + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;  // keeps the loads alive; practically never taken
+}
+"""
+
+
+def read_bandwidth(device: torch.device, nbytes: int, reps: int = 20) -> float | None:
+    """Read-only streaming bandwidth (a 16-byte-load CuPy kernel, 16 blocks per SM); bytes/s, or None
+    when CuPy is unavailable. Decode logits are read-dominated, so this is their truer ceiling."""
+    if device.type != "cuda":
+        return None
+    try:
+        import cupy as cp
+        import numpy as np
+
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(3)
+        sink = torch.zeros(1, dtype=torch.int32, device=device)
+        with cp.cuda.Device(idx):
+            kern = cp.RawKernel(_READ_SRC, "read_stream")
+            kern.compile()
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        n16 = np.uint64(nbytes // 16)
+
+        class _Ref:
+            def __init__(self, ptr):
+                self.ptr = ptr
+
+            def __cuda_stream__(self):
+                return (0, self.ptr)
+
+        def call():
+            stream = cp.cuda.Stream.from_external(_Ref(torch.cuda.current_stream(device).cuda_stream))
+            with cp.cuda.Device(idx):
+                kern((sms * 16,), (512,), (np.uint64(buf.data_ptr()), n16, np.uint64(sink.data_ptr())),
+                     stream=stream)
+
+        t = time_calls([call], device, reps=reps, use_graph=False)
+        del buf, sink
+        return nbytes / t.seconds
+    except Exception:
+        return None
+
+
+def measure_ceilings(device: torch.device, quick: bool) -> dict:
+    """Copy bandwidth, bf16 matmul rate and (GPU) read-only bandwidth, measured now on ``device``."""
+    if device.type == "cuda":
+        copy_n = 2**28 if quick else 2**30
+        mm_n = 4096 if quick else 8192
+    else:
+        copy_n, mm_n = 2**24, 256
+    reps = 20 if device.type == "cuda" else 3
+    out = {
+        "copy_bytes": copy_n,
+        "copy_gbps": copy_bandwidth(device, copy_n, reps) / 1e9,
+        "matmul_n": mm_n,
+        "matmul_tflops": matmul_rate(device, mm_n, reps) / 1e12,
+        "read_gbps": None,
+        "l2_bytes": l2_bytes(device) or None,
+    }
+    if device.type == "cuda":
+        r = read_bandwidth(device, 2 * copy_n)
+        out["read_gbps"] = r / 1e9 if r else None
+    return out
