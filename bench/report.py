@@ -141,7 +141,7 @@ def store_table(doc) -> Table:
 def decode_table(doc) -> Table:
     t = Table(title="paged_mqa_logits, decode (B x context in index entries)")
     for col in ("B x ctx", "next_n", "layout", "q", "time", "GB/s", "% copy", "% read", "G keys/s", "vs fp8",
-                "torch", "speed-up", "mem ours", "mem torch", "target", "result"):
+                "torch", "speed-up", "mem ours", "mem torch", "DeepGEMM (ref)", "target", "result"):
         t.add_column(col, justify="right")
     for r in doc["logits"]:
         if r.get("mode") != "decode":
@@ -149,7 +149,7 @@ def decode_table(doc) -> Table:
         shape = f"{r['batch']} x {_si(r['context'])}"
         if r.get("error"):
             t.add_row(shape, str(r["next_n"]), r["layout"], r["q_dtype"], f"[red]{r['error'][:60]}[/]",
-                      *[""] * 11)
+                      *[""] * 12)
             continue
         target = _target_pct(r.get("target_pct_copy")) if r.get("target_pct_copy") else (
             f"<={r['target_us']:g} us" if r.get("target_us") else "—")
@@ -157,7 +157,8 @@ def decode_table(doc) -> Table:
                   f"{r['gbps']:.0f}", _pct(r["pct_copy"]), _pct(r.get("pct_read")), f"{r['gkeys_per_s']:.1f}",
                   _f(r.get("time_vs_fp8"), "{:.2f}x"), _f(r.get("torch_time_us"), "{:.0f} us"),
                   _f(r.get("speedup_vs_torch"), "{:.1f}x"), _f(r.get("peak_extra_mb"), "{:.1f} MB"),
-                  _f(r.get("torch_peak_extra_mb"), "{:.0f} MB"), target, _verdict(r))
+                  _f(r.get("torch_peak_extra_mb"), "{:.0f} MB"), _f(r.get("deepgemm_fp8_us_anchor"), "{:.1f} us"),
+                  target, _verdict(r))
     return t
 
 
@@ -304,9 +305,9 @@ def plot(doc: dict, path: str) -> None:
     dec = [r for r in doc["logits"] if r.get("mode") == "decode" and not r.get("error")]
     if dec:
         panels.append(("decode", None))
-    if doc["store"] and not any(p[0] == "decode" for p in panels):
+    if any(not r.get("error") for r in doc["store"]):
         panels.append(("store", None))
-    if doc["bytes"] and not panels:
+    if doc["bytes"]:
         panels.append(("bytes", None))
     if not panels:
         panels.append(("empty", None))
@@ -317,7 +318,7 @@ def plot(doc: dict, path: str) -> None:
         ax.axis("off")
     for ax, (kind, k) in zip(axes.flat, panels):
         if kind in ("recall", "needle"):
-            kk = k if kind == "recall" else max(r["k"] for r in rec)
+            kk = k if kind == "recall" else min(r["k"] for r in rec)
             for fmt in dict.fromkeys(r["format"] for r in rec):
                 pts = sorted((r["context_tokens"], r["recall_mean"] if kind == "recall" else r["needle_in_topk"])
                              for r in rec if r["format"] == fmt and r["k"] == kk)
@@ -326,7 +327,10 @@ def plot(doc: dict, path: str) -> None:
             ax.set_xscale("log", base=2)
             ax.set_xlabel("context (raw tokens; index entries = tokens / 4)")
             ax.set_ylabel("%")
-            ax.set_title(f"recall@{kk} vs exact fp64" if kind == "recall" else f"needle in top-{kk}")
+            ax.set_title(f"recall@{kk} vs exact fp64 (synthetic keys)" if kind == "recall"
+                         else f"needle in top-{kk} (synthetic keys)")
+            if kind == "needle":
+                ax.set_ylim(-3, 103)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
         elif kind == "decode":
@@ -363,7 +367,7 @@ def plot(doc: dict, path: str) -> None:
                        [next(r["tokens_fit"] for r in rows if r["model"] == m and r["layout"] == lay) / 1e6
                         for m in models], width=0.2, label=lay)
             ax.set_xticks([i + 0.3 for i in range(len(models))])
-            ax.set_xticklabels(models, fontsize=7)
+            ax.set_xticklabels([m.replace("DeepSeek-", "") for m in models], fontsize=7)
             ax.set_ylabel(f"M tokens in {doc['gpu_mem_gb']:g} GB")
             ax.set_title("KV capacity by index-key layout")
             ax.legend(fontsize=7)

@@ -1,0 +1,234 @@
+"""`cupy-dsa bench` on the CPU backend (CI): every subcommand with --quick, the JSON schema, the PNG and
+markdown outputs, click's errors for bad options, and the torch baseline / fp4 helper the bench relies on."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cupy_dsa.bench import bytes as bytes_mod
+from cupy_dsa.bench.cli import main
+from cupy_dsa.bench.report import SCHEMA
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+NUM = (int, float)
+
+ROW_KEYS = {
+    "bytes": {"model": str, "layout": str, "assumed": bool, "bytes_per_entry": int, "index_layers": int,
+              "index_bytes_per_token": NUM, "main_kv_bytes_per_token": NUM, "total_kv_bytes_per_token": NUM,
+              "tokens_fit": int, "tokens_fit_vs_fp8": NUM, "index_share": NUM},
+    "store": {"n_tokens": int, "layout": str, "numerics": str, "kv_dtype": str, "time_us": NUM,
+              "tokens_per_s": NUM, "gbps": NUM, "pct_copy": NUM, "error": type(None)},
+    "decode": {"batch": int, "context": int, "next_n": int, "layout": str, "q_dtype": str, "time_us": NUM,
+               "gbps": NUM, "pct_copy": NUM, "gkeys_per_s": NUM, "error": type(None)},
+    "prefill": {"rows": int, "keys": int, "kv": str, "layout": str, "time_us": NUM, "tflops": NUM,
+                "pct_matmul": NUM, "visible_pairs": int, "error": type(None)},
+    "recall": {"context_tokens": int, "index_entries": int, "k": int, "format": str, "queries": int,
+               "needle_in_topk": NUM, "recall_mean": NUM, "recall_min": NUM, "trivial": bool, "error": type(None)},
+}
+
+
+def _check_rows(rows, keys, what):
+    assert rows, f"no {what} rows"
+    for r in rows:
+        for k, typ in keys.items():
+            assert k in r, f"{what} row lacks {k!r}: {r}"
+            assert isinstance(r[k], typ), f"{what}.{k} = {r[k]!r} is not {typ}"
+
+
+def _check_doc(doc, sections):
+    assert doc["schema"] == SCHEMA
+    for k, typ in (("date", str), ("device", str), ("backend", str), ("quick", bool), ("seed", int),
+                   ("ceilings", dict), ("notes", dict), ("targets", dict), ("elapsed_s", NUM)):
+        assert isinstance(doc[k], typ), (k, doc[k])
+    assert doc["git_commit"] is None or isinstance(doc["git_commit"], str)
+    for s in ("bytes", "store", "logits", "recall"):
+        assert isinstance(doc[s], list)
+        assert bool(doc[s]) == (s in sections), s
+    if "store" in sections or "logits" in sections:
+        c = doc["ceilings"]
+        assert isinstance(c["copy_gbps"], float) and c["copy_gbps"] > 0
+        assert isinstance(c["matmul_tflops"], float) and c["matmul_tflops"] > 0
+    if "bytes" in sections:
+        _check_rows(doc["bytes"], ROW_KEYS["bytes"], "bytes")
+    if "store" in sections:
+        _check_rows(doc["store"], ROW_KEYS["store"], "store")
+    if "logits" in sections:
+        _check_rows([r for r in doc["logits"] if r["mode"] == "decode"], ROW_KEYS["decode"], "decode")
+        _check_rows([r for r in doc["logits"] if r["mode"] == "prefill"], ROW_KEYS["prefill"], "prefill")
+    if "recall" in sections:
+        _check_rows(doc["recall"], ROW_KEYS["recall"], "recall")
+
+
+def _invoke(args):
+    res = CliRunner().invoke(main, args, catch_exceptions=False)
+    return res
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each subcommand once on the CPU backend with --quick, JSON and PNG written."""
+    d = tmp_path_factory.mktemp("bench")
+    out = {}
+    for sub in ("bytes", "store", "logits", "recall"):
+        j, p = d / f"{sub}.json", d / f"{sub}.png"
+        args = ["bench", sub, "--backend", "cpu", "--quick", "--json", str(j), "--plot", str(p), "--seed", "7"]
+        if sub == "recall":  # options given to the group apply to the subcommand too
+            args = ["bench", "--backend", "cpu", "--quick", "--seed", "7", sub, "--json", str(j), "--plot", str(p)]
+        res = _invoke(args)
+        assert res.exit_code == 0, res.output
+        out[sub] = (res, json.loads(j.read_text()), p)
+    return out
+
+
+@pytest.mark.parametrize("sub", ["bytes", "store", "logits", "recall"])
+def test_subcommand_cpu_quick(sub, runs):
+    res, doc, png = runs[sub]
+    _check_doc(doc, (sub,))
+    assert doc["backend"] == ("none" if sub == "bytes" else "cpu") and doc["seed"] == 7
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    title = {"bytes": "Index-key bytes", "store": "store_index_k", "logits": "prefill", "recall": "SYNTHETIC"}[sub]
+    assert title in res.output
+
+
+def test_logits_rows(runs):
+    rows = runs["logits"][1]["logits"]
+    dec = [r for r in rows if r["mode"] == "decode"]
+    assert {r["next_n"] for r in dec} == {1, 2, 4} and {r["layout"] for r in dec} == {"bf16", "fp8"}
+    for r in dec:
+        assert (r["torch_time_us"] is not None) == (r["next_n"] == 1 and r["q_dtype"] == "fp8"), r
+        if r["layout"] == "fp8":
+            assert r["time_vs_fp8"] == 1.0
+    assert {r["kv"] for r in rows if r["mode"] == "prefill"} == {"contiguous", "paged"}
+
+
+def test_recall_figures_are_sane(runs):
+    doc = runs["recall"][1]
+    for r in doc["recall"]:
+        assert 0.0 <= r["recall_min"] <= r["recall_mean"] <= 1.0
+        assert 0.0 <= r["needle_in_topk"] <= 1.0
+        if r["format"] == "exact" or r["trivial"]:
+            assert r["recall_mean"] == 1.0, r
+    assert {r["format"] for r in doc["recall"]} == {"fp8", "fp4", "bf16-fp4sim", "bf16", "bf16+q-bf16", "exact"}
+    assert {r["k"] for r in doc["recall"]} == {512, 1024}
+    assert any(not r["trivial"] for r in doc["recall"])
+
+
+def test_all_is_the_default(monkeypatch, tmp_path):
+    from cupy_dsa.bench import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_run", lambda ctx, sections, o: seen.append((sections, o)))
+    for args in (["bench", "--quick", "--backend", "cpu"], ["bench", "all", "--quick", "--backend", "cpu"]):
+        assert _invoke(args).exit_code == 0
+    assert [s for s, _ in seen] == [cli.SECTIONS_ALL] * 2
+    assert all(o["quick"] and o["backend"] == "cpu" and o["seed"] == 0 and o["gpu_mem_gb"] == 100.0
+               for _, o in seen)
+
+
+def test_report_rerenders_json(runs, tmp_path):
+    merged = dict(runs["logits"][1])
+    for sub in ("bytes", "store", "recall"):
+        merged[sub] = runs[sub][1][sub]
+    j, png, md = tmp_path / "all.json", tmp_path / "again.png", tmp_path / "h.md"
+    j.write_text(json.dumps(merged))
+    res = _invoke(["bench", "report", str(j), "--markdown", str(md), "--plot", str(png)])
+    assert res.exit_code == 0, res.output
+    text = md.read_text()
+    assert "| figure |" in text and "recall@512" in text and "prefill" in text and "V4-Flash capacity" in text
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    res = _invoke(["bench", "report", str(j), "--markdown", "-"])
+    assert res.exit_code == 0 and "| figure |" in res.output
+
+
+def test_bytes_figures():
+    rows = {(r["model"], r["layout"]): r for r in bytes_mod.rows(50.0)}
+    assert {r["bytes_per_entry"] for r in rows.values()} == {132, 68, 256}
+    flash8, flash16 = rows[("DeepSeek-V4-Flash", "fp8")], rows[("DeepSeek-V4-Flash", "bf16")]
+    assert flash8["index_bytes_per_token_per_layer"] == 33 and flash16["index_bytes_per_token_per_layer"] == 64
+    assert flash16["index_bytes_per_token"] == 64 * flash16["index_layers"]
+    assert flash8["tokens_fit"] == math.floor(50e9 / flash8["total_kv_bytes_per_token"])
+    assert flash16["tokens_fit"] < flash8["tokens_fit"] < rows[("DeepSeek-V4-Flash", "fp4")]["tokens_fit"]
+    v32 = rows[("DeepSeek-V3.2", "fp8")]
+    assert v32["index_bytes_per_token"] == 61 * 132  # every layer, full token rate
+    assert abs(v32["index_share"] - 0.168) < 0.001 and abs(rows[("DeepSeek-V3.2", "bf16")]["index_share"] - 0.281) < 0.001
+    assert rows[("DeepSeek-V4-Pro", "bf16")]["assumed"] and not flash16["assumed"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench", "--backend", "tpu"], "Invalid value for '--backend'"),
+    (["bench", "store", "--backend", "gpu"], "Invalid value for '--backend'"),
+    (["bench", "bytes", "--gpu-mem-gb", "0"], "Invalid value for '--gpu-mem-gb'"),
+    (["bench", "bytes", "--gpu-mem-gb", "lots"], "Invalid value for '--gpu-mem-gb'"),
+    (["bench", "logits", "--seed", "-1"], "Invalid value for '--seed'"),
+    (["bench", "recall", "--device", "gpu0", "--quick"], "Invalid value for '--device'"),
+    (["bench", "store", "--backend", "cpu", "--device", "cuda:0"], "Invalid value for '--device'"),
+    (["bench", "fast"], "No such command 'fast'"),
+    (["bench", "store", "--frobnicate"], "No such option"),
+])
+def test_bad_options_are_usage_errors(args, message):
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
+    assert message in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_cuda_backend_without_gpu_is_a_click_error():
+    res = CliRunner().invoke(main, ["bench", "store", "--backend", "cuda", "--quick"])
+    assert res.exit_code == 2 and "no CUDA device is available" in res.output
+
+
+def test_report_rejects_foreign_json(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text(json.dumps({"schema": "something-else"}))
+    res = CliRunner().invoke(main, ["bench", "report", str(p)])
+    assert res.exit_code == 2 and "expected schema" in res.output
+
+
+def test_python_m_cupy_dsa_bench_bytes():
+    out = subprocess.run([sys.executable, "-m", "cupy_dsa", "bench", "bytes", "--gpu-mem-gb", "80"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "V4-Flash" in out.stdout and "80 GB" in out.stdout and "ASSUMED" in out.stdout
+
+
+# --------------------------------------------------------------------------------------------------
+# what the bench computes besides the ops
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["bf16", "fp8"])
+def test_torch_baseline_matches_the_op(layout, seed):
+    """The gather+bmm baseline computes the same logits as paged_mqa_logits (bf16-rounded scores)."""
+    import cupy_dsa
+    from cupy_dsa.bench import sweeps
+
+    g = torch.Generator().manual_seed(seed)
+    B, ctx = 2, 200
+    cache, tables, q, w, lens = sweeps._decode_inputs(torch.device("cpu"), B, ctx, 1, layout, "fp8", 1, g)
+    lens = torch.tensor([ctx, 77], dtype=torch.int32)
+    ref = cupy_dsa.paged_mqa_logits(q, cache, w, lens, tables[0], ctx, clean_logits=False)
+    got = sweeps.torch_gather_bmm(q, cache, w, lens, tables[0], ctx, layout)
+    for b in range(B):
+        n = int(lens[b])
+        a, e = got[b, :n].double(), ref[b, :n].double()
+        rel = ((a - e).norm() / e.norm()).item()
+        assert rel < 2e-2, f"row {b}: relative L2 error {rel:.3g}"
+        assert torch.all(got[b, n:] == 0)
+
+
+def test_fp4_simulate_is_nearest_e2m1(seed):
+    from cupy_dsa.bench.recall import fp4_simulate
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 128, generator=g) * torch.exp(torch.randn(64, 1, generator=g))
+    y = fp4_simulate(x).double().view(-1, 32)
+    xb = x.double().view(-1, 32)
+    scale = torch.exp2(torch.ceil(torch.log2(xb.abs().amax(-1, keepdim=True).clamp_min(1e-4) / 6)))
+    grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)
+    cand = torch.sign(xb)[..., None] * grid * scale[..., None]            # every representable value
+    best = (cand - xb[..., None]).abs().min(-1).values
+    assert torch.allclose((y - xb).abs(), best, rtol=0, atol=1e-12)
+    assert torch.equal(y.float().to(torch.bfloat16).double(), y)          # exactly representable in bf16
