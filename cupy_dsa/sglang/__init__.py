@@ -1,0 +1,2 @@
+"""SGLang 0.5.23 integration (general plugin). Importing this package never imports SGLang: the hooks in
+:mod:`cupy_dsa.sglang.plugin` load it lazily, and :mod:`cupy_dsa.sglang.core` holds the SGLang-free glue."""

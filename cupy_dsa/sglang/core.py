@@ -1,0 +1,203 @@
+"""The parts of the SGLang plugin that do not need SGLang: the switch, the store and logits glue.
+
+``plugin.py`` wires these into SGLang's hooks; the GPU test calls them directly with tensors shaped as
+SGLang builds them (the H200 has no SGLang). Everything here takes torch tensors and runs the cupy_dsa ops,
+which dispatch CPU tensors to the torch reference and CUDA tensors to the kernels.
+
+CUDA-graph rules (SGLang captures decode and target-verify, ``forward_c4_indexer`` included): no host
+sync, no allocation outside torch, kernels compiled and loaded before capture (:func:`ensure_warm`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV_NAME = "SGLANG_CUPY_DSA_INDEX_K"
+CLI_FLAG = "--cupy-dsa-index-k-dtype"
+MODES = ("fp8", "bf16", "bf16-fp4sim")
+DEFAULT_MODE = "fp8"
+
+INDEX_HEAD_DIM = 128
+PAGE_SLOTS = 64
+BF16_BYTES_PER_TOKEN = 2 * INDEX_HEAD_DIM        # 256
+BF16_PAGE_BYTES = PAGE_SLOTS * BF16_BYTES_PER_TOKEN  # 16384
+
+# Without SGLang's row-chunk plan (SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1 builds none) an eager call still
+# bounds one fp32 logits block to this many bytes; graph-captured calls are never split (fixed shapes).
+MAX_EAGER_LOGITS_BYTES = 2 << 30
+
+
+def parse_mode(value) -> str:
+    """Normalise a switch value (case-insensitive); raise ValueError naming the accepted values."""
+    if value is None or str(value).strip() == "":
+        return DEFAULT_MODE
+    v = str(value).strip().lower()
+    if v not in MODES:
+        raise ValueError(f"{ENV_NAME}={value!r}: expected one of {', '.join(MODES)} "
+                         f"(fp8 leaves SGLang unchanged; bf16 / bf16-fp4sim store 256-byte bf16 index keys)")
+    return v
+
+
+def index_k_mode() -> str:
+    """The switch, read from the environment on every call ('fp8' = SGLang unchanged)."""
+    return parse_mode(os.environ.get(ENV_NAME))
+
+
+def enabled() -> bool:
+    return index_k_mode() != "fp8"
+
+
+def numerics_of(mode: str) -> str:
+    return "fp4sim" if mode == "bf16-fp4sim" else "exact"
+
+
+def pd_layout_tag(mode: str) -> str:
+    """Suffix appended to SGLang's PD layout string, so fp8 and bf16 peers refuse to pair."""
+    return f",c4idx:{mode}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernel warm-up (compile + module load outside any CUDA-graph capture)
+# --------------------------------------------------------------------------------------------------
+
+_WARMED: set[int] = set()
+_WARM_LOCK = threading.Lock()
+
+
+def ensure_warm(device: torch.device) -> None:
+    """Compile and load every cupy_dsa kernel on ``device`` once per process.
+
+    SGLang's ``ModelRunner.init_cuda_graphs`` hook calls this before the first capture; the store and
+    logits glue call it too, so an eager first call warms everything. A call that finds the device cold
+    while the stream is capturing still compiles (host-only) and loads the modules, and logs a warning:
+    a driver may refuse module loads during capture, which then surfaces as a capture error.
+    """
+    if device.type != "cuda":
+        return
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx in _WARMED:
+        return
+    with _WARM_LOCK:
+        if idx in _WARMED:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            logger.warning("cupy_dsa kernels were not warmed up before CUDA-graph capture on cuda:%d; "
+                           "compiling now", idx)
+        import cupy_dsa
+
+        n = cupy_dsa.warm_up(idx)
+        logger.info("cupy_dsa: warmed %d kernel instantiations on cuda:%d", n, idx)
+        _WARMED.add(idx)
+
+
+# --------------------------------------------------------------------------------------------------
+# Store (H2): SGLang's compress_norm_rope_store arguments -> the plan-native bf16 store
+# --------------------------------------------------------------------------------------------------
+
+def is_bf16_index_cache(kvcache: torch.Tensor) -> bool:
+    return (isinstance(kvcache, torch.Tensor) and kvcache.dtype == torch.uint8 and kvcache.dim() == 2
+            and kvcache.shape[1] == BF16_PAGE_BYTES)
+
+
+def rope_table(freq_cis: torch.Tensor) -> torch.Tensor:
+    """SGLang passes complex64 ``[max_pos, 32]``; the store takes float32 ``[max_pos, 64]`` (cos, sin
+    interleaved), which is the same memory viewed as real pairs (no copy)."""
+    if freq_cis.is_complex():
+        return torch.view_as_real(freq_cis).flatten(-2)
+    return freq_cis
+
+
+def store_index_k_bf16(kv: torch.Tensor, plan_rows: torch.Tensor, *, is_decode: bool, compress_ratio: int,
+                       norm_weight: torch.Tensor, norm_eps: float, freq_cis: torch.Tensor,
+                       out_loc: torch.Tensor, kvcache: torch.Tensor, mode: str) -> None:
+    """Write bf16 index keys for SGLang's plan rows (uint8 ``[N, 16]``) into ``kvcache`` (uint8 ``[P, 16384]``)."""
+    import cupy_dsa
+
+    if kv.is_cuda:
+        ensure_warm(kv.device)
+    if norm_weight.dtype != torch.float32:
+        norm_weight = norm_weight.to(torch.float32)
+    cupy_dsa.store_index_k_from_plan(
+        kv, plan_rows, cache=kvcache, out_loc=out_loc, norm_weight=norm_weight, freqs_cis=rope_table(freq_cis),
+        is_decode=bool(is_decode), compress_ratio=int(compress_ratio), eps=float(norm_eps),
+        numerics=numerics_of(mode), key_style="v4", hadamard=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Logits (H3): one row chunk at a time, fp32 [rows, width] with a row stride % 4 == 0
+# --------------------------------------------------------------------------------------------------
+
+def _as_i32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
+
+
+def paged_logits(q: torch.Tensor, weights: torch.Tensor, lens: torch.Tensor, page_table: torch.Tensor,
+                 kvcache: torch.Tensor, max_len: int, rows: slice) -> torch.Tensor:
+    """Decode / verify / small-extend rows: ``q`` fp8 ``[R, 64, 128]``, ``weights`` fp32 ``[R, 64]``,
+    ``lens`` (compressed lengths) ``[R]``, ``page_table`` int32 ``[R, max_pages]``; returns fp32
+    ``[len(rows), max_len]``."""
+    import cupy_dsa
+
+    if q.is_cuda:
+        ensure_warm(q.device)
+    return cupy_dsa.paged_mqa_logits(
+        q[rows].unsqueeze(1).contiguous(), kvcache, weights[rows].contiguous(), _as_i32(lens[rows]).contiguous(),
+        _as_i32(page_table[rows]), int(max_len), clean_logits=False)
+
+
+def prefill_logits(q: torch.Tensor, weights: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor,
+                   block_table: torch.Tensor, kvcache: torch.Tensor, rows: slice) -> torch.Tensor:
+    """One request's prefill rows against its paged keys: row ``i`` sees keys ``[ks[i], ke[i])``;
+    returns fp32 ``[len(rows), block_table.numel()*64]`` (column = key position)."""
+    import cupy_dsa
+
+    if q.is_cuda:
+        ensure_warm(q.device)
+    return cupy_dsa.mqa_logits(
+        q.contiguous(), kvcache, weights.contiguous(), _as_i32(ks).contiguous(), _as_i32(ke).contiguous(),
+        block_table=_as_i32(block_table.reshape(-1)).contiguous(), max_seqlen_k=0, clean_logits=False,
+        rows=(rows.start, rows.stop))
+
+
+def row_chunks(num_rows: int, rows_per_chunk: int | None, width: int, capturing: bool):
+    """Row slices: SGLang's ``rows_per_chunk`` when it planned one, else at most
+    ``MAX_EAGER_LOGITS_BYTES`` of logits per chunk (never split while capturing a graph)."""
+    if rows_per_chunk is None and not capturing and width > 0:
+        row_bytes = ((width + 3) // 4 * 4) * 4
+        cap = max(1, MAX_EAGER_LOGITS_BYTES // row_bytes)
+        if cap < num_rows:
+            rows_per_chunk = cap
+    if rows_per_chunk is None or rows_per_chunk >= num_rows:
+        return [slice(0, num_rows)]
+    return [slice(s, min(s + rows_per_chunk, num_rows)) for s in range(0, num_rows, rows_per_chunk)]
+
+
+def topk_page_indices(logits: torch.Tensor, lens: torch.Tensor, page_table: torch.Tensor, k: int,
+                      page_size: int = PAGE_SLOTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """A plain torch top-k with SGLang's output convention (for tests and tools; the plugin uses SGLang's
+    own top-k): rows with ``len <= k`` select ``0..len-1``; entries are ``page_table[r, i // 64] * 64 +
+    i % 64`` (int32), ``-1`` padded. Returns ``(page_indices, raw_indices)``, both int32 ``[R, k]``.
+    Capturable: no host sync, fixed shapes."""
+    R, width = logits.shape
+    dev = logits.device
+    cols = torch.arange(width, device=dev)
+    lens_l = lens.to(torch.int64).reshape(R, 1)
+    masked = logits.masked_fill(cols[None, :] >= lens_l, float("-inf"))
+    kk = min(k, width)
+    _, raw = torch.topk(masked, kk, dim=1, largest=True, sorted=False)
+    if kk < k:
+        raw = torch.nn.functional.pad(raw, (0, k - kk), value=0)
+    seq = torch.arange(k, device=dev)[None, :].expand(R, k)
+    raw = torch.where(lens_l <= k, seq, raw)
+    valid = raw < lens_l
+    pages = torch.gather(page_table.to(torch.int64), 1, (raw // page_size).clamp(min=0,
+                         max=max(page_table.shape[1] - 1, 0)))
+    page_idx = torch.where(valid, pages * page_size + raw % page_size, torch.full_like(raw, -1))
+    raw = torch.where(valid, raw, torch.full_like(raw, -1))
+    return page_idx.to(torch.int32), raw.to(torch.int32)

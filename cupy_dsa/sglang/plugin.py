@@ -1,0 +1,462 @@
+"""SGLang 0.5.23 general plugin: bf16 index keys for DeepSeek-V4's C4 indexer.
+
+Entry point ``cupy_dsa = cupy_dsa.sglang.plugin:register`` in group ``sglang.srt.plugins``; SGLang calls
+:func:`register` in every process that runs ``load_plugins()`` (launcher, each scheduler, DP controller,
+detokenizer). The switch is ``SGLANG_CUPY_DSA_INDEX_K`` (``fp8`` = SGLang unchanged, the default;
+``bf16``; ``bf16-fp4sim``), or the server flag ``--cupy-dsa-index-k-dtype`` (also a ``--config`` YAML key),
+which sets the variable in the launcher before the schedulers are spawned.
+
+Always installed (they are how the switch gets turned on and checked):
+
+* the env field in SGLang's ``Envs`` registry (shows up in SGLang's env dumps);
+* CLI: AFTER ``ServerArgs.add_cli_args`` (adds the flag), AFTER ``ServerArgs.from_cli_args`` (sets the var);
+* H5: resolution hook on ``handle_model_specific_adjustments``: refuses the FP4 indexer, the NVIDIA
+  megakernel and HIP / XPU / NPU, and turns SGLang's fp8-only non-paged prefill reader off.
+
+Installed when the switch is on at ``register()`` time (the schedulers inherit the variable), each still
+checking the switch on every call and delegating to SGLang's original when it is off:
+
+* H1 AROUND ``get_dsv4_indexer_bytes_per_token``: 256 B/token for the non-FP4 pool, which sizes both the
+  allocation and the KV memory budget (the hook registry re-points ``pool_configurator``'s imported name);
+* H2 AROUND ``compress_norm_rope_store``: the C4 indexer store (head_dim 128, not FP4, not bf16_store,
+  16384-byte page rows) goes to ``cupy_dsa.store_index_k_from_plan`` on SGLang's own plan rows;
+* H3 AROUND ``C4IndexerBackendMixin.forward_c4_indexer``: SGLang's body order, with the logits from
+  ``cupy_dsa.paged_mqa_logits`` (decode / verify / extend) or ``cupy_dsa.mqa_logits`` (single-request
+  eager prefill, where SGLang would run its non-paged fp8 reader); SGLang's top-k backends, raw indices,
+  HiSparse epilogue and top-k capturer are called as SGLang calls them;
+* H4 AFTER ``DeepSeekV4TokenToKVPool.pd_kv_layout``: appends ``,c4idx:<mode>`` so PD peers with
+  different index-key formats refuse to pair;
+* HiCache: AFTER ``_dsv4_indexer_regions`` (bf16 index pages move page-aligned only) and AROUND
+  ``HiCacheStorageConfig.__post_init__`` (a distinct L3 namespace: ``model_name`` gets ``_c4idx-<mode>``,
+  so fp8 pages persisted by another server are never read as bf16);
+* warm-up: BEFORE ``ModelRunner.init_cuda_graphs`` compiles and loads every cupy_dsa kernel before the
+  first CUDA-graph capture.
+
+This module imports SGLang only inside functions; CuPy and the kernels load only on the CUDA path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import torch
+
+from . import core
+from .core import CLI_FLAG, ENV_NAME, MODES, index_k_mode
+
+logger = logging.getLogger(__name__)
+
+T_BYTES = "sglang.srt.mem_cache.deepseek_v4_memory_pool.get_dsv4_indexer_bytes_per_token"
+T_STORE = "sglang.kernels.ops.attention.dsv4.compress.compress_norm_rope_store"
+T_INDEXER = "sglang.srt.layers.attention.dsv4.indexer.C4IndexerBackendMixin.forward_c4_indexer"
+T_PD_LAYOUT = "sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool.pd_kv_layout"
+T_CLI_ADD = "sglang.srt.server_args.ServerArgs.add_cli_args"
+T_CLI_FROM = "sglang.srt.server_args.ServerArgs.from_cli_args"
+T_HICACHE_REGIONS = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler._dsv4_indexer_regions"
+T_HICACHE_L3 = "sglang.srt.mem_cache.hicache_storage.HiCacheStorageConfig.__post_init__"
+T_WARM_UP = "sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs"
+RESOLUTION_STEP = "handle_model_specific_adjustments"
+
+ALWAYS_TARGETS = (T_CLI_ADD, T_CLI_FROM)
+SWITCHED_TARGETS = (T_BYTES, T_STORE, T_INDEXER, T_PD_LAYOUT, T_HICACHE_REGIONS, T_HICACHE_L3, T_WARM_UP)
+
+_INDEXER_POOL_NAME = "deepseek_v4_c4_indexer"
+
+_registered_always = False
+_registered_switched = False
+
+
+# --------------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------------
+
+def register() -> None:
+    """SGLang general-plugin entry point (idempotent within a process)."""
+    global _registered_always, _registered_switched
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    register_env_field()
+    if not _registered_always:
+        HookRegistry.register(T_CLI_ADD, _add_cli_args_hook, HookType.AFTER)
+        HookRegistry.register(T_CLI_FROM, _from_cli_args_hook, HookType.AFTER)
+        from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+
+        register_resolution_hook(RESOLUTION_STEP)(validate_config)
+        _registered_always = True
+    if not _registered_switched and core.enabled():
+        HookRegistry.register(T_BYTES, _bytes_per_token_hook, HookType.AROUND)
+        HookRegistry.register(T_STORE, _store_hook, HookType.AROUND)
+        HookRegistry.register(T_INDEXER, _forward_c4_indexer_hook, HookType.AROUND)
+        HookRegistry.register(T_PD_LAYOUT, _pd_kv_layout_hook, HookType.AFTER)
+        HookRegistry.register(T_HICACHE_REGIONS, _hicache_regions_hook, HookType.AFTER)
+        HookRegistry.register(T_HICACHE_L3, _hicache_storage_config_hook, HookType.AROUND)
+        HookRegistry.register(T_WARM_UP, _warm_up_hook, HookType.BEFORE)
+        _registered_switched = True
+        logger.info("cupy_dsa: %s=%s, bf16 C4 index-key hooks registered", ENV_NAME, index_k_mode())
+
+
+def register_env_field() -> None:
+    """Declare ``SGLANG_CUPY_DSA_INDEX_K`` in SGLang's ``Envs`` (after the class body, so ``.name`` is set by
+    hand: SGLang forbids ``__set_name__`` once ``envs`` exists)."""
+    from sglang.srt import environ
+
+    if isinstance(environ.Envs.__dict__.get(ENV_NAME), environ.EnvField):
+        return
+
+    class IndexKDtypeEnv(environ.EnvStr):
+        def parse(self, value: str) -> str:
+            return core.parse_mode(value)
+
+    field = IndexKDtypeEnv(core.DEFAULT_MODE)
+    field.name = ENV_NAME
+    setattr(environ.Envs, ENV_NAME, field)
+
+
+# --------------------------------------------------------------------------------------------------
+# Platform and configuration checks (H5)
+# --------------------------------------------------------------------------------------------------
+
+def _platform_problem(device=None) -> str | None:
+    from sglang.srt.utils import is_hip, is_npu, is_xpu
+
+    dev = str(device).split(":", 1)[0].lower() if device is not None else ""
+    name = None
+    if is_hip() or dev == "hip":
+        name = "HIP (ROCm)"
+    elif is_xpu() or dev == "xpu":
+        name = "XPU"
+    elif is_npu() or dev == "npu":
+        name = "NPU"
+    if name is None:
+        return None
+    return (f"platform {name}: cupy_dsa's kernels are CUDA (CuPy/NVRTC) and SGLang runs its own indexer "
+            f"pools and kernels on {name}. Run on an NVIDIA GPU, or set {ENV_NAME}=fp8 to keep SGLang's "
+            f"index keys.")
+
+
+def _require_supported_platform() -> None:
+    problem = _platform_problem()
+    if problem:
+        raise RuntimeError(f"cupy_dsa ({ENV_NAME}={index_k_mode()}): {problem}")
+
+
+def refusal_reasons(cfg, mode: str) -> list[str]:
+    """Why this (resolved) server configuration cannot run with bf16 index keys; empty if it can."""
+    reasons = []
+    if getattr(cfg, "enable_deepseek_v4_fp4_indexer", False):
+        reasons.append(
+            f"--enable-deepseek-v4-fp4-indexer: the FP4 indexer keeps 68-byte FP4 index keys and FP4 logits, "
+            f"which {ENV_NAME}={mode} does not replace. Drop --enable-deepseek-v4-fp4-indexer (use "
+            f"{ENV_NAME}=bf16-fp4sim to keep FP4-rounded keys in bf16), or set {ENV_NAME}=fp8.")
+    if getattr(cfg, "enable_nvidia_megakernel", False):
+        reasons.append(
+            f"--enable-nvidia-megakernel: the megakernel runs its own fp8 indexer over SGLang's 132-byte "
+            f"index pages, which are 256-byte bf16 pages with {ENV_NAME}={mode}. Drop "
+            f"--enable-nvidia-megakernel, or set {ENV_NAME}=fp8.")
+    problem = _platform_problem(getattr(cfg, "device", None))
+    if problem:
+        reasons.append(problem)
+    return reasons
+
+
+def validate_config(server_args, previous) -> None:
+    """H5 (resolution step ``handle_model_specific_adjustments``; runs once, in the launcher)."""
+    previous(server_args)
+    mode = index_k_mode()  # an invalid value raises here, at launch
+    if mode == "fp8":
+        return
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+    from sglang.srt.environ import envs
+
+    reasons = refusal_reasons(resolving_view(server_args), mode)
+    if reasons:
+        raise ValueError(f"cupy_dsa ({ENV_NAME}={mode}, bf16 C4 index keys) cannot run with this "
+                         "configuration:\n  - " + "\n  - ".join(reasons))
+    # SGLang's non-paged prefill reader gathers fp8 values + scales from the index pages; never let it run.
+    envs.SGLANG_OPT_DSV4_NONPAGED_INDEXER.set(False)
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI flag and --config YAML key
+# --------------------------------------------------------------------------------------------------
+
+def _add_cli_args_hook(result, *args, **kwargs):
+    parser = kwargs.get("parser", args[0] if args else None)
+    if parser is None or any(CLI_FLAG in a.option_strings for a in parser._actions):
+        return None
+    parser.add_argument(
+        CLI_FLAG, type=str.lower, choices=MODES, default=None,
+        help=(f"[cupy_dsa plugin] DeepSeek-V4 C4 index-key format: fp8 (SGLang's, default), bf16 or "
+              f"bf16-fp4sim (256-byte bf16 keys, cupy_dsa kernels). Same as {ENV_NAME}."))
+    return None
+
+
+def _from_cli_args_hook(result, *args, **kwargs):
+    ns = kwargs.get("args", args[-1] if args else None)
+    value = getattr(ns, CLI_FLAG.lstrip("-").replace("-", "_"), None)
+    if value is not None:
+        os.environ[ENV_NAME] = core.parse_mode(value)
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# H1: bytes per index token (allocation and budget)
+# --------------------------------------------------------------------------------------------------
+
+def _bytes_args(index_head_dim, use_fp4_indexer):
+    return index_head_dim, use_fp4_indexer
+
+
+def _bytes_per_token_hook(original, *args, **kwargs):
+    index_head_dim, use_fp4 = _bytes_args(*args, **kwargs)
+    if use_fp4 or not core.enabled():
+        return original(*args, **kwargs)  # fp4 pools (incl. V4.1 low-ratio, forced fp4) stay as they are
+    _require_supported_platform()
+    return 2 * int(index_head_dim)
+
+
+# --------------------------------------------------------------------------------------------------
+# H2: the index-K store
+# --------------------------------------------------------------------------------------------------
+
+def _store_hook(original, kv, plan, *args, **kwargs):
+    mode = index_k_mode()
+    kvcache = kwargs.get("kvcache")
+    if (mode == "fp8" or args or kv.shape[-1] != core.INDEX_HEAD_DIM or kwargs.get("use_fp4", False)
+            or kwargs.get("bf16_store", False) or kwargs.get("fp8_2buff", False)
+            or not core.is_bf16_index_cache(kvcache)):
+        return original(kv, plan, *args, **kwargs)
+    _require_supported_platform()
+    page_size = kwargs.get("page_size", core.PAGE_SLOTS)
+    if page_size != core.PAGE_SLOTS:
+        raise ValueError(f"cupy_dsa store: expected index page_size {core.PAGE_SLOTS}, got {page_size}")
+    core.store_index_k_bf16(
+        kv, plan[1], is_decode=bool(plan.is_decode), compress_ratio=int(plan.compress_ratio),
+        norm_weight=kwargs["norm_weight"], norm_eps=kwargs["norm_eps"], freq_cis=kwargs["freq_cis"],
+        out_loc=kwargs["out_loc"], kvcache=kvcache, mode=mode)
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# H3: forward_c4_indexer
+# --------------------------------------------------------------------------------------------------
+
+def _indexer_args(x, q_lora, c4_indexer, forward_batch, alt_streams=None, enable_multi_stream=False,
+                  q_lora_ready=None, skip_compressor=False, q_lora_quant=None):
+    return dict(x=x, q_lora=q_lora, c4_indexer=c4_indexer, forward_batch=forward_batch, alt_streams=alt_streams,
+                enable_multi_stream=enable_multi_stream, q_lora_ready=q_lora_ready,
+                skip_compressor=skip_compressor, q_lora_quant=q_lora_quant)
+
+
+def _forward_c4_indexer_hook(original, self, *args, **kwargs):
+    a = _indexer_args(*args, **kwargs)
+    if not core.enabled() or a["c4_indexer"].use_fp4_indexer:
+        return original(self, *args, **kwargs)
+    _require_supported_platform()
+    return forward_c4_indexer_bf16(self, **a)
+
+
+def _match_rows(t: torch.Tensor, rows: int, value) -> torch.Tensor:
+    """SGLang's ``match_num_queries``: trim, or pad the row dimension with ``value``."""
+    if t.shape[0] == rows:
+        return t
+    if t.shape[0] > rows:
+        return t[:rows]
+    pad = (0, 0) * (t.dim() - 1) + (0, rows - t.shape[0])
+    return torch.nn.functional.pad(t, pad, value=value)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _use_prefill_kernel(ix, self, forward_batch, indexer_metadata, rows: int, device) -> bool:
+    """Where SGLang 0.5.23 would run its non-paged prefill reader (one request, plain eager extend, enough
+    rows); the bf16 equivalent is cupy_dsa.mqa_logits over that request's pages."""
+    envs = ix.envs
+    if rows < envs.SGLANG_OPT_DSV4_NONPAGED_INDEXER_MIN_QUERY_TOKENS.get():
+        return False
+    if (forward_batch.forward_mode != ix.ForwardMode.EXTEND
+            or getattr(forward_batch, "_original_forward_mode", None) is not None
+            or getattr(forward_batch, "tbo_parent_token_range", None) is not None
+            or forward_batch.batch_size != 1
+            or indexer_metadata.use_prefill_cuda_graph
+            or getattr(self, "hisparse_coordinator", None) is not None):
+        return False
+    if ix.get_parallel().attn_cp_size != 1:
+        return False
+    if ix.is_in_tc_piecewise_cuda_graph() or ix.is_in_breakable_cuda_graph() or _capturing(device):
+        return False
+    return True
+
+
+def forward_c4_indexer_bf16(self, *, x, q_lora, c4_indexer, forward_batch, alt_streams=None,
+                            enable_multi_stream=False, q_lora_ready=None, skip_compressor=False,
+                            q_lora_quant=None) -> None:
+    """``C4IndexerBackendMixin.forward_c4_indexer`` with bf16 index keys (same steps, same order)."""
+    from sglang.srt.layers.attention.dsv4 import indexer as ix
+
+    if forward_batch.forward_mode.is_idle():
+        return
+    pool = self.token_to_kv_pool
+    metadata = self.forward_metadata
+    indexer_metadata = metadata.indexer_metadata
+    core_metadata = metadata.core_metadata
+
+    positions = core_metadata.positions
+    n = min(x.shape[0], q_lora.shape[0], positions.shape[0])
+    if x.shape[0] != n:
+        x = x[:n]
+    if q_lora.shape[0] != n:
+        q_lora = q_lora[:n]
+        q_lora_quant = None
+    if positions.shape[0] != n:
+        positions = positions[:n]
+
+    if enable_multi_stream:
+        q, weights = self._forward_prepare_multi_stream(
+            x=x, q_lora=q_lora, c4_indexer=c4_indexer, positions=positions, forward_batch=forward_batch,
+            alt_streams=alt_streams, q_lora_ready=q_lora_ready)
+    else:
+        if q_lora_ready is not None:
+            raise ValueError("q_lora_ready: only the multi-stream prepare path takes an event")
+        q, weights = self._forward_prepare_normal(
+            x=x, q_lora=q_lora, c4_indexer=c4_indexer, positions=positions, forward_batch=forward_batch,
+            skip_compressor=skip_compressor, q_lora_quant=q_lora_quant)
+    if q.dim() != 3 or weights.dim() != 3:
+        raise ValueError(f"cupy_dsa indexer: expected q [rows, 64, 128] and weights [rows, 64, 1], got "
+                         f"{tuple(q.shape)} and {tuple(weights.shape)}")
+    weights = weights.squeeze(2)
+    rows = q.shape[0]
+
+    lens = _match_rows(indexer_metadata.compressed_seq_lens, rows, 1)
+    page_table = _match_rows(indexer_metadata.page_table, rows, 0)
+    page_indices = _match_rows(core_metadata.c4_sparse_page_indices, rows, -1)
+    use_prefill = _use_prefill_kernel(ix, self, forward_batch, indexer_metadata, rows, q.device)
+    if self.debug_use_external_c4_sparse_indices:
+        return
+
+    capturer = ix.get_global_indexer_capturer()
+    hisparse = self.hisparse_coordinator
+    hisparse_decode = hisparse is not None and forward_batch.forward_mode.is_decode()
+    raw_indices = None
+    if core_metadata.c4_sparse_raw_indices is not None:
+        raw_indices = core_metadata.c4_sparse_raw_indices
+    elif capturer is not None:
+        raw_indices = torch.empty_like(page_indices)
+    elif hisparse_decode:
+        raw_indices = hisparse.raw_indices_buffer[: page_indices.size(0)]
+
+    all_rows = slice(0, rows)
+    page_size = indexer_metadata.compressed_page_size
+    backend = self.dsa_topk_backend
+
+    def run_topk(r: slice, logits: torch.Tensor, topk_plan=None) -> None:
+        raw = raw_indices[r] if raw_indices is not None else None
+        if backend.is_torch():
+            ix.topk_transform_pytorch_vectorized(logits, lens[r], page_table[r], page_indices[r], page_size, raw)
+        elif backend.is_flashinfer():
+            self.flashinfer_topk_transform(logits, lens[r], page_table[r], page_indices[r], page_size, raw)
+        elif backend.should_use_topk_v2():
+            if topk_plan is None:
+                topk_plan = indexer_metadata.topk_metadata if r == all_rows else ix.plan_topk_v2(lens[r])
+            ix.topk_transform_paged_v2(logits, lens[r], page_table[r], page_indices[r], page_size, topk_plan,
+                                       raw)
+        else:
+            ix.topk_transform_paged(logits, lens[r], page_table[r], page_indices[r], page_size, raw)
+
+    kvcache = pool.get_index_k_with_scale_buffer(layer_id=c4_indexer.layer_id)  # keeps HiCache's layer wait
+    if not core.is_bf16_index_cache(kvcache):
+        raise RuntimeError(
+            f"cupy_dsa ({ENV_NAME}={index_k_mode()}): the C4 index cache of layer {c4_indexer.layer_id} has "
+            f"{tuple(kvcache.shape)} {kvcache.dtype} page rows, expected uint8 [P, {core.BF16_PAGE_BYTES}]. "
+            f"The pool was sized with the switch off: set {ENV_NAME} before SGLang starts (every scheduler "
+            f"process must see it) and check that SGLANG_PLUGINS, if set, lists cupy_dsa.")
+
+    width = indexer_metadata.max_compressed_seq_len
+    capturing = _capturing(q.device)
+    if use_prefill:
+        ks = torch.zeros_like(lens, dtype=torch.int32)
+        ke = lens.to(torch.int32)
+        if backend.is_sgl_kernel():
+            # sgl-kernel top-k fills rows with len <= topk without reading logits: skip their keys
+            ke = torch.where(ke > c4_indexer.index_topk, ke, ks)
+        rows_per_chunk = None
+        if indexer_metadata.mqa_logits_budget_bytes is not None:
+            from sglang.srt.layers.attention.mqa_logits_utils import mqa_logits_row_bytes, mqa_logits_rows_per_chunk
+
+            rows_per_chunk = mqa_logits_rows_per_chunk(num_rows=rows, row_bytes=mqa_logits_row_bytes(width),
+                                                       budget_bytes=indexer_metadata.mqa_logits_budget_bytes)
+        for r in core.row_chunks(rows, rows_per_chunk, width, capturing):
+            logits = core.prefill_logits(q, weights, ks, ke, page_table[0], kvcache, r)
+            run_topk(r, logits)
+            del logits
+    else:
+        rows_per_chunk = indexer_metadata.rows_per_chunk
+        chunks = core.row_chunks(rows, rows_per_chunk, width, capturing)
+        plans = indexer_metadata.topk_metadata_chunks
+        if (plans is None or rows_per_chunk is None or len(plans) != len(chunks)
+                or rows != indexer_metadata.compressed_seq_lens.shape[0]):
+            plans = None
+        for i, r in enumerate(chunks):
+            logits = core.paged_logits(q, weights, lens, page_table, kvcache, width, r)
+            run_topk(r, logits, plans[i] if plans is not None else None)
+            del logits
+
+    if hisparse is not None:
+        compress_layer_id = pool.layer_mapping[c4_indexer.layer_id].compress_layer_id
+        if hisparse_decode:
+            core_metadata.c4_sparse_page_indices = hisparse.swap_in_selected_pages(
+                req_pool_indices=forward_batch.req_pool_indices,
+                compressed_seq_lens=indexer_metadata.compressed_seq_lens,
+                top_k_result=raw_indices, layer_id=compress_layer_id)
+        else:
+            # FlashMLA's C4 attention takes int32 page indices
+            core_metadata.c4_sparse_page_indices = pool.c4_kv_pool.translate_loc_to_hisparse_device(
+                core_metadata.c4_sparse_page_indices).to(torch.int32)
+
+    if capturer is not None:
+        capturer.capture(pool.layer_mapping[c4_indexer.layer_id].compress_layer_id, raw_indices)
+
+
+# --------------------------------------------------------------------------------------------------
+# H4 (PD layout tag), HiCache guards, warm-up
+# --------------------------------------------------------------------------------------------------
+
+def _pd_kv_layout_hook(result, *args, **kwargs):
+    mode = index_k_mode()
+    if mode == "fp8":
+        return None
+    return f"{result}{core.pd_layout_tag(mode)}"
+
+
+def _hicache_regions_hook(result, *args, **kwargs):
+    if not core.enabled():
+        return None
+    out = []
+    for region in result:
+        if (str(region.name) == _INDEXER_POOL_NAME and region.item_bytes == core.BF16_PAGE_BYTES
+                and not region.page_aligned_only):
+            # the token-granular host copy hard-codes the 584-byte C4 KV row split; bf16 pages move whole
+            region = dataclasses.replace(region, page_aligned_only=True)
+        out.append(region)
+    return out
+
+
+def _hicache_storage_config_hook(original, self, *args, **kwargs):
+    result = original(self, *args, **kwargs)
+    mode = index_k_mode()
+    if mode != "fp8":
+        tag = f"c4idx-{mode}"
+        name = getattr(self, "model_name", None)
+        if not (name or "").endswith(tag):
+            self.model_name = f"{name}_{tag}" if name else tag
+    return result
+
+
+def _warm_up_hook(self, *args, **kwargs):
+    if core.enabled() and torch.cuda.is_available() and str(getattr(self, "device", "cuda")).startswith("cuda"):
+        core.ensure_warm(torch.device("cuda", torch.cuda.current_device()))
+    return None
