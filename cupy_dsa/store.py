@@ -26,13 +26,13 @@ from .layouts import FP8_MAX, FP8_MIN_AMAX, FP8_SCALE_OFFSET, HEAD_DIM, PAGE_SLO
 
 _FILE = "store_index_k.cu"
 
-# Template arguments of store_index_k<Layout, Numerics, Style, Hadamard, TIn, Source, TIdx>.
+# Template arguments of store_index_k<Layout, Numerics, Style, Hadamard, TIn, Source>; the index dtype
+# (int32/int64 positions or plan out_loc) is a run-time kernel argument.
 _LAYOUT_ID = {"bf16": 0, "fp8": 1}
 _NUMERICS_ID = {"exact": 0, "fp4sim": 1}
 _STYLE_ID = {"v4": 0, "v32": 1}
 _SRC_DIRECT, _SRC_DECODE, _SRC_PREFILL = 0, 1, 2
 _IN_TYPE = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16"}
-_IDX_TYPE = {torch.int32: "int", torch.int64: "long long"}
 
 WARPS_PER_BLOCK = 8
 BLOCK = (32 * WARPS_PER_BLOCK, 1, 1)
@@ -47,9 +47,9 @@ PLAN_INVALID = 0xFFFFFFFF
 _rsqrt = torch.rsqrt
 
 
-def _expr(layout, numerics, style, hadamard, in_dtype, source, idx_dtype) -> str:
+def _expr(layout, numerics, style, hadamard, in_dtype, source) -> str:
     return (f"store_index_k<{_LAYOUT_ID[layout]}, {_NUMERICS_ID[numerics]}, {_STYLE_ID[style]}, "
-            f"{'true' if hadamard else 'false'}, {_IN_TYPE[in_dtype]}, {source}, {_IDX_TYPE[idx_dtype]}>")
+            f"{'true' if hadamard else 'false'}, {_IN_TYPE[in_dtype]}, {source}>")
 
 
 def _all_instantiations() -> list[str]:
@@ -59,8 +59,7 @@ def _all_instantiations() -> list[str]:
             for had in (True, False):
                 for in_dtype in _IN_TYPE:
                     for src in (_SRC_DIRECT, _SRC_DECODE, _SRC_PREFILL):
-                        for idx in _IDX_TYPE:
-                            out.append(_expr(layout, numerics, style, had, in_dtype, src, idx))
+                        out.append(_expr(layout, numerics, style, had, in_dtype, src))
     return out
 
 
@@ -143,6 +142,9 @@ def _check_common(kv, cache, norm_weight, norm_bias, freqs_cis, eps, numerics, k
     _check_device("freqs_cis", freqs_cis, dev)
     _check_align("freqs_cis", freqs_cis, 16)
     _check_align("kv", kv, 16 if kv.dtype == torch.float32 else 8)
+    _check_align("norm_weight", norm_weight, 16)
+    if norm_bias is not None:
+        _check_align("norm_bias", norm_bias, 16)
     return layout
 
 
@@ -201,8 +203,9 @@ def store_index_k(kv, cache, *, positions, out_loc, norm_weight, freqs_cis, norm
     if n == 0:
         return
     rows = as_page_rows(cache)
-    expr = _expr(layout, numerics, key_style, hadamard, kv.dtype, _SRC_DIRECT, positions.dtype)
-    _launch(expr, kv, rows, positions, out_loc, norm_weight, norm_bias, freqs_cis, n, eps, 0)
+    expr = _expr(layout, numerics, key_style, hadamard, kv.dtype, _SRC_DIRECT)
+    _launch(expr, kv, rows, positions, out_loc, norm_weight, norm_bias, freqs_cis, n, eps, 0,
+            positions.dtype == torch.int64)
 
 
 def store_index_k_from_plan(kv, plan, *, cache, out_loc, norm_weight, freqs_cis, is_decode, compress_ratio=4,
@@ -226,15 +229,20 @@ def store_index_k_from_plan(kv, plan, *, cache, out_loc, norm_weight, freqs_cis,
         return
     rows = as_page_rows(cache)
     src = _SRC_DECODE if is_decode else _SRC_PREFILL
-    expr = _expr(layout, numerics, key_style, hadamard, kv.dtype, src, out_loc.dtype)
-    _launch(expr, kv, rows, plan, out_loc, norm_weight, norm_bias, freqs_cis, n, eps, compress_ratio)
+    expr = _expr(layout, numerics, key_style, hadamard, kv.dtype, src)
+    _launch(expr, kv, rows, plan, out_loc, norm_weight, norm_bias, freqs_cis, n, eps, compress_ratio,
+            out_loc.dtype == torch.int64)
 
 
-def _launch(expr, kv, rows, items, out_loc, norm_weight, norm_bias, freqs_cis, n, eps, ratio):
+_IDX64 = (np.int32(0), np.int32(1))
+
+
+def _launch(expr, kv, rows, items, out_loc, norm_weight, norm_bias, freqs_cis, n, eps, ratio, idx64):
     grid = ((n + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, 1, 1)
     args = (kv.data_ptr(), rows.data_ptr(), items.data_ptr(), out_loc.data_ptr(), norm_weight.data_ptr(),
             0 if norm_bias is None else norm_bias.data_ptr(), freqs_cis.data_ptr(), np.int64(n),
-            np.int64(rows.shape[0]), np.int64(freqs_cis.shape[0]), np.float32(eps), np.int32(ratio))
+            np.int64(rows.shape[0]), np.int64(freqs_cis.shape[0]), np.float32(eps), np.int32(ratio),
+            _IDX64[idx64])
     runtime.launch(_FILE, expr, kv.device, grid, BLOCK, args)
 
 
@@ -296,7 +304,8 @@ def _fp4sim(k: torch.Tensor) -> torch.Tensor:
     """e2m1 rounding with a power-of-two (ue8m0) scale per 32 elements, ties to the even code."""
     kb = k.view(-1, HEAD_DIM // FP4_BLOCK, FP4_BLOCK)
     amax = kb.abs().amax(dim=-1, keepdim=True)
-    t = torch.clamp_min(amax, FP4_MIN_AMAX) / FP4_MAX
+    # divide by a full tensor: torch on CUDA turns division by a Python scalar into a reciprocal multiply
+    t = torch.clamp_min(amax, FP4_MIN_AMAX) / torch.full_like(amax, FP4_MAX)
     # exact ceil(log2(t)) for a normal fp32 t: exponent, +1 unless the mantissa is zero
     bits = t.view(torch.int32)
     e = ((bits >> 23) & 0xFF) - 127
@@ -360,7 +369,7 @@ def fp8_quantize_reference(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """SGLang's per-token fp8: ``scale = max(amax, 1e-4)/448`` (plain fp32), ``e4m3(RNE(k * (1/scale)))``.
     Returns ``(codes uint8 [N, 128], scales float32 [N])``."""
     amax = k.abs().amax(dim=-1)
-    scale = torch.clamp_min(amax, FP8_MIN_AMAX) / FP8_MAX
+    scale = torch.clamp_min(amax, FP8_MIN_AMAX) / torch.full_like(amax, FP8_MAX)  # true division on CUDA too
     inv = 1.0 / scale
     v = (k * inv[:, None]).clamp(-FP8_MAX, FP8_MAX)
     return v.to(torch.float8_e4m3fn).view(torch.uint8), scale

@@ -143,11 +143,18 @@ struct WorkItem {
   i64 out_loc;
 };
 
-template <int Source, typename TIdx>
-__device__ __forceinline__ WorkItem work_item(const void* items, const void* out_loc, i64 t, int ratio) {
+// positions / plan out_loc may be int32 or int64: a warp-uniform run-time choice (not a template axis,
+// which would double the instantiations for one load instruction).
+__device__ __forceinline__ i64 load_index(const void* p, i64 i, bool idx64) {
+  return idx64 ? static_cast<const i64*>(p)[i] : static_cast<i64>(static_cast<const int*>(p)[i]);
+}
+
+template <int Source>
+__device__ __forceinline__ WorkItem work_item(const void* items, const void* out_loc, i64 t, int ratio,
+                                              bool idx64) {
   WorkItem wi;
   if (Source == kSrcDirect) {
-    wi.position = static_cast<i64>(static_cast<const TIdx*>(items)[t]);
+    wi.position = load_index(items, t, idx64);
     wi.out_loc = static_cast<const i64*>(out_loc)[t];
   } else {
     const uint4 row = reinterpret_cast<const uint4*>(items)[t];  // 16-byte plan row (broadcast to the warp)
@@ -166,19 +173,20 @@ __device__ __forceinline__ WorkItem work_item(const void* items, const void* out
       wi.position = -1;
       wi.out_loc = -1;
     } else {
-      wi.out_loc = static_cast<i64>(static_cast<const TIdx*>(out_loc)[idx]);
+      wi.out_loc = load_index(out_loc, idx, idx64);
     }
   }
   return wi;
 }
 
-// kv: [n, 128] TIn; cache: uint8 page rows; items: positions [n] (TIdx) or plan rows [n, 16];
-// out_loc: [n] int64 (direct) or [>= rows] TIdx (plans); norm_b only for V3.2; freqs: [max_pos, 64] fp32.
-template <int Layout, int Numerics, int Style, bool Hadamard, typename TIn, int Source, typename TIdx>
+// kv: [n, 128] TIn; cache: uint8 page rows; items: positions [n] or plan rows [n, 16]; out_loc: [n] int64
+// (direct) or [>= rows] (plans); idx64: positions (direct) / plan out_loc are int64 (else int32);
+// norm_b only for V3.2; freqs: [max_pos, 64] fp32.
+template <int Layout, int Numerics, int Style, bool Hadamard, typename TIn, int Source>
 __global__ void __launch_bounds__(256) store_index_k(
     const TIn* __restrict__ kv, unsigned char* __restrict__ cache, const void* __restrict__ items,
     const void* __restrict__ out_loc, const float* __restrict__ norm_w, const float* __restrict__ norm_b,
-    const float* __restrict__ freqs, i64 n, i64 num_pages, i64 max_pos, float eps, int ratio) {
+    const float* __restrict__ freqs, i64 n, i64 num_pages, i64 max_pos, float eps, int ratio, int idx64) {
   static_assert(!(Layout == kLayoutFp8 && Numerics == kNumFp4Sim), "fp4sim needs the bf16 layout");
   const int lane = threadIdx.x & 31;
   const i64 t = static_cast<i64>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -188,7 +196,7 @@ __global__ void __launch_bounds__(256) store_index_k(
   // memory latencies overlap; a skipped row only wastes its own 512 B.
   float x[4];
   load4(kv, t, lane, x);
-  const WorkItem wi = work_item<Source, TIdx>(items, out_loc, t, ratio);
+  const WorkItem wi = work_item<Source>(items, out_loc, t, ratio, idx64 != 0);
   if (wi.position < 0 || wi.position >= max_pos) return;
   constexpr int kPageBytes = Layout == kLayoutBf16 ? kBf16PageBytes : kFp8PageBytes;
   constexpr int kSlotBytes = Layout == kLayoutBf16 ? 2 * kHeadDim : kHeadDim;

@@ -96,20 +96,21 @@ def poisoned(num_pages, layout, device="cpu"):
 
 def slot_bytes(cache, loc, layout):
     """Flat byte indices of the slots ``loc`` (values then scale for fp8), computed from the layout spec."""
-    loc = loc.long().cpu()
+    loc = loc.long()
     page, slot = loc // 64, loc % 64
+    ar = torch.arange(256, device=loc.device)
     if layout == "bf16":
         base = page * BF16_PAGE_BYTES + slot * 256
-        return (base[:, None] + torch.arange(256)).flatten()
-    vals = page[:, None] * FP8_PAGE_BYTES + slot[:, None] * 128 + torch.arange(128)
-    sc = page[:, None] * FP8_PAGE_BYTES + FP8_SCALE_OFFSET + slot[:, None] * 4 + torch.arange(4)
+        return (base[:, None] + ar).flatten()
+    vals = page[:, None] * FP8_PAGE_BYTES + slot[:, None] * 128 + ar[:128]
+    sc = page[:, None] * FP8_PAGE_BYTES + FP8_SCALE_OFFSET + slot[:, None] * 4 + ar[:4]
     return torch.cat((vals, sc), 1).flatten()
 
 
 def read_slots(cache, loc, layout):
     """(values float32 [n, 128], scales float32 [n] or None) of the slots ``loc``."""
     flat = cache.reshape(-1).cpu()
-    idx = slot_bytes(cache, loc, layout).view(len(loc), -1)
+    idx = slot_bytes(cache, loc.cpu(), layout).view(len(loc), -1)
     raw = flat[idx]
     if layout == "bf16":
         return raw.contiguous().view(torch.bfloat16).float(), None
@@ -420,8 +421,8 @@ def test_bad_options():
 
 def test_instantiations_registered():
     exprs = runtime.instantiations()["store_index_k.cu"]
-    # 3 (layout, numerics) x 2 styles x 2 hadamard x 2 kv dtypes x 3 sources x 2 index dtypes
-    assert len(exprs) == 144 and len(set(exprs)) == 144
+    # 3 (layout, numerics) x 2 styles x 2 hadamard x 2 kv dtypes x 3 sources
+    assert len(exprs) == 72 and len(set(exprs)) == 72
     assert not any(e.startswith("store_index_k<1, 1,") for e in exprs)  # fp8 + fp4sim unreachable
 
 
@@ -493,7 +494,7 @@ def test_gpu_kernel_vs_reference(seed, device_rsqrt, n, layout, numerics, key_st
     valid = (loc >= 0) & ((loc >> 6) < num_pages) & (pos >= 0) & (pos < max_pos)
     target = torch.zeros(cache.numel(), dtype=torch.bool, device=dev)
     if valid.any():
-        target[slot_bytes(cache, loc[valid], layout).to(dev)] = True
+        target[slot_bytes(cache, loc[valid], layout)] = True
     flat, flat0, flate = cache.reshape(-1), cache0.reshape(-1), expected.reshape(-1)
     outside = _count(flat[~target], flat0[~target])
     inside = _count(flat[target], flate[target])
@@ -514,7 +515,8 @@ def test_gpu_kernel_vs_reference(seed, device_rsqrt, n, layout, numerics, key_st
 @pytest.mark.parametrize("layout,numerics", QUANT)
 @pytest.mark.parametrize("key_style", STYLES)
 def test_gpu_vs_plain_reference_ulp_bound(seed, layout, numerics, key_style):
-    """Against the reference with torch.rsqrt: rare 1-ulp differences only (the documented bound)."""
+    """Against the reference with torch.rsqrt on the CPU: rare one-step differences only (the documented
+    bound: <= 1e-3 of the elements, each one bf16 ulp / one e4m3 code / one e2m1 step; fp8 scales 1e-6)."""
     dev = torch.device("cuda")
     n, num_pages = 65536, 1025
     inp = make_inputs(n, style=key_style, max_pos=4096, device=dev)
@@ -526,20 +528,35 @@ def test_gpu_vs_plain_reference_ulp_bound(seed, layout, numerics, key_style):
     ref = layouts.empty_cache(num_pages, layout, "cpu")
     store.store_index_k_reference(**{k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in
                                      dict(kv=inp["kv"], cache=ref, **kw).items()})
-    got, gsc = read_slots(cache.cpu(), loc.cpu(), layout)
-    want, wsc = read_slots(ref, loc.cpu(), layout)
+    lc = loc.cpu()
+    graw = cache.cpu().reshape(-1)[slot_bytes(ref, lc, layout)].view(n, -1)
+    wraw = ref.reshape(-1)[slot_bytes(ref, lc, layout)].view(n, -1)
     if layout == "bf16":
-        gi = got.to(torch.bfloat16).view(torch.int16).int()
-        wi = want.to(torch.bfloat16).view(torch.int16).int()
-        ndiff = (gi != wi).sum().item()
-        assert (gi - wi).abs().max() <= 1, f"seed {seed}: bf16 differs by more than one ulp"
+        g = graw.contiguous().view(torch.int16).int()
+        w = wraw.contiguous().view(torch.int16).int()
+        ndiff = (g != w).sum().item()
+        if numerics == "exact":
+            step = (g - w).abs().max().item()
+            assert step <= 1, f"seed {seed}: bf16 differs by {step} ulp ({ndiff} elements differ)"
+        else:
+            gv = graw.contiguous().view(torch.bfloat16).double().view(n, 4, 32)
+            wv = wraw.contiguous().view(torch.bfloat16).double().view(n, 4, 32)
+            amax = wv.abs().amax(-1, keepdim=True)
+            scale = torch.exp2(torch.ceil(torch.log2(torch.clamp_min(amax, 1e-4) / 6.0)))
+            far = ((gv - wv).abs() > 2 * scale).sum().item()
+            assert far == 0, f"seed {seed}: {far} fp4 values differ by more than one e2m1 step"
+        nel = g.numel()
     else:
-        assert ((gsc - wsc).abs() / wsc).max() <= 4e-7, f"seed {seed}: fp8 scales differ by more than 4e-7"
-        gq = (got / gsc[:, None]).to(torch.float8_e4m3fn).view(torch.uint8).int()
-        wq = (want / wsc[:, None]).to(torch.float8_e4m3fn).view(torch.uint8).int()
-        ndiff = (gq != wq).sum().item()
-        assert ((gq & 0x7F) - (wq & 0x7F)).abs().max() <= 1, f"seed {seed}: e4m3 codes differ by more than one"
-    assert ndiff <= 1e-3 * got.numel(), f"seed {seed}: {ndiff} of {got.numel()} elements differ by one ulp"
+        gs, ws = graw[:, 128:].contiguous().view(torch.float32), wraw[:, 128:].contiguous().view(torch.float32)
+        rel = ((gs.double() - ws.double()).abs() / ws.double()).max().item()
+        assert rel <= 1e-6, f"seed {seed}: fp8 scales differ by {rel:.3g} relative"
+        gc, wc = graw[:, :128].int(), wraw[:, :128].int()
+        ndiff = (gc != wc).sum().item()
+        same_sign = ((gc & 0x80) == (wc & 0x80)) | ((gc & 0x7F) == 0) | ((wc & 0x7F) == 0)
+        step = ((gc & 0x7F) - (wc & 0x7F)).abs().max().item()
+        assert same_sign.all() and step <= 1, f"seed {seed}: e4m3 codes differ by {step} ({ndiff} differ)"
+        nel = gc.numel()
+    assert ndiff <= 1e-3 * nel, f"seed {seed}: {ndiff} of {nel} elements differ from the torch.rsqrt reference"
 
 
 @pytest.mark.gpu
