@@ -103,7 +103,7 @@ def ceilings_table(doc) -> Table:
     t.add_row(
         f"{_f(c.get('copy_gbps'), '{:.0f}')} GB/s" + (f" ({c['copy_bytes'] / 2**20:.0f} MiB)" if c.get("copy_bytes") else ""),
         f"{_f(c.get('read_gbps'), '{:.0f}')} GB/s",
-        f"{_f(c.get('matmul_tflops'), '{:.1f}')} TFLOP/s" + (f" ({c['matmul_n']}^3)" if c.get("matmul_n") else ""),
+        f"{_f(c.get('matmul_tflops'), '{:.3g}')} TFLOP/s" + (f" ({c['matmul_n']}^3)" if c.get("matmul_n") else ""),
         "—" if not c.get("l2_bytes") else f"{c['l2_bytes'] / 2**20:.0f} MiB")
     return t
 
