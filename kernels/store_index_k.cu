@@ -1,7 +1,8 @@
 // Fused index-key store: norm -> RoPE -> Hadamard -> (fp4-simulate | fp8-quantize) -> paged cache.
 //
-// One warp per compressed token (8 per 256-thread block); lane l owns elements 4l..4l+3 in natural
-// order, so every stage is in-lane or a warp shuffle and every global access is one vector per lane.
+// One warp per compressed token (each warp takes two in turn, 16 per 256-thread block); lane l owns
+// elements 4l..4l+3 in natural order, so every stage is in-lane or a warp shuffle and every global
+// access is one vector per lane.
 // Products and sums use __fmul_rn/__fadd_rn so no multiply-add is contracted: the torch reference in
 // cupy_dsa/store.py then reproduces every rounding except rsqrtf's hardware approximation.
 #include "common.cuh"
@@ -179,29 +180,17 @@ __device__ __forceinline__ WorkItem work_item(const void* items, const void* out
   return wi;
 }
 
-// kv: [n, 128] TIn; cache: uint8 page rows; items: positions [n] or plan rows [n, 16]; out_loc: [n] int64
-// (direct) or [>= rows] (plans); idx64: positions (direct) / plan out_loc are int64 (else int32);
-// norm_b only for V3.2; freqs: [max_pos, 64] fp32.
-template <int Layout, int Numerics, int Style, bool Hadamard, typename TIn, int Source>
-__global__ void __launch_bounds__(256) store_index_k(
-    const TIn* __restrict__ kv, unsigned char* __restrict__ cache, const void* __restrict__ items,
-    const void* __restrict__ out_loc, const float* __restrict__ norm_w, const float* __restrict__ norm_b,
-    const float* __restrict__ freqs, i64 n, i64 num_pages, i64 max_pos, float eps, int ratio, int idx64) {
-  static_assert(!(Layout == kLayoutFp8 && Numerics == kNumFp4Sim), "fp4sim needs the bf16 layout");
-  const int lane = threadIdx.x & 31;
-  const i64 t = static_cast<i64>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (t >= n) return;
-
-  // The kv row is always in bounds: issue its load before the (dependent) work-item loads so the two
-  // memory latencies overlap; a skipped row only wastes its own 512 B.
-  float x[4];
-  load4(kv, t, lane, x);
-  const WorkItem wi = work_item<Source>(items, out_loc, t, ratio, idx64 != 0);
+// One token, from its loaded kv row to the cache. Every early return is warp-uniform, so no shuffle
+// runs with a partial warp.
+template <int Layout, int Numerics, int Style, bool Hadamard>
+__device__ __forceinline__ void store_token(float (&x)[4], const WorkItem& wi, unsigned char* cache,
+                                            const float* norm_w, const float* norm_b, const float* freqs,
+                                            i64 num_pages, i64 max_pos, float eps, int lane) {
   if (wi.position < 0 || wi.position >= max_pos) return;
   constexpr int kPageBytes = Layout == kLayoutBf16 ? kBf16PageBytes : kFp8PageBytes;
   constexpr int kSlotBytes = Layout == kLayoutBf16 ? 2 * kHeadDim : kHeadDim;
   const i64 off = slot_byte_offset<kPageBytes, kSlotBytes>(wi.out_loc, num_pages);
-  if (off < 0) return;  // warp-uniform: no shuffle below runs with a partial warp
+  if (off < 0) return;
 
   float4 f0 = make_float4(0.f, 0.f, 0.f, 0.f), f1 = f0;
   load_freqs<Style>(freqs + wi.position * 64, lane, f0, f1);
@@ -237,6 +226,38 @@ __global__ void __launch_bounds__(256) store_index_k(
       *reinterpret_cast<float*>(cache + page * kFp8PageBytes + kFp8ScaleOffset + slot * 4) = scale;
     }
   }
+}
+
+// Tokens per warp: both kv rows and work items are loaded before either token is processed, so a warp
+// keeps 1 KiB (fp32) of reads in flight and the work-item latency hides behind the kv latency.
+constexpr int kTokensPerWarp = 2;
+
+// kv: [n, 128] TIn; cache: uint8 page rows; items: positions [n] or plan rows [n, 16]; out_loc: [n] int64
+// (direct) or [>= rows] (plans); idx64: positions (direct) / plan out_loc are int64 (else int32);
+// norm_b only for V3.2; freqs: [max_pos, 64] fp32. Grid: ceil(n / (8 * kTokensPerWarp)) blocks of 256.
+template <int Layout, int Numerics, int Style, bool Hadamard, typename TIn, int Source>
+__global__ void __launch_bounds__(256) store_index_k(
+    const TIn* __restrict__ kv, unsigned char* __restrict__ cache, const void* __restrict__ items,
+    const void* __restrict__ out_loc, const float* __restrict__ norm_w, const float* __restrict__ norm_b,
+    const float* __restrict__ freqs, i64 n, i64 num_pages, i64 max_pos, float eps, int ratio, int idx64) {
+  static_assert(!(Layout == kLayoutFp8 && Numerics == kNumFp4Sim), "fp4sim needs the bf16 layout");
+  const int lane = threadIdx.x & 31;
+  const i64 t0 = (static_cast<i64>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * kTokensPerWarp;
+  if (t0 >= n) return;
+
+  float x[kTokensPerWarp][4];
+  WorkItem wi[kTokensPerWarp];
+#pragma unroll
+  for (int j = 0; j < kTokensPerWarp; ++j) {
+    const i64 t = t0 + j < n ? t0 + j : n - 1;  // the tail warp re-reads row n-1 and skips it
+    load4(kv, t, lane, x[j]);
+    wi[j] = work_item<Source>(items, out_loc, t, ratio, idx64 != 0);
+    if (t0 + j >= n) wi[j].position = -1;
+  }
+#pragma unroll
+  for (int j = 0; j < kTokensPerWarp; ++j)
+    store_token<Layout, Numerics, Style, Hadamard>(x[j], wi[j], cache, norm_w, norm_b, freqs, num_pages,
+                                                   max_pos, eps, lane);
 }
 
 }  // namespace dsa
