@@ -247,7 +247,9 @@ def scenario_on():
 # forward_c4_indexer: SGLang's own (fp8) vs hooked (bf16), spec sglang-plugin.md section 8
 # --------------------------------------------------------------------------------------------------
 
-def _indexer_setup(lens=(2000, 1500, 2560), topk=512, seed=0, one_request=False):
+def _indexer_setup(lens=(2000, 1500, 2560), topk=512, seed=None, one_request=False):
+    if seed is None:
+        seed = int(os.environ.get("CUPY_DSA_SEED", "0"))
     from sglang.srt.layers.attention.dsa.dsa_topk_backend import DSATopKBackend
     from sglang.srt.layers.attention.dsv4.indexer import C4IndexerBackendMixin
     from sglang.srt.layers.attention.dsv4.metadata import PagedIndexerMetadata

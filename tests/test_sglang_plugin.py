@@ -1,0 +1,339 @@
+"""The SGLang 0.5.23 plugin (cupy_dsa.sglang).
+
+CPU (CI): three fresh processes, started together, run ``tests/_sglang_checks.py`` against SGLang's real
+classes (each hook-installing scenario needs its own process: SGLang's HookRegistry cannot be undone) and
+report one result per check; every check is one test here. Needs sglang 0.5.23 installed with ``--no-deps``
+plus tests/requirements-cpu.txt: skipped without it, failed without it when ``CI`` is set.
+
+GPU (``@pytest.mark.gpu``, no SGLang on the machine): the plugin's SGLang-free glue (cupy_dsa.sglang.core)
+with tensors shaped as SGLang builds them: plan-native store from DecodePlan / CompressPlan rows, paged and
+prefill logits, a torch top-k; eager and inside ``torch.cuda.graph``, against the CPU path.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cupy_dsa.sglang import core
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKS_SCRIPT = ROOT / "tests" / "_sglang_checks.py"
+HAS_SGLANG = importlib.util.find_spec("sglang") is not None
+ENV = core.ENV_NAME
+
+# Every check each scenario of tests/_sglang_checks.py reports (test_every_check_is_listed keeps this honest).
+CHECKS = {
+    "on": [
+        "hooks_applied", "env_field", "bytes_per_token_on", "pool_pages_on", "store_decode_plan",
+        "store_prefill_plan", "store_fp4sim", "indexer_recall_bf16_vs_fp8", "indexer_prefill_kernel_path",
+        "indexer_small_rows_and_padding", "indexer_hisparse_and_capturer", "pd_layout_mismatch_refused",
+        "hicache_guards", "resolution_accepts_and_disables_nonpaged", "resolution_refuses_fp4_indexer",
+        "resolution_refuses_megakernel", "resolution_refuses_npu_xpu", "resolution_refuses_hip_and_hooks_raise_on_hip",
+        "resolution_refuses_invalid_value",
+    ],
+    "off": ["entry_point_loaded", "sglang_unchanged", "resolution_off_is_noop", "cli_flag_sets_switch",
+            "yaml_config_sets_switch"],
+    "excluded": ["allow_list_respected"],
+}
+SCENARIO_ENV = {
+    "on": {ENV: "bf16", "SGLANG_PLUGINS": "cupy_dsa", "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1",
+           "SGLANG_OPT_USE_TOPK_V2": "0"},
+    "off": {},
+    "excluded": {ENV: "bf16", "SGLANG_PLUGINS": "someone_else"},
+}
+_CLEARED = (ENV, "SGLANG_PLUGINS", "SGLANG_PLATFORM", "SGLANG_OPT_DSV4_NONPAGED_INDEXER",
+            "SGLANG_OPT_DSV4_NONPAGED_INDEXER_MIN_QUERY_TOKENS", "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH",
+            "SGLANG_OPT_USE_TOPK_V2")
+
+
+def _require_sglang():
+    if HAS_SGLANG:
+        return
+    msg = ("sglang is not installed: pip install -r tests/requirements-cpu.txt && "
+           "pip install --no-deps sglang==0.5.23")
+    if os.environ.get("CI"):
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+def _child_env(extra, seed):
+    env = {k: v for k, v in os.environ.items() if k not in _CLEARED}
+    env.update(extra)
+    env["CUPY_DSA_SEED"] = str(seed)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+@pytest.fixture(scope="module")
+def scenarios():
+    """Run the three scenario processes concurrently; {scenario: {"results": ..., "info": ...} | {"crash": str}}."""
+    _require_sglang()
+    seed = int(os.environ.get("CUPY_DSA_SEED", torch.seed() % (2**31)))
+    procs = {name: subprocess.Popen([sys.executable, str(CHECKS_SCRIPT), name], cwd=ROOT,
+                                    env=_child_env(SCENARIO_ENV[name], seed), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+             for name in CHECKS}
+    out = {}
+    for name, proc in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        line = next((ln for ln in reversed(stdout.splitlines()) if ln.startswith("RESULTS_JSON:")), None)
+        if line is None:
+            out[name] = {"crash": f"rc={proc.returncode}\n{stderr[-6000:]}"}
+        else:
+            out[name] = json.loads(line[len("RESULTS_JSON:"):])
+        out[name]["seed"] = seed
+    return out
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("scenario,check", [(s, c) for s, cs in CHECKS.items() for c in cs])
+def test_sglang_check(scenarios, scenario, check):
+    res = scenarios[scenario]
+    if "crash" in res:
+        pytest.fail(f"scenario {scenario!r} crashed (seed {res['seed']}):\n{res['crash']}")
+    entry = res["results"].get(check)
+    assert entry is not None, f"check {check!r} did not run in scenario {scenario!r}"
+    info = {k: v for k, v in res.get("info", {}).items() if k.startswith("recall")}
+    assert entry["ok"], f"seed {res['seed']} {info}\n{entry['error']}"
+
+
+@pytest.mark.sglang
+def test_every_check_is_listed(scenarios):
+    for name, res in scenarios.items():
+        if "crash" not in res:
+            assert sorted(res["results"]) == sorted(CHECKS[name]), name
+
+
+# --------------------------------------------------------------------------------------------------
+# Without SGLang
+# --------------------------------------------------------------------------------------------------
+
+def test_entry_point_declared():
+    eps = importlib.metadata.entry_points(group="sglang.srt.plugins")
+    ours = [ep for ep in eps if ep.name == "cupy_dsa"]
+    assert len(ours) == 1 and ours[0].value == "cupy_dsa.sglang.plugin:register", list(eps)
+    from cupy_dsa.sglang import plugin
+
+    assert ours[0].load() is plugin.register
+
+
+def test_plugin_import_is_lazy():
+    code = ("import sys, cupy_dsa.sglang.plugin, cupy_dsa.sglang.core; "
+            "bad = [m for m in ('sglang', 'cupy') if m in sys.modules]; assert not bad, bad")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       env=_child_env({}, 0))
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_switch_values(monkeypatch):
+    for value, mode in ((None, "fp8"), ("", "fp8"), ("fp8", "fp8"), ("BF16", "bf16"), (" bf16-fp4sim ", "bf16-fp4sim")):
+        if value is None:
+            monkeypatch.delenv(ENV, raising=False)
+        else:
+            monkeypatch.setenv(ENV, value)
+        assert core.index_k_mode() == mode
+    monkeypatch.setenv(ENV, "int8")
+    with pytest.raises(ValueError, match="bf16-fp4sim"):
+        core.index_k_mode()
+    assert core.numerics_of("bf16-fp4sim") == "fp4sim" and core.numerics_of("bf16") == "exact"
+
+
+def test_rope_table_is_a_view():
+    ang = torch.rand(16, 32)
+    fc = torch.polar(torch.ones_like(ang), ang)
+    t = core.rope_table(fc)
+    assert t.shape == (16, 64) and t.dtype == torch.float32 and t.data_ptr() == fc.data_ptr()
+    assert torch.allclose(t[:, 0::2], torch.cos(ang))
+    assert torch.allclose(t[:, 1::2], torch.sin(ang))
+
+
+def test_row_chunks():
+    assert core.row_chunks(10, None, 64, False) == [slice(0, 10)]
+    assert core.row_chunks(10, 4, 64, False) == [slice(0, 4), slice(4, 8), slice(8, 10)]
+    width = 1 << 20
+    rows = core.MAX_EAGER_LOGITS_BYTES // (width * 4)
+    chunks = core.row_chunks(3 * rows, None, width, False)
+    assert len(chunks) == 3 and all(c.stop - c.start == rows for c in chunks)
+    assert core.row_chunks(3 * rows, None, width, True) == [slice(0, 3 * rows)]  # never split a capture
+
+
+def test_topk_page_indices(seed):
+    R, pages, k = 4, 6, 64
+    logits = torch.randn(R, pages * 64)
+    lens = torch.tensor([10, 64, 65, 384], dtype=torch.int32)
+    pt = torch.stack([torch.randperm(50)[:pages] for _ in range(R)]).to(torch.int32)
+    page_idx, raw = core.topk_page_indices(logits, lens, pt, k)
+    for r in range(R):
+        n = int(lens[r])
+        got = sorted(x for x in raw[r].tolist() if x >= 0)
+        exp = sorted(range(n)) if n <= k else sorted(logits[r, :n].double().topk(k).indices.tolist())
+        assert got == exp, f"row {r} (seed {seed})"
+        for i, g in zip(raw[r].tolist(), page_idx[r].tolist()):
+            assert g == (-1 if i < 0 else int(pt[r, i // 64]) * 64 + i % 64)
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: the plugin's path with SGLang-shaped tensors, eager and captured, against the CPU path
+# --------------------------------------------------------------------------------------------------
+
+def _decode_plan(seq_lens):
+    """DecodePlan rows (uint8 [B, 16]): u32 seq_len, i32 write_loc, i32 read_page_0, i32 read_page_1."""
+    a = np.zeros((len(seq_lens), 4), dtype="<i4")
+    a[:, 0] = np.asarray(seq_lens, dtype=np.uint32).view(np.int32)
+    return torch.from_numpy(a.view(np.uint8).reshape(len(seq_lens), 16).copy())
+
+
+def _compress_plan(seq_lens, ragged_ids):
+    """CompressPlan rows (uint8 [N, 16]): u32 seq_len (0xFFFFFFFF invalid), u16 ragged_id, u16 buffer_len, 2 x i32."""
+    n = len(seq_lens)
+    a = np.zeros(n, dtype=[("seq", "<u4"), ("rid", "<u2"), ("blen", "<u2"), ("p0", "<i4"), ("p1", "<i4")])
+    a["seq"], a["rid"], a["blen"] = seq_lens, ragged_ids, 4
+    return torch.from_numpy(a.view(np.uint8).reshape(n, 16).copy())
+
+
+def _ulp_diff(a, b):
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+def _cmp_logits(name, got, ref, lens, tol=2e-3):
+    bad, worst = 0, 0.0
+    for r in range(ref.shape[0]):
+        n = int(lens[r])
+        g, e = got[r, :n].double().cpu(), ref[r, :n].double()
+        err = (g - e).abs()
+        lim = tol * (e.abs().max().item() + 1e-6)
+        bad += int((err > lim).sum())
+        worst = max(worst, err.max().item() / max(lim, 1e-30) if n else 0.0)
+    assert bad == 0, f"{name}: {bad} logits outside tolerance (worst {worst:.2f}x the limit)"
+
+
+def _recall(a, b):
+    sa, sb = set(a.tolist()) - {-1}, set(b.tolist()) - {-1}
+    return len(sa & sb) / max(len(sb), 1)
+
+
+@pytest.mark.gpu
+def test_gpu_plugin_path_eager_and_graph(seed):
+    dev = torch.device("cuda")
+    n_pages, topk, max_pos = 48, 512, 16384
+    n_slots = n_pages * 64
+    # SGLang's buffers: page rows uint8 [P, 16384] (zeros), complex64 rope table, fp32 norm weight
+    cache_cpu = torch.zeros(n_pages, core.BF16_PAGE_BYTES, dtype=torch.uint8)
+    ang = torch.rand(max_pos, 32) * 6.2831853
+    freq_cis = torch.polar(torch.ones_like(ang), ang)
+    norm_w = torch.rand(128) + 0.5
+
+    # 1. prefill store of every slot 64..n_slots-1 through a CompressPlan (position = seq_len - 4)
+    n_tok = n_slots - 64
+    kv = torch.randn(n_tok, 128)
+    seq = (torch.arange(n_tok) + 1) * 4
+    seq_np = seq.numpy().astype(np.uint32)
+    seq_np[7] = 0xFFFFFFFF  # an invalid entry must be skipped
+    ragged = torch.randperm(n_tok).numpy().astype(np.uint16)
+    out_loc = torch.empty(n_tok, dtype=torch.int64)
+    out_loc[torch.from_numpy(ragged.astype(np.int64))] = torch.arange(64, n_slots)
+    plan_c = _compress_plan(seq_np, ragged)
+    store_kw = dict(is_decode=False, compress_ratio=4, norm_eps=1e-6, mode="bf16")
+    core.store_index_k_bf16(kv, plan_c, norm_weight=norm_w, freq_cis=freq_cis, out_loc=out_loc, kvcache=cache_cpu,
+                            **store_kw)
+    cache_gpu = torch.zeros_like(cache_cpu, device=dev)
+    core.store_index_k_bf16(kv.to(dev), plan_c.to(dev), norm_weight=norm_w.to(dev), freq_cis=freq_cis.to(dev),
+                            out_loc=out_loc.to(dev), kvcache=cache_gpu, **store_kw)
+    torch.cuda.synchronize()
+    d = _ulp_diff(cache_gpu.cpu().view(torch.bfloat16), cache_cpu.view(torch.bfloat16))
+    assert int(d.max()) <= 1, f"prefill store: max {int(d.max())} bf16 ulp from the CPU path, {int((d > 0).sum())} differ"
+    skipped = int(out_loc[int(ragged[7])])
+    assert not cache_gpu.view(-1, 256)[skipped].any(), "the invalid plan entry was written"
+
+    # 2. decode rows (SGLang's shapes): q fp8 [R,64,128], weights fp32 [R,64], lens int32 [R], page_table [R,max_pages]
+    R, max_pages = 6, 40
+    pt = torch.stack([torch.randperm(n_pages)[:max_pages] for _ in range(R)]).to(torch.int32)
+    lens = torch.tensor([1, 300, 512, 513, 1800, max_pages * 64], dtype=torch.int32)
+    q = torch.randn(R, 64, 128).to(torch.float8_e4m3fn)
+    w = torch.rand(R, 64)
+    width = max_pages * 64
+    ref = torch.cat([core.paged_logits(q, w, lens, pt, cache_cpu, width, r) for r in core.row_chunks(R, 4, width, False)])
+    gq, gw, gl, gpt = q.to(dev), w.to(dev), lens.to(dev), pt.to(dev)
+    got = torch.cat([core.paged_logits(gq, gw, gl, gpt, cache_gpu, width, r) for r in core.row_chunks(R, 4, width, False)])
+    assert got.shape == (R, width) and got.dtype == torch.float32
+    _cmp_logits("paged (eager)", got, ref, lens)
+    ref_idx, ref_raw = core.topk_page_indices(ref, lens, pt, topk)
+    got_idx, got_raw = core.topk_page_indices(got, gl, gpt, topk)
+    rec = [_recall(got_raw[r].cpu(), ref_raw[r]) for r in range(R)]
+    assert min(rec) >= 0.99, f"paged top-{topk} overlap with the CPU path per row: {rec}"
+
+    # 3. prefill rows of one request (ks = 0, ke = causal compressed length), SGLang's mqa_logits route
+    T = 64
+    ke = torch.linspace(600, max_pages * 64, T).to(torch.int32)
+    ks = torch.zeros(T, dtype=torch.int32)
+    qp = torch.randn(T, 64, 128).to(torch.float8_e4m3fn)
+    wp = torch.rand(T, 64)
+    refp = torch.cat([core.prefill_logits(qp, wp, ks, ke, pt[0], cache_cpu, r) for r in core.row_chunks(T, 24, width, False)])
+    gotp = torch.cat([core.prefill_logits(qp.to(dev), wp.to(dev), ks.to(dev), ke.to(dev), gpt[0], cache_gpu, r)
+                      for r in core.row_chunks(T, 24, width, False)])
+    _cmp_logits("prefill", gotp, refp, ke)
+
+    # 4. CUDA graph: decode store + paged logits + top-k captured, replayed on new inputs
+    B = R
+    dec_kv = torch.randn(B, 128, device=dev)
+    dec_seq = torch.tensor([8, 9, 12, 400, 4000, 8001], dtype=torch.int64)  # 9 and 8001 are not boundaries
+    dec_plan = _decode_plan(dec_seq.numpy()).to(dev)
+    dec_loc = torch.tensor([3, 4, 5, 6, 7, 8], dtype=torch.int64, device=dev)  # page 0 slots, unused above
+    out_idx = torch.full((R, topk), -1, dtype=torch.int32, device=dev)
+    out_raw = torch.full((R, topk), -1, dtype=torch.int32, device=dev)
+    g_norm, g_fc = norm_w.to(dev), freq_cis.to(dev)
+
+    def step():
+        core.store_index_k_bf16(dec_kv, dec_plan, is_decode=True, compress_ratio=4, norm_weight=g_norm, norm_eps=1e-6,
+                                freq_cis=g_fc, out_loc=dec_loc, kvcache=cache_gpu, mode="bf16")
+        logits = core.paged_logits(gq, gw, gl, gpt, cache_gpu, width, slice(0, R))
+        i, r = core.topk_page_indices(logits, gl, gpt, topk)
+        out_idx.copy_(i)
+        out_raw.copy_(r)
+
+    core.ensure_warm(dev)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    # new inputs in place, then replay
+    new_kv = torch.randn(B, 128)
+    new_q = torch.randn(R, 64, 128).to(torch.float8_e4m3fn)
+    dec_kv.copy_(new_kv.to(dev))
+    gq.copy_(new_q.to(dev))
+    graph.replay()
+    torch.cuda.synchronize()
+    # CPU path on the same new inputs
+    dec_cpu = cache_gpu.cpu().clone()
+    dec_cpu.view(-1, 256)[:9] = 0
+    core.store_index_k_bf16(new_kv, dec_plan.cpu(), is_decode=True, compress_ratio=4, norm_weight=norm_w, norm_eps=1e-6,
+                            freq_cis=freq_cis, out_loc=dec_loc.cpu(), kvcache=dec_cpu, mode="bf16")
+    d = _ulp_diff(cache_gpu.cpu().view(torch.bfloat16), dec_cpu.view(torch.bfloat16))
+    assert int(d.max()) <= 1, f"decode store (graph): max {int(d.max())} bf16 ulp from the CPU path"
+    written = sorted(int(i) for i in (cache_gpu.view(-1, 256)[:9] != 0).any(1).nonzero().flatten().cpu())
+    assert written == [3, 5, 6, 7], f"decode store (graph) wrote slots {written}, expected [3, 5, 6, 7]"
+    ref2 = core.paged_logits(new_q, w, lens, pt, dec_cpu, width, slice(0, R))
+    _, ref2_raw = core.topk_page_indices(ref2, lens, pt, topk)
+    rec = [_recall(out_raw[r].cpu(), ref2_raw[r]) for r in range(R)]
+    assert min(rec) >= 0.99, f"graph replay top-{topk} overlap with the CPU path per row: {rec}"
+    exp_idx = torch.where(out_raw.long() >= 0, gpt.long().gather(1, out_raw.long().clamp(min=0) // 64) * 64
+                          + out_raw.long() % 64, -1)
+    assert torch.equal(out_idx.long(), exp_idx), "page indices are not the slot transform of the raw indices"
