@@ -26,14 +26,14 @@ QUANT = (("bf16", "exact"), ("bf16", "fp4sim"), ("fp8", "exact"))
 # --------------------------------------------------------------------------------------------------
 
 def make_inputs(n, *, style="v4", max_pos=300, in_dtype=torch.float32, device="cpu", pos_dtype=torch.int64):
-    kv = (torch.randn(n, 128) * (torch.rand(n, 1) * 4 + 0.5) + torch.randn(n, 1) * 0.3).to(in_dtype)
-    w = torch.rand(128) + 0.5
-    b = torch.randn(128) * 0.2 if style == "v32" else None
-    ang = (torch.rand(max_pos, 32, dtype=torch.float64) * 2 - 1) * math.pi
+    d = dict(device=device)
+    kv = (torch.randn(n, 128, **d) * (torch.rand(n, 1, **d) * 4 + 0.5) + torch.randn(n, 1, **d) * 0.3).to(in_dtype)
+    w = torch.rand(128, **d) + 0.5
+    b = torch.randn(128, **d) * 0.2 if style == "v32" else None
+    ang = (torch.rand(max_pos, 32, dtype=torch.float64, **d) * 2 - 1) * math.pi
     freqs = torch.stack((ang.cos(), ang.sin()), dim=-1).reshape(max_pos, 64).float()
-    pos = torch.randint(0, max_pos, (n,)).to(pos_dtype)
-    out = dict(kv=kv, positions=pos, norm_weight=w, norm_bias=b, freqs_cis=freqs)
-    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
+    pos = torch.randint(0, max_pos, (n,), **d).to(pos_dtype)
+    return dict(kv=kv, positions=pos, norm_weight=w, norm_bias=b, freqs_cis=freqs)
 
 
 def _hadamard_matrix():
@@ -87,7 +87,7 @@ def row_rms(x):
 
 
 def unique_locs(n, num_pages, device="cpu"):
-    return torch.randperm(num_pages * PAGE_SLOTS)[:n].to(device)
+    return torch.randperm(num_pages * PAGE_SLOTS, device=device)[:n]
 
 
 def poisoned(num_pages, layout, device="cpu"):
