@@ -109,7 +109,10 @@ def cupy_module():
 # --------------------------------------------------------------------------------------------------
 
 def get_function(filename: str, name_expression: str, device_index: int):
-    """The compiled kernel for one instantiation on one device (compiled on first use, then cached)."""
+    """The compiled kernel for one instantiation on one device (compiled on first use, then cached).
+
+    The first use of a source file compiles *all* its declared instantiations in one NVRTC program
+    (one parse of the headers instead of one per variant; CuPy caches the result on disk)."""
     key = (device_index, filename, name_expression)
     fn = _FUNCTIONS.get(key)
     if fn is not None:
@@ -118,12 +121,16 @@ def get_function(filename: str, name_expression: str, device_index: int):
         fn = _FUNCTIONS.get(key)
         if fn is None:
             cp = cupy_module()
+            declared = _INSTANTIATIONS.get(filename, [])
+            exprs = list(declared) if name_expression in declared else [name_expression]
             with cp.cuda.Device(device_index):
                 module = cp.RawModule(code=read_source(filename), options=compile_options(),
-                                      name_expressions=[name_expression])
-                fn = module.get_function(name_expression)
-                fn.compile()  # load the module now, not inside a capture
-            _FUNCTIONS[key] = fn
+                                      name_expressions=exprs)
+                for expr in exprs:
+                    f = module.get_function(expr)
+                    f.compile()  # load the module now, not inside a capture
+                    _FUNCTIONS[(device_index, filename, expr)] = f
+            fn = _FUNCTIONS[key]
     return fn
 
 
