@@ -74,16 +74,19 @@ def _child_env(extra, seed):
     return env
 
 
-@pytest.fixture(scope="module")
-def scenarios():
-    """Run the three scenario processes concurrently; {scenario: {"results": ..., "info": ...} | {"crash": str}}."""
-    _require_sglang()
+_SCENARIO_RESULTS: dict = {}
+
+
+def _scenarios() -> dict:
+    """Run the three scenario processes concurrently, once per session;
+    {scenario: {"results": ..., "info": ..., "seed": int} | {"crash": str, "seed": int}}."""
+    if _SCENARIO_RESULTS:
+        return _SCENARIO_RESULTS
     seed = int(os.environ.get("CUPY_DSA_SEED", torch.seed() % (2**31)))
     procs = {name: subprocess.Popen([sys.executable, str(CHECKS_SCRIPT), name], cwd=ROOT,
                                     env=_child_env(SCENARIO_ENV[name], seed), stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True)
              for name in CHECKS}
-    out = {}
     for name, proc in procs.items():
         try:
             stdout, stderr = proc.communicate(timeout=900)
@@ -92,17 +95,19 @@ def scenarios():
             stdout, stderr = proc.communicate()
         line = next((ln for ln in reversed(stdout.splitlines()) if ln.startswith("RESULTS_JSON:")), None)
         if line is None:
-            out[name] = {"crash": f"rc={proc.returncode}\n{stderr[-6000:]}"}
+            res = {"crash": f"rc={proc.returncode}\n{stderr[-6000:]}"}
         else:
-            out[name] = json.loads(line[len("RESULTS_JSON:"):])
-        out[name]["seed"] = seed
-    return out
+            res = json.loads(line[len("RESULTS_JSON:"):])
+        res["seed"] = seed
+        _SCENARIO_RESULTS[name] = res
+    return _SCENARIO_RESULTS
 
 
 @pytest.mark.sglang
 @pytest.mark.parametrize("scenario,check", [(s, c) for s, cs in CHECKS.items() for c in cs])
-def test_sglang_check(scenarios, scenario, check):
-    res = scenarios[scenario]
+def test_sglang_check(scenario, check):
+    _require_sglang()
+    res = _scenarios()[scenario]
     if "crash" in res:
         pytest.fail(f"scenario {scenario!r} crashed (seed {res['seed']}):\n{res['crash']}")
     entry = res["results"].get(check)
@@ -112,8 +117,9 @@ def test_sglang_check(scenarios, scenario, check):
 
 
 @pytest.mark.sglang
-def test_every_check_is_listed(scenarios):
-    for name, res in scenarios.items():
+def test_every_check_is_listed():
+    _require_sglang()
+    for name, res in _scenarios().items():
         if "crash" not in res:
             assert sorted(res["results"]) == sorted(CHECKS[name]), name
 
