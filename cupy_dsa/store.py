@@ -243,7 +243,8 @@ def _launch(expr, kv, rows, items, out_loc, norm_weight, norm_bias, freqs_cis, n
     grid = ((n + TOKENS_PER_BLOCK - 1) // TOKENS_PER_BLOCK, 1, 1)
     args = (kv.data_ptr(), rows.data_ptr(), items.data_ptr(), out_loc.data_ptr(), norm_weight.data_ptr(),
             0 if norm_bias is None else norm_bias.data_ptr(), freqs_cis.data_ptr(), np.int64(n),
-            np.int64(rows.shape[0]), np.int64(freqs_cis.shape[0]), np.float32(eps), np.int32(ratio),
+            np.int64(out_loc.shape[0]), np.int64(rows.shape[0]), np.int64(freqs_cis.shape[0]),
+            np.float32(eps), np.int32(ratio),
             _IDX64[idx64])
     runtime.launch(_FILE, expr, kv.device, grid, BLOCK, args)
 
@@ -265,10 +266,8 @@ def plan_to_direct(plan, out_loc, *, is_decode, compress_ratio=4):
     else:
         valid = seq_len != PLAN_INVALID
         ragged = p[:, 4] | (p[:, 5] << 8)
+        valid = valid & (ragged < locs_all.shape[0])  # as in the kernel: a ragged_id past out_loc is skipped
         safe = torch.where(valid, ragged, torch.zeros_like(ragged))
-        if safe.numel() and int(safe.max()) >= locs_all.shape[0]:
-            raise ValueError(f"plan: ragged_id {int(safe.max())} out of range for out_loc of length "
-                             f"{locs_all.shape[0]}")
         locs = locs_all[safe]
     locs = torch.where(valid & (positions >= 0), locs, torch.full_like(locs, -1))
     return positions, locs

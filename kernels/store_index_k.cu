@@ -151,8 +151,8 @@ __device__ __forceinline__ i64 load_index(const void* p, i64 i, bool idx64) {
 }
 
 template <int Source>
-__device__ __forceinline__ WorkItem work_item(const void* items, const void* out_loc, i64 t, int ratio,
-                                              bool idx64) {
+__device__ __forceinline__ WorkItem work_item(const void* items, const void* out_loc, i64 n_loc, i64 t,
+                                              int ratio, bool idx64) {
   WorkItem wi;
   if (Source == kSrcDirect) {
     wi.position = load_index(items, t, idx64);
@@ -170,7 +170,7 @@ __device__ __forceinline__ WorkItem work_item(const void* items, const void* out
       skip = seq_len == kPlanInvalid;
       idx = static_cast<i64>(row.y & 0xFFFFu);  // ragged_id
     }
-    if (skip) {
+    if (skip || idx >= n_loc) {  // a ragged_id past out_loc is never read
       wi.position = -1;
       wi.out_loc = -1;
     } else {
@@ -233,13 +233,14 @@ __device__ __forceinline__ void store_token(float (&x)[4], const WorkItem& wi, u
 constexpr int kTokensPerWarp = 2;
 
 // kv: [n, 128] TIn; cache: uint8 page rows; items: positions [n] or plan rows [n, 16]; out_loc: [n] int64
-// (direct) or [>= rows] (plans); idx64: positions (direct) / plan out_loc are int64 (else int32);
+// (direct) or [n_loc] (plans); idx64: positions (direct) / plan out_loc are int64 (else int32);
 // norm_b only for V3.2; freqs: [max_pos, 64] fp32. Grid: ceil(n / (8 * kTokensPerWarp)) blocks of 256.
 template <int Layout, int Numerics, int Style, bool Hadamard, typename TIn, int Source>
 __global__ void __launch_bounds__(256) store_index_k(
     const TIn* __restrict__ kv, unsigned char* __restrict__ cache, const void* __restrict__ items,
     const void* __restrict__ out_loc, const float* __restrict__ norm_w, const float* __restrict__ norm_b,
-    const float* __restrict__ freqs, i64 n, i64 num_pages, i64 max_pos, float eps, int ratio, int idx64) {
+    const float* __restrict__ freqs, i64 n, i64 n_loc, i64 num_pages, i64 max_pos, float eps, int ratio,
+    int idx64) {
   static_assert(!(Layout == kLayoutFp8 && Numerics == kNumFp4Sim), "fp4sim needs the bf16 layout");
   const int lane = threadIdx.x & 31;
   const i64 t0 = (static_cast<i64>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * kTokensPerWarp;
@@ -251,7 +252,7 @@ __global__ void __launch_bounds__(256) store_index_k(
   for (int j = 0; j < kTokensPerWarp; ++j) {
     const i64 t = t0 + j < n ? t0 + j : n - 1;  // the tail warp re-reads row n-1 and skips it
     load4(kv, t, lane, x[j]);
-    wi[j] = work_item<Source>(items, out_loc, t, ratio, idx64 != 0);
+    wi[j] = work_item<Source>(items, out_loc, n_loc, t, ratio, idx64 != 0);
     if (t0 + j >= n) wi[j].position = -1;
   }
 #pragma unroll

@@ -40,8 +40,8 @@ def run_store():
             plan = torch.randint(0, 256, (N, 16), dtype=torch.uint8, device=dev)
             plan[:, 0:4] = torch.randint(0, 600, (N, 1), device=dev).to(torch.int32).view(torch.uint8)
             if not is_decode:
-                plan[::5, 0:4] = 255                                      # invalid entries
-                plan[:, 4:6] = torch.randint(0, N, (N, 1), device=dev).to(torch.int16).view(torch.uint8)
+                plan[::5, 0:4] = 255                                      # invalid entries; some ragged_id past out_loc
+                plan[:, 4:6] = torch.randint(0, N + 40, (N, 1), device=dev).to(torch.int16).view(torch.uint8)
             cupy_dsa.store_index_k_from_plan(kv, plan, cache=cache, out_loc=out_loc, norm_weight=w, norm_bias=b,
                                              freqs_cis=freqs, is_decode=is_decode, numerics=numerics,
                                              key_style=key_style)

@@ -636,3 +636,15 @@ def test_gpu_cuda_graph(seed, device_rsqrt):
         torch.cuda.synchronize()
         nbad = _count(cache, expected)
         assert nbad == 0, f"seed {seed}: graph replay {step}: {nbad} cache bytes differ from the reference"
+
+
+def test_prefill_plan_ragged_id_past_out_loc_is_skipped():
+    """A CompressPlan row whose ragged_id points past out_loc writes nothing (the kernel skips it too)."""
+    from cupy_dsa.store import plan_to_direct
+
+    plan = torch.zeros(3, 16, dtype=torch.uint8)
+    plan[:, 0:4] = torch.tensor([8, 12, 16], dtype=torch.int32).view(torch.uint8).view(3, 4)
+    plan[:, 4:6] = torch.tensor([0, 1, 5], dtype=torch.int16).view(torch.uint8).view(3, 2)
+    positions, locs = plan_to_direct(plan, torch.tensor([70, 71], dtype=torch.int64), is_decode=False)
+    assert positions.tolist() == [4, 8, 12]
+    assert locs.tolist() == [70, 71, -1]
