@@ -267,13 +267,16 @@ def test_gpu_plugin_path_eager_and_graph(seed):
 
     # 2. decode rows (SGLang's shapes): q fp8 [R,64,128], weights fp32 [R,64], lens int32 [R], page_table [R,max_pages]
     R, max_pages = 6, 40
-    pt = torch.stack([torch.randperm(n_pages)[:max_pages] for _ in range(R)]).to(torch.int32)
+    # SGLang slices the page table out of a wider per-request buffer: row stride > max_pages, stride(1) == 1
+    pt_full = torch.stack([torch.randperm(n_pages) for _ in range(R)]).to(torch.int32)
+    pt = pt_full[:, :max_pages]
     lens = torch.tensor([1, 300, 512, 513, 1800, max_pages * 64], dtype=torch.int32)
     q = torch.randn(R, 64, 128).to(torch.float8_e4m3fn)
     w = torch.rand(R, 64)
     width = max_pages * 64
     ref = torch.cat([core.paged_logits(q, w, lens, pt, cache_cpu, width, r) for r in core.row_chunks(R, 4, width, False)])
-    gq, gw, gl, gpt = q.to(dev), w.to(dev), lens.to(dev), pt.to(dev)
+    gq, gw, gl, gpt = q.to(dev), w.to(dev), lens.to(dev), pt_full.to(dev)[:, :max_pages]
+    assert gpt.stride() == (n_pages, 1)
     got = torch.cat([core.paged_logits(gq, gw, gl, gpt, cache_gpu, width, r) for r in core.row_chunks(R, 4, width, False)])
     assert got.shape == (R, width) and got.dtype == torch.float32
     _cmp_logits("paged (eager)", got, ref, lens)
