@@ -221,6 +221,45 @@ def scenario_on():
         _check_store(plan, kv, w, fc, out_loc, [(0, 102, 0), (2, 105, 12), (3, 101, 60)])
 
     @check
+    def store_via_sglang_call_site():
+        # SGLang's own CompressorBackendMixin._forward_compress_all_in_one (indexer branch) with its CUDA-JIT
+        # compress_forward replaced by a stand-in that returns the compressed rows: the hooked store must
+        # accept exactly the keywords SGLang passes and write the planned slots.
+        from sglang.kernels.ops.attention.dsv4.compress import CompressorDecodePlan
+        from sglang.srt.layers.attention.dsv4 import compressor_v2
+
+        kv, w, fc = _store_inputs(3)
+        plan = CompressorDecodePlan(4, _plan_rows([(s, _i32(0), 0, 0) for s in (16, 18, 20)]))
+        cache = make_index_pool(size=256).index_k_with_scale_buffer[0]
+
+        class Backend(compressor_v2.CompressorBackendMixin):
+            forward_metadata = types.SimpleNamespace(c4_compress_metadata=plan)
+
+        seen = {}
+
+        def fake_compress_forward(**kw):
+            seen["plan"] = kw["plan"]
+            return kv
+
+        orig = compressor_v2.compress_forward
+        compressor_v2.compress_forward = fake_compress_forward
+        try:
+            Backend()._forward_compress_all_in_one(
+                kv_score_buffer=torch.zeros(8, 512), kv_score_input=torch.zeros(3, 512), ape=torch.zeros(4, 128),
+                head_dim=128, norm=types.SimpleNamespace(weight=w, variance_epsilon=1e-6), freqs_cis_cache=fc,
+                kv_cache=cache, is_indexer=True, rotate=True, compress_ratio=4, page_size=64,
+                out_loc=torch.tensor([11, 12, 13]))
+        finally:
+            compressor_v2.compress_forward = orig
+        assert seen["plan"] is plan
+        written = sorted(int(i) for i in (cache.view(-1, 256) != 0).any(1).nonzero().flatten())
+        assert written == [11, 13], written
+        for row, loc, pos in ((0, 11, 12), (2, 13, 16)):
+            ref = _key_f64(kv[row:row + 1], torch.tensor([pos]), w, fc)[0]
+            err = (cache.view(torch.bfloat16).view(-1, 128)[loc].double() - ref).abs().max().item()
+            assert err <= 1e-2 * ref.abs().max().item() + 1e-3, f"slot {loc}: max error {err:.3g}"
+
+    @check
     def store_fp4sim():
         from sglang.kernels.ops.attention.dsv4.compress import CompressorDecodePlan
         from sglang.srt.layers.attention.dsv4 import compressor_v2
