@@ -38,12 +38,11 @@ _MAX_CHUNK_PAGES = 64  # kernel constant kMaxChunkPages: a CTA covers at most 64
 
 # Host-side tuning knobs (read on every call, so a bench can flip them; defaults are the shipped choice).
 TUNING = {
-    "decode_prefetch": 1,        # register double-buffer of the next key tile (1) or rely on occupancy (0)
+    "decode_prefetch": 0,        # bf16 keys: register double-buffer of the next key tile (1) or occupancy (0)
     "decode_ctas_per_sm": 8,     # target CTAs per SM when choosing pages per CTA
     "decode_max_pages_per_cta": 16,
-    "prefill_rows": 8,           # query rows per CTA (8 needs ~131 KiB shared memory; falls back to 4)
-    "prefill_warps": 8,
-    "prefill_prefetch": 0,
+    "prefill_rows": 8,           # query rows per CTA: 8 (8 warps, ~131 KiB shared memory) or 4 (4 warps)
+    "prefill_prefetch": 0,       # contiguous keys, 8-row tiles: register double-buffer of the next key tile
     "prefill_chunk_keys": 4096,  # keys per CTA (multiple of 64, <= 4096)
 }
 
@@ -64,15 +63,15 @@ def _declared_instantiations() -> list[str]:
     ex = []
     for kf in (0, 1):
         for qf in (1, 0):
-            for rows in (1, 2, 3, 4):  # decode (next_n) and paged prefill with 4-row tiles
-                for pf in (1, 0):
-                    ex.append(_expr(kf, qf, rows, 1, 4, pf))
-            ex.append(_expr(kf, qf, 4, 1, 8, 0))   # paged prefill, 4-row tiles
+            for rows in (1, 2, 3, 4):  # decode (rows = next_n); rows 4 also serves prefill 4-row tiles
+                ex.append(_expr(kf, qf, rows, 1, 4, 0))
+                if kf == 0:            # register double-buffering: a bench variant for bf16 keys
+                    ex.append(_expr(kf, qf, rows, 1, 4, 1))
             ex.append(_expr(kf, qf, 8, 1, 8, 0))   # paged prefill, 8-row tiles
     for qf in (1, 0):                               # contiguous bf16 keys (prefill)
-        for rows in (4, 8):
-            for pf in (0, 1):
-                ex.append(_expr(0, qf, rows, 0, 8, pf))
+        ex.append(_expr(0, qf, 4, 0, 4, 0))
+        ex.append(_expr(0, qf, 8, 0, 8, 0))
+        ex.append(_expr(0, qf, 8, 0, 8, 1))
     return ex
 
 
@@ -371,6 +370,13 @@ _I32 = np.int32
 _I64 = np.int64
 
 
+def _check_aligned(**tensors):
+    for name, t in tensors.items():
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name}: expected 16-byte aligned data (the kernel reads 16-byte vectors), "
+                             f"got address {t.data_ptr():#x}")
+
+
 def _launch(expr, device, grid, warps, rows, args):
     runtime.launch(_SRC, expr, device, grid, (warps * 32, 1, 1), args, shared_mem=_smem_bytes(rows))
 
@@ -395,13 +401,17 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_contex
     out = _alloc_out(out, B * next_n, width, q.device)
     if B == 0 or width == 0:
         return out
+    _check_aligned(q=q, kv_cache=kv_cache)
     n_sms, _ = _device_info(q.device.index if q.device.index is not None else torch.cuda.current_device())
     total_pages = _ceil_div(width, PAGE_SLOTS)
     target = max(1, n_sms * TUNING["decode_ctas_per_sm"])
     ppc = max(1, min(TUNING["decode_max_pages_per_cta"], _MAX_CHUNK_PAGES, (B * total_pages) // target))
+    ppc = max(ppc, _ceil_div(total_pages, 65535))  # grid.y limit
+    if ppc > _MAX_CHUNK_PAGES:
+        raise ValueError(f"max_context_len: {width} is too large (at most {65535 * _MAX_CHUNK_PAGES * PAGE_SLOTS})")
     chunk = ppc * PAGE_SLOTS
-    grid = (_ceil_div(width, chunk), B, 1)
-    prefetch = 1 if TUNING["decode_prefetch"] else 0
+    grid = (B, _ceil_div(width, chunk), 1)
+    prefetch = 1 if (TUNING["decode_prefetch"] and layout == "bf16") else 0
     expr = _expr(int(layout == "fp8"), int(q.dtype == _FP8), next_n, 1, 4, prefetch)
     mode = _MODE_LENS_2D if context_lens.dim() == 2 else _MODE_CAUSAL_1D
     bt_width = block_table.shape[1]
@@ -442,18 +452,22 @@ def mqa_logits(q, kv, weights, ks, ke, *, block_table=None, max_seqlen_k=0, clea
         if clean_logits:
             out.fill_(_NEG_INF)
         return out
+    _check_aligned(q=q, kv=kv)
     _, optin = _device_info(q.device.index if q.device.index is not None else torch.cuda.current_device())
     tile_rows = TUNING["prefill_rows"]
     if _smem_bytes(tile_rows) > optin:
         tile_rows = 4
     if n_rows <= 4:
         tile_rows = 4
-    warps = TUNING["prefill_warps"]
+    warps = 8 if tile_rows == 8 else 4
     paged = layout != "contiguous"
-    prefetch = 1 if (TUNING["prefill_prefetch"] and not paged) else 0
+    prefetch = 1 if (TUNING["prefill_prefetch"] and not paged and tile_rows == 8) else 0
     chunk = max(PAGE_SLOTS, min(_MAX_CHUNK_PAGES * PAGE_SLOTS,
                                 TUNING["prefill_chunk_keys"] // PAGE_SLOTS * PAGE_SLOTS))
-    grid = (_ceil_div(num_keys, chunk), _ceil_div(n_rows, tile_rows), 1)
+    chunk = max(chunk, _ceil_div(num_keys, 65535 * PAGE_SLOTS) * PAGE_SLOTS)  # grid.y limit
+    if chunk > _MAX_CHUNK_PAGES * PAGE_SLOTS:
+        raise ValueError(f"kv: {num_keys} keys is too many (at most {65535 * _MAX_CHUNK_PAGES * PAGE_SLOTS})")
+    grid = (_ceil_div(n_rows, tile_rows), _ceil_div(num_keys, chunk), 1)
     expr = _expr(int(layout == "fp8"), int(q.dtype == _FP8), tile_rows, int(paged), warps, prefetch)
     if paged:
         kv_ptr, n_pages, bt_ptr, bt_width = kv.data_ptr(), kv.shape[0], bt.data_ptr(), bt.shape[0]

@@ -93,4 +93,53 @@ __device__ __forceinline__ i64 slot_byte_offset(i64 out_loc, i64 num_pages) {
   return page * PageBytes + (out_loc & (kPageSlots - 1)) * SlotBytes;
 }
 
+
+// ---- mma helpers ----
+// Tensor-core tile D += A * B for mma.sync m16n8k16 with fp32 accumulate (sm_80+). Fragments (PTX ISA,
+// gid = lane / 4, t = lane % 4): A row-major {a0a1, a2a3, a4a5, a6a7} = rows {gid, gid+8, gid, gid+8},
+// k = {2t..2t+1, 2t..2t+1, 2t+8..2t+9, 2t+8..2t+9}; B col-major {b0b1, b2b3} = col gid, k = {2t.., 2t+8..};
+// D {d0,d1} = row gid, cols 2t, 2t+1; {d2,d3} = row gid+8. Each 32-bit register holds two 16-bit values,
+// the lower k in the low half. F16 selects .f16 inputs, otherwise .bf16.
+template <bool F16>
+__device__ __forceinline__ void mma_16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  if (F16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// 16-byte read-only global load for streamed data: not kept in L1, L2 fetches the whole 256 B line
+// (the other quarters of a key row are read by the next instructions). volatile: issued where written,
+// so a prefetch stays a prefetch.
+__device__ __forceinline__ uint4 ldg_stream_v4(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+// Four e4m3 bytes x = [e0 e1 e2 e3] (e0 lowest) -> two f16x2 words with the exact values times 2^-8:
+// even = (e0, e2), odd = (e1, e3). e4m3 s.eeee.mmm shifted into f16 s.0eeee.mmm0000000 keeps the
+// mantissa and rebiases the exponent by 15 - 7 = 8 (normals and subnormals alike); no cvt needed
+// (F2F is slow on Hopper). The e4m3 NaN code (0x7F/0xFF) becomes 480 * 2^-8: never produced by a
+// saturating quantizer.
+__device__ __forceinline__ void e4m3x4_to_f16x2_scaled(u32 x, u32& even, u32& odd) {
+  even = ((x << 8) & 0x80008000u) | ((x << 7) & 0x3F803F80u);
+  odd = (x & 0x80008000u) | ((x >> 1) & 0x3F803F80u);
+}
+
+// f16x2 word holding v * 2^-8 (from e4m3x4_to_f16x2_scaled) -> bf16x2 of v (exact: e4m3 fits bf16).
+__device__ __forceinline__ u32 f16x2_scaled_to_bf16x2(u32 h) {
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+  return pack_bf16x2(f.x * 256.0f, f.y * 256.0f);
+}
+
 }  // namespace dsa

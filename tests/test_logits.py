@@ -52,46 +52,62 @@ def oracle_logits(qd, wd, keys, visible):
 
 
 def oracle_paged(q, deq, w, ctx, bt, width):
+    """fp64 on q's device, one request at a time."""
+    dev = q.device
     B, nn = q.shape[:2]
     P = deq.shape[0]
-    R = B * nn
-    pos = torch.arange(width)
+    deq = deq.to(dev)
     lens = ctx.long().cpu()
     if lens.dim() == 1:
         lens = lens[:, None] - (nn - 1 - torch.arange(nn))[None, :]
-    lens = lens.reshape(R)
-    page_idx = pos // PS
     btc = bt.long().cpu()
+    pos = torch.arange(width)
+    page_idx = pos // PS
     in_table = page_idx < btc.shape[1]
-    ent = torch.where(in_table[None, :], btc[:, page_idx.clamp(max=max(btc.shape[1] - 1, 0))]
-                      if btc.shape[1] > 0 else torch.full((B, width), -1), torch.full((B, width), -1))
-    valid = (ent >= 0) & (ent < P)                                  # [B, width]
-    flat = deq.cpu().reshape(P * PS, D)
-    kidx = (ent.clamp(0, P - 1) * PS + pos % PS)                    # [B, width]
-    keys = flat[kidx].repeat_interleave(nn, dim=0)                  # [R, width, D]
-    visible = (pos[None, :] < lens[:, None]) & valid.repeat_interleave(nn, dim=0)
-    return oracle_logits(q.cpu().double().reshape(R, H, D), w.cpu().double(), keys, visible)
+    flat = deq.reshape(P * PS, D)
+    out = torch.empty(B * nn, width, dtype=torch.float64, device=dev)
+    for b in range(B):
+        ent = torch.full((width,), -1, dtype=torch.long)
+        if btc.shape[1] > 0:
+            ent = torch.where(in_table, btc[b, page_idx.clamp(max=btc.shape[1] - 1)], ent)
+        valid = (ent >= 0) & (ent < P)
+        keys = flat[(ent.clamp(0, P - 1) * PS + pos % PS).to(dev)]              # [width, D]
+        visible = (pos[None, :] < lens[b][:, None]) & valid[None, :]              # [nn, width]
+        out[b * nn:(b + 1) * nn] = oracle_logits(q[b].double(), w[b * nn:(b + 1) * nn].double(),
+                                                 keys.expand(nn, width, D), visible.to(dev))
+    return out
 
 
-def oracle_prefill(q, keys_flat, key_valid, w, ks, ke, start, end, max_seqlen_k):
-    """keys_flat [S,128] fp64, key_valid [S] bool."""
+def oracle_prefill(q, keys_flat, key_valid, w, ks, ke, start, end, max_seqlen_k, row_chunk=16):
+    """keys_flat [S,128] fp64, key_valid [S] bool; fp64 on q's device, a few rows at a time."""
+    dev = q.device
     S = keys_flat.shape[0]
-    ks_l, ke_l = ks.long().cpu()[start:end], ke.long().cpu()[start:end]
+    keys_flat, key_valid = keys_flat.to(dev), key_valid.to(dev)
+    ks_l, ke_l = ks.long().to(dev)[start:end], ke.long().to(dev)[start:end]
     R = end - start
-    if max_seqlen_k > 0:
-        j = ks_l[:, None] + torch.arange(max_seqlen_k)[None, :]        # [R, W] key of column c
-    else:
-        j = torch.arange(S)[None, :].expand(R, S)
-    inside = (j >= 0) & (j < S)
-    jc = j.clamp(0, max(S - 1, 0))
-    keys = keys_flat[jc] if S > 0 else torch.zeros(R, j.shape[1], D, dtype=torch.float64)
-    visible = inside & (j >= ks_l[:, None]) & (j < ke_l[:, None]) & (key_valid[jc] if S > 0 else False)
-    return oracle_logits(q.cpu().double()[start:end], w.cpu().double()[start:end], keys, visible)
+    W = max_seqlen_k if max_seqlen_k > 0 else S
+    out = torch.empty(R, W, dtype=torch.float64, device=dev)
+    for r0 in range(0, R, row_chunk):
+        r1 = min(R, r0 + row_chunk)
+        if max_seqlen_k > 0:
+            j = ks_l[r0:r1, None] + torch.arange(W, device=dev)[None, :]      # key of column c
+        else:
+            j = torch.arange(S, device=dev)[None, :].expand(r1 - r0, S)
+        jc = j.clamp(0, S - 1)
+        visible = (j >= 0) & (j < S) & (j >= ks_l[r0:r1, None]) & (j < ke_l[r0:r1, None]) & key_valid[jc]
+        qd, wd = q[start + r0:start + r1].double(), w[start + r0:start + r1].double()
+        if max_seqlen_k > 0:
+            sc = torch.einsum("rhd,rnd->rhn", qd, keys_flat[jc])
+        else:
+            sc = torch.einsum("rhd,nd->rhn", qd, keys_flat)
+        lg = torch.einsum("rhn,rh->rn", sc.clamp_min(0), wd)
+        out[r0:r1] = torch.where(visible, lg, torch.full_like(lg, -math.inf))
+    return out
 
 
 def check_close(got, want, *, clean, what, tol=1e-5):
     """Relative L2 error on visible entries; exact -inf masks when clean (visible columns only otherwise)."""
-    got = got.detach().cpu().double()
+    got = got.detach().double().to(want.device)
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     vis = torch.isfinite(want)
     g, wv = got[vis], want[vis]
@@ -292,3 +308,216 @@ def test_prefill_bad_input(change, exc, name):
     args.update(change)
     with pytest.raises(exc, match=name):
         mqa_logits(**args)
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: kernel vs the fp64 oracle (outputs poisoned with NaN first; every visible entry must be written)
+# --------------------------------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+NAN = float("nan")
+
+
+def poisoned(rows, width, pad=0, device="cuda"):
+    """A NaN-filled fp32 buffer [rows, ceil4(width) + pad] and its [:, :width] view (the `out=`)."""
+    buf = torch.full((rows, -(-width // 4) * 4 + pad), NAN, device=device)
+    return buf, buf[:, :width]
+
+
+def check_untouched(buf, width, what):
+    pad = buf[:, width:]
+    assert torch.isnan(pad).all(), f"{what}: {int((~torch.isnan(pad)).sum())} writes past column {width}"
+
+
+@pytest.fixture
+def tuning(monkeypatch):
+    """Set cupy_dsa.logits.TUNING entries for one test (restored afterwards)."""
+    from cupy_dsa import logits as L
+
+    def set_(**kw):
+        for k, v in kw.items():
+            assert k in L.TUNING, k
+            monkeypatch.setitem(L.TUNING, k, v)
+    return set_
+
+
+def gpu_paged_case(seed, *, B, next_n, max_pages, P, layout, q_dtype, lens_2d, shape="rows"):
+    torch.manual_seed(seed)
+    q, cache, deq, w, ctx, bt = random_paged_case(B=B, next_n=next_n, max_pages=max_pages, P=P, layout=layout,
+                                                  q_dtype=q_dtype, lens_2d=lens_2d, shape=shape)
+    return [t.cuda() for t in (q, cache, deq, w, ctx, bt)]
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["bf16", "fp8"])
+@pytest.mark.parametrize("q_dtype", [FP8, torch.bfloat16], ids=["qfp8", "qbf16"])
+@pytest.mark.parametrize("next_n", [1, 2, 3, 4])
+@pytest.mark.parametrize("lens_2d", [False, True], ids=["lens1d", "lens2d"])
+@pytest.mark.parametrize("prefetch", [0, 1], ids=["occ", "prefetch"])
+def test_gpu_paged(seed, tuning, layout, q_dtype, next_n, lens_2d, prefetch):
+    if prefetch and layout == "fp8":
+        pytest.skip("register double-buffering is a bf16-key variant")
+    tuning(decode_prefetch=prefetch)
+    q, cache, deq, w, ctx, bt = gpu_paged_case(seed, B=5, next_n=next_n, max_pages=37, P=200, layout=layout,
+                                               q_dtype=q_dtype, lens_2d=lens_2d,
+                                               shape="rows" if next_n % 2 else "typed")
+    for width in (37 * PS, 37 * PS - 45, 10 * PS + 3):
+        want = oracle_paged(q, deq, w, ctx, bt, width)
+        for clean in (True, False):
+            buf, out = poisoned(5 * next_n, width, pad=8)
+            got = paged_mqa_logits(q, cache, w, ctx, bt, width, clean_logits=clean, out=out)
+            assert got.data_ptr() == out.data_ptr()
+            what = f"paged {layout} q={q_dtype} next_n={next_n} width={width} clean={clean} seed={seed}"
+            check_close(got, want, clean=clean, what=what)
+            check_untouched(buf, width, what)
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["bf16", "fp8"])
+@pytest.mark.parametrize("ctas_per_sm", [8, 1], ids=["small-chunks", "big-chunks"])
+def test_gpu_paged_long(seed, tuning, layout, ctas_per_sm):
+    """Many pages per request: multi-page (odd and even) chunks per CTA, early exits past short lengths."""
+    tuning(decode_ctas_per_sm=ctas_per_sm)
+    q, cache, deq, w, ctx, bt = gpu_paged_case(seed, B=16, next_n=2, max_pages=211, P=3500, layout=layout,
+                                               q_dtype=FP8, lens_2d=False)
+    ctx[2] = 211 * PS                                               # a full-length row
+    width = 211 * PS
+    want = oracle_paged(q, deq, w, ctx, bt, width)
+    got = paged_mqa_logits(q, cache, w, ctx, bt, width, clean_logits=True)
+    check_close(got, want, clean=True, what=f"paged long {layout} ctas/SM={ctas_per_sm} seed={seed}")
+    assert got.stride(0) % 4 == 0
+
+
+def gpu_prefill_case(seed, kind, q_dtype, T, S_pages):
+    torch.manual_seed(seed)
+    kv, bt, keys, valid = prefill_keys(kind, S_pages, device="cuda")
+    S = keys.shape[0]
+    q = make_q((T, H, D), q_dtype, "cuda")
+    w = torch.randn(T, H, device="cuda")
+    ke = torch.randint(0, S + 40, (T,), dtype=torch.int32)
+    ks = (ke - torch.randint(0, 3 * S // 4, (T,), dtype=torch.int32)).clamp_min(0)
+    ks[3], ke[5], ks[7] = ke[3], 0, S + 5                            # empty rows
+    ke[:T // 4] = torch.arange(T // 4, dtype=torch.int32) * S // T   # a causal band
+    ks[:T // 4] = 0
+    return q, kv, bt, keys, valid, w, ks.cuda(), ke.cuda()
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["contiguous", "bf16", "fp8"])
+@pytest.mark.parametrize("q_dtype", [FP8, torch.bfloat16], ids=["qfp8", "qbf16"])
+@pytest.mark.parametrize("variant", ["rows8", "rows8-prefetch", "rows4"])
+def test_gpu_prefill(seed, tuning, kind, q_dtype, variant):
+    tuning(prefill_rows=4 if variant == "rows4" else 8, prefill_prefetch=int(variant == "rows8-prefetch"),
+           prefill_chunk_keys=1024)
+    T, S_pages = 203, 45
+    q, kv, bt, keys, valid, w, ks, ke = gpu_prefill_case(seed, kind, q_dtype, T, S_pages)
+    S = keys.shape[0]
+    for rows, msk, clean in [(None, 0, True), (None, 0, False), ((9, 170), 0, True), (None, 700, False),
+                             ((2, 199), 500, True), ((50, 51), 0, True), ((4, 4), 0, True)]:
+        start, end = rows if rows else (0, T)
+        width = msk if msk else S
+        want = oracle_prefill(q, keys, valid, w, ks, ke, start, end, msk)
+        buf, out = poisoned(end - start, width, pad=4)
+        got = mqa_logits(q, kv, w, ks, ke, block_table=bt, max_seqlen_k=msk, clean_logits=clean, rows=rows,
+                         out=out)
+        what = f"prefill {kind} q={q_dtype} {variant} rows={rows} max_seqlen_k={msk} clean={clean} seed={seed}"
+        check_close(got, want, clean=clean, what=what)
+        check_untouched(buf, width, what)
+
+
+@gpu
+def test_gpu_prefill_causal_large(seed, tuning):
+    """Causal prefill with the shipped tuning (4096-key chunks): T=1024 rows, S=8192 contiguous keys."""
+    torch.manual_seed(seed)
+    T, S = 1024, 8192
+    kv = torch.randn(S, D, device="cuda").to(torch.bfloat16)
+    q = make_q((T, H, D), FP8, "cuda")
+    w = torch.randn(T, H, device="cuda")
+    ke = (torch.arange(T, device="cuda") * (S // T) + S // T).to(torch.int32)
+    ks = torch.zeros(T, dtype=torch.int32, device="cuda")
+    want = oracle_prefill(q, kv.double(), torch.ones(S, dtype=torch.bool), w, ks, ke, 0, T, 0, row_chunk=64)
+    got = mqa_logits(q, kv, w, ks, ke)
+    check_close(got, want, clean=True, what=f"causal T={T} S={S} seed={seed}")
+
+
+@gpu
+def test_gpu_variants_bitwise_equal(seed, tuning):
+    """Tuning variants change scheduling, never the arithmetic order: results must be bitwise equal."""
+    q, cache, _, w, ctx, bt = gpu_paged_case(seed, B=7, next_n=2, max_pages=50, P=400, layout="bf16",
+                                             q_dtype=torch.bfloat16, lens_2d=False)
+    outs = []
+    for pf, cps in [(0, 8), (1, 8), (0, 1), (1, 2)]:
+        tuning(decode_prefetch=pf, decode_ctas_per_sm=cps)
+        outs.append(paged_mqa_logits(q, cache, w, ctx, bt, 50 * PS, clean_logits=True))
+    for i, o in enumerate(outs[1:], 1):
+        assert torch.equal(o, outs[0]), f"paged variant {i} differs: {int((o != outs[0]).sum())} entries"
+    T = 77
+    q2 = make_q((T, H, D), FP8, "cuda")
+    w2 = torch.randn(T, H, device="cuda")
+    kv = torch.randn(3000, D, device="cuda").to(torch.bfloat16)
+    ke = torch.randint(0, 3000, (T,), dtype=torch.int32, device="cuda")
+    ks = (ke - 900).clamp_min(0)
+    outs = []
+    for rows, pf, chunk in [(8, 0, 4096), (8, 1, 1024), (4, 0, 64), (4, 0, 2048)]:
+        tuning(prefill_rows=rows, prefill_prefetch=pf, prefill_chunk_keys=chunk)
+        outs.append(mqa_logits(q2, kv, w2, ks, ke))
+    for i, o in enumerate(outs[1:], 1):
+        assert torch.equal(o, outs[0]), f"prefill variant {i} differs: {int((o != outs[0]).sum())} entries"
+
+
+@gpu
+def test_gpu_deterministic(seed):
+    for layout in ("bf16", "fp8"):
+        q, cache, _, w, ctx, bt = gpu_paged_case(seed, B=9, next_n=3, max_pages=40, P=300, layout=layout,
+                                                 q_dtype=FP8, lens_2d=True)
+        first = paged_mqa_logits(q, cache, w, ctx, bt, 40 * PS, clean_logits=True)
+        for i in range(10):
+            again = paged_mqa_logits(q, cache, w, ctx, bt, 40 * PS, clean_logits=True)
+            assert torch.equal(again, first), f"{layout} rerun {i}: {int((again != first).sum())} entries differ"
+    q, kv, bt, _, _, w, ks, ke = gpu_prefill_case(seed, "fp8", FP8, 150, 30)
+    first = mqa_logits(q, kv, w, ks, ke, block_table=bt)
+    for i in range(10):
+        again = mqa_logits(q, kv, w, ks, ke, block_table=bt)
+        assert torch.equal(again, first), f"prefill rerun {i}: {int((again != first).sum())} entries differ"
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["bf16", "fp8"])
+def test_gpu_cuda_graph(seed, layout):
+    """Capture once (after warm-up, static buffers), replay with new lengths / block tables copied in."""
+    B, next_n, max_pages, P = 6, 2, 30, 250
+    q, cache, deq, w, ctx, bt = gpu_paged_case(seed, B=B, next_n=next_n, max_pages=max_pages, P=P,
+                                               layout=layout, q_dtype=FP8, lens_2d=False)
+    width = max_pages * PS
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            paged_mqa_logits(q, cache, w, ctx, bt, width, clean_logits=True)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = paged_mqa_logits(q, cache, w, ctx, bt, width, clean_logits=True)
+    for step in range(3):
+        _, _, _, _, ctx_new, bt_new = random_paged_case(B=B, next_n=next_n, max_pages=max_pages, P=P,
+                                                        layout=layout, q_dtype=FP8, lens_2d=False)
+        ctx.copy_(ctx_new)
+        bt.copy_(bt_new)
+        q.copy_(make_q(q.shape, FP8, "cuda"))
+        out.fill_(NAN)
+        g.replay()
+        torch.cuda.synchronize()
+        check_close(out, oracle_paged(q, deq, w, ctx, bt, width), clean=True,
+                    what=f"graph replay {step} {layout} seed={seed}")
+
+
+@gpu
+def test_gpu_bad_input():
+    q, cache, _, w, ctx, bt = gpu_paged_case(0, B=2, next_n=1, max_pages=2, P=4, layout="bf16", q_dtype=FP8,
+                                             lens_2d=False)
+    with pytest.raises(ValueError, match="block_table"):
+        paged_mqa_logits(q, cache, w, ctx, bt.cpu(), 128)
+    with pytest.raises(ValueError, match="weights"):
+        paged_mqa_logits(q, cache, w.cpu(), ctx, bt, 128)
+    with pytest.raises(ValueError, match="out"):
+        paged_mqa_logits(q, cache, w, ctx, bt, 128, out=torch.empty(2, 128))

@@ -1,0 +1,393 @@
+// Indexer logits: logits[r, n] = sum_{h<64} relu(q[r,h,:] . k[n,:]) * w[r,h], fp32 accumulate
+// (fp8 keys: times the key's fp32 scale, applied after the head sum as DeepGEMM does).
+//
+// One kernel for decode and prefill. Grid: x = row tile (decode: request b, its next_n rows; prefill: Rows
+// query rows), y = chunk of keys (chunk_keys, a multiple of 64). x carries the large count (grid.y is capped
+// at 65535) and makes CTAs that run together share a key chunk (prefill: L2 reuse). CTA = Warps warps; the
+// chunk's 32-key tiles go round-robin to the warps; a warp computes its tile against every row of the tile:
+// per row 2 m-tiles (tokens) x 8 n-tiles (heads) x 8 k-steps of mma.m16n8k16, fp32 accumulate, then
+// relu * w summed over heads in registers, reduced over the 4 lanes of a quad, masked, stored.
+//
+// Fragments without shared memory for keys. The logit needs only dot products, so head_dim may be permuted
+// as long as q and k use the same permutation. Thread (gid = lane/4, t = lane%4) loads, for k-step pair s,
+// one 8-element chunk D(s,t) of head_dim for its token rows gid and gid+8 (16-byte global loads straight into
+// registers) and reads the same chunk of q head gid from shared memory (one conflict-free LDS.128). Its four
+// 32-bit words w0..w3 feed k-step 2s (A regs: w0 row gid, w0 row gid+8, w1 row gid, w1 row gid+8; B regs:
+// w0, w1) and k-step 2s+1 (the same with w2, w3). In the PTX fragment layout thread t's A and B words both
+// sit at k = {2t, 2t+1} (w0 / w2) and k = {2t+8, 2t+9} (w1 / w3), so every k of A meets the same head_dim
+// element of B; the 4 pairs x 4 threads x 8 elements cover head_dim exactly once.
+//   bf16 keys: D(s,t) = 32s + 8t, words = element pairs (0,1) (2,3) (4,5) (6,7).
+//   fp8 keys:  D(s,t) = 64(s/2) + 16t + 8(s%2) (one 16-byte load covers pairs 2g and 2g+1), words = (0,2)
+//              (1,3) (4,6) (5,7): the shift expansion e4m3 -> f16 yields even/odd bytes of a 32-bit word.
+// fp8 keys with fp8 q use f16 mma on both operands scaled by 2^-8 (exact) and fold 2^16 into the epilogue;
+// every other combination uses bf16 mma (fp8 q -> bf16 exact; fp8 keys -> bf16 exact, slow path).
+//
+// Masking: row r sees keys n in [lo_r, hi_r) (decode: [0, len); prefill: [ks, ke)) whose page is valid
+// (block-table entry in [0, P) and page index < bt_width) and n < num_keys. Output column = n - coloff_r
+// (coloff = ks in compressed prefill, else 0). A processed tile writes every row's 32 columns (value or -inf);
+// a chunk with no visible key returns early, writing -inf over its columns when `clean`. Nothing is read
+// outside q / weights / lens / block table rows of the tile / valid pages; nothing is written outside out.
+#include "common.cuh"
+
+namespace dsa {
+namespace logits {
+
+constexpr int kNumHeads = 64;
+constexpr int kMaxChunkPages = 64;  // keys per CTA <= 4096 (page entries staged in shared memory)
+constexpr int kTileKeys = 32;       // keys per warp tile (2 m-tiles)
+constexpr int kMaxRows = 8;
+enum RangeMode { kCausal1D = 0, kLens2D = 1, kKsKe = 2 };
+
+template <int Rows, int Warps, int Prefetch>
+struct Config {
+  // n-tiles whose accumulators are live together (independent mma chains per warp: 2 * NT).
+  static constexpr int NT = (Warps >= 8 && Rows >= 8) ? 4 : 2;
+  // Resident CTAs per SM asked of ptxas (register cap 65536 / (threads * MinBlocks)).
+  static constexpr int MinBlocks = Warps >= 8 ? (Rows >= 8 ? 1 : 2) : (Prefetch ? 2 : (Rows <= 2 ? 4 : 3));
+};
+
+// Raw key bytes of one 32-key tile held by one thread: [m-tile][row half (gid, gid+8)][16-byte chunk c]
+// at byte 64c + 16t of the key row (bf16: 4 chunks = pairs s; fp8: 2 chunks = pairs 2c, 2c+1).
+template <int KeyFp8>
+struct KeyTile {
+  static constexpr int kChunks = KeyFp8 ? 2 : 4;
+  uint4 raw[2][2][kChunks];
+  float scale;    // fp8: scale of this lane's output key (token gid + 8t); 1 otherwise
+  int tok0;       // first key of the tile
+  int page_ok;    // the tile's page is readable
+  unsigned live;  // bit r: row r sees a key of this tile (0: nothing to compute)
+};
+
+struct Ctx {
+  const unsigned char* kv;
+  const int* pages;  // shared: block-table entries of the chunk's pages (-1 = invalid)
+  const int* lo;     // shared, per row
+  const int* hi;
+  int chunk_begin, chunk_end, num_keys, rows;
+};
+
+template <int KeyFp8, int Paged>
+__device__ __forceinline__ void load_tile(KeyTile<KeyFp8>& kt, int tok0, const Ctx& c, int lane) {
+  constexpr int kRowBytes = KeyFp8 ? kHeadDim : 2 * kHeadDim;
+  constexpr int kPageBytes = KeyFp8 ? kFp8PageBytes : kBf16PageBytes;
+  const int gid = lane >> 2, t = lane & 3;
+  kt.tok0 = tok0;
+  kt.scale = 1.0f;
+  const unsigned char* base;
+  if (Paged) {
+    const int entry = c.pages[(tok0 - c.chunk_begin) >> kPageBits];
+    kt.page_ok = entry >= 0;
+    base = c.kv + static_cast<i64>(entry < 0 ? 0 : entry) * kPageBytes;
+  } else {
+    kt.page_ok = 1;
+    base = c.kv;
+  }
+  unsigned live = 0;
+  for (int r = 0; r < c.rows; ++r)
+    if (kt.page_ok && c.lo[r] < tok0 + kTileKeys && c.hi[r] > tok0) live |= 1u << r;
+  kt.live = live;
+  if (!live) return;
+  const int slot0 = Paged ? (tok0 & (kPageSlots - 1)) : tok0;  // key index inside `base`
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = 16 * m + 8 * h + gid;
+      const unsigned char* p = base + static_cast<i64>(slot0 + row) * kRowBytes + 16 * t;
+      const bool in = Paged || tok0 + row < c.num_keys;  // contiguous keys: never read past S
+#pragma unroll
+      for (int ch = 0; ch < KeyTile<KeyFp8>::kChunks; ++ch)
+        kt.raw[m][h][ch] = in ? ldg_stream_v4(p + 64 * ch) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  if (KeyFp8)
+    kt.scale = __ldg(reinterpret_cast<const float*>(base + kFp8ScaleOffset) + slot0 + gid + 8 * t);
+}
+
+// The A words of a tile, W[m][h][s][w], in the mma input type.
+template <int KeyFp8, int QFp8>
+__device__ __forceinline__ void key_words(const KeyTile<KeyFp8>& kt, u32 (&W)[2][2][4][4]) {
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (!KeyFp8) {
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          const uint4 v = kt.raw[m][h][s];
+          W[m][h][s][0] = v.x; W[m][h][s][1] = v.y; W[m][h][s][2] = v.z; W[m][h][s][3] = v.w;
+        }
+      } else {
+#pragma unroll
+        for (int g = 0; g < 2; ++g) {
+          const uint4 v = kt.raw[m][h][g];
+          const u32 x[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            u32 e0, o0, e1, o1;
+            e4m3x4_to_f16x2_scaled(x[2 * half], e0, o0);
+            e4m3x4_to_f16x2_scaled(x[2 * half + 1], e1, o1);
+            u32* w = W[m][h][2 * g + half];
+            if (QFp8) {
+              w[0] = e0; w[1] = o0; w[2] = e1; w[3] = o1;
+            } else {
+              w[0] = f16x2_scaled_to_bf16x2(e0); w[1] = f16x2_scaled_to_bf16x2(o0);
+              w[2] = f16x2_scaled_to_bf16x2(e1); w[3] = f16x2_scaled_to_bf16x2(o1);
+            }
+          }
+        }
+      }
+    }
+}
+
+// sum_h relu(q[r,h] . k) * w[r,h] for this thread's 4 keys (gid, gid+8, gid+16, gid+24), partial over the
+// heads 2t, 2t+1 of every n-tile (the quad reduction follows).
+template <bool F16, int NT>
+__device__ __forceinline__ void row_partials(const u32 (&W)[2][2][4][4], const uint4* __restrict__ qs_row,
+                                             const float* __restrict__ ws_row, int lane, float (&p)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) p[i] = 0.0f;
+#pragma unroll
+  for (int j0 = 0; j0 < 8; j0 += NT) {
+    float acc[NT][2][4];
+#pragma unroll
+    for (int jj = 0; jj < NT; ++jj)
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[jj][m][i] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      uint4 b[NT];
+#pragma unroll
+      for (int jj = 0; jj < NT; ++jj) b[jj] = qs_row[((j0 + jj) * 4 + s) * 32 + lane];
+#pragma unroll
+      for (int jj = 0; jj < NT; ++jj)
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+          mma_16816<F16>(acc[jj][m], W[m][0][s][0], W[m][1][s][0], W[m][0][s][1], W[m][1][s][1], b[jj].x,
+                         b[jj].y);
+#pragma unroll
+      for (int jj = 0; jj < NT; ++jj)
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+          mma_16816<F16>(acc[jj][m], W[m][0][s][2], W[m][1][s][2], W[m][0][s][3], W[m][1][s][3], b[jj].z,
+                         b[jj].w);
+    }
+#pragma unroll
+    for (int jj = 0; jj < NT; ++jj) {
+      const float2 w = *reinterpret_cast<const float2*>(ws_row + 8 * (j0 + jj) + 2 * (lane & 3));
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        p[2 * m] = fmaf(fmaxf(acc[jj][m][0], 0.0f), w.x, p[2 * m]);
+        p[2 * m] = fmaf(fmaxf(acc[jj][m][1], 0.0f), w.y, p[2 * m]);
+        p[2 * m + 1] = fmaf(fmaxf(acc[jj][m][2], 0.0f), w.x, p[2 * m + 1]);
+        p[2 * m + 1] = fmaf(fmaxf(acc[jj][m][3], 0.0f), w.y, p[2 * m + 1]);
+      }
+    }
+  }
+}
+
+// Quad reduction of p[i] (key gid + 8i) over the 4 lanes t: lane t ends with the full sum of key gid + 8t
+// (3 shuffles; each sum is formed in exactly one lane, so results are deterministic).
+__device__ __forceinline__ float quad_reduce(const float (&p)[4], int lane) {
+  const bool b0 = lane & 1, b1 = (lane >> 1) & 1;
+  const float keep0 = b0 ? p[1] : p[0], send0 = b0 ? p[0] : p[1];
+  const float keep1 = b0 ? p[3] : p[2], send1 = b0 ? p[2] : p[3];
+  const float q0 = keep0 + __shfl_xor_sync(0xffffffffu, send0, 1);  // key index b0
+  const float q1 = keep1 + __shfl_xor_sync(0xffffffffu, send1, 1);  // key index b0 + 2
+  const float keep = b1 ? q1 : q0, send = b1 ? q0 : q1;
+  return keep + __shfl_xor_sync(0xffffffffu, send, 2);              // key index b0 + 2*b1 = t
+}
+
+}  // namespace logits
+}  // namespace dsa
+
+// q: [rows_total, 64, 128] fp8 e4m3 (QFp8) or bf16; weights fp32 [rows_total, 64]; kv: paged cache rows
+// (Paged; kv_pages pages, block table row of tile x at block_table + x * bt_tile_stride, bt_width entries) or
+// contiguous bf16 keys [num_keys, 128]. Rows of tile x: row_start + x*Rows + i, i < Rows, < row_end.
+// mode 0: len = lens0[x] - (Rows-1-i); mode 1: len = lens0[row]; mode 2: [lens0[row], lens1[row]).
+// out row (row - row_start), stride out_stride, `width` columns.
+template <int KeyFp8, int QFp8, int Rows, int Paged, int Warps, int Prefetch>
+__global__ void __launch_bounds__(Warps * 32, (dsa::logits::Config<Rows, Warps, Prefetch>::MinBlocks))
+    mqa_logits_kernel(const unsigned char* __restrict__ q, const float* __restrict__ weights,
+                      const unsigned char* __restrict__ kv, long long kv_pages, const int* __restrict__ block_table,
+                      long long bt_tile_stride, int bt_width, const int* __restrict__ lens0,
+                      const int* __restrict__ lens1, int mode, int row_start, int row_end, int num_keys,
+                      int chunk_keys, float* __restrict__ out, long long out_stride, int width, int compressed,
+                      int clean) {
+  using namespace dsa;
+  using namespace dsa::logits;
+  static_assert(Rows >= 1 && Rows <= kMaxRows, "Rows");
+  static_assert(Paged || !KeyFp8, "contiguous keys are bf16");
+  constexpr bool F16 = KeyFp8 && QFp8;
+  constexpr int NT = Config<Rows, Warps, Prefetch>::NT;
+  constexpr int kQWords = 8 * 4 * 32;  // uint4 per row: [n-tile][pair][lane]
+
+  extern __shared__ uint4 smem[];
+  uint4* qs = smem;                                                   // [Rows][8][4][32]
+  float* ws = reinterpret_cast<float*>(smem + Rows * kQWords);        // [Rows][64]
+  int* s_pages = reinterpret_cast<int*>(ws + Rows * kNumHeads);       // [kMaxChunkPages]
+  __shared__ int s_lo[kMaxRows], s_hi[kMaxRows], s_off[kMaxRows];
+
+  const int tile = blockIdx.x;
+  const int chunk_begin = blockIdx.y * chunk_keys;
+  if (chunk_begin >= num_keys) return;
+  const int chunk_end = min(chunk_begin + chunk_keys, num_keys);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int row0 = row_start + tile * Rows;
+
+  // ---- per-row key ranges (uniform, recomputed by every thread: a few cached loads) ----
+  unsigned act_mask = 0;  // bit r: row r sees a key of this chunk
+  int lo_r[Rows], hi_r[Rows];
+#pragma unroll
+  for (int r = 0; r < Rows; ++r) {
+    const int row = row0 + r;
+    int lo = 0, hi = 0;
+    if (row < row_end) {
+      if (mode == kCausal1D) {
+        hi = lens0[tile] - (Rows - 1 - r);
+      } else if (mode == kLens2D) {
+        hi = lens0[row];
+      } else {
+        lo = max(lens0[row], 0);
+        hi = lens1[row];
+      }
+      hi = min(hi, num_keys);
+    }
+    lo_r[r] = lo;
+    hi_r[r] = hi;
+    if (lo < hi && lo < chunk_end && hi > chunk_begin) act_mask |= 1u << r;
+  }
+  const float kNegInf = __int_as_float(0xff800000);
+  if (!act_mask) {
+    if (clean && !compressed) {  // columns == keys here
+      for (int r = 0; r < Rows; ++r) {
+        if (row0 + r >= row_end) break;
+        float* o = out + static_cast<i64>(row0 + r - row_start) * out_stride;
+        for (int n = chunk_begin + tid; n < chunk_end && n < width; n += Warps * 32) o[n] = kNegInf;
+      }
+    }
+    return;
+  }
+
+  // ---- stage row ranges, page entries, weights and q fragments ----
+  if (tid < Rows) {
+    const int r = tid;
+    int lo = 0, hi = 0, off = 0;
+#pragma unroll
+    for (int i = 0; i < Rows; ++i)
+      if (i == r) { lo = lo_r[i]; hi = hi_r[i]; }
+    if (compressed && row0 + r < row_end) off = lens0[row0 + r];
+    const bool act = (act_mask >> r) & 1u;
+    s_lo[r] = act ? lo : 0;
+    s_hi[r] = act ? hi : 0;  // empty: no tile is live for this row
+    s_off[r] = off;
+  }
+  if (Paged) {
+    const int* bt = block_table + tile * bt_tile_stride;
+    const int p0 = chunk_begin >> kPageBits;
+    const int np = (chunk_end - chunk_begin + kPageSlots - 1) >> kPageBits;
+    for (int i = tid; i < np; i += Warps * 32) {
+      const int p = p0 + i;
+      int e = p < bt_width ? bt[p] : -1;
+      s_pages[i] = (e >= 0 && static_cast<i64>(e) < kv_pages) ? e : -1;
+    }
+  }
+  for (int i = tid; i < Rows * kNumHeads; i += Warps * 32) {
+    const int r = i / kNumHeads;
+    if (row0 + r < row_end) ws[i] = weights[static_cast<i64>(row0 + r) * kNumHeads + i % kNumHeads];
+  }
+  for (int i = tid; i < Rows * kQWords; i += Warps * 32) {
+    const int r = i / kQWords, rem = i % kQWords;
+    const int row = row0 + r;
+    if (!((act_mask >> r) & 1u)) continue;  // never read
+    const int j = rem >> 7, s = (rem >> 5) & 3, ln = rem & 31;
+    const int head = 8 * j + (ln >> 2), t = ln & 3;
+    const int d = KeyFp8 ? 64 * (s >> 1) + 16 * t + 8 * (s & 1) : 32 * s + 8 * t;
+    const i64 elem = (static_cast<i64>(row) * kNumHeads + head) * kHeadDim + d;
+    uint4 v;
+    if (QFp8) {
+      const uint2 x = *reinterpret_cast<const uint2*>(q + elem);
+      if (F16) {  // same expansion as the keys: words (0,2) (1,3) (4,6) (5,7), values * 2^-8
+        e4m3x4_to_f16x2_scaled(x.x, v.x, v.y);
+        e4m3x4_to_f16x2_scaled(x.y, v.z, v.w);
+      } else {    // bf16 keys: natural pairs, exact bf16
+        const unsigned char* b = reinterpret_cast<const unsigned char*>(&x);
+        v.x = pack_bf16x2(e4m3_to_float(b[0]), e4m3_to_float(b[1]));
+        v.y = pack_bf16x2(e4m3_to_float(b[2]), e4m3_to_float(b[3]));
+        v.z = pack_bf16x2(e4m3_to_float(b[4]), e4m3_to_float(b[5]));
+        v.w = pack_bf16x2(e4m3_to_float(b[6]), e4m3_to_float(b[7]));
+      }
+    } else {
+      const uint4 x = *reinterpret_cast<const uint4*>(q + 2 * elem);
+      if (KeyFp8) {  // fp8 key word order (0,2) (1,3) (4,6) (5,7)
+        v.x = __byte_perm(x.x, x.y, 0x5410);
+        v.y = __byte_perm(x.x, x.y, 0x7632);
+        v.z = __byte_perm(x.z, x.w, 0x5410);
+        v.w = __byte_perm(x.z, x.w, 0x7632);
+      } else {
+        v = x;
+      }
+    }
+    qs[i] = v;
+  }
+  __syncthreads();
+
+  Ctx c;
+  c.kv = kv;
+  c.pages = s_pages;
+  c.lo = s_lo;
+  c.hi = s_hi;
+  c.chunk_begin = chunk_begin;
+  c.chunk_end = chunk_end;
+  c.num_keys = num_keys;
+  c.rows = Rows;
+
+  const float epi_scale = F16 ? 65536.0f : 1.0f;
+  const int ntiles = (chunk_end - chunk_begin + kTileKeys - 1) / kTileKeys;
+  const int key_lane = (lane >> 2) + 8 * (lane & 3);  // this lane's output key inside a tile
+
+  // Compute one loaded tile against every row and store its 32 columns per row.
+  auto process = [&](const KeyTile<KeyFp8>& kt) {
+    u32 W[2][2][4][4];
+    if (kt.live) key_words<KeyFp8, QFp8>(kt, W);
+    const int n = kt.tok0 + key_lane;
+    const float scale = kt.scale * epi_scale;
+#pragma unroll 1
+    for (int r = 0; r < Rows; ++r) {
+      if (row0 + r >= row_end) break;
+      float val = kNegInf;
+      if ((kt.live >> r) & 1u) {
+        float p[4];
+        row_partials<F16, NT>(W, qs + r * kQWords, ws + r * kNumHeads, lane, p);
+        const float sum = quad_reduce(p, lane);
+        if (n >= s_lo[r] && n < s_hi[r]) val = sum * scale;
+      }
+      const int col = n - s_off[r];
+      if (n < chunk_end && col >= 0 && col < width)
+        out[static_cast<i64>(row0 + r - row_start) * out_stride + col] = val;
+    }
+  };
+
+  if (Prefetch) {
+    KeyTile<KeyFp8> ka, kb;
+    int i = warp;
+    if (i < ntiles) load_tile<KeyFp8, Paged>(ka, chunk_begin + i * kTileKeys, c, lane);
+    while (i < ntiles) {
+      const int i1 = i + Warps;
+      if (i1 < ntiles) load_tile<KeyFp8, Paged>(kb, chunk_begin + i1 * kTileKeys, c, lane);
+      process(ka);
+      if (i1 >= ntiles) break;
+      const int i2 = i1 + Warps;
+      if (i2 < ntiles) load_tile<KeyFp8, Paged>(ka, chunk_begin + i2 * kTileKeys, c, lane);
+      process(kb);
+      i = i2;
+    }
+  } else {
+    for (int i = warp; i < ntiles; i += Warps) {
+      KeyTile<KeyFp8> ka;
+      load_tile<KeyFp8, Paged>(ka, chunk_begin + i * kTileKeys, c, lane);
+      process(ka);
+    }
+  }
+}
