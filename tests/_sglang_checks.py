@@ -187,6 +187,12 @@ def scenario_on():
             assert fn(128, use_fp4_indexer=True) == 68, "fp4 pools must stay 68 B/token"
         with mode_env("fp8"):
             assert pc.get_dsv4_indexer_bytes_per_token(128, False) == 132
+        # the budget's per-full-token price of one C4 layer's index keys: 256 / 4 = 64 B (fp8: 33 B)
+        cfg = object.__new__(pc.DSV4PoolConfigurator)
+        cfg.c4_shrink_factor = 1
+        cfg._get_paged_kv_bytes_per_token = lambda ratio: 0
+        cfg.indexer_bytes_per_token = pc.get_dsv4_indexer_bytes_per_token(128, False)  # as __init__ does
+        assert cfg._compressed_bytes_per_full_token(4) == 64
 
     @check
     def pool_pages_on():
