@@ -212,7 +212,12 @@ def _compress_plan(seq_lens, ragged_ids):
 
 
 def _ulp_diff(a, b):
-    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+    """bf16 distance in units of the larger value's ulp (2^-7 relative); values within 1e-6 of each other
+    count as equal (an fp32 rounding difference may flip the sign of a value next to zero)."""
+    a, b = a.float(), b.float()
+    ulp = torch.maximum(a.abs(), b.abs()) * 2.0 ** -7
+    d = (a - b).abs()
+    return torch.where(d <= 1e-6, torch.zeros_like(d), d / ulp.clamp_min(1e-30)).ceil()
 
 
 def _cmp_logits(name, got, ref, lens, tol=2e-3):
