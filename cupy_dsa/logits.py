@@ -34,16 +34,16 @@ _NEG_INF = float("-inf")
 
 # Kernel range modes (must match kernels/mqa_logits.cu).
 _MODE_CAUSAL_1D, _MODE_LENS_2D, _MODE_KS_KE = 0, 1, 2
-_MAX_CHUNK_PAGES = 64  # kernel constant kMaxChunkPages: a CTA covers at most 64 pages (4096 keys)
+_TILE_KEYS = 32         # keys per warp tile in the kernel
+_MAX_GRID_Y = 65535
 
 # Host-side tuning knobs (read on every call, so a bench can flip them; defaults are the shipped choice).
 TUNING = {
     "decode_prefetch": 0,        # bf16 keys: register double-buffer of the next key tile (1) or occupancy (0)
-    "decode_ctas_per_sm": 8,     # target CTAs per SM when choosing pages per CTA
-    "decode_max_pages_per_cta": 16,
-    "prefill_rows": 8,           # query rows per CTA: 8 (8 warps, ~131 KiB shared memory) or 4 (4 warps)
+    "decode_ctas_per_sm": 16,    # CTAs launched per SM (over all requests); they interleave over the tiles
+    "prefill_rows": 8,           # query rows per CTA: 8 (8 warps, ~129 KiB shared memory) or 4 (4 warps)
     "prefill_prefetch": 0,       # contiguous keys, 8-row tiles: register double-buffer of the next key tile
-    "prefill_chunk_keys": 4096,  # keys per CTA (multiple of 64, <= 4096)
+    "prefill_keys_per_cta": 4096,  # CTAs per row tile = ceil(keys / this)
 }
 
 
@@ -80,8 +80,8 @@ runtime.register_instantiations(_SRC, _INSTANTIATIONS)
 
 
 def _smem_bytes(rows: int) -> int:
-    # q fragments (rows x 64 heads x 128 x 16 bit) + weights + page entries
-    return rows * (N_HEADS * HEAD_DIM * 2 + N_HEADS * 4) + _MAX_CHUNK_PAGES * 4
+    # q fragments (rows x 64 heads x 128 x 16 bit) + weights
+    return rows * (N_HEADS * HEAD_DIM * 2 + N_HEADS * 4)
 
 
 @functools.lru_cache(maxsize=None)
@@ -402,25 +402,22 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_contex
     if B == 0 or width == 0:
         return out
     _check_aligned(q=q, kv_cache=kv_cache)
-    n_sms, _ = _device_info(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    total_pages = _ceil_div(width, PAGE_SLOTS)
-    target = max(1, n_sms * TUNING["decode_ctas_per_sm"])
-    ppc = max(1, min(TUNING["decode_max_pages_per_cta"], _MAX_CHUNK_PAGES, (B * total_pages) // target))
-    ppc = max(ppc, _ceil_div(total_pages, 65535))  # grid.y limit
-    if ppc > _MAX_CHUNK_PAGES:
-        raise ValueError(f"max_context_len: {width} is too large (at most {65535 * _MAX_CHUNK_PAGES * PAGE_SLOTS})")
-    chunk = ppc * PAGE_SLOTS
-    grid = (B, _ceil_div(width, chunk), 1)
+    n_sms, _ = _device_info(q.device.index)
+    warps = 4
+    tiles = _ceil_div(width, _TILE_KEYS)
+    # G CTAs per request share its tiles; enough CTAs in total to fill the GPU a few times over.
+    per_req = _ceil_div(n_sms * TUNING["decode_ctas_per_sm"], B)
+    grid = (B, max(1, min(_ceil_div(tiles, warps), per_req, _MAX_GRID_Y)), 1)
     prefetch = 1 if (TUNING["decode_prefetch"] and layout == "bf16") else 0
-    expr = _expr(int(layout == "fp8"), int(q.dtype == _FP8), next_n, 1, 4, prefetch)
+    expr = _expr(int(layout == "fp8"), int(q.dtype == _FP8), next_n, 1, warps, prefetch)
     mode = _MODE_LENS_2D if context_lens.dim() == 2 else _MODE_CAUSAL_1D
     bt_width = block_table.shape[1]
     args = (q.data_ptr(), weights.data_ptr(), kv_cache.data_ptr(), _I64(kv_cache.shape[0]),
             block_table.data_ptr(), _I64(block_table.stride(0) if bt_width > 0 else 0), _I32(bt_width),
             context_lens.data_ptr(), context_lens.data_ptr(), _I32(mode), _I32(0), _I32(B * next_n),
-            _I32(width), _I32(chunk), out.data_ptr(), _I64(out.stride(0)), _I32(width), _I32(0),
+            _I32(width), out.data_ptr(), _I64(out.stride(0)), _I32(width), _I32(0),
             _I32(1 if clean_logits else 0))
-    _launch(expr, q.device, grid, 4, next_n, args)
+    _launch(expr, q.device, grid, warps, next_n, args)
     return out
 
 
@@ -453,21 +450,16 @@ def mqa_logits(q, kv, weights, ks, ke, *, block_table=None, max_seqlen_k=0, clea
             out.fill_(_NEG_INF)
         return out
     _check_aligned(q=q, kv=kv)
-    _, optin = _device_info(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    _, optin = _device_info(q.device.index)
     tile_rows = TUNING["prefill_rows"]
-    if _smem_bytes(tile_rows) > optin:
-        tile_rows = 4
-    if n_rows <= 4:
+    if _smem_bytes(tile_rows) > optin or n_rows <= 4:
         tile_rows = 4
     warps = 8 if tile_rows == 8 else 4
     paged = layout != "contiguous"
     prefetch = 1 if (TUNING["prefill_prefetch"] and not paged and tile_rows == 8) else 0
-    chunk = max(PAGE_SLOTS, min(_MAX_CHUNK_PAGES * PAGE_SLOTS,
-                                TUNING["prefill_chunk_keys"] // PAGE_SLOTS * PAGE_SLOTS))
-    chunk = max(chunk, _ceil_div(num_keys, 65535 * PAGE_SLOTS) * PAGE_SLOTS)  # grid.y limit
-    if chunk > _MAX_CHUNK_PAGES * PAGE_SLOTS:
-        raise ValueError(f"kv: {num_keys} keys is too many (at most {65535 * _MAX_CHUNK_PAGES * PAGE_SLOTS})")
-    grid = (_ceil_div(n_rows, tile_rows), _ceil_div(num_keys, chunk), 1)
+    tiles = _ceil_div(num_keys, _TILE_KEYS)
+    per_tile = _ceil_div(num_keys, max(_TILE_KEYS, TUNING["prefill_keys_per_cta"]))
+    grid = (_ceil_div(n_rows, tile_rows), max(1, min(_ceil_div(tiles, warps), per_tile, _MAX_GRID_Y)), 1)
     expr = _expr(int(layout == "fp8"), int(q.dtype == _FP8), tile_rows, int(paged), warps, prefetch)
     if paged:
         kv_ptr, n_pages, bt_ptr, bt_width = kv.data_ptr(), kv.shape[0], bt.data_ptr(), bt.shape[0]
@@ -475,7 +467,7 @@ def mqa_logits(q, kv, weights, ks, ke, *, block_table=None, max_seqlen_k=0, clea
         kv_ptr, n_pages, bt_ptr, bt_width = kv.data_ptr(), 0, 0, 0
     args = (q.data_ptr(), weights.data_ptr(), kv_ptr, _I64(n_pages), bt_ptr, _I64(0), _I32(bt_width),
             ks.data_ptr(), ke.data_ptr(), _I32(_MODE_KS_KE), _I32(start), _I32(end), _I32(num_keys),
-            _I32(chunk), out.data_ptr(), _I64(out.stride(0)), _I32(width), _I32(1 if compressed else 0),
+            out.data_ptr(), _I64(out.stride(0)), _I32(width), _I32(1 if compressed else 0),
             _I32(1 if (clean_logits and not compressed) else 0))
     _launch(expr, q.device, grid, warps, tile_rows, args)
     return out

@@ -1,12 +1,14 @@
 // Indexer logits: logits[r, n] = sum_{h<64} relu(q[r,h,:] . k[n,:]) * w[r,h], fp32 accumulate
 // (fp8 keys: times the key's fp32 scale, applied after the head sum as DeepGEMM does).
 //
-// One kernel for decode and prefill. Grid: x = row tile (decode: request b, its next_n rows; prefill: Rows
-// query rows), y = chunk of keys (chunk_keys, a multiple of 64). x carries the large count (grid.y is capped
-// at 65535) and makes CTAs that run together share a key chunk (prefill: L2 reuse). CTA = Warps warps; the
-// chunk's 32-key tiles go round-robin to the warps; a warp computes its tile against every row of the tile:
-// per row 2 m-tiles (tokens) x 8 n-tiles (heads) x 8 k-steps of mma.m16n8k16, fp32 accumulate, then
-// relu * w summed over heads in registers, reduced over the 4 lanes of a quad, masked, stored.
+// One kernel for decode and prefill. Grid: x = row tile (decode: request b and its next_n rows; prefill: Rows
+// query rows, heaviest tile first), y = G CTAs sharing that row tile's keys. Keys are cut into 32-key tiles;
+// warp w of CTA y takes tiles t_begin + y*Warps + w + k*G*Warps (k = 0, 1, ...), so the G*Warps warps of a row
+// tile interleave over exactly the tiles its rows can see (computed from the device-side lengths): no CTA
+// per chunk of a mostly empty block table, q staged once per CTA, balanced shares for every length, and the
+// grid depends on host integers only (CUDA-graph safe). A warp computes its tile against every row of the
+// row tile: per row 2 m-tiles (tokens) x 8 n-tiles (heads) x 8 k-steps of mma.m16n8k16, fp32 accumulate,
+// then relu * w summed over heads in registers, reduced over the 4 lanes of a quad, masked, stored.
 //
 // Fragments without shared memory for keys. The logit needs only dot products, so head_dim may be permuted
 // as long as q and k use the same permutation. Thread (gid = lane/4, t = lane%4) loads, for k-step pair s,
@@ -21,19 +23,20 @@
 //              (1,3) (4,6) (5,7): the shift expansion e4m3 -> f16 yields even/odd bytes of a 32-bit word.
 // fp8 keys with fp8 q use f16 mma on both operands scaled by 2^-8 (exact) and fold 2^16 into the epilogue;
 // every other combination uses bf16 mma (fp8 q -> bf16 exact; fp8 keys -> bf16 exact, slow path).
+// Every row's arithmetic (mma order, head order, quad reduction) is fixed, independent of the tuning
+// variant and of the grid: results are deterministic and bitwise equal across variants.
 //
 // Masking: row r sees keys n in [lo_r, hi_r) (decode: [0, len); prefill: [ks, ke)) whose page is valid
 // (block-table entry in [0, P) and page index < bt_width) and n < num_keys. Output column = n - coloff_r
-// (coloff = ks in compressed prefill, else 0). A processed tile writes every row's 32 columns (value or -inf);
-// a chunk with no visible key returns early, writing -inf over its columns when `clean`. Nothing is read
-// outside q / weights / lens / block table rows of the tile / valid pages; nothing is written outside out.
+// (coloff = ks in compressed prefill, else 0). A visited tile writes every row's 32 columns (value or -inf);
+// with `clean` every tile is visited, otherwise only tiles in [min lo, max hi). Nothing is read outside
+// q / weights / lens / the row tile's block-table row / valid pages; nothing is written outside out.
 #include "common.cuh"
 
 namespace dsa {
 namespace logits {
 
 constexpr int kNumHeads = 64;
-constexpr int kMaxChunkPages = 64;  // keys per CTA <= 4096 (page entries staged in shared memory)
 constexpr int kTileKeys = 32;       // keys per warp tile (2 m-tiles)
 constexpr int kMaxRows = 8;
 enum RangeMode { kCausal1D = 0, kLens2D = 1, kKsKe = 2 };
@@ -60,30 +63,26 @@ struct KeyTile {
 
 struct Ctx {
   const unsigned char* kv;
-  const int* pages;  // shared: block-table entries of the chunk's pages (-1 = invalid)
-  const int* lo;     // shared, per row
+  const int* lo;  // shared, per row: visible keys [lo, hi) (0, 0 for an empty row)
   const int* hi;
-  int chunk_begin, chunk_end, num_keys, rows;
+  int num_keys;
 };
 
-template <int KeyFp8, int Paged>
-__device__ __forceinline__ void load_tile(KeyTile<KeyFp8>& kt, int tok0, const Ctx& c, int lane) {
+// Issue the loads of tile t (keys 32t..32t+31). entry: block-table entry of its page (-1: invalid), unused
+// for contiguous keys. Only tiles some row can see are loaded (live != 0).
+template <int KeyFp8, int Paged, int Rows>
+__device__ __forceinline__ void load_tile(KeyTile<KeyFp8>& kt, int t, int entry, const Ctx& c, int lane) {
   constexpr int kRowBytes = KeyFp8 ? kHeadDim : 2 * kHeadDim;
   constexpr int kPageBytes = KeyFp8 ? kFp8PageBytes : kBf16PageBytes;
-  const int gid = lane >> 2, t = lane & 3;
+  const int gid = lane >> 2, tq = lane & 3;
+  const int tok0 = t * kTileKeys;
   kt.tok0 = tok0;
   kt.scale = 1.0f;
-  const unsigned char* base;
-  if (Paged) {
-    const int entry = c.pages[(tok0 - c.chunk_begin) >> kPageBits];
-    kt.page_ok = entry >= 0;
-    base = c.kv + static_cast<i64>(entry < 0 ? 0 : entry) * kPageBytes;
-  } else {
-    kt.page_ok = 1;
-    base = c.kv;
-  }
+  kt.page_ok = Paged ? entry >= 0 : 1;
+  const unsigned char* base = Paged ? c.kv + static_cast<i64>(entry < 0 ? 0 : entry) * kPageBytes : c.kv;
   unsigned live = 0;
-  for (int r = 0; r < c.rows; ++r)
+#pragma unroll
+  for (int r = 0; r < Rows; ++r)
     if (kt.page_ok && c.lo[r] < tok0 + kTileKeys && c.hi[r] > tok0) live |= 1u << r;
   kt.live = live;
   if (!live) return;
@@ -93,14 +92,14 @@ __device__ __forceinline__ void load_tile(KeyTile<KeyFp8>& kt, int tok0, const C
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = 16 * m + 8 * h + gid;
-      const unsigned char* p = base + static_cast<i64>(slot0 + row) * kRowBytes + 16 * t;
+      const unsigned char* p = base + static_cast<i64>(slot0 + row) * kRowBytes + 16 * tq;
       const bool in = Paged || tok0 + row < c.num_keys;  // contiguous keys: never read past S
 #pragma unroll
       for (int ch = 0; ch < KeyTile<KeyFp8>::kChunks; ++ch)
         kt.raw[m][h][ch] = in ? ldg_stream_v4(p + 64 * ch) : make_uint4(0u, 0u, 0u, 0u);
     }
   if (KeyFp8)
-    kt.scale = __ldg(reinterpret_cast<const float*>(base + kFp8ScaleOffset) + slot0 + gid + 8 * t);
+    kt.scale = __ldg(reinterpret_cast<const float*>(base + kFp8ScaleOffset) + slot0 + gid + 8 * tq);
 }
 
 // The A words of a tile, W[m][h][s][w], in the mma input type.
@@ -213,8 +212,7 @@ __global__ void __launch_bounds__(Warps * 32, (dsa::logits::Config<Rows, Warps, 
                       const unsigned char* __restrict__ kv, long long kv_pages, const int* __restrict__ block_table,
                       long long bt_tile_stride, int bt_width, const int* __restrict__ lens0,
                       const int* __restrict__ lens1, int mode, int row_start, int row_end, int num_keys,
-                      int chunk_keys, float* __restrict__ out, long long out_stride, int width, int compressed,
-                      int clean) {
+                      float* __restrict__ out, long long out_stride, int width, int compressed, int clean) {
   using namespace dsa;
   using namespace dsa::logits;
   static_assert(Rows >= 1 && Rows <= kMaxRows, "Rows");
@@ -226,18 +224,15 @@ __global__ void __launch_bounds__(Warps * 32, (dsa::logits::Config<Rows, Warps, 
   extern __shared__ uint4 smem[];
   uint4* qs = smem;                                                   // [Rows][8][4][32]
   float* ws = reinterpret_cast<float*>(smem + Rows * kQWords);        // [Rows][64]
-  int* s_pages = reinterpret_cast<int*>(ws + Rows * kNumHeads);       // [kMaxChunkPages]
   __shared__ int s_lo[kMaxRows], s_hi[kMaxRows], s_off[kMaxRows];
 
-  const int tile = blockIdx.x;
-  const int chunk_begin = blockIdx.y * chunk_keys;
-  if (chunk_begin >= num_keys) return;
-  const int chunk_end = min(chunk_begin + chunk_keys, num_keys);
+  const int tile = gridDim.x - 1 - blockIdx.x;  // last row tile first: causal prefill runs heaviest first
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int row0 = row_start + tile * Rows;
 
-  // ---- per-row key ranges (uniform, recomputed by every thread: a few cached loads) ----
-  unsigned act_mask = 0;  // bit r: row r sees a key of this chunk
+  // ---- per-row key ranges (every thread: a few cached loads) ----
+  unsigned nonempty = 0;  // bit r: row r sees at least one key
+  int lo_min = num_keys, hi_max = 0;
   int lo_r[Rows], hi_r[Rows];
 #pragma unroll
   for (int r = 0; r < Rows; ++r) {
@@ -254,98 +249,106 @@ __global__ void __launch_bounds__(Warps * 32, (dsa::logits::Config<Rows, Warps, 
       }
       hi = min(hi, num_keys);
     }
-    lo_r[r] = lo;
-    hi_r[r] = hi;
-    if (lo < hi && lo < chunk_end && hi > chunk_begin) act_mask |= 1u << r;
-  }
-  const float kNegInf = __int_as_float(0xff800000);
-  if (!act_mask) {
-    if (clean && !compressed) {  // columns == keys here
-      for (int r = 0; r < Rows; ++r) {
-        if (row0 + r >= row_end) break;
-        float* o = out + static_cast<i64>(row0 + r - row_start) * out_stride;
-        for (int n = chunk_begin + tid; n < chunk_end && n < width; n += Warps * 32) o[n] = kNegInf;
-      }
+    if (lo < hi) {
+      nonempty |= 1u << r;
+      lo_min = min(lo_min, lo);
+      hi_max = max(hi_max, hi);
     }
-    return;
+    lo_r[r] = lo < hi ? lo : 0;
+    hi_r[r] = lo < hi ? hi : 0;
   }
+  // Tiles to visit: all of them when every masked column must become -inf (columns == keys then),
+  // else the tiles some row can see.
+  const bool fill = clean && !compressed;
+  int t_begin = 0, t_end = (num_keys + kTileKeys - 1) / kTileKeys;
+  if (!fill) {
+    if (!nonempty) return;
+    t_begin = lo_min / kTileKeys;
+    t_end = (hi_max + kTileKeys - 1) / kTileKeys;
+  }
+  const int stride = gridDim.y * Warps;                  // tiles between a warp's consecutive tiles
+  if (t_begin + static_cast<int>(blockIdx.y) * Warps >= t_end) return;  // no tile for this CTA
+  const int t_warp = t_begin + blockIdx.y * Warps + warp;  // this warp's first tile
 
-  // ---- stage row ranges, page entries, weights and q fragments ----
+  // ---- stage row ranges, weights and q fragments (rows that see nothing are never read) ----
   if (tid < Rows) {
     const int r = tid;
-    int lo = 0, hi = 0, off = 0;
+    int lo = 0, hi = 0;
 #pragma unroll
     for (int i = 0; i < Rows; ++i)
       if (i == r) { lo = lo_r[i]; hi = hi_r[i]; }
-    if (compressed && row0 + r < row_end) off = lens0[row0 + r];
-    const bool act = (act_mask >> r) & 1u;
-    s_lo[r] = act ? lo : 0;
-    s_hi[r] = act ? hi : 0;  // empty: no tile is live for this row
-    s_off[r] = off;
+    s_lo[r] = lo;
+    s_hi[r] = hi;
+    s_off[r] = (compressed && row0 + r < row_end) ? lens0[row0 + r] : 0;
   }
-  if (Paged) {
-    const int* bt = block_table + tile * bt_tile_stride;
-    const int p0 = chunk_begin >> kPageBits;
-    const int np = (chunk_end - chunk_begin + kPageSlots - 1) >> kPageBits;
-    for (int i = tid; i < np; i += Warps * 32) {
-      const int p = p0 + i;
-      int e = p < bt_width ? bt[p] : -1;
-      s_pages[i] = (e >= 0 && static_cast<i64>(e) < kv_pages) ? e : -1;
+  if (nonempty) {
+    for (int i = tid; i < Rows * kNumHeads; i += Warps * 32) {
+      const int r = i / kNumHeads;
+      if ((nonempty >> r) & 1u) ws[i] = weights[static_cast<i64>(row0 + r) * kNumHeads + i % kNumHeads];
     }
-  }
-  for (int i = tid; i < Rows * kNumHeads; i += Warps * 32) {
-    const int r = i / kNumHeads;
-    if (row0 + r < row_end) ws[i] = weights[static_cast<i64>(row0 + r) * kNumHeads + i % kNumHeads];
-  }
-  for (int i = tid; i < Rows * kQWords; i += Warps * 32) {
-    const int r = i / kQWords, rem = i % kQWords;
-    const int row = row0 + r;
-    if (!((act_mask >> r) & 1u)) continue;  // never read
-    const int j = rem >> 7, s = (rem >> 5) & 3, ln = rem & 31;
-    const int head = 8 * j + (ln >> 2), t = ln & 3;
-    const int d = KeyFp8 ? 64 * (s >> 1) + 16 * t + 8 * (s & 1) : 32 * s + 8 * t;
-    const i64 elem = (static_cast<i64>(row) * kNumHeads + head) * kHeadDim + d;
-    uint4 v;
-    if (QFp8) {
-      const uint2 x = *reinterpret_cast<const uint2*>(q + elem);
-      if (F16) {  // same expansion as the keys: words (0,2) (1,3) (4,6) (5,7), values * 2^-8
-        e4m3x4_to_f16x2_scaled(x.x, v.x, v.y);
-        e4m3x4_to_f16x2_scaled(x.y, v.z, v.w);
-      } else {    // bf16 keys: natural pairs, exact bf16
-        const unsigned char* b = reinterpret_cast<const unsigned char*>(&x);
-        v.x = pack_bf16x2(e4m3_to_float(b[0]), e4m3_to_float(b[1]));
-        v.y = pack_bf16x2(e4m3_to_float(b[2]), e4m3_to_float(b[3]));
-        v.z = pack_bf16x2(e4m3_to_float(b[4]), e4m3_to_float(b[5]));
-        v.w = pack_bf16x2(e4m3_to_float(b[6]), e4m3_to_float(b[7]));
-      }
-    } else {
-      const uint4 x = *reinterpret_cast<const uint4*>(q + 2 * elem);
-      if (KeyFp8) {  // fp8 key word order (0,2) (1,3) (4,6) (5,7)
-        v.x = __byte_perm(x.x, x.y, 0x5410);
-        v.y = __byte_perm(x.x, x.y, 0x7632);
-        v.z = __byte_perm(x.z, x.w, 0x5410);
-        v.w = __byte_perm(x.z, x.w, 0x7632);
+    for (int i = tid; i < Rows * kQWords; i += Warps * 32) {
+      const int r = i / kQWords, rem = i % kQWords;
+      if (!((nonempty >> r) & 1u)) continue;
+      const int j = rem >> 7, s = (rem >> 5) & 3, ln = rem & 31;
+      const int head = 8 * j + (ln >> 2), t = ln & 3;
+      const int d = KeyFp8 ? 64 * (s >> 1) + 16 * t + 8 * (s & 1) : 32 * s + 8 * t;
+      const i64 elem = (static_cast<i64>(row0 + r) * kNumHeads + head) * kHeadDim + d;
+      uint4 v;
+      if (QFp8) {
+        const uint2 x = *reinterpret_cast<const uint2*>(q + elem);
+        if (F16) {  // same expansion as the keys: words (0,2) (1,3) (4,6) (5,7), values * 2^-8
+          e4m3x4_to_f16x2_scaled(x.x, v.x, v.y);
+          e4m3x4_to_f16x2_scaled(x.y, v.z, v.w);
+        } else {    // bf16 keys: natural pairs, exact bf16
+          const unsigned char* b = reinterpret_cast<const unsigned char*>(&x);
+          v.x = pack_bf16x2(e4m3_to_float(b[0]), e4m3_to_float(b[1]));
+          v.y = pack_bf16x2(e4m3_to_float(b[2]), e4m3_to_float(b[3]));
+          v.z = pack_bf16x2(e4m3_to_float(b[4]), e4m3_to_float(b[5]));
+          v.w = pack_bf16x2(e4m3_to_float(b[6]), e4m3_to_float(b[7]));
+        }
       } else {
-        v = x;
+        const uint4 x = *reinterpret_cast<const uint4*>(q + 2 * elem);
+        if (KeyFp8) {  // fp8 key word order (0,2) (1,3) (4,6) (5,7)
+          v.x = __byte_perm(x.x, x.y, 0x5410);
+          v.y = __byte_perm(x.x, x.y, 0x7632);
+          v.z = __byte_perm(x.z, x.w, 0x5410);
+          v.w = __byte_perm(x.z, x.w, 0x7632);
+        } else {
+          v = x;
+        }
       }
+      qs[i] = v;
     }
-    qs[i] = v;
   }
   __syncthreads();
 
   Ctx c;
   c.kv = kv;
-  c.pages = s_pages;
   c.lo = s_lo;
   c.hi = s_hi;
-  c.chunk_begin = chunk_begin;
-  c.chunk_end = chunk_end;
   c.num_keys = num_keys;
-  c.rows = Rows;
-
+  const float kNegInf = __int_as_float(0xff800000);
   const float epi_scale = F16 ? 65536.0f : 1.0f;
-  const int ntiles = (chunk_end - chunk_begin + kTileKeys - 1) / kTileKeys;
   const int key_lane = (lane >> 2) + 8 * (lane & 3);  // this lane's output key inside a tile
+
+  // Block-table entries of this warp's tiles k .. k+31, one per lane, refreshed every 32 tiles (one
+  // coalesced-ish load instead of a dependent load per tile). Calls are warp-uniform.
+  const int* bt = Paged ? block_table + static_cast<i64>(tile) * bt_tile_stride : nullptr;
+  int ent_reg = -1, ent_k0 = -kTileKeys;
+  auto entry_at = [&](int k) -> int {
+    if (!Paged) return 0;
+    if (k - ent_k0 >= 32) {
+      ent_k0 = k;
+      const int tl = t_warp + (k + lane) * stride;
+      int e = -1;
+      if (tl < t_end && (tl >> 1) < bt_width) {
+        e = bt[tl >> 1];
+        if (e < 0 || static_cast<i64>(e) >= kv_pages) e = -1;
+      }
+      ent_reg = e;
+    }
+    return __shfl_sync(0xffffffffu, ent_reg, k - ent_k0);
+  };
 
   // Compute one loaded tile against every row and store its 32 columns per row.
   auto process = [&](const KeyTile<KeyFp8>& kt) {
@@ -364,29 +367,27 @@ __global__ void __launch_bounds__(Warps * 32, (dsa::logits::Config<Rows, Warps, 
         if (n >= s_lo[r] && n < s_hi[r]) val = sum * scale;
       }
       const int col = n - s_off[r];
-      if (n < chunk_end && col >= 0 && col < width)
+      if (n < num_keys && col >= 0 && col < width)
         out[static_cast<i64>(row0 + r - row_start) * out_stride + col] = val;
     }
   };
 
   if (Prefetch) {
     KeyTile<KeyFp8> ka, kb;
-    int i = warp;
-    if (i < ntiles) load_tile<KeyFp8, Paged>(ka, chunk_begin + i * kTileKeys, c, lane);
-    while (i < ntiles) {
-      const int i1 = i + Warps;
-      if (i1 < ntiles) load_tile<KeyFp8, Paged>(kb, chunk_begin + i1 * kTileKeys, c, lane);
+    if (t_warp < t_end) load_tile<KeyFp8, Paged, Rows>(ka, t_warp, entry_at(0), c, lane);
+    for (int k = 0; t_warp + k * stride < t_end; k += 2) {
+      const int t1 = t_warp + (k + 1) * stride;
+      if (t1 < t_end) load_tile<KeyFp8, Paged, Rows>(kb, t1, entry_at(k + 1), c, lane);
       process(ka);
-      if (i1 >= ntiles) break;
-      const int i2 = i1 + Warps;
-      if (i2 < ntiles) load_tile<KeyFp8, Paged>(ka, chunk_begin + i2 * kTileKeys, c, lane);
+      if (t1 >= t_end) break;
+      const int t2 = t1 + stride;
+      if (t2 < t_end) load_tile<KeyFp8, Paged, Rows>(ka, t2, entry_at(k + 2), c, lane);
       process(kb);
-      i = i2;
     }
   } else {
-    for (int i = warp; i < ntiles; i += Warps) {
+    for (int k = 0; t_warp + k * stride < t_end; ++k) {
       KeyTile<KeyFp8> ka;
-      load_tile<KeyFp8, Paged>(ka, chunk_begin + i * kTileKeys, c, lane);
+      load_tile<KeyFp8, Paged, Rows>(ka, t_warp + k * stride, entry_at(k), c, lane);
       process(ka);
     }
   }

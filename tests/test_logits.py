@@ -374,9 +374,9 @@ def test_gpu_paged(seed, tuning, layout, q_dtype, next_n, lens_2d, prefetch):
 
 @gpu
 @pytest.mark.parametrize("layout", ["bf16", "fp8"])
-@pytest.mark.parametrize("ctas_per_sm", [8, 1], ids=["small-chunks", "big-chunks"])
+@pytest.mark.parametrize("ctas_per_sm", [16, 1], ids=["many-ctas", "few-ctas"])
 def test_gpu_paged_long(seed, tuning, layout, ctas_per_sm):
-    """Many pages per request: multi-page (odd and even) chunks per CTA, early exits past short lengths."""
+    """Many pages per request: many tiles per warp (few CTAs) or few (many CTAs); short and full lengths."""
     tuning(decode_ctas_per_sm=ctas_per_sm)
     q, cache, deq, w, ctx, bt = gpu_paged_case(seed, B=16, next_n=2, max_pages=211, P=3500, layout=layout,
                                                q_dtype=FP8, lens_2d=False)
@@ -386,6 +386,21 @@ def test_gpu_paged_long(seed, tuning, layout, ctas_per_sm):
     got = paged_mqa_logits(q, cache, w, ctx, bt, width, clean_logits=True)
     check_close(got, want, clean=True, what=f"paged long {layout} ctas/SM={ctas_per_sm} seed={seed}")
     assert got.stride(0) % 4 == 0
+
+
+@gpu
+@pytest.mark.parametrize("clean", [False, True])
+def test_gpu_paged_wide_table(seed, clean):
+    """CUDA-graph style: a block table far wider than the lengths (max_context_len 64K, contexts < 3K)."""
+    q, cache, deq, w, ctx, bt = gpu_paged_case(seed, B=3, next_n=1, max_pages=1024, P=1100, layout="bf16",
+                                               q_dtype=FP8, lens_2d=False)
+    ctx.copy_(torch.tensor([2900, 65, 0], dtype=torch.int32))
+    width = 1024 * PS
+    want = oracle_paged(q, deq, w, ctx, bt, width)
+    buf, out = poisoned(3, width, pad=4)
+    got = paged_mqa_logits(q, cache, w, ctx, bt, width, clean_logits=clean, out=out)
+    check_close(got, want, clean=clean, what=f"wide table clean={clean} seed={seed}")
+    check_untouched(buf, width, "wide table")
 
 
 def gpu_prefill_case(seed, kind, q_dtype, T, S_pages):
@@ -408,7 +423,7 @@ def gpu_prefill_case(seed, kind, q_dtype, T, S_pages):
 @pytest.mark.parametrize("variant", ["rows8", "rows8-prefetch", "rows4"])
 def test_gpu_prefill(seed, tuning, kind, q_dtype, variant):
     tuning(prefill_rows=4 if variant == "rows4" else 8, prefill_prefetch=int(variant == "rows8-prefetch"),
-           prefill_chunk_keys=1024)
+           prefill_keys_per_cta=1024)
     T, S_pages = 203, 45
     q, kv, bt, keys, valid, w, ks, ke = gpu_prefill_case(seed, kind, q_dtype, T, S_pages)
     S = keys.shape[0]
@@ -427,7 +442,7 @@ def test_gpu_prefill(seed, tuning, kind, q_dtype, variant):
 
 @gpu
 def test_gpu_prefill_causal_large(seed, tuning):
-    """Causal prefill with the shipped tuning (4096-key chunks): T=1024 rows, S=8192 contiguous keys."""
+    """Causal prefill with the shipped tuning: T=1024 rows, S=8192 contiguous keys."""
     torch.manual_seed(seed)
     T, S = 1024, 8192
     kv = torch.randn(S, D, device="cuda").to(torch.bfloat16)
@@ -459,7 +474,7 @@ def test_gpu_variants_bitwise_equal(seed, tuning):
     ks = (ke - 900).clamp_min(0)
     outs = []
     for rows, pf, chunk in [(8, 0, 4096), (8, 1, 1024), (4, 0, 64), (4, 0, 2048)]:
-        tuning(prefill_rows=rows, prefill_prefetch=pf, prefill_chunk_keys=chunk)
+        tuning(prefill_rows=rows, prefill_prefetch=pf, prefill_keys_per_cta=chunk)
         outs.append(mqa_logits(q2, kv, w2, ks, ke))
     for i, o in enumerate(outs[1:], 1):
         assert torch.equal(o, outs[0]), f"prefill variant {i} differs: {int((o != outs[0]).sum())} entries"
