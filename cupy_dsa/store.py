@@ -320,6 +320,9 @@ def _fp4sim(k: torch.Tensor) -> torch.Tensor:
     return (r * scale).view(-1, HEAD_DIM)
 
 
+HADAMARD_SCALE = float(np.float32(128.0 ** -0.5))  # fp32 bits 0x3db504f3
+
+
 def rotate_index_k_reference(kv, positions, norm_weight, freqs_cis, norm_bias=None, eps=1e-6, key_style="v4",
                              hadamard=True, numerics="exact") -> torch.Tensor:
     """The fp32 key the kernel stores (before bf16/fp8 rounding; fp4-rounded for ``numerics='fp4sim'``),
@@ -359,7 +362,7 @@ def rotate_index_k_reference(kv, positions, norm_weight, freqs_cis, norm_bias=No
     else:
         k[:, 0:32], k[:, 32:64] = re2, im2
     if hadamard:
-        inv = _rsqrt(torch.full((1,), 128.0, dtype=torch.float32, device=kv.device))
+        inv = HADAMARD_SCALE  # 128^-0.5 correctly rounded in fp32, as the kernel's constant
         k = _hadamard128(k.reshape(n, 32, 4)).reshape(n, HEAD_DIM) * inv
     if numerics == "fp4sim":
         k = _fp4sim(k)

@@ -203,7 +203,8 @@ __device__ __forceinline__ void store_token(float (&x)[4], const WorkItem& wi, u
   }
   if (Hadamard) {
     hadamard128(x, lane);
-    const float hs = rsqrtf(128.f);
+    // 128^-0.5 correctly rounded, as a constant: rsqrtf's approximation could differ by an ulp.
+    const float hs = __int_as_float(0x3db504f3);
 #pragma unroll
     for (int i = 0; i < 4; ++i) x[i] = __fmul_rn(x[i], hs);
   }

@@ -536,8 +536,14 @@ def test_gpu_vs_plain_reference_ulp_bound(seed, layout, numerics, key_style):
         w = wraw.contiguous().view(torch.int16).int()
         ndiff = (g != w).sum().item()
         if numerics == "exact":
-            step = (g - w).abs().max().item()
-            assert step <= 1, f"seed {seed}: bf16 differs by {step} ulp ({ndiff} elements differ)"
+            # one bf16 ulp, or (values next to zero after cancellation in the Hadamard sums) a few fp32
+            # roundings of the row's scale: rsqrt differing by an ulp moves every sum by ~2^-24 * |row|
+            gv = graw.contiguous().view(torch.bfloat16).double()
+            wv = wraw.contiguous().view(torch.bfloat16).double()
+            ulp = torch.exp2(torch.floor(torch.log2(wv.abs().clamp_min(1e-30))) - 7)
+            rms = wv.pow(2).mean(-1, keepdim=True).sqrt()
+            far = ((gv - wv).abs() > torch.maximum(ulp, 2.0 ** -18 * rms)).sum().item()
+            assert far == 0, f"seed {seed}: {far} bf16 values differ by more than 1 ulp / 2^-18 rms ({ndiff} differ)"
         else:
             gv = graw.contiguous().view(torch.bfloat16).double().view(n, 4, 32)
             wv = wraw.contiguous().view(torch.bfloat16).double().view(n, 4, 32)
