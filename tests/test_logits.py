@@ -536,3 +536,77 @@ def test_gpu_bad_input():
         paged_mqa_logits(q, cache, w.cpu(), ctx, bt, 128)
     with pytest.raises(ValueError, match="out"):
         paged_mqa_logits(q, cache, w, ctx, bt, 128, out=torch.empty(2, 128))
+
+
+# --------------------------------------------------------------------------------------------------
+# Variant benchmark (not a test): python tests/test_logits.py [--quick]
+# Times every tuning variant of cupy_dsa.logits.TUNING on the current GPU and prints one line per run.
+# --------------------------------------------------------------------------------------------------
+
+def _bench_variants(quick=False):
+    import itertools
+    import statistics
+
+    from cupy_dsa import logits as L
+
+    dev = "cuda"
+    reps = 10 if quick else 30
+
+    def timed(fn):
+        fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) * 1e3)
+        return statistics.median(ts)
+
+    base = dict(L.TUNING)
+    print("device:", torch.cuda.get_device_name(), "| defaults:", base)
+    decode_cases = [(1, 8192, 1), (64, 32768, 1), (128, 16384, 1), (4, 262144, 1), (64, 32768, 2), (64, 32768, 4)]
+    if quick:
+        decode_cases = decode_cases[:2]
+    for layout, (B, ctx_len, next_n) in itertools.product(("bf16", "fp8"), decode_cases):
+        pages = ctx_len // PS
+        P = B * pages
+        cache = layouts.empty_cache(P, layout, device=dev)
+        cache.random_(0, 120)
+        q = make_q((B, next_n, H, D), FP8, dev)
+        w = torch.randn(B * next_n, H, device=dev)
+        ctx = torch.full((B,), ctx_len, dtype=torch.int32, device=dev)
+        bt = torch.randperm(P, device=dev).to(torch.int32).view(B, pages)
+        key_bytes = B * ctx_len * (256 if layout == "bf16" else 132)
+        nbytes = key_bytes + q.numel() * q.element_size() + w.numel() * 4 + B * next_n * ctx_len * 4
+        for pf, cps in itertools.product((0, 1) if layout == "bf16" else (0,), (8, 16, 32)):
+            L.TUNING.update(base, decode_prefetch=pf, decode_ctas_per_sm=cps)
+            us = timed(lambda: paged_mqa_logits(q, cache, w, ctx, bt, ctx_len))
+            print(f"decode {layout:4s} B={B:3d} ctx={ctx_len:6d} next_n={next_n} prefetch={pf} ctas/SM={cps:2d}: "
+                  f"{us:8.1f} us {nbytes / us / 1e3:7.0f} GB/s {B * ctx_len * next_n / us / 1e3:6.1f} G pairs/s")
+        del cache
+    T, S = (2048, 16384) if quick else (4096, 65536)
+    kv = torch.randn(S, D, device=dev).to(torch.bfloat16)
+    for q_dtype in (FP8, torch.bfloat16):
+        q = make_q((T, H, D), q_dtype, dev)
+        w = torch.randn(T, H, device=dev)
+        ke = (torch.arange(T, device=dev) + S - T + 1).to(torch.int32)   # causal, query i at key S-T+i
+        ks = torch.zeros(T, dtype=torch.int32, device=dev)
+        pairs = float(ke.double().sum())
+        out = torch.empty(T, S, device=dev)
+        for rows, pf, kpc in itertools.product((8, 4), (0, 1), (2048, 4096, 8192)):
+            if pf and rows == 4:
+                continue
+            L.TUNING.update(base, prefill_rows=rows, prefill_prefetch=pf, prefill_keys_per_cta=kpc)
+            us = timed(lambda: mqa_logits(q, kv, w, ks, ke, clean_logits=False, out=out))
+            print(f"prefill q={str(q_dtype)[6:]:13s} T={T} S={S} rows={rows} prefetch={pf} keys/CTA={kpc}: "
+                  f"{us:9.1f} us {2 * H * D * pairs / us / 1e6:6.1f} TFLOP/s")
+    L.TUNING.update(base)
+
+
+if __name__ == "__main__":
+    import sys
+
+    _bench_variants(quick="--quick" in sys.argv)
