@@ -10,17 +10,24 @@
 // row tile: per row 2 m-tiles (tokens) x 8 n-tiles (heads) x 8 k-steps of mma.m16n8k16, fp32 accumulate,
 // then relu * w summed over heads in registers, reduced over the 4 lanes of a quad, masked, stored.
 //
-// Fragments without shared memory for keys. The logit needs only dot products, so head_dim may be permuted
-// as long as q and k use the same permutation. Thread (gid = lane/4, t = lane%4) loads, for k-step pair s,
-// one 8-element chunk D(s,t) of head_dim for its token rows gid and gid+8 (16-byte global loads straight into
-// registers) and reads the same chunk of q head gid from shared memory (one conflict-free LDS.128). Its four
-// 32-bit words w0..w3 feed k-step 2s (A regs: w0 row gid, w0 row gid+8, w1 row gid, w1 row gid+8; B regs:
-// w0, w1) and k-step 2s+1 (the same with w2, w3). In the PTX fragment layout thread t's A and B words both
-// sit at k = {2t, 2t+1} (w0 / w2) and k = {2t+8, 2t+9} (w1 / w3), so every k of A meets the same head_dim
-// element of B; the 4 pairs x 4 threads x 8 elements cover head_dim exactly once.
+// Fragments: A = q (M = 16 heads per m-tile), B = keys (N = 8 keys per n-tile), K = head_dim (8 k-steps).
+// The logit needs only dot products, so head_dim may be permuted as long as q and k use the same
+// permutation. Thread (gid = lane/4, t = lane%4) holds keys 8j + gid (n-tiles j = 0..3 of a 32-key tile) and,
+// for k-step pair s, loads one 8-element chunk D(s,t) of each key row straight from global memory into
+// registers (16-byte loads): its words w0..w3 are the B registers of k-step 2s ({w0, w1}) and 2s+1 ({w2, w3}),
+// already consecutive aligned pairs, so no shared memory, no ldmatrix and no register shuffling for keys.
+// q is staged once per CTA in shared memory as ready A quads: for heads h = 16i + gid and h' = h + 8 and the
+// same chunk D(s,t): k-step 2s = {w0(h), w0(h'), w1(h), w1(h')}, 2s+1 = {w2(h), w2(h'), w3(h), w3(h')}
+// (one conflict-free LDS.128 each). In the PTX fragment layout thread t's words sit at k = {2t, 2t+1}
+// (w0 / w2) and k = {2t+8, 2t+9} (w1 / w3) in both A and B, so every k of A meets the same head_dim element
+// of B; 4 pairs x 4 threads x 8 elements cover head_dim exactly once. (Keys as A would need each A quad
+// interleaved from two key rows: ptxas then spends ~4 MOVs per mma rebuilding quads.)
 //   bf16 keys: D(s,t) = 32s + 8t, words = element pairs (0,1) (2,3) (4,5) (6,7).
 //   fp8 keys:  D(s,t) = 64(s/2) + 16t + 8(s%2) (one 16-byte load covers pairs 2g and 2g+1), words = (0,2)
 //              (1,3) (4,6) (5,7): the shift expansion e4m3 -> f16 yields even/odd bytes of a 32-bit word.
+// The accumulator of (m-tile i, n-tile j) holds heads {h, h'} x keys {8j+2t, 8j+2t+1}; relu * w is summed over
+// the thread's heads, then over the 8 lanes sharing t (7 shuffles, each sum formed in one lane): lane
+// (gid, t) ends with key 8*(gid/2) + 2t + gid%2 and stores it (32 lanes: 32 consecutive columns).
 // fp8 keys with fp8 q use f16 mma on both operands scaled by 2^-8 (exact) and fold 2^16 into the epilogue;
 // every other combination uses bf16 mma (fp8 q -> bf16 exact; fp8 keys -> bf16 exact, slow path).
 // Every row's arithmetic (mma order, head order, quad reduction) is fixed, independent of the tuning
@@ -41,25 +48,33 @@ constexpr int kTileKeys = 32;       // keys per warp tile (2 m-tiles)
 constexpr int kMaxRows = 8;
 enum RangeMode { kCausal1D = 0, kLens2D = 1, kKsKe = 2 };
 
-template <int Rows, int Warps, int Prefetch>
+template <int KeyFp8, int Rows, int Warps, int Prefetch>
 struct Config {
-  // n-tiles whose accumulators are live together (independent mma chains per warp: 2 * NT).
-  static constexpr int NT = (Warps >= 8 && Rows >= 8) ? 4 : 2;
-  // Resident CTAs per SM asked of ptxas (register cap 65536 / (threads * MinBlocks)).
-  static constexpr int MinBlocks = Warps >= 8 ? (Rows >= 8 ? 1 : 2) : (Prefetch ? 2 : (Rows <= 2 ? 4 : 3));
+  // head m-tiles whose accumulators are live together (independent mma chains per warp: 4 * MT).
+  static constexpr int MT = (Warps >= 8 && Rows >= 8) ? 2 : 1;
+  // Resident CTAs per SM asked of ptxas (register cap 65536 / (threads * MinBlocks)). fp8 keys keep raw
+  // bytes and expanded words live together: 128 registers would spill.
+  static constexpr int MinBlocks =
+      Warps >= 8 ? (Rows >= 8 ? 1 : 2) : (Prefetch ? 2 : (Rows <= 2 && !KeyFp8 ? 4 : 3));
 };
 
-// Raw key bytes of one 32-key tile held by one thread: [m-tile][row half (gid, gid+8)][16-byte chunk c]
-// at byte 64c + 16t of the key row (bf16: 4 chunks = pairs s; fp8: 2 chunks = pairs 2c, 2c+1).
+// Raw key bytes of one 32-key tile held by one thread: [n-tile j: key 8j + gid][16-byte chunk c] at byte
+// 64c + 16t of the key row (bf16: 4 chunks = pairs s; fp8: 2 chunks = pairs 2c, 2c+1).
 template <int KeyFp8>
 struct KeyTile {
   static constexpr int kChunks = KeyFp8 ? 2 : 4;
-  uint4 raw[2][2][kChunks];
-  float scale;    // fp8: scale of this lane's output key (token gid + 8t); 1 otherwise
+  uint4 raw[4][kChunks];
+  float scale;    // fp8: scale of this lane's output key (key_of_lane); 1 otherwise
   int tok0;       // first key of the tile
   int page_ok;    // the tile's page is readable
   unsigned live;  // bit r: row r sees a key of this tile (0: nothing to compute)
 };
+
+// The key whose logit lane `lane` stores after the reduction (a bijection of the 32 lanes onto 0..31).
+__device__ __forceinline__ int key_of_lane(int lane) {
+  const int gid = lane >> 2, t = lane & 3;
+  return 8 * (gid >> 1) + 2 * t + (gid & 1);
+}
 
 struct Ctx {
   const unsigned char* kv;
@@ -88,114 +103,115 @@ __device__ __forceinline__ void load_tile(KeyTile<KeyFp8>& kt, int t, int entry,
   if (!live) return;
   const int slot0 = Paged ? (tok0 & (kPageSlots - 1)) : tok0;  // key index inside `base`
 #pragma unroll
-  for (int m = 0; m < 2; ++m)
+  for (int j = 0; j < 4; ++j) {
+    const int row = 8 * j + gid;
+    const unsigned char* p = base + static_cast<i64>(slot0 + row) * kRowBytes + 16 * tq;
+    const bool in = Paged || tok0 + row < c.num_keys;  // contiguous keys: never read past S
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = 16 * m + 8 * h + gid;
-      const unsigned char* p = base + static_cast<i64>(slot0 + row) * kRowBytes + 16 * tq;
-      const bool in = Paged || tok0 + row < c.num_keys;  // contiguous keys: never read past S
-#pragma unroll
-      for (int ch = 0; ch < KeyTile<KeyFp8>::kChunks; ++ch)
-        kt.raw[m][h][ch] = in ? ldg_stream_v4(p + 64 * ch) : make_uint4(0u, 0u, 0u, 0u);
-    }
+    for (int ch = 0; ch < KeyTile<KeyFp8>::kChunks; ++ch)
+      kt.raw[j][ch] = in ? ldg_stream_v4(p + 64 * ch) : make_uint4(0u, 0u, 0u, 0u);
+  }
   if (KeyFp8)
-    kt.scale = __ldg(reinterpret_cast<const float*>(base + kFp8ScaleOffset) + slot0 + gid + 8 * tq);
+    kt.scale = __ldg(reinterpret_cast<const float*>(base + kFp8ScaleOffset) + slot0 + key_of_lane(lane));
 }
 
-// The A words of a tile, W[m][h][s][w], in the mma input type.
+// The B words of a tile, W[j][s][w] (key 8j + gid, pair s, word w), in the mma input type.
 template <int KeyFp8, int QFp8>
-__device__ __forceinline__ void key_words(const KeyTile<KeyFp8>& kt, u32 (&W)[2][2][4][4]) {
+__device__ __forceinline__ void key_words(const KeyTile<KeyFp8>& kt, u32 (&W)[4][4][4]) {
 #pragma unroll
-  for (int m = 0; m < 2; ++m)
+  for (int j = 0; j < 4; ++j) {
+    if (!KeyFp8) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (!KeyFp8) {
+      for (int s = 0; s < 4; ++s) {
+        const uint4 v = kt.raw[j][s];
+        W[j][s][0] = v.x; W[j][s][1] = v.y; W[j][s][2] = v.z; W[j][s][3] = v.w;
+      }
+    } else {
 #pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          const uint4 v = kt.raw[m][h][s];
-          W[m][h][s][0] = v.x; W[m][h][s][1] = v.y; W[m][h][s][2] = v.z; W[m][h][s][3] = v.w;
-        }
-      } else {
+      for (int g = 0; g < 2; ++g) {
+        const uint4 v = kt.raw[j][g];
+        const u32 x[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-        for (int g = 0; g < 2; ++g) {
-          const uint4 v = kt.raw[m][h][g];
-          const u32 x[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            u32 e0, o0, e1, o1;
-            e4m3x4_to_f16x2_scaled(x[2 * half], e0, o0);
-            e4m3x4_to_f16x2_scaled(x[2 * half + 1], e1, o1);
-            u32* w = W[m][h][2 * g + half];
-            if (QFp8) {
-              w[0] = e0; w[1] = o0; w[2] = e1; w[3] = o1;
-            } else {
-              w[0] = f16x2_scaled_to_bf16x2(e0); w[1] = f16x2_scaled_to_bf16x2(o0);
-              w[2] = f16x2_scaled_to_bf16x2(e1); w[3] = f16x2_scaled_to_bf16x2(o1);
-            }
+        for (int half = 0; half < 2; ++half) {
+          u32 e0, o0, e1, o1;
+          e4m3x4_to_f16x2_scaled(x[2 * half], e0, o0);
+          e4m3x4_to_f16x2_scaled(x[2 * half + 1], e1, o1);
+          u32* w = W[j][2 * g + half];
+          if (QFp8) {
+            w[0] = e0; w[1] = o0; w[2] = e1; w[3] = o1;
+          } else {
+            w[0] = f16x2_scaled_to_bf16x2(e0); w[1] = f16x2_scaled_to_bf16x2(o0);
+            w[2] = f16x2_scaled_to_bf16x2(e1); w[3] = f16x2_scaled_to_bf16x2(o1);
           }
         }
-      }
-    }
-}
-
-// sum_h relu(q[r,h] . k) * w[r,h] for this thread's 4 keys (gid, gid+8, gid+16, gid+24), partial over the
-// heads 2t, 2t+1 of every n-tile (the quad reduction follows).
-template <bool F16, int NT>
-__device__ __forceinline__ void row_partials(const u32 (&W)[2][2][4][4], const uint4* __restrict__ qs_row,
-                                             const float* __restrict__ ws_row, int lane, float (&p)[4]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) p[i] = 0.0f;
-#pragma unroll
-  for (int j0 = 0; j0 < 8; j0 += NT) {
-    float acc[NT][2][4];
-#pragma unroll
-    for (int jj = 0; jj < NT; ++jj)
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[jj][m][i] = 0.0f;
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      uint4 b[NT];
-#pragma unroll
-      for (int jj = 0; jj < NT; ++jj) b[jj] = qs_row[((j0 + jj) * 4 + s) * 32 + lane];
-#pragma unroll
-      for (int jj = 0; jj < NT; ++jj)
-#pragma unroll
-        for (int m = 0; m < 2; ++m)
-          mma_16816<F16>(acc[jj][m], W[m][0][s][0], W[m][1][s][0], W[m][0][s][1], W[m][1][s][1], b[jj].x,
-                         b[jj].y);
-#pragma unroll
-      for (int jj = 0; jj < NT; ++jj)
-#pragma unroll
-        for (int m = 0; m < 2; ++m)
-          mma_16816<F16>(acc[jj][m], W[m][0][s][2], W[m][1][s][2], W[m][0][s][3], W[m][1][s][3], b[jj].z,
-                         b[jj].w);
-    }
-#pragma unroll
-    for (int jj = 0; jj < NT; ++jj) {
-      const float2 w = *reinterpret_cast<const float2*>(ws_row + 8 * (j0 + jj) + 2 * (lane & 3));
-#pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        p[2 * m] = fmaf(fmaxf(acc[jj][m][0], 0.0f), w.x, p[2 * m]);
-        p[2 * m] = fmaf(fmaxf(acc[jj][m][1], 0.0f), w.y, p[2 * m]);
-        p[2 * m + 1] = fmaf(fmaxf(acc[jj][m][2], 0.0f), w.x, p[2 * m + 1]);
-        p[2 * m + 1] = fmaf(fmaxf(acc[jj][m][3], 0.0f), w.y, p[2 * m + 1]);
       }
     }
   }
 }
 
-// Quad reduction of p[i] (key gid + 8i) over the 4 lanes t: lane t ends with the full sum of key gid + 8t
-// (3 shuffles; each sum is formed in exactly one lane, so results are deterministic).
-__device__ __forceinline__ float quad_reduce(const float (&p)[4], int lane) {
-  const bool b0 = lane & 1, b1 = (lane >> 1) & 1;
-  const float keep0 = b0 ? p[1] : p[0], send0 = b0 ? p[0] : p[1];
-  const float keep1 = b0 ? p[3] : p[2], send1 = b0 ? p[2] : p[3];
-  const float q0 = keep0 + __shfl_xor_sync(0xffffffffu, send0, 1);  // key index b0
-  const float q1 = keep1 + __shfl_xor_sync(0xffffffffu, send1, 1);  // key index b0 + 2
-  const float keep = b1 ? q1 : q0, send = b1 ? q0 : q1;
-  return keep + __shfl_xor_sync(0xffffffffu, send, 2);              // key index b0 + 2*b1 = t
+// sum_h relu(q[r,h] . k) * w[r,h] for this thread's keys 8j + 2t + e (p[2j + e]), partial over its heads
+// 16i + gid and 16i + gid + 8 (the reduction over gid follows). qs_row: A quads [m-tile i][pair s][k-step
+// kk][lane]; ws_row: weights as float2 (w[16i + gid], w[16i + gid + 8]) at [i][gid].
+template <bool F16, int MT>
+__device__ __forceinline__ void row_partials(const u32 (&W)[4][4][4], const uint4* __restrict__ qs_row,
+                                             const float2* __restrict__ ws_row, int lane, float (&p)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) p[i] = 0.0f;
+#pragma unroll
+  for (int i0 = 0; i0 < 4; i0 += MT) {
+    float acc[MT][4][4];
+#pragma unroll
+    for (int ii = 0; ii < MT; ++ii)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[ii][j][e] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+#pragma unroll
+        for (int ii = 0; ii < MT; ++ii) {
+          const uint4 a = qs_row[(((i0 + ii) * 4 + s) * 2 + kk) * 32 + lane];
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            mma_16816<F16>(acc[ii][j], a.x, a.y, a.z, a.w, W[j][s][2 * kk], W[j][s][2 * kk + 1]);
+        }
+      }
+    }
+#pragma unroll
+    for (int ii = 0; ii < MT; ++ii) {
+      const float2 w = ws_row[(i0 + ii) * 8 + (lane >> 2)];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        p[2 * j] = fmaf(fmaxf(acc[ii][j][0], 0.0f), w.x, p[2 * j]);
+        p[2 * j] = fmaf(fmaxf(acc[ii][j][2], 0.0f), w.y, p[2 * j]);
+        p[2 * j + 1] = fmaf(fmaxf(acc[ii][j][1], 0.0f), w.x, p[2 * j + 1]);
+        p[2 * j + 1] = fmaf(fmaxf(acc[ii][j][3], 0.0f), w.y, p[2 * j + 1]);
+      }
+    }
+  }
+}
+
+// Sum of p[c] over the 8 lanes sharing t (lane bits 2..4), transposed: lane (gid, t) ends with the full sum
+// of index c = gid, i.e. key key_of_lane(lane). Halving exchanges (4 + 2 + 1 shuffles); each sum is formed
+// in exactly one lane, so results are deterministic.
+__device__ __forceinline__ float gid_reduce(const float (&p)[8], int lane) {
+  const bool b4 = (lane >> 4) & 1, b3 = (lane >> 3) & 1, b2 = (lane >> 2) & 1;
+  float u[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {  // keep c = 4*b4 + q
+    const float keep = b4 ? p[4 + q] : p[q], send = b4 ? p[q] : p[4 + q];
+    u[q] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
+  }
+  float x[2];
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {  // keep c = 4*b4 + 2*b3 + q
+    const float keep = b3 ? u[2 + q] : u[q], send = b3 ? u[q] : u[2 + q];
+    x[q] = keep + __shfl_xor_sync(0xffffffffu, send, 8);
+  }
+  const float keep = b2 ? x[1] : x[0], send = b2 ? x[0] : x[1];  // keep c = 4*b4 + 2*b3 + b2 = gid
+  return keep + __shfl_xor_sync(0xffffffffu, send, 4);
 }
 
 }  // namespace logits
@@ -207,7 +223,7 @@ __device__ __forceinline__ float quad_reduce(const float (&p)[4], int lane) {
 // mode 0: len = lens0[x] - (Rows-1-i); mode 1: len = lens0[row]; mode 2: [lens0[row], lens1[row]).
 // out row (row - row_start), stride out_stride, `width` columns.
 template <int KeyFp8, int QFp8, int Rows, int Paged, int Warps, int Prefetch>
-__global__ void __launch_bounds__(Warps * 32, (dsa::logits::Config<Rows, Warps, Prefetch>::MinBlocks))
+__global__ void __launch_bounds__(Warps * 32, (dsa::logits::Config<KeyFp8, Rows, Warps, Prefetch>::MinBlocks))
     mqa_logits_kernel(const unsigned char* __restrict__ q, const float* __restrict__ weights,
                       const unsigned char* __restrict__ kv, long long kv_pages, const int* __restrict__ block_table,
                       long long bt_tile_stride, int bt_width, const int* __restrict__ lens0,
@@ -218,12 +234,12 @@ __global__ void __launch_bounds__(Warps * 32, (dsa::logits::Config<Rows, Warps, 
   static_assert(Rows >= 1 && Rows <= kMaxRows, "Rows");
   static_assert(Paged || !KeyFp8, "contiguous keys are bf16");
   constexpr bool F16 = KeyFp8 && QFp8;
-  constexpr int NT = Config<Rows, Warps, Prefetch>::NT;
-  constexpr int kQWords = 8 * 4 * 32;  // uint4 per row: [n-tile][pair][lane]
+  constexpr int MT = Config<KeyFp8, Rows, Warps, Prefetch>::MT;
+  constexpr int kQWords = 4 * 4 * 2 * 32;  // uint4 per row: A quads [m-tile][pair][k-step][lane]
 
   extern __shared__ uint4 smem[];
-  uint4* qs = smem;                                                   // [Rows][8][4][32]
-  float* ws = reinterpret_cast<float*>(smem + Rows * kQWords);        // [Rows][64]
+  uint4* qs = smem;                                                   // [Rows][4][4][2][32]
+  float2* ws = reinterpret_cast<float2*>(smem + Rows * kQWords);      // [Rows][4][8]: (w[16i+g], w[16i+g+8])
   __shared__ int s_lo[kMaxRows], s_hi[kMaxRows], s_off[kMaxRows];
 
   const int tile = gridDim.x - 1 - blockIdx.x;  // last row tile first: causal prefill runs heaviest first
@@ -281,43 +297,52 @@ __global__ void __launch_bounds__(Warps * 32, (dsa::logits::Config<Rows, Warps, 
     s_hi[r] = hi;
     s_off[r] = (compressed && row0 + r < row_end) ? lens0[row0 + r] : 0;
   }
-  if (nonempty) {
-    for (int i = tid; i < Rows * kNumHeads; i += Warps * 32) {
-      const int r = i / kNumHeads;
-      if ((nonempty >> r) & 1u) ws[i] = weights[static_cast<i64>(row0 + r) * kNumHeads + i % kNumHeads];
-    }
-    for (int i = tid; i < Rows * kQWords; i += Warps * 32) {
-      const int r = i / kQWords, rem = i % kQWords;
-      if (!((nonempty >> r) & 1u)) continue;
-      const int j = rem >> 7, s = (rem >> 5) & 3, ln = rem & 31;
-      const int head = 8 * j + (ln >> 2), t = ln & 3;
-      const int d = KeyFp8 ? 64 * (s >> 1) + 16 * t + 8 * (s & 1) : 32 * s + 8 * t;
-      const i64 elem = (static_cast<i64>(row0 + r) * kNumHeads + head) * kHeadDim + d;
-      uint4 v;
-      if (QFp8) {
-        const uint2 x = *reinterpret_cast<const uint2*>(q + elem);
-        if (F16) {  // same expansion as the keys: words (0,2) (1,3) (4,6) (5,7), values * 2^-8
-          e4m3x4_to_f16x2_scaled(x.x, v.x, v.y);
-          e4m3x4_to_f16x2_scaled(x.y, v.z, v.w);
-        } else {    // bf16 keys: natural pairs, exact bf16
-          const unsigned char* b = reinterpret_cast<const unsigned char*>(&x);
-          v.x = pack_bf16x2(e4m3_to_float(b[0]), e4m3_to_float(b[1]));
-          v.y = pack_bf16x2(e4m3_to_float(b[2]), e4m3_to_float(b[3]));
-          v.z = pack_bf16x2(e4m3_to_float(b[4]), e4m3_to_float(b[5]));
-          v.w = pack_bf16x2(e4m3_to_float(b[6]), e4m3_to_float(b[7]));
-        }
-      } else {
-        const uint4 x = *reinterpret_cast<const uint4*>(q + 2 * elem);
-        if (KeyFp8) {  // fp8 key word order (0,2) (1,3) (4,6) (5,7)
-          v.x = __byte_perm(x.x, x.y, 0x5410);
-          v.y = __byte_perm(x.x, x.y, 0x7632);
-          v.z = __byte_perm(x.z, x.w, 0x5410);
-          v.w = __byte_perm(x.z, x.w, 0x7632);
-        } else {
-          v = x;
-        }
+  // q chunk D(s,t) of one head as the 4 mma words of the key layout's element order.
+  auto q_words = [&](i64 row, int head, int d) -> uint4 {
+    const i64 elem = (row * kNumHeads + head) * kHeadDim + d;
+    uint4 v;
+    if (QFp8) {
+      const uint2 x = *reinterpret_cast<const uint2*>(q + elem);
+      if (F16) {  // same expansion as the keys: words (0,2) (1,3) (4,6) (5,7), values * 2^-8
+        e4m3x4_to_f16x2_scaled(x.x, v.x, v.y);
+        e4m3x4_to_f16x2_scaled(x.y, v.z, v.w);
+      } else {    // bf16 keys: natural pairs, exact bf16
+        const unsigned char* b = reinterpret_cast<const unsigned char*>(&x);
+        v.x = pack_bf16x2(e4m3_to_float(b[0]), e4m3_to_float(b[1]));
+        v.y = pack_bf16x2(e4m3_to_float(b[2]), e4m3_to_float(b[3]));
+        v.z = pack_bf16x2(e4m3_to_float(b[4]), e4m3_to_float(b[5]));
+        v.w = pack_bf16x2(e4m3_to_float(b[6]), e4m3_to_float(b[7]));
       }
-      qs[i] = v;
+    } else {
+      const uint4 x = *reinterpret_cast<const uint4*>(q + 2 * elem);
+      if (KeyFp8) {  // fp8 key word order (0,2) (1,3) (4,6) (5,7)
+        v.x = __byte_perm(x.x, x.y, 0x5410);
+        v.y = __byte_perm(x.x, x.y, 0x7632);
+        v.z = __byte_perm(x.z, x.w, 0x5410);
+        v.w = __byte_perm(x.z, x.w, 0x7632);
+      } else {
+        v = x;
+      }
+    }
+    return v;
+  };
+  if (nonempty) {
+    for (int i = tid; i < Rows * kNumHeads / 2; i += Warps * 32) {
+      const int r = i / (kNumHeads / 2), m = (i >> 3) & 3, g = i & 7;
+      if (!((nonempty >> r) & 1u)) continue;
+      const float* wr = weights + static_cast<i64>(row0 + r) * kNumHeads;
+      ws[i] = make_float2(wr[16 * m + g], wr[16 * m + g + 8]);
+    }
+    for (int i = tid; i < Rows * kQWords / 2; i += Warps * 32) {  // both k-steps of a pair at once
+      const int r = i / (kQWords / 2), rem = i % (kQWords / 2);
+      if (!((nonempty >> r) & 1u)) continue;
+      const int m = rem >> 7, s = (rem >> 5) & 3, ln = rem & 31;
+      const int head = 16 * m + (ln >> 2), t = ln & 3;
+      const int d = KeyFp8 ? 64 * (s >> 1) + 16 * t + 8 * (s & 1) : 32 * s + 8 * t;
+      const uint4 v0 = q_words(row0 + r, head, d), v1 = q_words(row0 + r, head + 8, d);
+      uint4* dst = qs + static_cast<i64>(r) * kQWords + ((m * 4 + s) * 2) * 32 + ln;
+      dst[0] = make_uint4(v0.x, v1.x, v0.y, v1.y);   // k-step 2s
+      dst[32] = make_uint4(v0.z, v1.z, v0.w, v1.w);  // k-step 2s+1
     }
   }
   __syncthreads();
@@ -329,7 +354,7 @@ __global__ void __launch_bounds__(Warps * 32, (dsa::logits::Config<Rows, Warps, 
   c.num_keys = num_keys;
   const float kNegInf = __int_as_float(0xff800000);
   const float epi_scale = F16 ? 65536.0f : 1.0f;
-  const int key_lane = (lane >> 2) + 8 * (lane & 3);  // this lane's output key inside a tile
+  const int key_lane = key_of_lane(lane);  // this lane's output key inside a tile
 
   // Block-table entries of this warp's tiles k .. k+31, one per lane, refreshed every 32 tiles (one
   // coalesced-ish load instead of a dependent load per tile). Calls are warp-uniform.
@@ -352,7 +377,7 @@ __global__ void __launch_bounds__(Warps * 32, (dsa::logits::Config<Rows, Warps, 
 
   // Compute one loaded tile against every row and store its 32 columns per row.
   auto process = [&](const KeyTile<KeyFp8>& kt) {
-    u32 W[2][2][4][4];
+    u32 W[4][4][4];
     if (kt.live) key_words<KeyFp8, QFp8>(kt, W);
     const int n = kt.tok0 + key_lane;
     const float scale = kt.scale * epi_scale;
@@ -361,9 +386,9 @@ __global__ void __launch_bounds__(Warps * 32, (dsa::logits::Config<Rows, Warps, 
       if (row0 + r >= row_end) break;
       float val = kNegInf;
       if ((kt.live >> r) & 1u) {
-        float p[4];
-        row_partials<F16, NT>(W, qs + r * kQWords, ws + r * kNumHeads, lane, p);
-        const float sum = quad_reduce(p, lane);
+        float p[8];
+        row_partials<F16, MT>(W, qs + r * kQWords, ws + r * (kNumHeads / 2), lane, p);
+        const float sum = gid_reduce(p, lane);
         if (n >= s_lo[r] && n < s_hi[r]) val = sum * scale;
       }
       const int col = n - s_off[r];
