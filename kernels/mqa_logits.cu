@@ -7,8 +7,8 @@
 // tile interleave over exactly the tiles its rows can see (computed from the device-side lengths): no CTA
 // per chunk of a mostly empty block table, q staged once per CTA, balanced shares for every length, and the
 // grid depends on host integers only (CUDA-graph safe). A warp computes its tile against every row of the
-// row tile: per row 2 m-tiles (tokens) x 8 n-tiles (heads) x 8 k-steps of mma.m16n8k16, fp32 accumulate,
-// then relu * w summed over heads in registers, reduced over the 4 lanes of a quad, masked, stored.
+// row tile: per row 4 m-tiles (heads) x 4 n-tiles (keys) x 8 k-steps of mma.m16n8k16, fp32 accumulate,
+// then relu * w summed over heads in registers, reduced over lanes, masked, stored.
 //
 // Fragments: A = q (M = 16 heads per m-tile), B = keys (N = 8 keys per n-tile), K = head_dim (8 k-steps).
 // The logit needs only dot products, so head_dim may be permuted as long as q and k use the same
@@ -30,7 +30,7 @@
 // (gid, t) ends with key 8*(gid/2) + 2t + gid%2 and stores it (32 lanes: 32 consecutive columns).
 // fp8 keys with fp8 q use f16 mma on both operands scaled by 2^-8 (exact) and fold 2^16 into the epilogue;
 // every other combination uses bf16 mma (fp8 q -> bf16 exact; fp8 keys -> bf16 exact, slow path).
-// Every row's arithmetic (mma order, head order, quad reduction) is fixed, independent of the tuning
+// Every row's arithmetic (mma order, head order, lane reduction) is fixed, independent of the tuning
 // variant and of the grid: results are deterministic and bitwise equal across variants.
 //
 // Masking: row r sees keys n in [lo_r, hi_r) (decode: [0, len); prefill: [ks, ke)) whose page is valid
@@ -44,7 +44,7 @@ namespace dsa {
 namespace logits {
 
 constexpr int kNumHeads = 64;
-constexpr int kTileKeys = 32;       // keys per warp tile (2 m-tiles)
+constexpr int kTileKeys = 32;       // keys per warp tile (4 n-tiles)
 constexpr int kMaxRows = 8;
 enum RangeMode { kCausal1D = 0, kLens2D = 1, kKsKe = 2 };
 
