@@ -41,7 +41,8 @@ _MAX_GRID_Y = 65535
 TUNING = {
     "decode_prefetch": 0,        # bf16 keys: register double-buffer of the next key tile (1) or occupancy (0)
     "decode_ctas_per_sm": 16,    # CTAs launched per SM (over all requests); they interleave over the tiles
-    "prefill_rows": 8,           # query rows per CTA: 8 (8 warps, ~129 KiB shared memory) or 4 (4 warps)
+    "prefill_rows": 4,           # query rows per CTA: 4 (4 warps; H200: 422 TFLOP/s at 4K x 64K) or 8 (8 warps,
+                                 # ~129 KiB shared memory; 376 TFLOP/s there)
     "prefill_prefetch": 0,       # contiguous keys, 8-row tiles: register double-buffer of the next key tile
     "prefill_keys_per_cta": 4096,  # CTAs per row tile = ceil(keys / this)
 }
