@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -18,6 +19,9 @@ SECTIONS = ("bytes", "store", "logits", "recall")
 # --------------------------------------------------------------------------------------------------
 
 def git_commit() -> str | None:
+    """Commit of the code that ran: CUPY_DSA_COMMIT (set when the tree was copied without .git), else git."""
+    if os.environ.get("CUPY_DSA_COMMIT"):
+        return os.environ["CUPY_DSA_COMMIT"]
     try:
         root = Path(__file__).resolve().parents[1]
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,

@@ -10,7 +10,7 @@ T0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { echo "pip install failed"; tail -5 "$OUT/pip.log"; }
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
-git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /'
+echo "commit ${CUPY_DSA_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null)}"
 
 K=${1:-}
 python3 -m pytest -q -m gpu tests ${K:+-k "$K"} -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log"
