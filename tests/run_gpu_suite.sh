@@ -27,6 +27,7 @@ if [ -z "${SKIP_BENCH:-}" ]; then
 fi
 echo "================ SUMMARY ($(($(date +%s) - T0)) s) ================"
 echo "device: $(cat "$OUT/device.txt")"
+echo "commit: ${CUPY_DSA_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}"
 echo "pytest -m gpu: $PYTEST_LINE"
 echo "compute-sanitizer memcheck (rc=$SAN_RC): $SAN_LINE"
 [ -f "$OUT/headline.md" ] && cat "$OUT/headline.md"
