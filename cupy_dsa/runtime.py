@@ -33,6 +33,7 @@ _INSTANTIATIONS: dict[str, list[str]] = {}
 _FUNCTIONS: dict[tuple, object] = {}
 _STREAMS: dict[int, object] = {}
 _SMEM_OPT_IN: dict[tuple, int] = {}
+_ARCHS: dict[int, str] = {}
 _LOCK = threading.Lock()
 
 
@@ -50,8 +51,22 @@ def read_source(filename: str) -> str:
     return (kernel_dir() / filename).read_text()
 
 
-def compile_options() -> tuple[str, ...]:
-    return _BASE_OPTIONS + (f"-I{kernel_dir()}",)
+def compile_options(arch: str | None = None) -> tuple[str, ...]:
+    """NVRTC options. On Hopper (``sm_90``) we build for ``sm_90a`` so sources may use wgmma / setmaxnreg
+    behind ``__CUDA_ARCH_FEAT_SM90_ALL`` (CuPy appends ``-arch=sm_90``; NVRTC keeps the ``a`` variant)."""
+    opts = _BASE_OPTIONS + (f"-I{kernel_dir()}",)
+    if arch in ("sm_90", "sm_90a", "90"):
+        opts += ("-arch=sm_90a",)
+    return opts
+
+
+def device_arch(device_index: int) -> str:
+    """``sm_XY`` of a device (cached)."""
+    a = _ARCHS.get(device_index)
+    if a is None:
+        major, minor = torch.cuda.get_device_capability(device_index)
+        a = _ARCHS[device_index] = f"sm_{major}{minor}"
+    return a
 
 
 def register_instantiations(filename: str, name_expressions) -> None:
@@ -124,7 +139,8 @@ def get_function(filename: str, name_expression: str, device_index: int):
             declared = _INSTANTIATIONS.get(filename, [])
             exprs = list(declared) if name_expression in declared else [name_expression]
             with cp.cuda.Device(device_index):
-                module = cp.RawModule(code=read_source(filename), options=compile_options(),
+                module = cp.RawModule(code=read_source(filename),
+                                      options=compile_options(device_arch(device_index)),
                                       name_expressions=exprs)
                 for expr in exprs:
                     f = module.get_function(expr)
@@ -230,8 +246,9 @@ def compile_cubin(filename: str, name_expressions, arch: str) -> tuple[bytes, di
     cp = cupy_module()
     nvrtc = cp.cuda.nvrtc
     src = read_source(filename)
-    opts = compile_options() + (f"-I{cuda_include_dir()}", f"-arch={arch}", "-ftz=true",
-                                "--device-as-default-execution-space")
+    # sm_90 is built as sm_90a, exactly as at run time (compile_options adds the flag)
+    opts = compile_options(arch) + (f"-I{cuda_include_dir()}",) + (() if arch == "sm_90" else (f"-arch={arch}",)) \
+        + ("-ftz=true", "--device-as-default-execution-space")
     prog = nvrtc.createProgram(src, filename, (), ())
     try:
         for expr in name_expressions:
