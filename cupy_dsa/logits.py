@@ -45,6 +45,13 @@ TUNING = {
                                  # ~129 KiB shared memory; 376 TFLOP/s there)
     "prefill_prefetch": 0,       # contiguous keys, 8-row tiles: register double-buffer of the next key tile
     "prefill_keys_per_cta": 4096,  # CTAs per row tile = ceil(keys / this)
+    "fp8_mma": 0,                # fp8 keys x fp8 q: 0 = f16 mma of shift-expanded bytes (all archs); 1 = e4m3
+                                 # mma.sync m16n8k32 where native (sm_89, sm_120+; elsewhere same as 0): half
+                                 # the mma, no conversion, but Ada fp8 tensor cores add with ~13-bit precision;
+                                 # 2 = e4m3 mma on every sm_89+ target (sm_90/100: ptxas emulates it, slower;
+                                 # a layout test / bench variant). Not exposed for other dtype combinations.
+    "decode_l2_hint": 2,         # L2 prefetch size of the streaming key loads: 2 = 256 B, 1 = 128 B, 0 = none;
+                                 # 0 / 1 exist only for decode next_n=1 with fp8 q (else 2 is used)
 }
 
 
@@ -56,19 +63,25 @@ def _ceil_div(a: int, b: int) -> int:
 # Instantiations
 # --------------------------------------------------------------------------------------------------
 
-def _expr(key_fp8: int, q_fp8: int, rows: int, paged: int, warps: int, prefetch: int) -> str:
-    return f"mqa_logits_kernel<{key_fp8}, {q_fp8}, {rows}, {paged}, {warps}, {prefetch}>"
+def _expr(key_fp8: int, q_fp8: int, rows: int, paged: int, warps: int, prefetch: int, l2_hint: int = 2,
+          mma8: int = 0) -> str:
+    return f"mqa_logits_kernel<{key_fp8}, {q_fp8}, {rows}, {paged}, {warps}, {prefetch}, {l2_hint}, {mma8}>"
 
 
 def _declared_instantiations() -> list[str]:
     ex = []
     for kf in (0, 1):
         for qf in (1, 0):
-            for rows in (1, 2, 3, 4):  # decode (rows = next_n); rows 4 also serves prefill 4-row tiles
-                ex.append(_expr(kf, qf, rows, 1, 4, 0))
-                if kf == 0:            # register double-buffering: a bench variant for bf16 keys
-                    ex.append(_expr(kf, qf, rows, 1, 4, 1))
-            ex.append(_expr(kf, qf, 8, 1, 8, 0))   # paged prefill, 8-row tiles
+            # fp8 x fp8: both the e4m3-mma (sm_89+; f16 on sm_80) and the f16-mma variant (TUNING fp8_mma)
+            for mma8 in ((0, 1, 2) if kf and qf else (0,)):
+                for rows in (1, 2, 3, 4):  # decode (rows = next_n); rows 4 also serves prefill 4-row tiles
+                    ex.append(_expr(kf, qf, rows, 1, 4, 0, 2, mma8))
+                    if kf == 0:            # register double-buffering: a bench variant for bf16 keys
+                        ex.append(_expr(kf, qf, rows, 1, 4, 1))
+                ex.append(_expr(kf, qf, 8, 1, 8, 0, 2, mma8))   # paged prefill, 8-row tiles
+    for hint in (0, 1):                            # L2 prefetch-size variants: main decode shapes only
+        ex.append(_expr(0, 1, 1, 1, 4, 0, hint))
+        ex.append(_expr(1, 1, 1, 1, 4, 0, hint))
     for qf in (1, 0):                               # contiguous bf16 keys (prefill)
         ex.append(_expr(0, qf, 4, 0, 4, 0))
         ex.append(_expr(0, qf, 8, 0, 8, 0))
@@ -77,7 +90,12 @@ def _declared_instantiations() -> list[str]:
 
 
 _INSTANTIATIONS = _declared_instantiations()
+_DECLARED = frozenset(_INSTANTIATIONS)
 runtime.register_instantiations(_SRC, _INSTANTIATIONS)
+
+
+def _mma8(key_fp8: int, q_fp8: int) -> int:
+    return int(TUNING["fp8_mma"]) if (key_fp8 and q_fp8) else 0
 
 
 def _smem_bytes(rows: int) -> int:
@@ -412,7 +430,11 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_contex
     per_req = _ceil_div(n_sms * TUNING["decode_ctas_per_sm"], B)
     grid = (B, max(1, min(_ceil_div(tiles, warps), per_req, _MAX_GRID_Y)), 1)
     prefetch = 1 if (TUNING["decode_prefetch"] and layout == "bf16") else 0
-    expr = _expr(int(layout == "fp8"), int(q.dtype == _FP8), next_n, 1, warps, prefetch)
+    kf, qf = int(layout == "fp8"), int(q.dtype == _FP8)
+    mma8 = _mma8(kf, qf)
+    expr = _expr(kf, qf, next_n, 1, warps, prefetch, TUNING["decode_l2_hint"], mma8)
+    if expr not in _DECLARED:  # the L2-hint variants exist for the main decode shapes only
+        expr = _expr(kf, qf, next_n, 1, warps, prefetch, 2, mma8)
     mode = _MODE_LENS_2D if context_lens.dim() == 2 else _MODE_CAUSAL_1D
     bt_width = block_table.shape[1]
     args = (q.data_ptr(), weights.data_ptr(), kv_cache.data_ptr(), _I64(kv_cache.shape[0]),
@@ -463,7 +485,8 @@ def mqa_logits(q, kv, weights, ks, ke, *, block_table=None, max_seqlen_k=0, clea
     tiles = _ceil_div(num_keys, _TILE_KEYS)
     per_tile = _ceil_div(num_keys, max(_TILE_KEYS, TUNING["prefill_keys_per_cta"]))
     grid = (_ceil_div(n_rows, tile_rows), max(1, min(_ceil_div(tiles, warps), per_tile, _MAX_GRID_Y)), 1)
-    expr = _expr(int(layout == "fp8"), int(q.dtype == _FP8), tile_rows, int(paged), warps, prefetch)
+    kf, qf = int(layout == "fp8"), int(q.dtype == _FP8)
+    expr = _expr(kf, qf, tile_rows, int(paged), warps, prefetch, 2, _mma8(kf, qf))
     if paged:
         kv_ptr, n_pages, bt_ptr, bt_width = kv.data_ptr(), kv.shape[0], bt.data_ptr(), bt.shape[0]
     else:

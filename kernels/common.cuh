@@ -115,15 +115,59 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], u32 a0, u32 a1, u32 a2,
   }
 }
 
-// 16-byte read-only global load for streamed data: not kept in L1, L2 fetches the whole 256 B line
-// (the other quarters of a key row are read by the next instructions). volatile: issued where written,
-// so a prefetch stays a prefetch.
+// 16-byte read-only global load for streamed data, not kept in L1. L2Hint: the L2 prefetch size asked on
+// a miss: 2 = L2::256B (the whole 256 B line; the other quarters of a key row are read by the next
+// instructions), 1 = L2::128B, 0 = no hint. volatile: issued where written, so a prefetch stays a prefetch.
+template <int L2Hint = 2>
 __device__ __forceinline__ uint4 ldg_stream_v4(const void* p) {
   uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
+  if constexpr (L2Hint == 2) {
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+  } else if constexpr (L2Hint == 1) {
+    asm volatile("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+  } else {
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+  }
   return r;
+}
+
+// fp8 mma.sync (m16n8k32 .e4m3 x .e4m3, fp32 accumulate) is valid PTX on sm_89 and later, but only sm_89
+// (Ada) and sm_120+ (consumer Blackwell) run it natively (SASS QMMA). On sm_90 / sm_100 ptxas emulates it
+// (checked with cuobjdump, CUDA 13): F2FP to f16, two HMMA.16816 per mma, ~4 FADD per mma, slower than
+// expanding e4m3 by shifts. The NVRTC compile for each target defines __CUDA_ARCH__: per-target switches.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+constexpr bool kHasFp8Mma = true;         // the instruction compiles
+#else
+constexpr bool kHasFp8Mma = false;
+#endif
+#if defined(__CUDA_ARCH__) && ((__CUDA_ARCH__ >= 890 && __CUDA_ARCH__ < 900) || __CUDA_ARCH__ >= 1200)
+constexpr bool kNativeFp8Mma = true;      // ... and runs on fp8 tensor cores
+#else
+constexpr bool kNativeFp8Mma = false;
+#endif
+
+// D += A * B for mma.sync m16n8k32 .row.col .f32.e4m3.e4m3.f32 (sm_89+; PTX ISA "Matrix Fragments for
+// mma.m16n8k32", 8-bit types; gid = lane / 4, t = lane % 4; byte i of a register = k + i):
+// A 16x32 row-major {a0, a1, a2, a3} = rows {gid, gid+8, gid, gid+8}, k = {4t.., 4t.., 4t+16.., 4t+16..};
+// B 32x8 col-major {b0, b1} = column gid, k = {4t..4t+3, 4t+16..4t+19}; D as for m16n8k16.
+// The products are exact, but Ada / Hopper fp8 tensor cores add them (and the accumulator) with ~13-14
+// significant bits (published measurements), not in full fp32; the sm_90 / sm_100 emulation adds in fp32.
+// Never called where kHasFp8Mma is false.
+__device__ __forceinline__ void mma_16832_e4m3(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+  __trap();
+#endif
 }
 
 // Four e4m3 bytes x = [e0 e1 e2 e3] (e0 lowest) -> two f16x2 words with the exact values times 2^-8:

@@ -30,8 +30,21 @@
 // (gid, t) ends with key 8*(gid/2) + 2t + gid%2 and stores it (32 lanes: 32 consecutive columns).
 // fp8 keys with fp8 q use f16 mma on both operands scaled by 2^-8 (exact) and fold 2^16 into the epilogue;
 // every other combination uses bf16 mma (fp8 q -> bf16 exact; fp8 keys -> bf16 exact, slow path).
-// Every row's arithmetic (mma order, head order, lane reduction) is fixed, independent of the tuning
-// variant and of the grid: results are deterministic and bitwise equal across variants.
+// fp8 keys with fp8 q, Mma8 (TUNING fp8_mma): mma.sync m16n8k32 .e4m3 on the raw bytes, no conversion and
+// half the mma (4 k-steps of 32). Fragments (8-bit): A {a0..a3} = rows {g, g+8, g, g+8}, k {4t..4t+3} (a0,
+// a1) and {4t+16..4t+19} (a2, a3); B {b0, b1} = k {4t..}, {4t+16..} of column g. The thread's 16-byte key
+// chunk c (bytes 64c + 16t .. +15, words w0..w3, as loaded above) gives k-step 2c B = {w0, w1} and k-step
+// 2c+1 B = {w2, w3}: k-step ks maps k 4t+i -> d0+i and k 4t+16+i -> d0+4+i, d0 = 64(ks/2) + 16t + 8(ks%2),
+// each head_dim element once. q is staged raw in the same order: A = {x.lo, y.lo, x.hi, y.hi} with x, y the
+// 8 bytes of heads h, h+8 at d0 (one LDS.128 per k-step). Epilogue: key scale only (products are exact e4m3).
+// The e4m3 mma runs natively on sm_89 and sm_120+ only (there with ~13-bit fp8 tensor-core accumulation);
+// ptxas emulates it on sm_90 / sm_100 (slower than the f16 path), so Mma8 = 1 keeps the f16 path there and
+// Mma8 = 2 forces the emulation (a test of this layout on Hopper). The path is chosen per target at compile
+// time (__CUDA_ARCH__, see common.cuh); the summation order is fixed per compiled path.
+// Key loads: ld.global.nc.L1::no_allocate with an L2 prefetch-size hint L2Hint (2: 256 B, 1: 128 B, 0: none).
+// Every row's arithmetic (mma order, head order, lane reduction) is fixed, independent of the scheduling
+// variant (Warps/Prefetch/L2Hint/grid): results are deterministic and bitwise equal across those variants
+// (Mma8 changes the arithmetic, hence the results in the last bits).
 //
 // Masking: row r sees keys n in [lo_r, hi_r) (decode: [0, len); prefill: [ks, ke)) whose page is valid
 // (block-table entry in [0, P) and page index < bt_width) and n < num_keys. Output column = n - coloff_r
@@ -85,7 +98,7 @@ struct Ctx {
 
 // Issue the loads of tile t (keys 32t..32t+31). entry: block-table entry of its page (-1: invalid), unused
 // for contiguous keys. Only tiles some row can see are loaded (live != 0).
-template <int KeyFp8, int Paged, int Rows>
+template <int KeyFp8, int Paged, int Rows, int L2Hint>
 __device__ __forceinline__ void load_tile(KeyTile<KeyFp8>& kt, int t, int entry, const Ctx& c, int lane) {
   constexpr int kRowBytes = KeyFp8 ? kHeadDim : 2 * kHeadDim;
   constexpr int kPageBytes = KeyFp8 ? kFp8PageBytes : kBf16PageBytes;
@@ -109,7 +122,7 @@ __device__ __forceinline__ void load_tile(KeyTile<KeyFp8>& kt, int t, int entry,
     const bool in = Paged || tok0 + row < c.num_keys;  // contiguous keys: never read past S
 #pragma unroll
     for (int ch = 0; ch < KeyTile<KeyFp8>::kChunks; ++ch)
-      kt.raw[j][ch] = in ? ldg_stream_v4(p + 64 * ch) : make_uint4(0u, 0u, 0u, 0u);
+      kt.raw[j][ch] = in ? ldg_stream_v4<L2Hint>(p + 64 * ch) : make_uint4(0u, 0u, 0u, 0u);
   }
   if (KeyFp8)
     kt.scale = __ldg(reinterpret_cast<const float*>(base + kFp8ScaleOffset) + slot0 + key_of_lane(lane));
@@ -193,6 +206,48 @@ __device__ __forceinline__ void row_partials(const u32 (&W)[4][4][4], const uint
   }
 }
 
+// Same partials with the fp8 tensor-core mma (sm_89+): A = raw e4m3 q quads [m-tile i][k-step ks][lane], B =
+// the raw key words: k-step ks uses chunk ks/2, words {x, y} (ks even) or {z, w} (ks odd). No conversion.
+template <int MT>
+__device__ __forceinline__ void row_partials_f8(const uint4 (&raw)[4][2], const uint4* __restrict__ qs_row,
+                                                const float2* __restrict__ ws_row, int lane, float (&p)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) p[i] = 0.0f;
+#pragma unroll
+  for (int i0 = 0; i0 < 4; i0 += MT) {
+    float acc[MT][4][4];
+#pragma unroll
+    for (int ii = 0; ii < MT; ++ii)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[ii][j][e] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+#pragma unroll
+      for (int ii = 0; ii < MT; ++ii) {
+        const uint4 a = qs_row[((i0 + ii) * 4 + ks) * 32 + lane];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint4 v = raw[j][ks >> 1];
+          mma_16832_e4m3(acc[ii][j], a.x, a.y, a.z, a.w, (ks & 1) ? v.z : v.x, (ks & 1) ? v.w : v.y);
+        }
+      }
+    }
+#pragma unroll
+    for (int ii = 0; ii < MT; ++ii) {
+      const float2 w = ws_row[(i0 + ii) * 8 + (lane >> 2)];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        p[2 * j] = fmaf(fmaxf(acc[ii][j][0], 0.0f), w.x, p[2 * j]);
+        p[2 * j] = fmaf(fmaxf(acc[ii][j][2], 0.0f), w.y, p[2 * j]);
+        p[2 * j + 1] = fmaf(fmaxf(acc[ii][j][1], 0.0f), w.x, p[2 * j + 1]);
+        p[2 * j + 1] = fmaf(fmaxf(acc[ii][j][3], 0.0f), w.y, p[2 * j + 1]);
+      }
+    }
+  }
+}
+
 // Sum of p[c] over the 8 lanes sharing t (lane bits 2..4), transposed: lane (gid, t) ends with the full sum
 // of index c = gid, i.e. key key_of_lane(lane). Halving exchanges (4 + 2 + 1 shuffles); each sum is formed
 // in exactly one lane, so results are deterministic.
@@ -221,8 +276,10 @@ __device__ __forceinline__ float gid_reduce(const float (&p)[8], int lane) {
 // (Paged; kv_pages pages, block table row of tile x at block_table + x * bt_tile_stride, bt_width entries) or
 // contiguous bf16 keys [num_keys, 128]. Rows of tile x: row_start + x*Rows + i, i < Rows, < row_end.
 // mode 0: len = lens0[x] - (Rows-1-i); mode 1: len = lens0[row]; mode 2: [lens0[row], lens1[row]).
-// out row (row - row_start), stride out_stride, `width` columns.
-template <int KeyFp8, int QFp8, int Rows, int Paged, int Warps, int Prefetch>
+// out row (row - row_start), stride out_stride, `width` columns. L2Hint: L2 prefetch size of the key loads
+// (2: 256 B, 1: 128 B, 0: none). Mma8: fp8 keys x fp8 q on the e4m3 mma (0: never, 1: native targets, 2: all
+// sm_89+ targets), see the header.
+template <int KeyFp8, int QFp8, int Rows, int Paged, int Warps, int Prefetch, int L2Hint, int Mma8>
 __global__ void __launch_bounds__(Warps * 32, (dsa::logits::Config<KeyFp8, Rows, Warps, Prefetch>::MinBlocks))
     mqa_logits_kernel(const unsigned char* __restrict__ q, const float* __restrict__ weights,
                       const unsigned char* __restrict__ kv, long long kv_pages, const int* __restrict__ block_table,
@@ -233,12 +290,18 @@ __global__ void __launch_bounds__(Warps * 32, (dsa::logits::Config<KeyFp8, Rows,
   using namespace dsa::logits;
   static_assert(Rows >= 1 && Rows <= kMaxRows, "Rows");
   static_assert(Paged || !KeyFp8, "contiguous keys are bf16");
-  constexpr bool F16 = KeyFp8 && QFp8;
+  // F8: fp8 keys x fp8 q with the e4m3 mma: Mma8 = 1 where the target runs it natively (sm_89, sm_120+),
+  // Mma8 = 2 on every sm_89+ target (sm_90 / sm_100: ptxas emulation, a layout test / bench variant).
+  // F16: the same on f16 mma of shift-expanded bytes (2^-8 scaled operands) everywhere else.
+  constexpr bool F8 = KeyFp8 && QFp8 && ((Mma8 == 1 && kNativeFp8Mma) || (Mma8 == 2 && kHasFp8Mma));
+  constexpr bool F16 = KeyFp8 && QFp8 && !F8;
   constexpr int MT = Config<KeyFp8, Rows, Warps, Prefetch>::MT;
-  constexpr int kQWords = 4 * 4 * 2 * 32;  // uint4 per row: A quads [m-tile][pair][k-step][lane]
+  // uint4 per row: A quads [m-tile][pair][k-step][lane] (16-bit), [m-tile][k-step][lane] (F8). The host
+  // always reserves the 16-bit size.
+  constexpr int kQWords = F8 ? 4 * 4 * 32 : 4 * 4 * 2 * 32;
 
   extern __shared__ uint4 smem[];
-  uint4* qs = smem;                                                   // [Rows][4][4][2][32]
+  uint4* qs = smem;                                                   // [Rows][kQWords]
   float2* ws = reinterpret_cast<float2*>(smem + Rows * kQWords);      // [Rows][4][8]: (w[16i+g], w[16i+g+8])
   __shared__ int s_lo[kMaxRows], s_hi[kMaxRows], s_off[kMaxRows];
 
@@ -333,16 +396,32 @@ __global__ void __launch_bounds__(Warps * 32, (dsa::logits::Config<KeyFp8, Rows,
       const float* wr = weights + static_cast<i64>(row0 + r) * kNumHeads;
       ws[i] = make_float2(wr[16 * m + g], wr[16 * m + g + 8]);
     }
-    for (int i = tid; i < Rows * kQWords / 2; i += Warps * 32) {  // both k-steps of a pair at once
-      const int r = i / (kQWords / 2), rem = i % (kQWords / 2);
-      if (!((nonempty >> r) & 1u)) continue;
-      const int m = rem >> 7, s = (rem >> 5) & 3, ln = rem & 31;
-      const int head = 16 * m + (ln >> 2), t = ln & 3;
-      const int d = KeyFp8 ? 64 * (s >> 1) + 16 * t + 8 * (s & 1) : 32 * s + 8 * t;
-      const uint4 v0 = q_words(row0 + r, head, d), v1 = q_words(row0 + r, head + 8, d);
-      uint4* dst = qs + static_cast<i64>(r) * kQWords + ((m * 4 + s) * 2) * 32 + ln;
-      dst[0] = make_uint4(v0.x, v1.x, v0.y, v1.y);   // k-step 2s
-      dst[32] = make_uint4(v0.z, v1.z, v0.w, v1.w);  // k-step 2s+1
+    if constexpr (F8) {
+      // A quad of (m-tile m, k-step ks, lane (g, t)): 8 raw q bytes at d0 = 64(ks/2) + 16t + 8(ks%2) of heads
+      // h = 16m + g (x) and h + 8 (y): {x.lo, y.lo, x.hi, y.hi} = k 4t.., rows g, g+8, then k 4t+16...
+      for (int i = tid; i < Rows * kQWords; i += Warps * 32) {
+        const int r = i / kQWords, rem = i % kQWords;
+        if (!((nonempty >> r) & 1u)) continue;
+        const int m = rem >> 7, ks = (rem >> 5) & 3, ln = rem & 31;
+        const int head = 16 * m + (ln >> 2), t = ln & 3;
+        const i64 elem = ((static_cast<i64>(row0 + r) * kNumHeads + head) * kHeadDim) + 64 * (ks >> 1) + 16 * t +
+                         8 * (ks & 1);
+        const uint2 x = *reinterpret_cast<const uint2*>(q + elem);
+        const uint2 y = *reinterpret_cast<const uint2*>(q + elem + 8 * kHeadDim);
+        qs[static_cast<i64>(r) * kQWords + rem] = make_uint4(x.x, y.x, x.y, y.y);
+      }
+    } else {
+      for (int i = tid; i < Rows * kQWords / 2; i += Warps * 32) {  // both k-steps of a pair at once
+        const int r = i / (kQWords / 2), rem = i % (kQWords / 2);
+        if (!((nonempty >> r) & 1u)) continue;
+        const int m = rem >> 7, s = (rem >> 5) & 3, ln = rem & 31;
+        const int head = 16 * m + (ln >> 2), t = ln & 3;
+        const int d = KeyFp8 ? 64 * (s >> 1) + 16 * t + 8 * (s & 1) : 32 * s + 8 * t;
+        const uint4 v0 = q_words(row0 + r, head, d), v1 = q_words(row0 + r, head + 8, d);
+        uint4* dst = qs + static_cast<i64>(r) * kQWords + ((m * 4 + s) * 2) * 32 + ln;
+        dst[0] = make_uint4(v0.x, v1.x, v0.y, v1.y);   // k-step 2s
+        dst[32] = make_uint4(v0.z, v1.z, v0.w, v1.w);  // k-step 2s+1
+      }
     }
   }
   __syncthreads();
@@ -378,7 +457,9 @@ __global__ void __launch_bounds__(Warps * 32, (dsa::logits::Config<KeyFp8, Rows,
   // Compute one loaded tile against every row and store its 32 columns per row.
   auto process = [&](const KeyTile<KeyFp8>& kt) {
     u32 W[4][4][4];
-    if (kt.live) key_words<KeyFp8, QFp8>(kt, W);
+    if constexpr (!F8) {
+      if (kt.live) key_words<KeyFp8, QFp8>(kt, W);
+    }
     const int n = kt.tok0 + key_lane;
     const float scale = kt.scale * epi_scale;
 #pragma unroll 1
@@ -387,7 +468,10 @@ __global__ void __launch_bounds__(Warps * 32, (dsa::logits::Config<KeyFp8, Rows,
       float val = kNegInf;
       if ((kt.live >> r) & 1u) {
         float p[8];
-        row_partials<F16, MT>(W, qs + r * kQWords, ws + r * (kNumHeads / 2), lane, p);
+        if constexpr (F8)
+          row_partials_f8<MT>(kt.raw, qs + r * kQWords, ws + r * (kNumHeads / 2), lane, p);
+        else
+          row_partials<F16, MT>(W, qs + r * kQWords, ws + r * (kNumHeads / 2), lane, p);
         const float sum = gid_reduce(p, lane);
         if (n >= s_lo[r] && n < s_hi[r]) val = sum * scale;
       }
@@ -399,20 +483,20 @@ __global__ void __launch_bounds__(Warps * 32, (dsa::logits::Config<KeyFp8, Rows,
 
   if (Prefetch) {
     KeyTile<KeyFp8> ka, kb;
-    if (t_warp < t_end) load_tile<KeyFp8, Paged, Rows>(ka, t_warp, entry_at(0), c, lane);
+    if (t_warp < t_end) load_tile<KeyFp8, Paged, Rows, L2Hint>(ka, t_warp, entry_at(0), c, lane);
     for (int k = 0; t_warp + k * stride < t_end; k += 2) {
       const int t1 = t_warp + (k + 1) * stride;
-      if (t1 < t_end) load_tile<KeyFp8, Paged, Rows>(kb, t1, entry_at(k + 1), c, lane);
+      if (t1 < t_end) load_tile<KeyFp8, Paged, Rows, L2Hint>(kb, t1, entry_at(k + 1), c, lane);
       process(ka);
       if (t1 >= t_end) break;
       const int t2 = t1 + stride;
-      if (t2 < t_end) load_tile<KeyFp8, Paged, Rows>(ka, t2, entry_at(k + 2), c, lane);
+      if (t2 < t_end) load_tile<KeyFp8, Paged, Rows, L2Hint>(ka, t2, entry_at(k + 2), c, lane);
       process(kb);
     }
   } else {
     for (int k = 0; t_warp + k * stride < t_end; ++k) {
       KeyTile<KeyFp8> ka;
-      load_tile<KeyFp8, Paged, Rows>(ka, t_warp + k * stride, entry_at(k), c, lane);
+      load_tile<KeyFp8, Paged, Rows, L2Hint>(ka, t_warp + k * stride, entry_at(k), c, lane);
       process(ka);
     }
   }

@@ -354,10 +354,15 @@ def gpu_paged_case(seed, *, B, next_n, max_pages, P, layout, q_dtype, lens_2d, s
 @pytest.mark.parametrize("next_n", [1, 2, 3, 4])
 @pytest.mark.parametrize("lens_2d", [False, True], ids=["lens1d", "lens2d"])
 @pytest.mark.parametrize("prefetch", [0, 1], ids=["occ", "prefetch"])
-def test_gpu_paged(seed, tuning, layout, q_dtype, next_n, lens_2d, prefetch):
+@pytest.mark.parametrize("mma8", [0, 2], ids=["f16mma", "e4m3mma"])
+def test_gpu_paged(seed, tuning, layout, q_dtype, next_n, lens_2d, prefetch, mma8):
     if prefetch and layout == "fp8":
         pytest.skip("register double-buffering is a bf16-key variant")
-    tuning(decode_prefetch=prefetch)
+    if mma8 and (layout != "fp8" or q_dtype != FP8 or prefetch):
+        pytest.skip("the e4m3 mma is an fp8-key x fp8-q variant")
+    # fp8_mma=2: the m16n8k32 e4m3 fragment layout on every sm_89+ GPU (emulated by ptxas on sm_90 / sm_100,
+    # which accumulates in fp32: the 1e-5 tolerance applies)
+    tuning(decode_prefetch=prefetch, fp8_mma=mma8)
     q, cache, deq, w, ctx, bt = gpu_paged_case(seed, B=5, next_n=next_n, max_pages=37, P=200, layout=layout,
                                                q_dtype=q_dtype, lens_2d=lens_2d,
                                                shape="rows" if next_n % 2 else "typed")
@@ -367,7 +372,7 @@ def test_gpu_paged(seed, tuning, layout, q_dtype, next_n, lens_2d, prefetch):
             buf, out = poisoned(5 * next_n, width, pad=8)
             got = paged_mqa_logits(q, cache, w, ctx, bt, width, clean_logits=clean, out=out)
             assert got.data_ptr() == out.data_ptr()
-            what = f"paged {layout} q={q_dtype} next_n={next_n} width={width} clean={clean} seed={seed}"
+            what = f"paged {layout} q={q_dtype} next_n={next_n} mma8={mma8} width={width} clean={clean} seed={seed}"
             check_close(got, want, clean=clean, what=what)
             check_untouched(buf, width, what)
 
@@ -420,10 +425,13 @@ def gpu_prefill_case(seed, kind, q_dtype, T, S_pages):
 @gpu
 @pytest.mark.parametrize("kind", ["contiguous", "bf16", "fp8"])
 @pytest.mark.parametrize("q_dtype", [FP8, torch.bfloat16], ids=["qfp8", "qbf16"])
-@pytest.mark.parametrize("variant", ["rows8", "rows8-prefetch", "rows4"])
+@pytest.mark.parametrize("variant", ["rows8", "rows8-prefetch", "rows4", "rows8-e4m3mma", "rows4-e4m3mma"])
 def test_gpu_prefill(seed, tuning, kind, q_dtype, variant):
-    tuning(prefill_rows=4 if variant == "rows4" else 8, prefill_prefetch=int(variant == "rows8-prefetch"),
-           prefill_keys_per_cta=1024)
+    mma8 = 2 if variant.endswith("e4m3mma") else 0
+    if mma8 and (kind != "fp8" or q_dtype != FP8):
+        pytest.skip("the e4m3 mma is an fp8-key x fp8-q variant")
+    tuning(prefill_rows=4 if variant.startswith("rows4") else 8, prefill_prefetch=int(variant == "rows8-prefetch"),
+           prefill_keys_per_cta=1024, fp8_mma=mma8)
     T, S_pages = 203, 45
     q, kv, bt, keys, valid, w, ks, ke = gpu_prefill_case(seed, kind, q_dtype, T, S_pages)
     S = keys.shape[0]
@@ -481,14 +489,59 @@ def test_gpu_variants_bitwise_equal(seed, tuning):
 
 
 @gpu
-def test_gpu_deterministic(seed):
-    for layout in ("bf16", "fp8"):
+@pytest.mark.parametrize("layout", ["bf16", "fp8"])
+def test_gpu_l2_hint_variants_bitwise_equal(seed, tuning, layout):
+    """The L2 prefetch-size hint of the key loads (declared for decode next_n=1, fp8 q) changes no result;
+    a hint asked where no such variant exists falls back to the default loads."""
+    q, cache, deq, w, ctx, bt = gpu_paged_case(seed, B=6, next_n=1, max_pages=40, P=300, layout=layout,
+                                               q_dtype=FP8, lens_2d=False)
+    outs = []
+    for hint in (2, 1, 0):
+        tuning(decode_l2_hint=hint)
+        outs.append(paged_mqa_logits(q, cache, w, ctx, bt, 40 * PS, clean_logits=True))
+    check_close(outs[0], oracle_paged(q, deq, w, ctx, bt, 40 * PS), clean=True, what=f"l2 hint {layout}")
+    for hint, o in zip((1, 0), outs[1:]):
+        assert torch.equal(o, outs[0]), f"{layout} L2 hint {hint} differs: {int((o != outs[0]).sum())} entries"
+    q2, cache2, deq2, w2, ctx2, bt2 = gpu_paged_case(seed, B=3, next_n=2, max_pages=10, P=40, layout=layout,
+                                                     q_dtype=FP8, lens_2d=False)
+    got = paged_mqa_logits(q2, cache2, w2, ctx2, bt2, 10 * PS, clean_logits=True)   # hint 0 undeclared here
+    check_close(got, oracle_paged(q2, deq2, w2, ctx2, bt2, 10 * PS), clean=True, what=f"l2 fallback {layout}")
+
+
+@gpu
+def test_gpu_fp8_mma_native(seed, tuning):
+    """fp8_mma=1: e4m3 tensor cores where native (sm_89, sm_120+), else exactly the f16-mma path.
+    Native Ada-class fp8 mma adds products with ~13-bit precision: checked at rel L2 2e-3 there and the
+    measured error is in the message."""
+    q, cache, deq, w, ctx, bt = gpu_paged_case(seed, B=5, next_n=2, max_pages=37, P=200, layout="fp8",
+                                               q_dtype=FP8, lens_2d=False)
+    want = oracle_paged(q, deq, w, ctx, bt, 37 * PS)
+    tuning(fp8_mma=0)
+    ref = paged_mqa_logits(q, cache, w, ctx, bt, 37 * PS, clean_logits=True)
+    tuning(fp8_mma=1)
+    got = paged_mqa_logits(q, cache, w, ctx, bt, 37 * PS, clean_logits=True)
+    cc = torch.cuda.get_device_capability()
+    if cc == (8, 9) or cc[0] >= 12:
+        vis = torch.isfinite(want)
+        err = float((got.double()[vis] - want[vis]).norm() / want[vis].norm())
+        check_close(got, want, clean=True, what=f"native e4m3 mma (rel L2 {err:.3g}) seed={seed}", tol=2e-3)
+    else:
+        assert torch.equal(got, ref), f"fp8_mma=1 on sm_{cc[0]}{cc[1]} must be the f16 path: " \
+                                      f"{int((got != ref).sum())} entries differ"
+
+
+@gpu
+def test_gpu_deterministic(seed, tuning):
+    for layout, mma8 in (("bf16", 0), ("fp8", 0), ("fp8", 1), ("fp8", 2)):
+        tuning(fp8_mma=mma8)
         q, cache, _, w, ctx, bt = gpu_paged_case(seed, B=9, next_n=3, max_pages=40, P=300, layout=layout,
                                                  q_dtype=FP8, lens_2d=True)
         first = paged_mqa_logits(q, cache, w, ctx, bt, 40 * PS, clean_logits=True)
         for i in range(10):
             again = paged_mqa_logits(q, cache, w, ctx, bt, 40 * PS, clean_logits=True)
-            assert torch.equal(again, first), f"{layout} rerun {i}: {int((again != first).sum())} entries differ"
+            assert torch.equal(again, first), \
+                f"{layout} fp8_mma={mma8} rerun {i}: {int((again != first).sum())} entries differ"
+    tuning(fp8_mma=0)
     q, kv, bt, _, _, w, ks, ke = gpu_prefill_case(seed, "fp8", FP8, 150, 30)
     first = mqa_logits(q, kv, w, ks, ke, block_table=bt)
     for i in range(10):
@@ -592,10 +645,19 @@ def _bench_variants(quick=False):
         bt = torch.randperm(P, device=dev).to(torch.int32).view(B, pages)
         key_bytes = B * ctx_len * (256 if layout == "bf16" else 132)
         nbytes = key_bytes + q.numel() * q.element_size() + w.numel() * 4 + B * next_n * ctx_len * 4
-        for pf, cps in itertools.product((0, 1) if layout == "bf16" else (0,), (8, 16, 32)):
-            L.TUNING.update(base, decode_prefetch=pf, decode_ctas_per_sm=cps)
+        variants = [dict(decode_prefetch=pf, decode_ctas_per_sm=cps)
+                    for pf, cps in itertools.product((0, 1) if layout == "bf16" else (0,), (8, 16, 32))]
+        if layout == "fp8":      # e4m3 mma.sync: 1 = where native (sm_89/sm_120+), 2 = forced (sm_90: emulated)
+            variants += [dict(fp8_mma=m) for m in (1, 2)]
+        if (B, ctx_len, next_n) == (64, 32768, 1):   # L2 prefetch-size hint of the key loads (default 256 B)
+            # (declared for prefetch 0, fp8_mma 0 only; anything else falls back to 256 B)
+            variants += [dict(decode_l2_hint=h, decode_ctas_per_sm=cps) for h in (1, 0) for cps in (16, 32)]
+        for var in variants:
+            L.TUNING.update(base, **var)
             us = timed(lambda: paged_mqa_logits(q, cache, w, ctx, bt, ctx_len))
-            print(f"decode {layout:4s} B={B:3d} ctx={ctx_len:6d} next_n={next_n} prefetch={pf} ctas/SM={cps:2d}: "
+            t = L.TUNING
+            print(f"decode {layout:4s} B={B:3d} ctx={ctx_len:6d} next_n={next_n} prefetch={t['decode_prefetch']} "
+                  f"ctas/SM={t['decode_ctas_per_sm']:2d} l2hint={t['decode_l2_hint']} fp8_mma={t['fp8_mma']}: "
                   f"{us:8.1f} us {nbytes / us / 1e3:7.0f} GB/s {B * ctx_len * next_n / us / 1e3:6.1f} G pairs/s")
         del cache
     T, S = (2048, 16384) if quick else (4096, 65536)
