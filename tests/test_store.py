@@ -206,7 +206,11 @@ def test_reference_fp8(seed, key_style):
     want_sc = torch.clamp_min(ideal.abs().amax(-1), 1e-4) / 448.0
     sc_err = ((sc.double() - want_sc).abs() / want_sc).max().item()
     assert sc_err < 2e-6, f"seed {seed}: fp8 scale vs float64 amax/448, max rel error {sc_err:.3g}"
-    bound = torch.maximum(ideal.abs() * 2.0**-4, sc.double()[:, None] * 2.0**-10) * (1 + 1e-5)
+    # half an e4m3 step, plus the fp32 pipeline's own error (LayerNorm's mean subtraction and the Hadamard
+    # sums cost a few fp32 roundings of the row's size), so a value that sits on a rounding boundary in fp64
+    # may round the other way in fp32
+    fp32_slack = 2.0**-18 * ideal.abs().amax(-1, keepdim=True)
+    bound = torch.maximum(ideal.abs() * 2.0**-4, sc.double()[:, None] * 2.0**-10) * (1 + 1e-5) + fp32_slack
     bad = ((deq.double() - ideal).abs() > bound).sum().item()
     assert bad == 0, f"seed {seed}: {bad} fp8 values further than half an e4m3 ulp from float64"
     # the amax element of every token quantizes to +-448
