@@ -216,8 +216,8 @@ def store_index_k_from_plan(kv, plan, *, cache, out_loc, norm_weight, freqs_cis,
     """Plan-native store (SGLang's 16-byte plan rows, uint8 ``[N, 16]``): work item ``w`` uses kv row ``w``.
 
     Decode (DecodePlan): skip if ``seq_len % compress_ratio != 0``; ``out_loc[w]``.
-    Prefill/extend (CompressPlan): skip if ``seq_len == 0xFFFFFFFF``; ``out_loc[ragged_id]`` (the caller
-    guarantees ``ragged_id < len(out_loc)``, as in SGLang). ``position = seq_len - compress_ratio``.
+    Prefill/extend (CompressPlan): skip if ``seq_len == 0xFFFFFFFF``; ``out_loc[ragged_id]`` (a ragged_id
+    past ``len(out_loc)`` is skipped, never read). ``position = seq_len - compress_ratio``.
     """
     layout = _check_common(kv, cache, norm_weight, norm_bias, freqs_cis, eps, numerics, key_style, hadamard)
     _check_plan(kv, plan, out_loc, compress_ratio, is_decode)
