@@ -431,6 +431,7 @@ __device__ __forceinline__ void run_pages(const Args& A, int b, int p_begin, int
 template <class F>
 __device__ __forceinline__ long long scan_find(int B, F count, long long g, int* s_warp, int* fb, long long* fs) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  __syncthreads();  // every thread is done with the previous result in *fb / *fs
   if (tid == 0) *fb = B;
   long long carry = 0;
   for (int base = 0; base < B; base += 128) {
