@@ -50,6 +50,8 @@ TUNING = {
                                  # the mma, no conversion, but Ada fp8 tensor cores add with ~13-bit precision;
                                  # 2 = e4m3 mma on every sm_89+ target (sm_90/100: ptxas emulates it, slower;
                                  # a layout test / bench variant). Not exposed for other dtype combinations.
+    "sm90_wgmma": 1,             # sm_90, bf16 keys, decode: the wgmma kernel (1) or the mma.sync kernel (0)
+    "sm90_ctas_per_sm": 0,       # wgmma decode CTAs per SM (one wave, even shares per request); 0 = occupancy
     "decode_l2_hint": 1,         # L2 prefetch size of the streaming key loads: 2 = 256 B, 1 = 128 B, 0 = none;
                                  # 0 / 1 exist only for decode next_n=1 with fp8 q (else 2 is used).
                                  # H200, 64 x 32K bf16: 128 B 142.9 us, 256 B 145.5 us, none 151.3 us
@@ -93,6 +95,25 @@ def _declared_instantiations() -> list[str]:
 _INSTANTIATIONS = _declared_instantiations()
 _DECLARED = frozenset(_INSTANTIATIONS)
 runtime.register_instantiations(_SRC, _INSTANTIATIONS)
+
+# sm_90 decode with bf16 keys: the wgmma kernel of kernels/mqa_logits_sm90.cuh (included by mqa_logits.cu).
+# next_n -> (pipeline stages, CTAs per SM, wgmma chunks); H200, B=64 x 32K, fp8 q (tests/wgmma_probe.py):
+# next_n 1: 136 us (mma.sync 146), 2: 155-164 us (199), 3: 242 us (291), 4: 281 us (397).
+_SM90_CONFIG = {1: (4, 2, 1), 2: (2, 3, 1), 3: (3, 2, 1), 4: (2, 2, 2)}
+
+
+def _sm90_expr(q_fp8: int, next_n: int) -> str:
+    stages, ctas, split = _SM90_CONFIG[next_n]
+    return f"mqa_logits_sm90_kernel<{q_fp8}, {next_n}, {stages}, {ctas}, {split}>"
+
+
+def _sm90_smem_bytes(next_n: int) -> int:
+    # mirrors dsa::sm90::Smem: alignment slack + q tiles + key stages + weights
+    return (1024 + next_n * N_HEADS * HEAD_DIM * 2 + _SM90_CONFIG[next_n][0] * BF16_PAGE_BYTES
+            + next_n * N_HEADS * 4)
+
+
+runtime.register_instantiations(_SRC, [_sm90_expr(qf, nn) for qf in (1, 0) for nn in (1, 2, 3, 4)])
 
 
 def _mma8(key_fp8: int, q_fp8: int) -> int:
@@ -425,6 +446,17 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_contex
         return out
     _check_aligned(q=q, kv_cache=kv_cache)
     n_sms, _ = _device_info(q.device.index)
+    if layout == "bf16" and TUNING["sm90_wgmma"] and runtime.device_arch(q.device.index) == "sm_90":
+        cps = TUNING["sm90_ctas_per_sm"] or _SM90_CONFIG[next_n][1]
+        grid = (B, max(1, min(_ceil_div(width, PAGE_SLOTS), n_sms * cps // B, _MAX_GRID_Y)), 1)
+        bt_width = block_table.shape[1]
+        args = (q.data_ptr(), weights.data_ptr(), kv_cache.data_ptr(), _I64(kv_cache.shape[0]),
+                block_table.data_ptr(), _I64(block_table.stride(0) if bt_width > 0 else 0), _I32(bt_width),
+                context_lens.data_ptr(), _I32(1 if context_lens.dim() == 2 else 0), _I32(width), out.data_ptr(),
+                _I64(out.stride(0)), _I32(1 if clean_logits else 0))
+        runtime.launch(_SRC, _sm90_expr(int(q.dtype == _FP8), next_n), q.device, grid, (128, 1, 1), args,
+                       shared_mem=_sm90_smem_bytes(next_n))
+        return out
     warps = 4
     tiles = _ceil_div(width, _TILE_KEYS)
     # G CTAs per request share its tiles; enough CTAs in total to fill the GPU a few times over.

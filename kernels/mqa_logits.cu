@@ -52,6 +52,7 @@
 // with `clean` every tile is visited, otherwise only tiles in [min lo, max hi). Nothing is read outside
 // q / weights / lens / the row tile's block-table row / valid pages; nothing is written outside out.
 #include "common.cuh"
+#include "mqa_logits_sm90.cuh"  // Hopper wgmma decode path for bf16 keys
 
 namespace dsa {
 namespace logits {

@@ -222,6 +222,16 @@ def test_prefill_reference(seed, kind, q_dtype):
         assert got.stride(0) % 4 == 0
 
 
+def test_sm90_config_fits_hopper():
+    """The sm_90 wgmma decode configs: shared memory of the asked CTAs per SM fits an H100/H200 SM."""
+    from cupy_dsa import logits as L
+    for next_n, (stages, ctas, split) in L._SM90_CONFIG.items():
+        per_cta = L._sm90_smem_bytes(next_n)
+        assert per_cta <= 227 * 1024, (next_n, per_cta)
+        assert ctas * (per_cta + 1024) <= 228 * 1024, (next_n, per_cta, ctas)   # 1 KiB reserved per CTA
+        assert stages >= 2 and next_n % split == 0
+
+
 def test_references_direct(seed):
     """The *_reference functions are the same as the CPU dispatch (and accept the same arguments)."""
     q, cache, deq, w, ctx, bt = random_paged_case(B=2, next_n=2, max_pages=2, P=4, layout="bf16",
