@@ -99,7 +99,10 @@ runtime.register_instantiations(_SRC, _INSTANTIATIONS)
 # sm_90 decode with bf16 keys: the wgmma kernel of kernels/mqa_logits_sm90.cuh (included by mqa_logits.cu).
 # next_n -> (pipeline stages, CTAs per SM, wgmma chunks); H200, B=64 x 32K, fp8 q (tests/wgmma_probe.py):
 # next_n 1: 136 us (mma.sync 146), 2: 155-164 us (199), 3: 242 us (291), 4: 281 us (397).
-_SM90_CONFIG = {1: (4, 2, 1), 2: (2, 3, 1), 3: (3, 2, 1), 4: (2, 2, 2)}
+# next_n -> (stages, CTAs per SM, split). next_n = 3 stays on the mma.sync kernel: on the H200 it took
+# 240.7 us at 64 x 32K against 254.7 us for the best wgmma configuration (next_n 1/2/4: 138/168/282 us vs
+# 139/175/288 us, tests/wgmma_probe.py, 2026-11-30).
+_SM90_CONFIG = {1: (4, 2, 1), 2: (2, 3, 1), 4: (2, 2, 2)}
 
 
 def _sm90_expr(q_fp8: int, next_n: int) -> str:
@@ -113,7 +116,7 @@ def _sm90_smem_bytes(next_n: int) -> int:
             + next_n * N_HEADS * 4)
 
 
-runtime.register_instantiations(_SRC, [_sm90_expr(qf, nn) for qf in (1, 0) for nn in (1, 2, 3, 4)])
+runtime.register_instantiations(_SRC, [_sm90_expr(qf, nn) for qf in (1, 0) for nn in _SM90_CONFIG])
 
 
 def _mma8(key_fp8: int, q_fp8: int) -> int:
@@ -446,7 +449,8 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_contex
         return out
     _check_aligned(q=q, kv_cache=kv_cache)
     n_sms, _ = _device_info(q.device.index)
-    if layout == "bf16" and TUNING["sm90_wgmma"] and runtime.device_arch(q.device.index) == "sm_90":
+    if (layout == "bf16" and next_n in _SM90_CONFIG and TUNING["sm90_wgmma"]
+            and runtime.device_arch(q.device.index) == "sm_90"):
         cps = TUNING["sm90_ctas_per_sm"] or _SM90_CONFIG[next_n][1]
         grid = (B, max(1, min(_ceil_div(width, PAGE_SLOTS), n_sms * cps // B, _MAX_GRID_Y)), 1)
         bt_width = block_table.shape[1]
