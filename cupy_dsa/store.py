@@ -35,7 +35,8 @@ _SRC_DIRECT, _SRC_DECODE, _SRC_PREFILL = 0, 1, 2
 _IN_TYPE = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16"}
 
 WARPS_PER_BLOCK = 8
-TOKENS_PER_WARP = {torch.float32: 2, torch.bfloat16: 4}  # TokensPerWarp<TIn> in the kernel
+TOKENS_PER_WARP = 2  # kTokensPerWarp in the kernel
+TOKENS_PER_BLOCK = WARPS_PER_BLOCK * TOKENS_PER_WARP
 BLOCK = (32 * WARPS_PER_BLOCK, 1, 1)
 
 FP4_BLOCK = 32
@@ -239,8 +240,7 @@ _IDX64 = (np.int32(0), np.int32(1))
 
 
 def _launch(expr, kv, rows, items, out_loc, norm_weight, norm_bias, freqs_cis, n, eps, ratio, idx64):
-    per_block = WARPS_PER_BLOCK * TOKENS_PER_WARP[kv.dtype]
-    grid = ((n + per_block - 1) // per_block, 1, 1)
+    grid = ((n + TOKENS_PER_BLOCK - 1) // TOKENS_PER_BLOCK, 1, 1)
     args = (kv.data_ptr(), rows.data_ptr(), items.data_ptr(), out_loc.data_ptr(), norm_weight.data_ptr(),
             0 if norm_bias is None else norm_bias.data_ptr(), freqs_cis.data_ptr(), np.int64(n),
             np.int64(out_loc.shape[0]), np.int64(rows.shape[0]), np.int64(freqs_cis.shape[0]),

@@ -231,13 +231,11 @@ __device__ __forceinline__ void store_token(float (&x)[4], const WorkItem& wi, u
 
 // Tokens per warp: both kv rows and work items are loaded before either token is processed, so a warp
 // keeps 1 KiB (fp32) of reads in flight and the work-item latency hides behind the kv latency.
-// bf16 kv rows are half the bytes, so a warp takes twice the tokens to keep as many bytes in flight.
-template <typename TIn>
-struct TokensPerWarp { static constexpr int value = sizeof(TIn) == 2 ? 4 : 2; };
+constexpr int kTokensPerWarp = 2;
 
 // kv: [n, 128] TIn; cache: uint8 page rows; items: positions [n] or plan rows [n, 16]; out_loc: [n] int64
 // (direct) or [n_loc] (plans); idx64: positions (direct) / plan out_loc are int64 (else int32);
-// norm_b only for V3.2; freqs: [max_pos, 64] fp32. Grid: ceil(n / (8 * tokens per warp)) blocks of 256.
+// norm_b only for V3.2; freqs: [max_pos, 64] fp32. Grid: ceil(n / (8 * kTokensPerWarp)) blocks of 256.
 template <int Layout, int Numerics, int Style, bool Hadamard, typename TIn, int Source>
 __global__ void __launch_bounds__(256) store_index_k(
     const TIn* __restrict__ kv, unsigned char* __restrict__ cache, const void* __restrict__ items,
@@ -245,7 +243,6 @@ __global__ void __launch_bounds__(256) store_index_k(
     const float* __restrict__ freqs, i64 n, i64 n_loc, i64 num_pages, i64 max_pos, float eps, int ratio,
     int idx64) {
   static_assert(!(Layout == kLayoutFp8 && Numerics == kNumFp4Sim), "fp4sim needs the bf16 layout");
-  constexpr int kTokensPerWarp = TokensPerWarp<TIn>::value;
   const int lane = threadIdx.x & 31;
   const i64 t0 = (static_cast<i64>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * kTokensPerWarp;
   if (t0 >= n) return;
