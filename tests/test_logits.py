@@ -608,36 +608,16 @@ def test_gpu_bad_input():
 
 def _bench_variants(quick=False):
     import itertools
-    import statistics
 
     from cupy_dsa import logits as L
+    from cupy_dsa.bench.timing import time_calls
 
     dev = "cuda"
     reps = 10 if quick else 30
 
     def timed(fn):
-        # device time of one call: replays of a CUDA graph of 5 calls (no host launch cost in the figure)
-        fn()
-        torch.cuda.synchronize()
-        s = torch.cuda.Stream()
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(5):
-                fn()
-        g.replay()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b) * 1e3 / 5)
-        return statistics.median(ts)
+        # device time of one call in us: the bench's CUDA-graph timer over a graph of 5 calls
+        return time_calls([fn] * 5, torch.device(dev), reps=reps).seconds * 1e6
 
     base = dict(L.TUNING)
     print("device:", torch.cuda.get_device_name(), "| defaults:", base)

@@ -229,29 +229,10 @@ def correctness(k, dev):
 
 
 def graph_time(fn, reps=20, per_graph=5):
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(per_graph):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / per_graph)
-    return statistics.median(ts)
+    """Device time of one call in us: the bench's CUDA-graph timer over a graph of ``per_graph`` calls."""
+    from cupy_dsa.bench.timing import time_calls
+
+    return time_calls([fn] * per_graph, torch.device("cuda"), reps=reps).seconds * 1e6
 
 
 def copy_gbps(dev):
