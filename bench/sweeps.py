@@ -82,6 +82,20 @@ def _error_row(base: dict, exc: Exception) -> dict:
     return row
 
 
+def _run_case(base: dict, case: Callable[[], dict], device: torch.device, progress, task) -> dict:
+    """One sweep row: ``case()``, or ``base`` with the error when the op raises (the sweep goes on); then
+    give cached memory back and advance the progress bar."""
+    try:
+        row = case()
+    except Exception as exc:
+        row = _error_row(base, exc)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if progress:
+        progress.advance(task)
+    return row
+
+
 # --------------------------------------------------------------------------------------------------
 # store
 # --------------------------------------------------------------------------------------------------
@@ -99,14 +113,8 @@ def store_rows(device: torch.device, quick: bool, seed: int, ceilings: dict, pro
     for n, layout, numerics, kv_dtype in cases:
         base = {"n_tokens": n, "layout": layout, "numerics": numerics,
                 "kv_dtype": str(kv_dtype).replace("torch.", ""), "error": None}
-        try:
-            rows.append(_store_case(device, n, layout, numerics, kv_dtype, seed, sz.reps, copy, base))
-        except Exception as exc:  # a failing op is reported in its row, the sweep goes on
-            rows.append(_error_row(base, exc))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        if progress:
-            progress.advance(task)
+        rows.append(_run_case(base, lambda: _store_case(device, n, layout, numerics, kv_dtype, seed, sz.reps,
+                                                        copy, base), device, progress, task))
     return rows
 
 
@@ -220,14 +228,8 @@ def decode_rows(device, quick, seed, ceilings, progress=None) -> list[dict]:
     for B, ctx, nn, layout, qd in cases:
         base = {"mode": "decode", "batch": B, "context": ctx, "next_n": nn, "layout": layout, "q_dtype": qd,
                 "error": None}
-        try:
-            rows.append(_decode_case(device, B, ctx, nn, layout, qd, seed, sz.reps, ceilings, base))
-        except Exception as exc:
-            rows.append(_error_row(base, exc))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        if progress:
-            progress.advance(task)
+        rows.append(_run_case(base, lambda: _decode_case(device, B, ctx, nn, layout, qd, seed, sz.reps, ceilings,
+                                                         base), device, progress, task))
     # time ratio to the fp8 layout at the same (B, ctx, next_n, q)
     fp8 = {(r["batch"], r["context"], r["next_n"], r["q_dtype"]): r.get("time_us") for r in rows
            if r["layout"] == "fp8" and not r.get("error")}
@@ -298,15 +300,9 @@ def prefill_rows(device, quick, seed, ceilings, progress=None) -> list[dict]:
     for T, S, kvk, layout in cases:
         base = {"mode": "prefill", "rows": T, "keys": S, "kv": kvk, "layout": layout, "q_dtype": "fp8",
                 "error": None}
-        try:
-            reps = max(5, sz.reps // 2) if device.type == "cuda" else sz.reps
-            rows.append(_prefill_case(device, T, S, kvk, layout, seed, reps, ceilings, base))
-        except Exception as exc:
-            rows.append(_error_row(base, exc))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        if progress:
-            progress.advance(task)
+        reps = max(5, sz.reps // 2) if device.type == "cuda" else sz.reps
+        rows.append(_run_case(base, lambda: _prefill_case(device, T, S, kvk, layout, seed, reps, ceilings, base),
+                              device, progress, task))
     return rows
 
 
