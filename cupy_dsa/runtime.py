@@ -220,6 +220,32 @@ def warm_up(device: torch.device | int | None = None) -> int:
     return n
 
 
+def warm_up_expressions(device_index: int, exprs: dict[str, list[str]]) -> int:
+    """Compile and load exactly ``exprs`` (``{source_file: [name expressions]}``) on one device, one NVRTC
+    program per file (e.g. what one SGLang server launches); expressions already loaded are skipped, any
+    other instantiation compiles on first use. Returns the number of instantiations now loaded from
+    ``exprs``."""
+    n = 0
+    for filename, wanted in exprs.items():
+        todo = [e for e in dict.fromkeys(wanted) if (device_index, filename, e) not in _FUNCTIONS]
+        n += len(dict.fromkeys(wanted)) - len(todo)
+        if not todo:
+            continue
+        with _LOCK:
+            todo = [e for e in todo if (device_index, filename, e) not in _FUNCTIONS]
+            if todo:
+                cp = cupy_module()
+                with cp.cuda.Device(device_index):
+                    module = cp.RawModule(code=read_source(filename),
+                                          options=compile_options(device_arch(device_index)), name_expressions=todo)
+                    for expr in todo:
+                        f = module.get_function(expr)
+                        f.compile()  # load the module now, not inside a capture
+                        _FUNCTIONS[(device_index, filename, expr)] = f
+        n += len(todo)
+    return n
+
+
 # --------------------------------------------------------------------------------------------------
 # GPU-free compile (CI compile matrix)
 # --------------------------------------------------------------------------------------------------

@@ -54,15 +54,31 @@ def _expr(layout, numerics, style, hadamard, in_dtype, source) -> str:
             f"{'true' if hadamard else 'false'}, {_IN_TYPE[in_dtype]}, {source}>")
 
 
-def _all_instantiations() -> list[str]:
+_SOURCES = {"direct": _SRC_DIRECT, "decode": _SRC_DECODE, "prefill": _SRC_PREFILL}
+_VARIANTS = (("bf16", "exact"), ("bf16", "fp4sim"), ("fp8", "exact"))  # (layout, numerics) the kernel has
+
+
+def product_instantiations(*, layouts=("bf16",), numerics=("exact",), key_styles=("v4",), hadamard=(True,),
+                           in_dtypes=(torch.float32, torch.bfloat16),
+                           sources=("direct", "decode", "prefill")) -> list[str]:
+    """Name expressions of the store for the given options (every combination the kernel has), e.g. what
+    one server launches: ``layouts=("bf16",), numerics=("exact",), in_dtypes=(torch.bfloat16,),
+    sources=("decode", "prefill")``. Sources: ``direct`` (positions), ``decode`` / ``prefill`` (plan rows)."""
     out = []
-    for layout, numerics in (("bf16", "exact"), ("bf16", "fp4sim"), ("fp8", "exact")):
-        for style in _STYLE_ID:
-            for had in (True, False):
-                for in_dtype in _IN_TYPE:
-                    for src in (_SRC_DIRECT, _SRC_DECODE, _SRC_PREFILL):
-                        out.append(_expr(layout, numerics, style, had, in_dtype, src))
+    for layout, num in _VARIANTS:
+        if layout not in layouts or num not in numerics:
+            continue
+        for style in key_styles:
+            for had in hadamard:
+                for in_dtype in in_dtypes:
+                    for src in sources:
+                        out.append(_expr(layout, num, style, had, in_dtype, _SOURCES[src]))
     return out
+
+
+def _all_instantiations() -> list[str]:
+    return product_instantiations(layouts=("bf16", "fp8"), numerics=tuple(_NUMERICS_ID), key_styles=tuple(_STYLE_ID),
+                                  hadamard=(True, False), in_dtypes=tuple(_IN_TYPE), sources=tuple(_SOURCES))
 
 
 runtime.register_instantiations(_FILE, _all_instantiations())

@@ -12,6 +12,7 @@ Scenarios (the environment is set by the caller):
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -25,6 +26,8 @@ import _sglang_env  # noqa: E402
 _sglang_env.install()
 
 import torch  # noqa: E402
+
+from cupy_dsa.sglang import core  # noqa: E402  (SGLang-free)
 
 ENV = "SGLANG_CUPY_DSA_INDEX_K"
 RESULTS: dict[str, dict] = {}
@@ -41,7 +44,7 @@ def check(fn):
 
 
 class mode_env:
-    """Temporarily set the switch (the hooks read it on every call)."""
+    """Temporarily set the switch (the plugin caches it per process: reset the cache on entry and exit)."""
 
     def __init__(self, value):
         self.value = value
@@ -52,12 +55,14 @@ class mode_env:
             os.environ.pop(ENV, None)
         else:
             os.environ[ENV] = self.value
+        core.reset_mode()
 
     def __exit__(self, *exc):
         if self.old is None:
             os.environ.pop(ENV, None)
         else:
             os.environ[ENV] = self.old
+        core.reset_mode()
 
 
 def load():
@@ -74,9 +79,37 @@ def make_index_pool(layers=1, size=2560):
 
 
 def patched(target):
-    from sglang.srt.plugins.hook_registry import HookRegistry
+    """Whether cupy_dsa applied its hook on ``target`` in this process (it applies them itself)."""
+    from cupy_dsa.sglang import plugin
 
-    return target in HookRegistry._patched
+    return target in plugin.installed_targets() and _is_wrapped(target)
+
+
+def _is_wrapped(target):
+    from cupy_dsa.sglang import plugin
+
+    owner, attr, raw, _ = plugin._resolve(target)
+    fn = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
+    return hasattr(fn, "__wrapped__")
+
+
+def nothing_patched():
+    """No cupy_dsa hook is in place: no wrapped target, no resolution hook, no env field."""
+    from sglang.srt.arg_groups.resolution_hooks import _HOOKS
+    from sglang.srt.environ import Envs
+
+    from cupy_dsa.sglang import plugin
+
+    wrapped = [t for t in plugin.ALWAYS_TARGETS + plugin.SWITCHED_TARGETS if _is_wrapped(t)]
+    assert not wrapped, f"still wrapped: {wrapped}"
+    assert not plugin.installed_targets(), plugin.installed_targets()
+    assert plugin.validate_config not in _HOOKS.get(plugin.RESOLUTION_STEP, []), "resolution hook left in"
+    assert ENV not in Envs.__dict__, "env field registered"
+    from sglang.srt.mem_cache import deepseek_v4_memory_pool as mp
+    from sglang.srt.model_executor import pool_configurator as pc
+
+    assert pc.get_dsv4_indexer_bytes_per_token is mp.get_dsv4_indexer_bytes_per_token
+    assert not hasattr(pc.get_dsv4_indexer_bytes_per_token, "__wrapped__"), "pool_configurator's copy still wrapped"
 
 
 # ==================================================================================================
@@ -286,6 +319,113 @@ def scenario_on():
 
     _indexer_checks(plugin)
     _guard_checks(plugin)
+    _strictness_checks(plugin)
+
+
+# --------------------------------------------------------------------------------------------------
+# Never the wrong format; the switch is read once; off means SGLang's own code
+# --------------------------------------------------------------------------------------------------
+
+class Spy:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        return "original"
+
+
+def _store_call(cache, **extra):
+    from sglang.kernels.ops.attention.dsv4.compress import CompressorDecodePlan
+
+    kv, w, fc = _store_inputs(2)
+    plan = CompressorDecodePlan(4, _plan_rows([(8, _i32(0), 0, 0), (12, _i32(0), 0, 0)]))
+    kw = dict(norm_weight=w, norm_eps=1e-6, freq_cis=fc, out_loc=torch.tensor([3, 9]), kvcache=cache, page_size=64)
+    kw.update(extra)
+    return kv, plan, kw
+
+
+def _strictness_checks(plugin):
+    @check
+    def fingerprint_matches_installed():
+        assert plugin.compatibility_problems() == []
+        table = plugin.fingerprint_table()
+        diff = {k: (table.get(k), v) for k, v in plugin.FINGERPRINT.items() if table.get(k) != v}
+        assert not diff and set(table) == set(plugin.FINGERPRINT), diff
+
+    @check
+    def store_refuses_unrecognised_calls():
+        from sglang.kernels.ops.attention.dsv4 import compress
+        from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout
+
+        cache = make_index_pool(size=256).index_k_with_scale_buffer[0]
+        for extra, fragment in ((dict(use_fp4=True), "use_fp4=True"), (dict(page_size=256), "page_size=256"),
+                                (dict(layout=KVLayout.V41), "layout="), (dict(fp8_2buff=True), "fp8_2buff=True"),
+                                (dict(bf16_store=True), "bf16_store=True"),
+                                (dict(rope_cache=(torch.zeros(1), torch.zeros(1))), "rope_cache="),
+                                (dict(new_option=1), "unknown keyword new_option")):
+            kv, plan, kw = _store_call(cache, **extra)
+            try:
+                compress.compress_norm_rope_store(kv, plan, **kw)
+            except RuntimeError as e:
+                assert fragment in str(e) and "does not recognise" in str(e), str(e)
+            else:
+                raise AssertionError(f"a bf16-cache store with {extra} was accepted")
+        kv, plan, kw = _store_call(cache)
+        try:
+            compress.compress_norm_rope_store(kv[:, :64].contiguous(), plan, **kw)
+        except RuntimeError as e:
+            assert "kv of shape (2, 64)" in str(e), str(e)
+        else:
+            raise AssertionError("a 64-wide kv was stored into a bf16 index cache")
+        assert not cache.any(), "a refused call wrote the cache"
+        with mode_env("fp8"):  # switch off but a bf16 cache: still never SGLang's fp8 store
+            spy = Spy()
+            try:
+                plugin._store_hook(spy, kv, plan, **kw)
+            except RuntimeError as e:
+                assert f"{ENV}=fp8" in str(e), str(e)
+            else:
+                raise AssertionError("switch off: a bf16 cache went to SGLang's store")
+            assert not spy.calls
+
+    @check
+    def store_fp8_cache_goes_to_sglang_unchanged():
+        with mode_env("fp8"):
+            cache = make_index_pool(size=256).index_k_with_scale_buffer[0]
+        assert tuple(cache.shape[1:]) == (8448,)
+        for mode in ("fp8", "bf16"):
+            with mode_env(mode):
+                kv, plan, kw = _store_call(cache, use_fp4=False)
+                spy = Spy()
+                assert plugin._store_hook(spy, kv, plan, **kw) == "original"
+                (args, kwargs), = spy.calls
+                assert args[0] is kv and args[1] is plan and kwargs == kw
+
+    @check
+    def indexer_off_calls_sglang_original():
+        with mode_env("fp8"):
+            spy = Spy()
+            self_ = object()
+            ci = types.SimpleNamespace(use_fp4_indexer=False)
+            assert plugin._forward_c4_indexer_hook(spy, self_, 1, 2, ci, 4, enable_multi_stream=True) == "original"
+            assert spy.calls == [((self_, 1, 2, ci, 4), {"enable_multi_stream": True})]
+        spy = Spy()  # on, but an FP4 indexer layer: SGLang's too
+        ci = types.SimpleNamespace(use_fp4_indexer=True)
+        assert plugin._forward_c4_indexer_hook(spy, self_, 1, 2, ci, 4) == "original" and spy.calls
+
+    @check
+    def switch_read_once_per_process():
+        assert core.index_k_mode() == "bf16"
+        os.environ[ENV] = "bf16-fp4sim"
+        try:
+            assert core.index_k_mode() == "bf16", "the switch was re-read from the environment"
+            core.reset_mode()
+            assert core.index_k_mode() == "bf16-fp4sim"
+        finally:
+            os.environ[ENV] = "bf16"
+            core.reset_mode()
+        assert core.index_k_mode() == "bf16"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -403,15 +543,25 @@ def _indexer_checks(plugin):
             calls.append(a[-1])
             return real_prefill(*a, **k)
 
+        def nonpaged_reader(*a, **k):
+            raise AssertionError("SGLang's fp8 non-paged reader was consulted with bf16 keys")
+
         orig_gp = ix.get_parallel
+        mixin = ix.C4IndexerBackendMixin
+        orig_np = mixin._can_use_nonpaged_indexer, mixin._get_nonpaged_indexer_plan
         plugin.core.prefill_logits = spy
         ix.get_parallel = lambda: types.SimpleNamespace(attn_cp_size=1)
+        mixin._can_use_nonpaged_indexer = mixin._get_nonpaged_indexer_plan = nonpaged_reader
+        # SGLANG_OPT_DSV4_NONPAGED_INDEXER is unset (SGLang's default: on): the plugin does not need to turn
+        # it off, because only SGLang's own forward_c4_indexer body reaches the non-paged reader
+        assert "SGLANG_OPT_DSV4_NONPAGED_INDEXER" not in os.environ
         os.environ["SGLANG_OPT_DSV4_NONPAGED_INDEXER_MIN_QUERY_TOKENS"] = "2"
         try:
             md, _ = run(bf16_pool, ForwardMode.EXTEND, 1)
         finally:
             plugin.core.prefill_logits = real_prefill
             ix.get_parallel = orig_gp
+            mixin._can_use_nonpaged_indexer, mixin._get_nonpaged_indexer_plan = orig_np
             del os.environ["SGLANG_OPT_DSV4_NONPAGED_INDEXER_MIN_QUERY_TOKENS"]
         assert calls, "single-request extend did not take the mqa_logits path"
         got = [set(r.tolist()) - {-1} for r in md.c4_sparse_raw_indices]
@@ -572,12 +722,11 @@ def _guard_checks(plugin):
         raise AssertionError(f"configuration {fields} was not refused")
 
     @check
-    def resolution_accepts_and_disables_nonpaged():
-        os.environ.pop("SGLANG_OPT_DSV4_NONPAGED_INDEXER", None)
+    def resolution_accepts_without_env_writes():
+        before = dict(os.environ)
         run_resolution()
-        from sglang.srt.environ import envs
-
-        assert envs.SGLANG_OPT_DSV4_NONPAGED_INDEXER.get() is False
+        changed = {k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}
+        assert not changed, f"the resolution hook wrote the environment: {changed}"
 
     @check
     def resolution_refuses_fp4_indexer():
@@ -612,13 +761,31 @@ def _guard_checks(plugin):
 
     @check
     def resolution_refuses_invalid_value():
+        from cupy_dsa.sglang.core import StartupRefused
+
         with mode_env("bf8"):
             try:
                 run_resolution()
-            except ValueError as e:
-                assert "bf16-fp4sim" in str(e), str(e)
+            except StartupRefused as e:
+                assert "bf16-fp4sim" in str(e) and "Refusing to start" in str(e), str(e)
             else:
                 raise AssertionError("an invalid switch value was accepted")
+
+    @check
+    def resolution_checks_version_when_flag_turns_switch_on():
+        # launcher: register() ran with the switch off, then --cupy-dsa-index-k-dtype bf16 set it
+        from cupy_dsa.sglang.core import StartupRefused
+
+        orig = plugin.sglang_version
+        plugin.sglang_version = lambda: "0.5.22"
+        try:
+            run_resolution()
+        except StartupRefused as e:
+            assert "found SGLang 0.5.22" in str(e), str(e)
+        else:
+            raise AssertionError("the launcher accepted bf16 on SGLang 0.5.22")
+        finally:
+            plugin.sglang_version = orig
 
 
 # ==================================================================================================
@@ -717,7 +884,169 @@ def scenario_excluded():
         assert mp.get_dsv4_indexer_bytes_per_token(128, False) == 132
 
 
+# ==================================================================================================
+# Scenario "refusals": start-up stops cleanly and nothing stays patched (one process: every refusal undoes
+# everything, which the last check proves by registering successfully afterwards)
+# ==================================================================================================
+
+def _load_expect_refusal(*fragments, loader=None):
+    """Run SGLang's real load_plugins() (or ``loader``) and return the StartupRefused message."""
+    import sglang.srt.plugins as sp
+
+    from cupy_dsa.sglang.core import StartupRefused
+
+    sp._plugins_loaded = False
+    try:
+        (loader or sp.load_plugins)()
+    except StartupRefused as e:
+        msg = str(e)
+        assert isinstance(e, SystemExit) and not isinstance(e, Exception), "load_plugins would swallow it"
+        for f in fragments:
+            assert f in msg, f"{f!r} not in: {msg}"
+        INFO.setdefault("refusals", []).append(msg)
+        return msg
+    raise AssertionError("start-up was not refused")
+
+
+def scenario_refusals():
+    assert os.environ.get(ENV) == "bf16" and os.environ.get("SGLANG_PLUGINS") == "cupy_dsa"
+    from cupy_dsa.sglang import plugin
+
+    @check
+    def refuses_other_version():
+        orig = plugin.sglang_version
+        plugin.sglang_version = lambda: "0.5.22"
+        try:
+            msg = _load_expect_refusal("found SGLang 0.5.22", "written for SGLang 0.5.23", f"unset {ENV}",
+                                       "Nothing was patched")
+        finally:
+            plugin.sglang_version = orig
+        nothing_patched()
+        INFO["refusal_version"] = msg
+
+    @check
+    def refuses_source_fingerprint_mismatch():
+        sig, digest = plugin.FINGERPRINT[plugin.T_STORE]
+        plugin.FINGERPRINT[plugin.T_STORE] = (sig, "0" * 16)
+        try:
+            _load_expect_refusal("found SGLang 0.5.23, but its code differs", plugin.T_STORE + ": source differs")
+        finally:
+            plugin.FINGERPRINT[plugin.T_STORE] = (sig, digest)
+        nothing_patched()
+
+    @check
+    def refuses_signature_mismatch():
+        from sglang.srt.mem_cache import deepseek_v4_memory_pool as mp
+
+        orig = mp.get_dsv4_indexer_bytes_per_token
+
+        def get_dsv4_indexer_bytes_per_token(index_head_dim, use_fp4_indexer, extra=0):
+            return orig(index_head_dim, use_fp4_indexer)
+
+        mp.get_dsv4_indexer_bytes_per_token = get_dsv4_indexer_bytes_per_token
+        try:
+            _load_expect_refusal(plugin.T_BYTES + ": signature (index_head_dim, use_fp4_indexer, extra=0)")
+        finally:
+            mp.get_dsv4_indexer_bytes_per_token = orig
+        nothing_patched()
+
+    @check
+    def hook_failure_undoes_applied_hooks():
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        real = HookRegistry._apply_target.__func__
+        applied = []
+
+        def failing(cls, target, hooks):
+            if target == plugin.T_WARM_UP:  # the last hook: every other one was applied before it
+                raise ImportError("No module named 'sgl_kernel' (simulated)")
+            applied.append(target)
+            return real(cls, target, hooks)
+
+        # functools.wraps: the fingerprint check sees SGLang's function (unwrapped), as for any hook
+        HookRegistry._apply_target = classmethod(functools.wraps(real)(failing))
+        try:
+            _load_expect_refusal(f"the hook on {plugin.T_WARM_UP} failed to apply", "sgl_kernel",
+                                 f"the {len(applied) or 8} hook(s) applied before it were undone")
+        finally:
+            HookRegistry._apply_target = classmethod(real)
+        assert len(applied) == 8, applied
+        nothing_patched()
+
+    @check
+    def resolution_hook_failure_undoes_hooks():
+        from sglang.srt.arg_groups import resolution_hooks
+
+        orig = resolution_hooks.register_resolution_hook
+
+        def broken(name):
+            raise ValueError(f"{name!r} is not an overridable resolution hook (simulated)")
+
+        resolution_hooks.register_resolution_hook = functools.wraps(orig)(broken)
+        try:
+            _load_expect_refusal(f"resolution step {plugin.RESOLUTION_STEP} failed to apply")
+        finally:
+            resolution_hooks.register_resolution_hook = orig
+        nothing_patched()
+
+    def invalid(loader=None):
+        with mode_env("bf8"):
+            msg = _load_expect_refusal(f"{ENV}='bf8'", "bf16-fp4sim", "Refusing to start", loader=loader)
+        nothing_patched()
+        return msg
+
+    @check
+    def invalid_value_direct_load_plugins():
+        invalid()
+
+    @check
+    def invalid_value_engine():
+        import sglang
+
+        invalid(lambda: sglang.Engine(model_path="dummy"))
+
+    @check
+    def invalid_value_ray_worker_hook():
+        invalid(plugin.ray_worker_setup)
+
+    @check
+    def registers_after_refusals():
+        import sglang.srt.plugins as sp
+
+        sp._plugins_loaded = False
+        sp.load_plugins()
+        missing = [t for t in plugin.ALWAYS_TARGETS + plugin.SWITCHED_TARGETS if not patched(t)]
+        assert not missing, missing
+        from sglang.srt.mem_cache import deepseek_v4_memory_pool as mp
+        from sglang.srt.model_executor import pool_configurator as pc
+
+        assert pc.get_dsv4_indexer_bytes_per_token(128, False) == 256
+        assert mp.get_dsv4_indexer_bytes_per_token(128, False) == 256
+
+
+def fingerprint():
+    """Print the installed SGLang's fingerprint (to review and paste into plugin.FINGERPRINT)."""
+    from cupy_dsa.sglang import plugin
+
+    for path, value in plugin.fingerprint_table().items():
+        print(f"    {path!r}: {value!r},")
+
+
+def refuse_installed():
+    """The installed SGLang (e.g. another version layered on PYTHONPATH), switch on: load_plugins() must
+    stop start-up; prints the message. Exit status 3 if it did not."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    print("NOT REFUSED", flush=True)
+    sys.exit(3)
+
+
 if __name__ == "__main__":
     torch.manual_seed(int(os.environ.get("CUPY_DSA_SEED", "0")))
-    {"on": scenario_on, "off": scenario_off, "excluded": scenario_excluded}[sys.argv[1]]()
+    if sys.argv[1] in ("fingerprint", "refuse_installed"):
+        {"fingerprint": fingerprint, "refuse_installed": refuse_installed}[sys.argv[1]]()
+        sys.exit(0)
+    {"on": scenario_on, "off": scenario_off, "excluded": scenario_excluded,
+     "refusals": scenario_refusals}[sys.argv[1]]()
     print("RESULTS_JSON:" + json.dumps({"results": RESULTS, "info": INFO}), flush=True)

@@ -1,6 +1,6 @@
 """The SGLang 0.5.23 plugin (cupy_dsa.sglang).
 
-CPU (CI): three fresh processes, started together, run ``tests/_sglang_checks.py`` against SGLang's real
+CPU (CI): fresh processes, one per scenario, started together, run ``tests/_sglang_checks.py`` against SGLang's real
 classes (each hook-installing scenario needs its own process: SGLang's HookRegistry cannot be undone) and
 report one result per check; every check is one test here. Needs sglang 0.5.23 installed with ``--no-deps``
 plus tests/requirements-cpu.txt: skipped without it, failed without it when ``CI`` is set.
@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -36,19 +37,26 @@ CHECKS = {
         "hooks_applied", "env_field", "bytes_per_token_on", "pool_pages_on", "store_decode_plan",
         "store_prefill_plan", "store_via_sglang_call_site", "store_fp4sim", "indexer_recall_bf16_vs_fp8", "indexer_prefill_kernel_path",
         "indexer_small_rows_and_padding", "indexer_hisparse_and_capturer", "pd_layout_mismatch_refused",
-        "hicache_guards", "resolution_accepts_and_disables_nonpaged", "resolution_refuses_fp4_indexer",
+        "hicache_guards", "resolution_accepts_without_env_writes", "resolution_refuses_fp4_indexer",
         "resolution_refuses_megakernel", "resolution_refuses_npu_xpu", "resolution_refuses_hip_and_hooks_raise_on_hip",
-        "resolution_refuses_invalid_value",
+        "resolution_refuses_invalid_value", "resolution_checks_version_when_flag_turns_switch_on",
+        "fingerprint_matches_installed", "store_refuses_unrecognised_calls", "store_fp8_cache_goes_to_sglang_unchanged",
+        "indexer_off_calls_sglang_original", "switch_read_once_per_process",
     ],
     "off": ["entry_point_loaded", "sglang_unchanged", "resolution_off_is_noop", "cli_flag_sets_switch",
             "yaml_config_sets_switch"],
     "excluded": ["allow_list_respected"],
+    "refusals": ["refuses_other_version", "refuses_source_fingerprint_mismatch", "refuses_signature_mismatch",
+                 "hook_failure_undoes_applied_hooks", "resolution_hook_failure_undoes_hooks",
+                 "invalid_value_direct_load_plugins", "invalid_value_engine", "invalid_value_ray_worker_hook",
+                 "registers_after_refusals"],
 }
 SCENARIO_ENV = {
     "on": {ENV: "bf16", "SGLANG_PLUGINS": "cupy_dsa", "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1",
            "SGLANG_OPT_USE_TOPK_V2": "0"},
     "off": {},
     "excluded": {ENV: "bf16", "SGLANG_PLUGINS": "someone_else"},
+    "refusals": {ENV: "bf16", "SGLANG_PLUGINS": "cupy_dsa"},
 }
 _CLEARED = (ENV, "SGLANG_PLUGINS", "SGLANG_PLATFORM", "SGLANG_OPT_DSV4_NONPAGED_INDEXER",
             "SGLANG_OPT_DSV4_NONPAGED_INDEXER_MIN_QUERY_TOKENS", "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH",
@@ -78,7 +86,7 @@ _SCENARIO_RESULTS: dict = {}
 
 
 def _scenarios() -> dict:
-    """Run the three scenario processes concurrently, once per session;
+    """Run the scenario processes concurrently, once per session;
     {scenario: {"results": ..., "info": ..., "seed": int} | {"crash": str, "seed": int}}."""
     if _SCENARIO_RESULTS:
         return _SCENARIO_RESULTS
@@ -124,6 +132,51 @@ def test_every_check_is_listed():
             assert sorted(res["results"]) == sorted(CHECKS[name]), name
 
 
+_REFUSAL = "Refusing to start"
+_STUB_PRELUDE = "import sys; sys.path.insert(0, 'tests'); import _sglang_env; _sglang_env.install(); "
+
+
+@pytest.mark.sglang
+def test_launcher_refuses_invalid_value():
+    """``python -m sglang.launch_server`` (load_plugins() first thing): an invalid switch stops it with our
+    message, not SGLang's "Failed to execute general plugin" and an fp8 server."""
+    _require_sglang()
+    code = (_STUB_PRELUDE + "import runpy; sys.argv = ['sglang.launch_server', '--model-path', 'dummy']; "
+            "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=_child_env({ENV: "bf8"}, 0))
+    assert r.returncode == 1, (r.returncode, r.stderr[-3000:])
+    assert f"{ENV}='bf8'" in r.stderr and _REFUSAL in r.stderr, r.stderr[-3000:]
+    assert "Failed to execute general plugin" not in r.stderr
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_other_sglang_version_refuses_cleanly(tmp_path):
+    """A real SGLang 0.5.22 (``pip install --no-deps --target``, layered before the installed 0.5.23):
+    load_plugins() with the switch on stops with the version refusal and patches nothing."""
+    _require_sglang()
+    target = tmp_path / "sglang-0.5.22"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+                          "--disable-pip-version-check", "--target", str(target), "sglang==0.5.22"],
+                         capture_output=True, text=True, timeout=600)
+    if pip.returncode != 0:
+        msg = f"pip install sglang==0.5.22 failed:\n{pip.stderr[-2000:]}"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    env = _child_env({ENV: "bf16"}, 0)
+    env["PYTHONPATH"] = os.pathsep.join([str(target), env["PYTHONPATH"]])
+    r = subprocess.run([sys.executable, str(CHECKS_SCRIPT), "refuse_installed"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env=env)
+    print(r.stderr.splitlines()[-3:] if r.stderr else "")
+    assert r.returncode == 1, (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("cupy_dsa")]
+    assert lines and "found SGLang 0.5.22" in lines[0] and "written for SGLang 0.5.23" in lines[0], r.stderr[-3000:]
+    assert "Nothing was patched" in r.stderr and f"unset {ENV}" in r.stderr
+    assert "Failed to execute general plugin" not in r.stderr and "Applied" not in r.stderr
+
+
 # --------------------------------------------------------------------------------------------------
 # Without SGLang
 # --------------------------------------------------------------------------------------------------
@@ -151,11 +204,155 @@ def test_switch_values(monkeypatch):
             monkeypatch.delenv(ENV, raising=False)
         else:
             monkeypatch.setenv(ENV, value)
+        core.reset_mode()
         assert core.index_k_mode() == mode
     monkeypatch.setenv(ENV, "int8")
+    core.reset_mode()
     with pytest.raises(ValueError, match="bf16-fp4sim"):
         core.index_k_mode()
+    core.reset_mode()
     assert core.numerics_of("bf16-fp4sim") == "fp4sim" and core.numerics_of("bf16") == "exact"
+
+
+def test_switch_is_cached_until_reset(monkeypatch):
+    monkeypatch.setenv(ENV, "bf16")
+    core.reset_mode()
+    assert core.index_k_mode() == "bf16"
+    monkeypatch.setenv(ENV, "fp8")
+    assert core.index_k_mode() == "bf16" and core.enabled()
+    assert core.set_mode("BF16-FP4SIM") == "bf16-fp4sim" and os.environ[ENV] == "bf16-fp4sim"
+    assert core.index_k_mode() == "bf16-fp4sim"
+    core.reset_mode()
+
+
+def test_startup_refused_is_not_an_exception():
+    # SGLang's load_plugins() logs and swallows Exception; a refusal must stop start-up
+    e = core.StartupRefused("no")
+    assert isinstance(e, SystemExit) and not isinstance(e, Exception) and str(e) == "no"
+
+
+# --------------------------------------------------------------------------------------------------
+# Warm-up selection: what one server launches
+# --------------------------------------------------------------------------------------------------
+
+def _fake_logits_product(calls):
+    from cupy_dsa import runtime
+
+    declared = runtime.instantiations()[core.LOGITS_SOURCE]
+
+    def product_instantiations(arch, *, q_fp8, next_ns, layouts):
+        calls.append((arch, q_fp8, next_ns, layouts))
+        return declared[: len(next_ns)]
+
+    return product_instantiations
+
+
+def test_warm_expressions_selects_the_server_variants(monkeypatch):
+    import cupy_dsa.logits
+    from cupy_dsa import runtime, store
+
+    calls = []
+    monkeypatch.setattr(cupy_dsa.logits, "product_instantiations", _fake_logits_product(calls), raising=False)
+    exprs = core.warm_expressions("sm_90", mode="bf16", next_ns=(2, 1, 2))
+    assert calls == [("sm_90", (1,), (1, 2), ("bf16",))]
+    assert set(exprs) == {core.STORE_SOURCE, core.LOGITS_SOURCE}
+    declared = runtime.instantiations()
+    # store: bf16 layout, exact numerics, V4 keys with Hadamard, bf16 kv, decode and prefill plan rows only
+    assert exprs[core.STORE_SOURCE] == ["store_index_k<0, 0, 0, true, __nv_bfloat16, 1>",
+                                        "store_index_k<0, 0, 0, true, __nv_bfloat16, 2>"]
+    assert set(exprs[core.STORE_SOURCE]) <= set(declared[core.STORE_SOURCE])
+    fp4 = core.warm_expressions("sm_80", mode="bf16-fp4sim", kv_dtypes=(torch.float32, torch.bfloat16))
+    assert fp4[core.STORE_SOURCE] == store.product_instantiations(
+        numerics=("fp4sim",), in_dtypes=(torch.float32, torch.bfloat16), sources=("decode", "prefill"))
+    assert len(fp4[core.STORE_SOURCE]) == 4 and all("<0, 1, 0, true," in e for e in fp4[core.STORE_SOURCE])
+    assert len(declared[core.STORE_SOURCE]) == 72  # the rest compiles on first use
+
+
+def test_warm_expressions_rejects_undeclared(monkeypatch):
+    import cupy_dsa.logits
+
+    monkeypatch.setattr(cupy_dsa.logits, "product_instantiations", lambda arch, **kw: ["mqa_logits_kernel<9>"],
+                        raising=False)
+    with pytest.raises(RuntimeError, match="does not declare"):
+        core.warm_expressions("sm_90", mode="bf16")
+
+
+def test_warm_expressions_without_logits_product(monkeypatch):
+    import cupy_dsa.logits
+    from cupy_dsa import runtime
+
+    monkeypatch.delattr(cupy_dsa.logits, "product_instantiations", raising=False)
+    exprs = core.warm_expressions("sm_90", mode="bf16")
+    assert exprs[core.LOGITS_SOURCE] == runtime.instantiations()[core.LOGITS_SOURCE]
+
+
+def test_server_next_ns():
+    ns = types.SimpleNamespace
+    assert core.server_next_ns(None) == (1,)
+    assert core.server_next_ns(ns(speculative_algorithm=None, speculative_num_draft_tokens=None)) == (1,)
+    assert core.server_next_ns(ns(speculative_algorithm="EAGLE", speculative_num_draft_tokens=2)) == (1, 2)
+    assert core.server_next_ns(ns(speculative_algorithm="NEXTN", speculative_num_draft_tokens=4)) == (1, 4)
+
+
+def test_ensure_warm_compiles_only_the_selection(monkeypatch):
+    """ensure_warm hands runtime.warm_up_expressions exactly the selection, once per (device, config)."""
+    import cupy_dsa.logits
+    from cupy_dsa import runtime
+
+    monkeypatch.setattr(cupy_dsa.logits, "product_instantiations", _fake_logits_product([]), raising=False)
+    monkeypatch.setattr(runtime, "device_arch", lambda idx: "sm_90")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    seen = []
+    monkeypatch.setattr(runtime, "warm_up_expressions", lambda idx, exprs: seen.append((idx, exprs)) or 3)
+    monkeypatch.setattr(core, "_WARMED", set())
+    monkeypatch.setattr(core, "_WARM_CONFIG", dict(core._WARM_CONFIG))
+    monkeypatch.setenv(ENV, "bf16")
+    core.reset_mode()
+    core.configure_warm(next_ns=(1, 2), kv_dtypes=(torch.bfloat16,))
+    core.ensure_warm(torch.device("cuda", 0))
+    core.ensure_warm(torch.device("cuda", 0))
+    assert len(seen) == 1 and seen[0][0] == 0
+    assert seen[0][1] == core.warm_expressions("sm_90", mode="bf16", next_ns=(1, 2))
+    core.reset_mode()
+
+
+def test_warm_up_expressions_compiles_one_program_per_file(monkeypatch):
+    """runtime.warm_up_expressions: one RawModule per file with exactly the expressions not yet loaded."""
+    from cupy_dsa import runtime
+
+    modules = []
+
+    class Fn:
+        def compile(self):
+            pass
+
+    class RawModule:
+        def __init__(self, code, options, name_expressions):
+            modules.append(list(name_expressions))
+
+        def get_function(self, expr):
+            return Fn()
+
+    class Device:
+        def __init__(self, idx):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+    fake_cp = types.SimpleNamespace(RawModule=RawModule, cuda=types.SimpleNamespace(Device=Device))
+    monkeypatch.setattr(runtime, "cupy_module", lambda: fake_cp)
+    monkeypatch.setattr(runtime, "device_arch", lambda idx: "sm_90")
+    monkeypatch.setattr(runtime, "_FUNCTIONS", {})
+    store_exprs = runtime.instantiations()["store_index_k.cu"][:3]
+    assert runtime.warm_up_expressions(7, {"store_index_k.cu": store_exprs}) == 3
+    assert modules == [store_exprs]
+    assert runtime.warm_up_expressions(7, {"store_index_k.cu": store_exprs[:2] + store_exprs[:1]}) == 2
+    assert len(modules) == 1, "already-loaded expressions were compiled again"
+    assert all((7, "store_index_k.cu", e) in runtime._FUNCTIONS for e in store_exprs)
 
 
 def test_rope_table_is_a_view():

@@ -44,9 +44,45 @@ def parse_mode(value) -> str:
     return v
 
 
+class StartupRefused(SystemExit):
+    """Stops SGLang's start-up with a message (no traceback at the top level).
+
+    A ``SystemExit`` on purpose: SGLang's ``load_plugins()`` logs and swallows every ``Exception`` a plugin's
+    ``register()`` raises, which would leave SGLang running with fp8 keys although bf16 was asked for."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+_MODE: str | None = None
+
+
 def index_k_mode() -> str:
-    """The switch, read from the environment on every call ('fp8' = SGLang unchanged)."""
-    return parse_mode(os.environ.get(ENV_NAME))
+    """The switch ('fp8' = SGLang unchanged), read from the environment once per process and cached; a
+    scheduler inherits the launcher's environment, so every process resolves the same value."""
+    global _MODE
+    if _MODE is None:
+        _MODE = parse_mode(os.environ.get(ENV_NAME))
+    return _MODE
+
+
+def set_mode(value) -> str:
+    """Set the switch for this process and the processes it starts (the CLI flag and YAML key do this)."""
+    global _MODE
+    mode = parse_mode(value)
+    os.environ[ENV_NAME] = mode
+    _MODE = mode
+    return mode
+
+
+def reset_mode() -> None:
+    """Forget the cached switch (tests that change the variable within one process)."""
+    global _MODE
+    _MODE = None
 
 
 def enabled() -> bool:
@@ -66,12 +102,62 @@ def pd_layout_tag(mode: str) -> str:
 # Kernel warm-up (compile + module load outside any CUDA-graph capture)
 # --------------------------------------------------------------------------------------------------
 
-_WARMED: set[int] = set()
+STORE_SOURCE = "store_index_k.cu"
+LOGITS_SOURCE = "mqa_logits.cu"
+SGLANG_Q_FP8 = (1,)  # SGLang's indexer quantizes q to fp8 e4m3 (fused_q_indexer_rope_hadamard_quant)
+
+
+def warm_expressions(arch: str, *, mode: str, next_ns=(1,), kv_dtypes=(torch.bfloat16,)) -> dict[str, list[str]]:
+    """The kernel instantiations one SGLang server launches, ``{source_file: [name expressions]}``: the bf16
+    layout, fp8 q, the given ``next_ns`` (1, plus the MTP draft count), the mode's store numerics on
+    SGLang's decode and prefill plan rows for the model's kv dtype. Everything else compiles on first use.
+
+    The logits expressions come from ``cupy_dsa.logits.product_instantiations``; without it (older
+    cupy_dsa) every declared logits instantiation is warmed, as before."""
+    from cupy_dsa import logits, runtime, store
+
+    declared = runtime.instantiations()
+    kv_dtypes = tuple(d for d in kv_dtypes if d in (torch.float32, torch.bfloat16)) or (torch.bfloat16,)
+    out = {STORE_SOURCE: store.product_instantiations(
+        layouts=("bf16",), numerics=(numerics_of(mode),), key_styles=("v4",), hadamard=(True,),
+        in_dtypes=kv_dtypes, sources=("decode", "prefill"))}
+    product = getattr(logits, "product_instantiations", None)
+    if product is None:
+        out[LOGITS_SOURCE] = list(declared[LOGITS_SOURCE])
+    else:
+        out[LOGITS_SOURCE] = list(product(arch, q_fp8=SGLANG_Q_FP8, next_ns=tuple(sorted(set(next_ns))),
+                                          layouts=("bf16",)))
+    for filename, exprs in out.items():
+        unknown = [e for e in exprs if e not in declared.get(filename, ())]
+        if unknown:
+            raise RuntimeError(f"cupy_dsa warm-up: {filename} does not declare {unknown}")
+    return out
+
+
+def server_next_ns(server_args) -> tuple[int, ...]:
+    """next_n values a server can run: 1, plus the draft token count when speculative decoding (MTP) is on."""
+    next_ns = {1}
+    draft = getattr(server_args, "speculative_num_draft_tokens", None)
+    if getattr(server_args, "speculative_algorithm", None) and draft:
+        next_ns.add(int(draft))
+    return tuple(sorted(next_ns))
+
+
+_WARM_CONFIG = {"next_ns": (1,), "kv_dtypes": (torch.bfloat16,)}
+_WARMED: set[tuple] = set()
 _WARM_LOCK = threading.Lock()
 
 
+def configure_warm(*, next_ns=None, kv_dtypes=None) -> None:
+    """What :func:`ensure_warm` compiles (the plugin sets it from the server's arguments)."""
+    if next_ns is not None:
+        _WARM_CONFIG["next_ns"] = tuple(sorted(set(int(n) for n in next_ns)))
+    if kv_dtypes is not None:
+        _WARM_CONFIG["kv_dtypes"] = tuple(kv_dtypes)
+
+
 def ensure_warm(device: torch.device) -> None:
-    """Compile and load every cupy_dsa kernel on ``device`` once per process.
+    """Compile and load the server's kernels (:func:`warm_expressions`) on ``device``, once per process.
 
     SGLang's ``ModelRunner.init_cuda_graphs`` hook calls this before the first capture; the store and
     logits glue call it too, so an eager first call warms everything. A call that finds the device cold
@@ -81,19 +167,24 @@ def ensure_warm(device: torch.device) -> None:
     if device.type != "cuda":
         return
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx in _WARMED:
+    mode = index_k_mode()
+    key = (idx, mode, _WARM_CONFIG["next_ns"], _WARM_CONFIG["kv_dtypes"])
+    if key in _WARMED:
         return
     with _WARM_LOCK:
-        if idx in _WARMED:
+        if key in _WARMED:
             return
         if torch.cuda.is_current_stream_capturing():
             logger.warning("cupy_dsa kernels were not warmed up before CUDA-graph capture on cuda:%d; "
                            "compiling now", idx)
-        import cupy_dsa
+        from cupy_dsa import runtime
 
-        n = cupy_dsa.warm_up(idx)
-        logger.info("cupy_dsa: warmed %d kernel instantiations on cuda:%d", n, idx)
-        _WARMED.add(idx)
+        exprs = warm_expressions(runtime.device_arch(idx), mode=mode if mode != "fp8" else "bf16",
+                                 next_ns=_WARM_CONFIG["next_ns"], kv_dtypes=_WARM_CONFIG["kv_dtypes"])
+        n = runtime.warm_up_expressions(idx, exprs)
+        logger.info("cupy_dsa: warmed %d kernel instantiations on cuda:%d (%s)", n, idx,
+                    ", ".join(f"{f}: {len(e)}" for f, e in exprs.items()))
+        _WARMED.add(key)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -6,20 +6,28 @@ detokenizer). The switch is ``SGLANG_CUPY_DSA_INDEX_K`` (``fp8`` = SGLang unchan
 ``bf16``; ``bf16-fp4sim``), or the server flag ``--cupy-dsa-index-k-dtype`` (also a ``--config`` YAML key),
 which sets the variable in the launcher before the schedulers are spawned.
 
+Start-up is all or nothing. With the switch on, :func:`register` first checks that the installed SGLang is
+one the hooks were written for (:data:`SUPPORTED_SGLANG` and :data:`FINGERPRINT`: the signature, and a hash
+of the source, of every function the hooks wrap, replace or copy), then applies every hook itself, guards
+included; a mismatch, an invalid switch value or a hook that fails to apply (the ones already applied are
+undone) stops start-up with :class:`~cupy_dsa.sglang.core.StartupRefused`, a ``SystemExit`` that SGLang's
+``load_plugins()`` does not swallow (it logs and ignores every ``Exception``).
+
 Always installed (they are how the switch gets turned on and checked):
 
 * the env field in SGLang's ``Envs`` registry (shows up in SGLang's env dumps);
-* CLI: AFTER ``ServerArgs.add_cli_args`` (adds the flag), AFTER ``ServerArgs.from_cli_args`` (sets the var);
-* H5: resolution hook on ``handle_model_specific_adjustments``: refuses the FP4 indexer, the NVIDIA
-  megakernel and HIP / XPU / NPU, and turns SGLang's fp8-only non-paged prefill reader off.
+* CLI: AFTER ``ServerArgs.add_cli_args`` (adds the flag), AFTER ``ServerArgs.from_cli_args`` (sets the switch);
+* H5: resolution hook on ``handle_model_specific_adjustments`` (launcher): the version check when the flag
+  turned the switch on, and refusals of the FP4 indexer, the NVIDIA megakernel and HIP / XPU / NPU.
 
-Installed when the switch is on at ``register()`` time (the schedulers inherit the variable), each still
-checking the switch on every call and delegating to SGLang's original when it is off:
+Installed when the switch is on at ``register()`` time (the schedulers inherit the variable; the switch is
+read once per process), each delegating to SGLang's original when it is off:
 
 * H1 AROUND ``get_dsv4_indexer_bytes_per_token``: 256 B/token for the non-FP4 pool, which sizes both the
   allocation and the KV memory budget (the hook registry re-points ``pool_configurator``'s imported name);
-* H2 AROUND ``compress_norm_rope_store``: the C4 indexer store (head_dim 128, not FP4, not bf16_store,
-  16384-byte page rows) goes to ``cupy_dsa.store_index_k_from_plan`` on SGLang's own plan rows;
+* H2 AROUND ``compress_norm_rope_store``: a store into a bf16 index cache (uint8 rows of 16384 bytes) goes
+  to ``cupy_dsa.store_index_k_from_plan`` on SGLang's own plan rows, and any call there it does not
+  recognise raises; every other cache goes to SGLang unchanged;
 * H3 AROUND ``C4IndexerBackendMixin.forward_c4_indexer``: SGLang's body order, with the logits from
   ``cupy_dsa.paged_mqa_logits`` (decode / verify / extend) or ``cupy_dsa.mqa_logits`` (single-request
   eager prefill, where SGLang would run its non-paged fp8 reader); SGLang's top-k backends, raw indices,
@@ -29,8 +37,8 @@ checking the switch on every call and delegating to SGLang's original when it is
 * HiCache: AFTER ``_dsv4_indexer_regions`` (bf16 index pages move page-aligned only) and AROUND
   ``HiCacheStorageConfig.__post_init__`` (a distinct L3 namespace: ``model_name`` gets ``_c4idx-<mode>``,
   so fp8 pages persisted by another server are never read as bf16);
-* warm-up: BEFORE ``ModelRunner.init_cuda_graphs`` compiles and loads every cupy_dsa kernel before the
-  first CUDA-graph capture.
+* warm-up: BEFORE ``ModelRunner.init_cuda_graphs`` compiles and loads the kernels this server launches
+  (:func:`cupy_dsa.sglang.core.warm_expressions`) before the first CUDA-graph capture.
 
 This module imports SGLang only inside functions; CuPy and the kernels load only on the CUDA path.
 """
@@ -38,13 +46,15 @@ This module imports SGLang only inside functions; CuPy and the kernels load only
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import inspect
 import logging
-import os
+import pkgutil
 
 import torch
 
 from . import core
-from .core import CLI_FLAG, ENV_NAME, MODES, index_k_mode
+from .core import CLI_FLAG, ENV_NAME, MODES, StartupRefused, index_k_mode
 
 logger = logging.getLogger(__name__)
 
@@ -64,37 +74,218 @@ SWITCHED_TARGETS = (T_BYTES, T_STORE, T_INDEXER, T_PD_LAYOUT, T_HICACHE_REGIONS,
 
 _INDEXER_POOL_NAME = "deepseek_v4_c4_indexer"
 
+# --------------------------------------------------------------------------------------------------
+# The SGLang the hooks were written for
+# --------------------------------------------------------------------------------------------------
+
+SUPPORTED_SGLANG = ("0.5.23",)
+
+_IX = "sglang.srt.layers.attention.dsv4.indexer."
+_HR = "sglang.srt.plugins.hook_registry."
+# SGLang 0.5.23: (signature, sha256[:16] of the source) of every function the plugin replaces, wraps, copies
+# the logic of or drives by private API; (signature, None) for functions it only calls. Regenerate with
+# ``python -m cupy_dsa.sglang.plugin --fingerprint`` after reviewing the hooks against a new SGLang.
+FINGERPRINT: dict[str, tuple[str, str | None]] = {}  # filled below
+
+_installed: list[tuple] = []       # (target, owner, attr, raw before, raw after), in install order
+_resolution_installed = False
 _registered_always = False
 _registered_switched = False
+
+
+def sglang_version() -> str:
+    """The installed SGLang's version string (the imported package's, not some other dist's metadata)."""
+    try:
+        from sglang.version import __version__
+    except Exception:  # noqa: BLE001 - fall back to the distribution metadata
+        import importlib.metadata
+
+        return importlib.metadata.version("sglang")
+    return str(__version__)
+
+
+def _resolve(path: str):
+    """(owner, attr, raw attribute, plain function) of a dotted target path."""
+    parent, attr = path.rsplit(".", 1)
+    owner = pkgutil.resolve_name(parent)
+    raw = owner.__dict__[attr] if isinstance(owner, type) and attr in owner.__dict__ else getattr(owner, attr)
+    fn = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
+    return owner, attr, raw, inspect.unwrap(fn)
+
+
+def fingerprint_of(path: str, with_source: bool = True) -> tuple[str, str | None]:
+    fn = _resolve(path)[3]
+    digest = hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16] if with_source else None
+    return str(inspect.signature(fn)), digest
+
+
+def compatibility_problems() -> list[str]:
+    """Why the installed SGLang is not one the hooks were written for (empty if it is). A version outside
+    ``SUPPORTED_SGLANG`` is reported alone (nothing of it is imported); a supported version is checked
+    against :data:`FINGERPRINT`."""
+    version = sglang_version()
+    if version not in SUPPORTED_SGLANG:
+        return [f"found SGLang {version}"]
+    problems = []
+    for path, (sig, digest) in FINGERPRINT.items():
+        try:
+            got_sig, got_digest = fingerprint_of(path, digest is not None)
+        except Exception as e:  # noqa: BLE001 - an import or attribute error is a mismatch too
+            problems.append(f"{path}: not importable ({type(e).__name__}: {e})")
+            continue
+        if got_sig != sig:
+            problems.append(f"{path}: signature {got_sig}, the hooks expect {sig}")
+        elif digest is not None and got_digest != digest:
+            problems.append(f"{path}: source differs from SGLang {SUPPORTED_SGLANG[0]}'s (sha256 {got_digest}, "
+                            f"expected {digest})")
+    if problems:
+        problems.insert(0, f"found SGLang {version}, but its code differs from the release the hooks were "
+                           "written for")
+    return problems
+
+
+def _off_hint() -> str:
+    return (f"To run SGLang unchanged (fp8 index keys), turn the switch off: unset {ENV_NAME} (or set it to fp8) "
+            f"and drop {CLI_FLAG} / the {CLI_FLAG[2:]} --config key.")
+
+
+def refusal_message(mode: str, problems: list[str]) -> str:
+    supported = ", ".join(SUPPORTED_SGLANG)
+    return (f"cupy_dsa ({ENV_NAME}={mode}): refusing to start. The bf16 index-key hooks were written for "
+            f"SGLang {supported}; " + problems[0] + "." + "".join(f"\n  - {p}" for p in problems[1:])
+            + f"\nNothing was patched. Install sglang=={SUPPORTED_SGLANG[-1]} (pip install \"cupy-dsa[sglang]\"). "
+            + _off_hint())
+
+
+def require_compatible_sglang(mode: str) -> None:
+    problems = compatibility_problems()
+    if problems:
+        raise StartupRefused(refusal_message(mode, problems))
 
 
 # --------------------------------------------------------------------------------------------------
 # Entry point
 # --------------------------------------------------------------------------------------------------
 
+def _resolve_switch() -> str:
+    """The switch, or a start-up refusal naming the bad value (never a silent fp8)."""
+    try:
+        return index_k_mode()
+    except ValueError as e:
+        raise StartupRefused(f"cupy_dsa: {e}. Refusing to start. {_off_hint()}") from None
+
+
 def register() -> None:
-    """SGLang general-plugin entry point (idempotent within a process)."""
+    """SGLang general-plugin entry point (idempotent within a process).
+
+    Switch on: check the installed SGLang (:func:`compatibility_problems`), then install every hook, guards
+    included, or none (a failure undoes the ones already applied and stops start-up with
+    :class:`StartupRefused`, which SGLang's ``load_plugins()`` does not swallow). Switch off: only the CLI
+    flag and the launcher check are installed; if they cannot be, SGLang runs without them (unchanged)."""
     global _registered_always, _registered_switched
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    register_env_field()
-    if not _registered_always:
-        HookRegistry.register(T_CLI_ADD, _add_cli_args_hook, HookType.AFTER)
-        HookRegistry.register(T_CLI_FROM, _from_cli_args_hook, HookType.AFTER)
-        from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
-
-        register_resolution_hook(RESOLUTION_STEP)(validate_config)
+    mode = _resolve_switch()
+    if mode != "fp8" and not _registered_switched:
+        require_compatible_sglang(mode)
+        entries = [] if _registered_always else _always_entries()
+        _install(entries + _switched_entries(), resolution=not _registered_always, mode=mode)
+        _registered_always = _registered_switched = True
+        register_env_field()
+        logger.info("cupy_dsa: %s=%s, bf16 C4 index-key hooks registered (SGLang %s)", ENV_NAME, mode,
+                    sglang_version())
+    elif mode == "fp8" and not _registered_always:
+        try:
+            _install(_always_entries(), resolution=True, mode=mode)
+        except StartupRefused as e:
+            logger.warning("cupy_dsa: the %s flag is not available (%s); SGLang runs unchanged", CLI_FLAG, e)
+            return
         _registered_always = True
-    if not _registered_switched and core.enabled():
-        HookRegistry.register(T_BYTES, _bytes_per_token_hook, HookType.AROUND)
-        HookRegistry.register(T_STORE, _store_hook, HookType.AROUND)
-        HookRegistry.register(T_INDEXER, _forward_c4_indexer_hook, HookType.AROUND)
-        HookRegistry.register(T_PD_LAYOUT, _pd_kv_layout_hook, HookType.AFTER)
-        HookRegistry.register(T_HICACHE_REGIONS, _hicache_regions_hook, HookType.AFTER)
-        HookRegistry.register(T_HICACHE_L3, _hicache_storage_config_hook, HookType.AROUND)
-        HookRegistry.register(T_WARM_UP, _warm_up_hook, HookType.BEFORE)
-        _registered_switched = True
-        logger.info("cupy_dsa: %s=%s, bf16 C4 index-key hooks registered", ENV_NAME, index_k_mode())
+        register_env_field()
+
+
+def ray_worker_setup() -> None:
+    """For Ray's ``worker_process_setup_hook`` (SGLang's Ray scheduler actors never call
+    ``load_plugins()``): load the plugins there, then make sure cupy_dsa's hooks are in."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    register()
+
+
+def installed_targets() -> list[str]:
+    return [t for t, *_ in _installed]
+
+
+def _always_entries():
+    from sglang.srt.plugins.hook_registry import HookType
+
+    return [(T_CLI_ADD, _add_cli_args_hook, HookType.AFTER), (T_CLI_FROM, _from_cli_args_hook, HookType.AFTER)]
+
+
+def _switched_entries():
+    from sglang.srt.plugins.hook_registry import HookType
+
+    return [(T_BYTES, _bytes_per_token_hook, HookType.AROUND), (T_STORE, _store_hook, HookType.AROUND),
+            (T_INDEXER, _forward_c4_indexer_hook, HookType.AROUND), (T_PD_LAYOUT, _pd_kv_layout_hook, HookType.AFTER),
+            (T_HICACHE_REGIONS, _hicache_regions_hook, HookType.AFTER),
+            (T_HICACHE_L3, _hicache_storage_config_hook, HookType.AROUND),
+            (T_WARM_UP, _warm_up_hook, HookType.BEFORE)]
+
+
+def _install(entries, *, resolution: bool, mode: str) -> None:
+    """Apply ``entries`` (target, hook, HookType) now, through SGLang's own ``HookRegistry`` wrapper (same
+    wrapping, propagation to ``from X import f`` copies and "Applied 1 hook(s)" log line), plus the
+    resolution hook; all or none. The hooks are applied here rather than left to ``load_plugins()``'s
+    ``apply_hooks()``, which logs and skips a target that fails (start-up would go on half patched).
+    They are not entered in ``HookRegistry._hooks``, so other plugins' hooks on the same targets are still
+    applied by ``apply_hooks()``, on top of these."""
+    global _resolution_installed
+    from sglang.srt.plugins.hook_registry import HookRegistry, _current_plugin_source
+
+    source = _current_plugin_source.get()
+    done = []
+    target = None
+    try:
+        for target, hook, kind in entries:
+            owner, attr, before, _ = _resolve(target)
+            HookRegistry._apply_target(target, [(kind, hook, source)])
+            after = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+            if after is before:
+                raise RuntimeError("the registry left it unchanged")
+            done.append((target, owner, attr, before, after))
+        target = f"resolution step {RESOLUTION_STEP}"
+        if resolution and not _resolution_installed:
+            from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+
+            register_resolution_hook(RESOLUTION_STEP)(validate_config)
+            _resolution_installed = True
+    except Exception as e:  # noqa: BLE001 - any failure undoes everything
+        for entry in reversed(done):
+            _uninstall(*entry)
+        raise StartupRefused(
+            f"cupy_dsa ({ENV_NAME}={mode}): the hook on {target} failed to apply ({type(e).__name__}: {e}); "
+            f"the {len(done)} hook(s) applied before it were undone and start-up stops. {_off_hint()}") from e
+    _installed.extend(done)
+
+
+def _uninstall(target, owner, attr, before, after) -> None:
+    from sglang.srt.plugins.hook_registry import _propagate_patch
+
+    setattr(owner, attr, before)
+    if not isinstance(owner, type):
+        _propagate_patch(after, before, owner)  # the module-level copies SGLang re-pointed, back
+
+
+def uninstall_all() -> None:
+    """Undo every hook this process applied (tests)."""
+    global _registered_always, _registered_switched, _resolution_installed
+    while _installed:
+        _uninstall(*_installed.pop())
+    if _resolution_installed:
+        from sglang.srt.arg_groups.resolution_hooks import _HOOKS
+
+        _HOOKS.get(RESOLUTION_STEP, []).remove(validate_config)
+        _resolution_installed = False
+    _registered_always = _registered_switched = False
 
 
 def register_env_field() -> None:
@@ -164,18 +355,19 @@ def refusal_reasons(cfg, mode: str) -> list[str]:
 def validate_config(server_args, previous) -> None:
     """H5 (resolution step ``handle_model_specific_adjustments``; runs once, in the launcher)."""
     previous(server_args)
-    mode = index_k_mode()  # an invalid value raises here, at launch
+    mode = _resolve_switch()  # an invalid value stops the launch here
     if mode == "fp8":
         return
+    # the CLI flag / YAML key may have turned the switch on after register() ran with it off
+    require_compatible_sglang(mode)
     from sglang.srt.arg_groups.model_override_base import resolving_view
-    from sglang.srt.environ import envs
 
     reasons = refusal_reasons(resolving_view(server_args), mode)
     if reasons:
         raise ValueError(f"cupy_dsa ({ENV_NAME}={mode}, bf16 C4 index keys) cannot run with this "
                          "configuration:\n  - " + "\n  - ".join(reasons))
-    # SGLang's non-paged prefill reader gathers fp8 values + scales from the index pages; never let it run.
-    envs.SGLANG_OPT_DSV4_NONPAGED_INDEXER.set(False)
+    # No environment is written: SGLang's fp8-only non-paged prefill reader is reached only from SGLang's
+    # own forward_c4_indexer body, which the H3 hook does not call while the switch is on.
 
 
 # --------------------------------------------------------------------------------------------------
@@ -197,7 +389,7 @@ def _from_cli_args_hook(result, *args, **kwargs):
     ns = kwargs.get("args", args[-1] if args else None)
     value = getattr(ns, CLI_FLAG.lstrip("-").replace("-", "_"), None)
     if value is not None:
-        os.environ[ENV_NAME] = core.parse_mode(value)
+        core.set_mode(value)  # the environment (for the schedulers) and this process's cached switch
     return None
 
 
@@ -221,17 +413,56 @@ def _bytes_per_token_hook(original, *args, **kwargs):
 # H2: the index-K store
 # --------------------------------------------------------------------------------------------------
 
+# The keywords SGLang 0.5.23's compressor passes (compressor_v2.py) and the value each must have for a C4
+# index-key store into a bf16 page; anything else on a bf16 cache is refused, never handed to SGLang's fp8 store.
+_STORE_DEFAULTS = {"use_fp4": False, "bf16_store": False, "kvcache_scale": None, "rope_cache": None,
+                   "fp4_k_write_metadata": None, "fp8_2buff": False, "kvcache_rope": None}
+_STORE_REQUIRED = ("norm_weight", "norm_eps", "freq_cis", "out_loc", "kvcache")
+
+
+def _unrecognised_store_call(kv, plan, args, kwargs) -> list[str]:
+    bad = []
+    if args:
+        bad.append(f"{len(args)} extra positional argument(s)")
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 2 or kv.shape[-1] != core.INDEX_HEAD_DIM:
+        bad.append(f"kv of shape {tuple(getattr(kv, 'shape', ()))} (expected [N, {core.INDEX_HEAD_DIM}])")
+    if not hasattr(plan, "is_decode") or not hasattr(plan, "compress_ratio"):
+        bad.append(f"plan of type {type(plan).__name__} (expected a CompressorDecodePlan / CompressorPrefillPlan)")
+    for name in _STORE_REQUIRED:
+        if name not in kwargs:
+            bad.append(f"no {name}=")
+    for name, value in kwargs.items():
+        if name in _STORE_REQUIRED:
+            continue
+        if name == "page_size":
+            if value != core.PAGE_SLOTS:
+                bad.append(f"page_size={value!r} (expected {core.PAGE_SLOTS})")
+        elif name == "layout":
+            if str(getattr(value, "value", value)).lower() != "v4":
+                bad.append(f"layout={value!r} (expected KVLayout.V4)")
+        elif name in _STORE_DEFAULTS:
+            default = _STORE_DEFAULTS[name]
+            if (value is not default) if default is None else (bool(value) != default):
+                bad.append(f"{name}={value!r}")
+        else:
+            bad.append(f"unknown keyword {name}=")
+    return bad
+
+
 def _store_hook(original, kv, plan, *args, **kwargs):
-    mode = index_k_mode()
     kvcache = kwargs.get("kvcache")
-    if (mode == "fp8" or args or kv.shape[-1] != core.INDEX_HEAD_DIM or kwargs.get("use_fp4", False)
-            or kwargs.get("bf16_store", False) or kwargs.get("fp8_2buff", False)
-            or not core.is_bf16_index_cache(kvcache)):
-        return original(kv, plan, *args, **kwargs)
+    if not core.is_bf16_index_cache(kvcache):
+        return original(kv, plan, *args, **kwargs)  # SGLang's formats (fp8 / fp4 index keys, main KV) unchanged
+    mode = index_k_mode()
+    bad = _unrecognised_store_call(kv, plan, args, kwargs)
+    if mode == "fp8":
+        bad.insert(0, f"{ENV_NAME}=fp8 in this process")
+    if bad:
+        raise RuntimeError(
+            f"cupy_dsa store: compress_norm_rope_store was called on a bf16 index cache (uint8 "
+            f"[P, {core.BF16_PAGE_BYTES}]) with a call it does not recognise: {'; '.join(bad)}. Refusing to "
+            f"let SGLang's fp8 store write into bf16 pages.")
     _require_supported_platform()
-    page_size = kwargs.get("page_size", core.PAGE_SLOTS)
-    if page_size != core.PAGE_SLOTS:
-        raise ValueError(f"cupy_dsa store: expected index page_size {core.PAGE_SLOTS}, got {page_size}")
     core.store_index_k_bf16(
         kv, plan[1], is_decode=bool(plan.is_decode), compress_ratio=int(plan.compress_ratio),
         norm_weight=kwargs["norm_weight"], norm_eps=kwargs["norm_eps"], freq_cis=kwargs["freq_cis"],
@@ -458,5 +689,66 @@ def _hicache_storage_config_hook(original, self, *args, **kwargs):
 
 def _warm_up_hook(self, *args, **kwargs):
     if core.enabled() and torch.cuda.is_available() and str(getattr(self, "device", "cuda")).startswith("cuda"):
+        kv_dtype = getattr(self, "dtype", None)
+        core.configure_warm(next_ns=core.server_next_ns(getattr(self, "server_args", None)),
+                            kv_dtypes=(kv_dtype,) if isinstance(kv_dtype, torch.dtype) else None)
         core.ensure_warm(torch.device("cuda", torch.cuda.current_device()))
     return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Fingerprint table (SGLang 0.5.23)
+# --------------------------------------------------------------------------------------------------
+
+# Wrapped, replaced or logic copied: signature and source hash.
+_FINGERPRINT_SOURCE = (
+    T_BYTES, T_STORE, T_INDEXER, T_PD_LAYOUT, T_HICACHE_REGIONS, T_HICACHE_L3, T_WARM_UP,
+    _IX + "C4IndexerBackendMixin._can_use_nonpaged_indexer",      # _use_prefill_kernel copies its conditions
+    _IX + "C4IndexerBackendMixin._get_nonpaged_indexer_plan",     # ... and its row threshold
+    _HR + "HookRegistry._apply_target", _HR + "_propagate_patch",  # private registry API used by _install
+    "sglang.srt.plugins.load_plugins",                            # swallows Exception, not SystemExit
+)
+# Only called (or hooked AFTER without reading the body): signature.
+_FINGERPRINT_SIGNATURE = (
+    T_CLI_ADD, T_CLI_FROM, "sglang.srt.arg_groups.resolution_hooks.register_resolution_hook",
+    _IX + "C4IndexerBackendMixin._forward_prepare_normal", _IX + "C4IndexerBackendMixin._forward_prepare_multi_stream",
+    _IX + "topk_transform_pytorch_vectorized", _IX + "topk_transform_paged", _IX + "topk_transform_paged_v2",
+    _IX + "plan_topk_v2",
+    "sglang.srt.layers.attention.mqa_logits_utils.mqa_logits_rows_per_chunk",
+    "sglang.srt.layers.attention.mqa_logits_utils.mqa_logits_row_bytes",
+    "sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool.get_index_k_with_scale_buffer",
+)
+
+FINGERPRINT.update({
+    T_BYTES: ("(index_head_dim: 'int', use_fp4_indexer: 'bool') -> 'int'", '0c4a8a343a2fc47c'),
+    T_STORE: ("(kv: 'torch.Tensor', plan: 'Union[CompressorDecodePlan, CompressorPrefillPlan]', *, norm_weight: 'torch.Tensor', norm_eps: 'float', freq_cis: 'torch.Tensor', out_loc: 'torch.Tensor', kvcache: 'torch.Tensor', page_size: 'int', use_fp4: 'bool' = False, bf16_store: 'bool' = False, kvcache_scale: 'Optional[torch.Tensor]' = None, rope_cache: 'Optional[tuple[torch.Tensor, torch.Tensor]]' = None, fp4_k_write_metadata=None, layout: 'Union[KVLayout, str]' = <KVLayout.V4: 'v4'>, fp8_2buff: 'bool' = False, kvcache_rope: 'Optional[torch.Tensor]' = None) -> 'None'", 'b93ca8199dc8e6bd'),
+    T_INDEXER: ("(self, x: 'torch.Tensor', q_lora: 'torch.Tensor', c4_indexer: 'C4Indexer', forward_batch: 'ForwardBatch', alt_streams: 'Optional[List[torch.cuda.Stream]]' = None, enable_multi_stream: 'bool' = False, q_lora_ready: 'Optional[torch.cuda.Event]' = None, skip_compressor: 'bool' = False, q_lora_quant=None) -> 'None'", '9023b14e079277f2'),
+    T_PD_LAYOUT: ("(self) -> 'str'", 'e9326267433f910e'),
+    T_HICACHE_REGIONS: ("(kvcache: 'Any', page_size: 'int') -> 'list[_IndexerRegion]'", '9d380448dc5f8f14'),
+    T_HICACHE_L3: ('(self)', '3c204a687fedc894'),
+    T_WARM_UP: ("(self, capture_decode_cuda_graph: 'bool' = True)", '2aa82ac4d99b47a5'),
+    _IX + 'C4IndexerBackendMixin._can_use_nonpaged_indexer': ("(self, *, c4_indexer: 'C4Indexer', forward_batch: 'ForwardBatch', indexer_metadata: 'PagedIndexerMetadata') -> 'bool'", '1058c8269e1573e2'),
+    _IX + 'C4IndexerBackendMixin._get_nonpaged_indexer_plan': ("(self, *, c4_indexer: 'C4Indexer', forward_batch: 'ForwardBatch', indexer_metadata: 'PagedIndexerMetadata', page_table: 'torch.Tensor', c4_seq_lens: 'torch.Tensor', query_rows: 'int') -> 'Optional[NonPagedIndexerPlan]'", '875b1d3bf933f84b'),
+    _HR + 'HookRegistry._apply_target': ('(cls, target: str, hooks: list)', 'e5b36a334656349f'),
+    _HR + '_propagate_patch': ('(original: object, wrapped: object, source_module: object) -> int', '49c03f76266054fb'),
+    'sglang.srt.plugins.load_plugins': ('()', 'cd2a423a31293f61'),
+    T_CLI_ADD: ("(parser: 'argparse.ArgumentParser')", None),
+    T_CLI_FROM: ("(cls, args: 'argparse.Namespace')", None),
+    'sglang.srt.arg_groups.resolution_hooks.register_resolution_hook': ("(name: 'str')", None),
+    _IX + 'C4IndexerBackendMixin._forward_prepare_normal': ("(self, x: 'torch.Tensor', q_lora: 'torch.Tensor', c4_indexer: 'C4Indexer', positions: 'torch.Tensor', forward_batch: 'ForwardBatch', skip_compressor: 'bool' = False, q_lora_quant=None) -> 'Tuple[IndexerQuery, torch.Tensor]'", None),
+    _IX + 'C4IndexerBackendMixin._forward_prepare_multi_stream': ("(self, x: 'torch.Tensor', q_lora: 'torch.Tensor', c4_indexer: 'C4Indexer', positions: 'torch.Tensor', forward_batch: 'ForwardBatch', alt_streams: 'Optional[List[torch.cuda.Stream]]' = None, q_lora_ready: 'Optional[torch.cuda.Event]' = None) -> 'Tuple[IndexerQuery, torch.Tensor]'", None),
+    _IX + 'topk_transform_pytorch_vectorized': ("(scores: 'torch.Tensor', seq_lens: 'torch.Tensor', page_tables: 'torch.Tensor', out_page_indices: 'torch.Tensor', page_size: 'int', out_raw_indices: 'Optional[torch.Tensor]' = None) -> 'None'", None),
+    _IX + 'topk_transform_paged': ("(scores: 'torch.Tensor', seq_lens: 'torch.Tensor', page_tables: 'torch.Tensor', out_page_indices: 'torch.Tensor', page_size: 'int', out_raw_indices: 'Optional[torch.Tensor]' = None) -> 'None'", None),
+    _IX + 'topk_transform_paged_v2': ("(scores: 'torch.Tensor', seq_lens: 'torch.Tensor', page_tables: 'Optional[torch.Tensor]', out_page_indices: 'torch.Tensor', page_size: 'int', metadata: 'torch.Tensor', out_raw_indices: 'Optional[torch.Tensor]' = None) -> 'None'", None),
+    _IX + 'plan_topk_v2': ("(seq_lens: 'torch.Tensor', static_threshold: 'int' = -1, *, out: 'Optional[torch.Tensor]' = None) -> 'torch.Tensor'", None),
+    'sglang.srt.layers.attention.mqa_logits_utils.mqa_logits_rows_per_chunk': ("(*, num_rows: 'int', row_bytes: 'int', budget_bytes: 'int') -> 'Optional[int]'", None),
+    'sglang.srt.layers.attention.mqa_logits_utils.mqa_logits_row_bytes': ("(num_cols: 'int') -> 'int'", None),
+    'sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool.get_index_k_with_scale_buffer': ("(self, layer_id: 'int') -> 'torch.Tensor'", None),
+})
+
+
+def fingerprint_table() -> dict[str, tuple[str, str | None]]:
+    """The installed SGLang's fingerprint in :data:`FINGERPRINT`'s form (``tests/_sglang_checks.py
+    fingerprint`` prints it, to review and paste after checking the hooks against a new SGLang)."""
+    return {path: fingerprint_of(path, path in _FINGERPRINT_SOURCE)
+            for path in _FINGERPRINT_SOURCE + _FINGERPRINT_SIGNATURE}
