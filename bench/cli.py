@@ -98,8 +98,9 @@ _subcommand("bytes", ("bytes",), "Bytes per index token of each layout, per C4 l
             "DeepSeek-V4-Flash, V4-Pro and V3.2; KV capacity with fp8 vs bf16 index keys. No GPU needed.")
 _subcommand("store", ("store",), "store_index_k throughput at N = 1M tokens (bf16 exact / fp4sim, fp8; kv fp32 "
             "and bf16) against the d2d copy bandwidth measured in the same run.")
-_subcommand("logits", ("logits",), "paged_mqa_logits (decode: B x context, next_n 1/2/4, bf16 and fp8 keys, "
-            "torch gather+bmm baseline) and mqa_logits (prefill) against copy bandwidth / bf16 matmul rate.")
+_subcommand("logits", ("logits",), "paged_mqa_logits (decode: equal, long-tail and one-long batches, next_n "
+            "1-4, bf16 and fp8 keys, DeepGEMM live when importable, torch gather+bmm baseline) and mqa_logits "
+            "(prefill) against the read-only stream / bf16 matmul rate measured in the same run.")
 _subcommand("recall", ("recall",), "Needle-in-a-haystack on synthetic keys through the real store and logits "
             "ops: recall@512/1024 and needle-in-top-k of fp8, fp4, bf16-fp4sim and bf16 keys vs exact fp64.")
 _subcommand("all", SECTIONS_ALL, "Run bytes, store, logits and recall (the default).")

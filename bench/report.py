@@ -143,25 +143,25 @@ def store_table(doc) -> Table:
 
 
 def decode_table(doc) -> Table:
-    t = Table(title="paged_mqa_logits, decode (B x context in index entries)")
-    for col in ("B x ctx", "next_n", "layout", "q", "time", "GB/s", "% copy", "% read", "G keys/s", "vs fp8",
-                "torch", "speed-up", "mem ours", "mem torch", "DeepGEMM (ref)", "target", "result"):
+    t = Table(title="paged_mqa_logits, decode (index entries per request; width = max_context_len)")
+    for col in ("batch", "entries", "next_n", "layout", "q", "time", "plan", "key GB/s", "% read", "vs fp8",
+                "DeepGEMM", "ours/DG", "DG rel L2", "torch", "speed-up", "mem ours", "target", "result"):
         t.add_column(col, justify="right")
     for r in doc["logits"]:
         if r.get("mode") != "decode":
             continue
-        shape = f"{r['batch']} x {_si(r['context'])}"
+        head = (r.get("batch_name", f"{r['batch']} x {_si(r['context'])}"), _si(r.get("entries", 0)),
+                str(r["next_n"]), r["layout"], r["q_dtype"])
         if r.get("error"):
-            t.add_row(shape, str(r["next_n"]), r["layout"], r["q_dtype"], f"[red]{r['error'][:60]}[/]",
-                      *[""] * 12)
+            t.add_row(*head, f"[red]{r['error'][:60]}[/]", *[""] * 12)
             continue
-        target = _target_pct(r.get("target_pct_copy")) if r.get("target_pct_copy") else (
+        target = _target_pct(r.get("target_pct_read")) if r.get("target_pct_read") else (
             f"<={r['target_us']:g} us" if r.get("target_us") else "—")
-        t.add_row(shape, str(r["next_n"]), r["layout"], r["q_dtype"], f"{r['time_us']:.1f} us",
-                  f"{r['gbps']:.0f}", _pct(r["pct_copy"]), _pct(r.get("pct_read")), f"{r['gkeys_per_s']:.1f}",
-                  _f(r.get("time_vs_fp8"), "{:.2f}x"), _f(r.get("torch_time_us"), "{:.0f} us"),
+        t.add_row(*head, f"{r['time_us']:.1f} us", _f(r.get("plan_us"), "{:.1f} us"),
+                  _f(r.get("key_gbps"), "{:.0f}"), _pct(r.get("pct_read")), _f(r.get("time_vs_fp8"), "{:.2f}x"),
+                  _f(r.get("deepgemm_us"), "{:.1f} us"), _f(r.get("vs_deepgemm"), "{:.2f}x"),
+                  _f(r.get("deepgemm_rel_l2"), "{:.1e}"), _f(r.get("torch_time_us"), "{:.0f} us"),
                   _f(r.get("speedup_vs_torch"), "{:.1f}x"), _f(r.get("peak_extra_mb"), "{:.1f} MB"),
-                  _f(r.get("torch_peak_extra_mb"), "{:.0f} MB"), _f(r.get("deepgemm_fp8_us_anchor"), "{:.1f} us"),
                   target, _verdict(r))
     return t
 
@@ -261,16 +261,15 @@ def markdown_headline(doc: dict) -> str:
         if r.get("error"):
             continue
         if r["mode"] == "decode":
-            interesting = (r["q_dtype"] == "fp8" and (r.get("target_pct_copy") or r.get("target_us")
-                           or (r["batch"], r["context"]) == (4, 262144)))
-            if not interesting:
+            if r["q_dtype"] != "fp8":
                 continue
-            extra = f", {r['speedup_vs_torch']:.1f}x torch" if r.get("speedup_vs_torch") else ""
-            tgt = _target_pct(r["target_pct_copy"]) if r.get("target_pct_copy") else (
+            dg = (f"; DeepGEMM fp8 {r['deepgemm_us']:.1f} us, ours {r['vs_deepgemm']:.2f}x"
+                  if r.get("vs_deepgemm") else "")
+            tgt = _target_pct(r["target_pct_read"]) if r.get("target_pct_read") else (
                 f"<= {r['target_us']:g} us" if r.get("target_us") else "—")
-            lines.append(f"| decode {r['batch']} x {_si(r['context'])}, next_n {r['next_n']}, {r['layout']} | "
-                         f"{r['time_us']:.1f} us, {r['gbps']:.0f} GB/s{extra} | {_pct(r['pct_copy'])} of copy | "
-                         f"{tgt} | {_md_verdict(r)} |")
+            lines.append(f"| decode {r.get('batch_name', r['batch'])} ({_si(r.get('entries', 0))} entries), "
+                         f"next_n {r['next_n']}, {r['layout']} keys | {r['time_us']:.1f} us{dg} | "
+                         f"{_pct(r.get('pct_read'))} of read | {tgt} | {_md_verdict(r)} |")
         else:
             lines.append(f"| prefill {_si(r['rows'])} x {_si(r['keys'])}, {r['kv']} {r['layout']} | "
                          f"{r['time_us'] / 1e3:.2f} ms, {r['tflops']:.0f} TFLOP/s | {_pct(r['pct_matmul'])} of matmul | "
@@ -338,20 +337,19 @@ def plot(doc: dict, path: str) -> None:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
         elif kind == "decode":
-            shapes = list(dict.fromkeys((r["batch"], r["context"]) for r in dec if r["next_n"] == 1
+            shapes = list(dict.fromkeys(r.get("batch_name") for r in dec if r["next_n"] == 1
                                         and r["q_dtype"] == "fp8"))
-            labels = [f"{b}x{_si(c)}" for b, c in shapes]
             x = range(len(shapes))
             for j, lay in enumerate(("bf16", "fp8")):
                 vals = []
                 for s in shapes:
-                    r = next((r for r in dec if (r["batch"], r["context"]) == s and r["next_n"] == 1
+                    r = next((r for r in dec if r.get("batch_name") == s and r["next_n"] == 1
                               and r["layout"] == lay and r["q_dtype"] == "fp8"), None)
-                    vals.append(100 * r["pct_copy"] if r and r.get("pct_copy") else 0)
+                    vals.append(100 * r["pct_read"] if r and r.get("pct_read") else 0)
                 ax.bar([i + 0.4 * j for i in x], vals, width=0.4, label=f"{lay} keys")
             ax.set_xticks([i + 0.2 for i in x])
-            ax.set_xticklabels(labels, fontsize=7)
-            ax.set_ylabel("% of d2d copy bandwidth")
+            ax.set_xticklabels([str(s).replace(" + ", "\n+ ") for s in shapes], fontsize=6, rotation=30)
+            ax.set_ylabel("% of the read-only stream (key bytes)")
             ax.set_title("decode logits, next_n=1")
             ax.legend(fontsize=7)
             ax.grid(alpha=0.3, axis="y")

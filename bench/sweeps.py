@@ -12,45 +12,80 @@ import torch
 import cupy_dsa
 from cupy_dsa.layouts import BYTES_PER_TOKEN, PAGE_SLOTS, bf16_view, empty_cache, fp8_views
 
+from . import peers
 from .timing import peak_extra_bytes, rotations, time_calls
 
 HEADS, DIM = 64, 128
 ROPE_THETA = 160000.0  # V4's compress_rope_theta (plain RoPE table; YaRN does not change the cost)
 
-# Issue targets (#2 item 8, #3 item 6), as fractions of the ceilings measured in the same run.
+# Issue targets, as fractions of the ceilings measured in the same run.
 TARGETS = {
     "store_bf16_pct_copy": 0.80,
-    "decode_bf16_n1_pct_copy": 0.85,
-    "decode_bf16_n2_pct_copy": 0.75,
-    "decode_fp8_pct_copy": 0.80,
-    "decode_small_us": 10.0,
+    # decode, bf16 keys, fp8 q: key bytes over the read-only stream, by next_n: (>= 1M visible entries,
+    # 256K..1M entries); every batch, equal and mixed lengths alike
+    "decode_bf16_pct_read": {1: (0.90, 0.80), 2: (0.85, 0.75), 3: (0.80, 0.70), 4: (0.80, 0.70)},
+    "decode_small_us": 5.0,
     "prefill_pct_matmul": 0.50,
 }
-TARGET_MIN_KEYS = 2 * 2**20
-# DeepGEMM fp8_paged_mqa_logits on our H200 (anchors.md 3a: a separate run, 2026-11-30; (B, ctx, next_n) -> us).
-# Shown next to our rows for reference only; the ratios in this bench use figures measured in this run.
-DEEPGEMM_FP8_US_H200 = {(1, 8192, 1): 33.1, (64, 32768, 1): 94.8, (128, 16384, 1): 92.4, (32, 65536, 1): 93.2,
-                        (64, 32768, 2): 95.1, (4, 262144, 1): 54.5}  # bandwidth targets apply to sweeps with >= 2M key tokens in total
+@dataclass
+class DecodeBatch:
+    """One decode batch as serving sees it: per-request index entries (the last row's length) and the
+    max_context_len SGLang passes (block-table width x 64, wider than the longest request)."""
+    name: str
+    lens: list
+    width: int
+    next_n: tuple = (1, 2)
+    torch_baseline: bool = False   # the gather+bmm baseline (equal lengths, next_n 1 only: it is slow)
+
+    @property
+    def entries(self) -> int:
+        return int(sum(self.lens))
+
+
+def long_tail(B: int, seed: int, max_len: int = 120 * 1024, median: int = 8192) -> list:
+    """Lognormal lengths (median 8K entries, sigma 1.2) clipped to [128, max_len], with a few requests
+    (B / 16, at least one) near max_len: a serving batch of mostly short and some very long contexts."""
+    g = torch.Generator().manual_seed(seed + B)
+    lens = torch.exp(math.log(median) + 1.2 * torch.randn(B, generator=g)).clamp(128, max_len)
+    near = torch.randperm(B, generator=g)[:max(1, B // 16)]
+    lens[near] = max_len - torch.randint(0, 4096, (len(near),), generator=g).to(lens.dtype)
+    return [int(x) for x in lens.round()]
+
+
+def decode_batches(device: torch.device, quick: bool, seed: int) -> list:
+    K = 1024
+    if device.type != "cuda":  # CPU reference: tiny
+        return [DecodeBatch("1 x 256", [256], 256, (1, 2), True),
+                DecodeBatch("3 mixed", [700, 0, 65], 1024, (1, 2))]
+    eq = [DecodeBatch("1 x 8K", [8 * K], 8 * K, (1,)),
+          DecodeBatch("64 x 32K", [32 * K] * 64, 32 * K, (1, 2, 3, 4), True)]
+    mixed = [DecodeBatch("long-tail B=64", long_tail(64, seed), 128 * K),
+             DecodeBatch("1 x 256K + 63 x 2K", [256 * K] + [2 * K] * 63, 320 * K)]
+    if quick:
+        return eq + mixed
+    eq += [DecodeBatch("128 x 16K", [16 * K] * 128, 16 * K, (1, 2), True),
+           DecodeBatch("32 x 64K", [64 * K] * 32, 64 * K, (1, 2), True),
+           DecodeBatch("4 x 256K", [256 * K] * 4, 256 * K, (1, 2))]
+    mixed = [DecodeBatch("long-tail B=32", long_tail(32, seed), 128 * K),
+             mixed[0],
+             DecodeBatch("long-tail B=128", long_tail(128, seed), 128 * K),
+             mixed[1]]
+    return eq + mixed
 
 
 @dataclass
 class Sizes:
     store_n: list
-    decode: list          # (B, context in index entries)
-    next_n: tuple
-    next_n4: tuple        # (B, ctx) that also runs next_n = 4
     prefill: list         # (T, S)
     reps: int
 
 
 def sizes(device: torch.device, quick: bool) -> Sizes:
     if device.type != "cuda":  # CPU reference: tiny
-        return Sizes([256], [(1, 256), (2, 512)], (1, 2), (2, 512), [(64, 512)], 2)
+        return Sizes([256], [(64, 512)], 2)
     if quick:
-        return Sizes([2**18], [(1, 8192), (16, 32768)], (1, 2), (16, 32768), [(1024, 16384)], 20)
-    return Sizes([2**20],
-                 [(1, 8192), (64, 32768), (128, 16384), (32, 65536), (4, 262144)],
-                 (1, 2), (64, 32768), [(4096, 65536), (1024, 16384)], 30)
+        return Sizes([2**18], [(1024, 16384)], 20)
+    return Sizes([2**20], [(4096, 65536), (1024, 16384)], 30)
 
 
 def make_freqs(max_pos: int, device) -> torch.Tensor:
@@ -198,87 +233,124 @@ def torch_gather_bmm(q, cache, weights, lens, block_table, max_len, layout):
     return logits.reshape(B * nn, -1)
 
 
-def _decode_inputs(device, B, ctx, next_n, layout, q_dtype, rot, g):
-    pages_req = math.ceil(ctx / PAGE_SLOTS)
-    num_pages = rot * B * pages_req
-    cache = _random_cache(num_pages, layout, device, g)
-    perm = torch.randperm(num_pages, device=device, generator=g).to(torch.int32)
-    tables = [perm[i * B * pages_req:(i + 1) * B * pages_req].view(B, pages_req).contiguous() for i in range(rot)]
+def _decode_inputs(device, batch, next_n, layout, q_dtype, rot, g):
+    """Cache with `rot` disjoint page sets for the batch (shuffled pages), block tables [B, width / 64] (the
+    entries past a request's pages point at page 0, as in a padded SGLang table), q, weights, lens."""
+    B = len(batch.lens)
+    pages = [math.ceil(n / PAGE_SLOTS) for n in batch.lens]
+    per_rot = sum(pages)
+    cache = _random_cache(max(1, rot * per_rot), layout, device, g)
+    perm = torch.randperm(max(1, rot * per_rot), device=device, generator=g).to(torch.int32)
+    table_w = math.ceil(batch.width / PAGE_SLOTS)
+    tables = []
+    for i in range(rot):
+        bt = torch.zeros(B, table_w, dtype=torch.int32, device=device)
+        off = i * per_rot
+        for b, n in enumerate(pages):
+            bt[b, :n] = perm[off:off + n]
+            off += n
+        tables.append(bt)
     q = torch.randn(B, next_n, HEADS, DIM, device=device, generator=g)
     q = q.to(torch.float8_e4m3fn) if q_dtype == "fp8" else q.to(torch.bfloat16)
     weights = torch.rand(B * next_n, HEADS, device=device, generator=g) / math.sqrt(HEADS * DIM)
-    if next_n == 1:
-        lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
-    else:  # causal MTP rows: row j sees ctx - (next_n - 1 - j) entries
-        lens = (ctx - (next_n - 1) + torch.arange(next_n, device=device)).to(torch.int32).repeat(B, 1).contiguous()
+    lens = torch.tensor(batch.lens, dtype=torch.int32, device=device)  # row j sees lens - (next_n - 1 - j)
     return cache, tables, q, weights, lens
 
 
 def decode_rows(device, quick, seed, ceilings, progress=None) -> list[dict]:
-    sz = sizes(device, quick)
-    cases = []
-    for B, ctx in sz.decode:
-        nns = sz.next_n + ((4,) if (B, ctx) == sz.next_n4 else ())
-        for nn in nns:
-            for layout in ("bf16", "fp8"):
-                cases.append((B, ctx, nn, layout, "fp8"))
-    cases.append((*sz.next_n4, 1, "bf16", "bf16"))  # bf16 q on bf16 keys, one size
+    batches = decode_batches(device, quick, seed)
+    reps = sizes(device, quick).reps
+    cases = [(bt, nn, layout, "fp8") for bt in batches for nn in bt.next_n for layout in ("fp8", "bf16")]
+    cases.append((batches[1], 1, "bf16", "bf16"))  # bf16 q on bf16 keys, one batch
+    dg, dg_reason = peers.deepgemm() if device.type == "cuda" else (None, "no GPU")
     task = progress.add_task("logits (decode)", total=len(cases)) if progress else None
     rows = []
-    for B, ctx, nn, layout, qd in cases:
-        base = {"mode": "decode", "batch": B, "context": ctx, "next_n": nn, "layout": layout, "q_dtype": qd,
+    for batch, nn, layout, qd in cases:
+        base = {"mode": "decode", "batch_name": batch.name, "batch": len(batch.lens), "entries": batch.entries,
+                "context": max(batch.lens), "width": batch.width, "next_n": nn, "layout": layout, "q_dtype": qd,
                 "error": None}
-        rows.append(_run_case(base, lambda: _decode_case(device, B, ctx, nn, layout, qd, seed, sz.reps, ceilings,
-                                                         base), device, progress, task))
-    # time ratio to the fp8 layout at the same (B, ctx, next_n, q)
-    fp8 = {(r["batch"], r["context"], r["next_n"], r["q_dtype"]): r.get("time_us") for r in rows
+        rows.append(_run_case(base, lambda: _decode_case(device, batch, nn, layout, qd, seed, reps, ceilings,
+                                                         base, dg if layout == "fp8" and qd == "fp8" else None),
+                              device, progress, task))
+    # our time vs our fp8 layout, and DeepGEMM's fp8 time, on the same batch / next_n / q
+    fp8 = {(r["batch_name"], r["next_n"], r["q_dtype"]): r for r in rows
            if r["layout"] == "fp8" and not r.get("error")}
     for r in rows:
-        t8 = fp8.get((r["batch"], r["context"], r["next_n"], r["q_dtype"]))
-        r["time_vs_fp8"] = (r["time_us"] / t8) if (t8 and r.get("time_us")) else None
+        r8 = fp8.get((r["batch_name"], r["next_n"], r["q_dtype"]))
+        r["time_vs_fp8"] = (r["time_us"] / r8["time_us"]) if (r8 and r.get("time_us")) else None
+        dg_us = r8.get("deepgemm_us") if r8 else None
+        r["deepgemm_us"] = dg_us
+        r["vs_deepgemm"] = (r["time_us"] / dg_us) if (dg_us and r.get("time_us")) else None
+        if r8 and r is not r8:
+            r["deepgemm_schedule_us"] = r8.get("deepgemm_schedule_us")
+        if dg is None and not r.get("deepgemm_note"):
+            r["deepgemm_note"] = dg_reason
     return rows
 
 
-def _decode_case(device, B, ctx, nn, layout, qd, seed, reps, ceilings, base):
+def _decode_target(batch, nn, layout, qd, device):
+    """(target fraction of the read stream, target us) of a row, or None."""
+    if device.type != "cuda" or layout != "bf16" or qd != "fp8":
+        return None, None
+    if batch.name == "1 x 8K" and nn == 1:
+        return None, TARGETS["decode_small_us"]
+    big, mid = TARGETS["decode_bf16_pct_read"][nn]
+    if batch.entries >= 2**20:
+        return big, None
+    return (mid, None) if batch.entries >= 2**18 else (None, None)
+
+
+def _decode_case(device, batch, nn, layout, qd, seed, reps, ceilings, base, dg):
     g = _gen(device, seed)
     bpt = BYTES_PER_TOKEN[layout]
-    key_bytes = B * ctx * bpt
+    key_bytes = batch.entries * bpt
     rot = rotations(device, key_bytes)
-    cache, tables, q, weights, lens = _decode_inputs(device, B, ctx, nn, layout, qd, rot, g)
+    cache, tables, q, weights, lens = _decode_inputs(device, batch, nn, layout, qd, rot, g)
+    plan = cupy_dsa.paged_mqa_logits_plan(lens, nn)
+    width = batch.width
 
     def ours(bt):
-        return lambda: cupy_dsa.paged_mqa_logits(q, cache, weights, lens, bt, ctx, clean_logits=False)
+        return lambda: cupy_dsa.paged_mqa_logits(q, cache, weights, lens, bt, width, clean_logits=False, plan=plan)
 
     t = time_calls([ours(bt) for bt in tables], device, reps=reps)
+    t_plan = time_calls([lambda: cupy_dsa.paged_mqa_logits_plan(lens, nn, out=plan)], device, reps=reps)
     mem = peak_extra_bytes(ours(tables[0]), device)
-    visible = int(lens.to(torch.int64).sum()) if nn > 1 else B * ctx
+    visible = int((lens.to(torch.int64)[:, None] - torch.arange(nn, device=lens.device)).clamp_min(0).sum())
     moved = key_bytes + q.numel() * q.element_size() + weights.numel() * 4 + visible * 4
     gbps = moved / t.seconds / 1e9
-    copy, read = ceilings.get("copy_gbps"), ceilings.get("read_gbps")
-    pct = _pct(gbps, copy)
-    big = B * ctx >= TARGET_MIN_KEYS
-    if qd != "fp8":
-        target = None
-    elif layout == "fp8":
-        target = TARGETS["decode_fp8_pct_copy"] if (big and nn == 1) else None
-    else:
-        target = {1: TARGETS["decode_bf16_n1_pct_copy"], 2: TARGETS["decode_bf16_n2_pct_copy"]}.get(nn) if big else None
-    us_target = TARGETS["decode_small_us"] if (B == 1 and ctx <= 8192 and nn == 1 and layout == "bf16"
-                                               and device.type == "cuda") else None
+    key_gbps = key_bytes / t.seconds / 1e9
+    read = ceilings.get("read_gbps")
+    pct_read = _pct(key_gbps, read)
+    target, us_target = _decode_target(batch, nn, layout, qd, device)
     row = dict(base)
     row.update({
-        "time_us": t.seconds * 1e6, "gbps": gbps, "pct_copy": pct, "pct_read": _pct(gbps, read),
-        "gkeys_per_s": B * ctx / t.seconds / 1e9, "bytes_counted": moved, "rotating_buffers": rot,
-        "timing": t.method, "peak_extra_mb": None if mem is None else mem / 1e6,
-        "target_pct_copy": target, "target_us": us_target,
-        "verdict": _verdict(pct, target) if target else _verdict(t.seconds * 1e6, us_target, False),
+        "time_us": t.seconds * 1e6, "plan_us": t_plan.seconds * 1e6, "gbps": gbps, "key_gbps": key_gbps,
+        "pct_copy": _pct(gbps, ceilings.get("copy_gbps")), "pct_read": pct_read,
+        "gkeys_per_s": batch.entries / t.seconds / 1e9, "bytes_counted": moved, "key_bytes": key_bytes,
+        "rotating_buffers": rot, "timing": t.method, "peak_extra_mb": None if mem is None else mem / 1e6,
+        "target_pct_read": target, "target_us": us_target,
+        "verdict": _verdict(pct_read, target) if target else _verdict(t.seconds * 1e6, us_target, False),
         "torch_time_us": None, "speedup_vs_torch": None, "torch_peak_extra_mb": None,
-        "deepgemm_fp8_us_anchor": (DEEPGEMM_FP8_US_H200.get((B, ctx, nn)) if (device.type == "cuda" and qd == "fp8")
-                                   else None),
+        "deepgemm_us": None, "deepgemm_schedule_us": None, "deepgemm_rel_l2": None, "deepgemm_note": None,
     })
-    if nn == 1 and qd == "fp8":
+    if dg is not None:
+        try:
+            schedule, dg_call = peers.deepgemm_decode(dg, q, cache, weights, lens, tables[0], width)
+            td = time_calls([(lambda bt=bt: dg_call(bt)) for bt in tables], device, reps=reps)
+            ts = time_calls([schedule], device, reps=reps)
+            theirs = dg_call().double()
+            mine = ours(tables[0])().double()
+            col = torch.arange(width, device=device)
+            row_len = (lens.to(torch.int64)[:, None] - (nn - 1) + torch.arange(nn, device=device)).reshape(-1)
+            vis = col[None, :] < row_len[:, None]
+            err = float((mine[vis] - theirs[vis]).norm() / mine[vis].norm().clamp_min(1e-30)) if vis.any() else 0.0
+            row.update({"deepgemm_us": td.seconds * 1e6, "deepgemm_schedule_us": ts.seconds * 1e6,
+                        "deepgemm_rel_l2": err})
+        except Exception as exc:  # the peer failed on this batch: say so, keep our row
+            row["deepgemm_note"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+    if batch.torch_baseline and nn == 1 and qd == "fp8":
         def base_call(bt):
-            return lambda: torch_gather_bmm(q, cache, weights, lens, bt, ctx, layout)
+            return lambda: torch_gather_bmm(q, cache, weights, lens, bt, width, layout)
         tb = time_calls([base_call(bt) for bt in tables[: max(1, min(len(tables), 8))]], device,
                         reps=max(5, reps // 2) if device.type == "cuda" else reps)
         bmem = peak_extra_bytes(base_call(tables[0]), device)
@@ -338,10 +410,13 @@ def _prefill_case(device, T, S, kvk, layout, seed, reps, ceilings, base):
     return row
 
 
-LOGITS_COUNTED = ("decode GB/s counts keys read once per request (256 B/entry bf16, 132 B fp8) + q + weights "
-                  "read + fp32 logits written for visible columns; G keys/s = index entries scanned per second; "
-                  "time vs fp8 = our time / our fp8-layout time at the same shape; torch = gather pages + bmm "
-                  "(SGLang's fallback formulation, q in bf16); peak extra memory = torch.cuda.max_memory_allocated "
-                  "delta of one eager call (ours: its output). 'DeepGEMM (ref)' = DeepGEMM fp8 time on our H200 from "
-                  "anchors.md 3a (a separate run, shown for reference only). Prefill TFLOP/s = 2*64*128 per visible (row, key) "
-                  "pair, causal ks=0, ke=S-T+i+1, clean_logits on.")
+LOGITS_COUNTED = ("decode: key bytes = index entries of each request's longest row x 256 B (bf16) or 132 B (fp8), "
+                  "over the time, against the read-only stream measured in this run (% read); GB/s also counts q + "
+                  "weights read and the fp32 logits of visible columns written (% copy). Batches: equal lengths; "
+                  "long-tail lognormal lengths (median 8K entries, a few near 120K); one long request among many "
+                  "short ones; max_context_len = block-table width x 64 as SGLang passes it. Plan = our schedule "
+                  "kernel, built once per forward (timed apart, like DeepGEMM's schedule metadata). DeepGEMM = "
+                  "fp8_paged_mqa_logits on the same fp8 cache and q, timed the same way (CUDA-graph replays) in "
+                  "this process; rel L2 = our fp8-layout logits vs DeepGEMM's on visible columns. time vs fp8 = "
+                  "our time / our fp8-layout time; torch = gather pages + bmm (SGLang's fallback formulation). "
+                  "Prefill TFLOP/s = 2*64*128 per visible (row, key) pair, causal ks=0, ke=S-T+i+1, clean on.")

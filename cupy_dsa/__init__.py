@@ -14,14 +14,14 @@ Every op accepts CPU tensors too and then runs the torch reference (the test ora
 
 from .layouts import (BF16_BYTES_PER_TOKEN, BF16_PAGE_BYTES, FP4_BYTES_PER_TOKEN, FP8_BYTES_PER_TOKEN,
                       FP8_PAGE_BYTES, HEAD_DIM, PAGE_SLOTS, empty_cache)
-from .logits import mqa_logits, paged_mqa_logits
+from .logits import mqa_logits, paged_mqa_logits, paged_mqa_logits_plan
 from .runtime import to_cupy, to_torch, warm_up
 from .store import store_index_k, store_index_k_from_plan
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "store_index_k", "store_index_k_from_plan", "paged_mqa_logits", "mqa_logits", "to_cupy", "to_torch",
+    "store_index_k", "store_index_k_from_plan", "paged_mqa_logits", "paged_mqa_logits_plan", "mqa_logits", "to_cupy", "to_torch",
     "warm_up", "empty_cache", "PAGE_SLOTS", "HEAD_DIM", "BF16_BYTES_PER_TOKEN", "FP8_BYTES_PER_TOKEN",
     "FP4_BYTES_PER_TOKEN", "BF16_PAGE_BYTES", "FP8_PAGE_BYTES",
 ]

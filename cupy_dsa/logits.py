@@ -51,7 +51,8 @@ TUNING = {
                                  # 2 = e4m3 mma on every sm_89+ target (sm_90/100: ptxas emulates it, slower;
                                  # a layout test / bench variant). Not exposed for other dtype combinations.
     "sm90_wgmma": 1,             # sm_90, bf16 keys, decode: the wgmma kernel (1) or the mma.sync kernel (0)
-    "sm90_ctas_per_sm": 0,       # wgmma decode CTAs per SM (one wave, even shares per request); 0 = occupancy
+    "sm90_ctas_per_sm": 0,       # wgmma decode CTAs per SM (one wave); 0 = the configuration's own
+    "decode_schedule": "balanced",  # "balanced": one wave over the plan's pages; "fixed": the old grid (B, G)
     "decode_l2_hint": 1,         # L2 prefetch size of the streaming key loads: 2 = 256 B, 1 = 128 B, 0 = none;
                                  # 0 / 1 exist only for decode next_n=1 with fp8 q (else 2 is used).
                                  # H200, 64 x 32K bf16: 128 B 142.9 us, 256 B 145.5 us, none 151.3 us
@@ -71,20 +72,28 @@ def _expr(key_fp8: int, q_fp8: int, rows: int, paged: int, warps: int, prefetch:
     return f"mqa_logits_kernel<{key_fp8}, {q_fp8}, {rows}, {paged}, {warps}, {prefetch}, {l2_hint}, {mma8}>"
 
 
+def _decode_expr(key_fp8: int, q_fp8: int, rows: int, prefetch: int = 0, l2_hint: int = 2, mma8: int = 0) -> str:
+    return f"mqa_logits_decode_kernel<{key_fp8}, {q_fp8}, {rows}, {prefetch}, {l2_hint}, {mma8}>"
+
+
+_PLAN_EXPR = "paged_mqa_logits_plan_kernel"
+
+
 def _declared_instantiations() -> list[str]:
-    ex = []
+    ex = [_PLAN_EXPR]
     for kf in (0, 1):
         for qf in (1, 0):
             # fp8 x fp8: both the e4m3-mma (sm_89+; f16 on sm_80) and the f16-mma variant (TUNING fp8_mma)
             for mma8 in ((0, 1, 2) if kf and qf else (0,)):
-                for rows in (1, 2, 3, 4):  # decode (rows = next_n); rows 4 also serves prefill 4-row tiles
-                    ex.append(_expr(kf, qf, rows, 1, 4, 0, 2, mma8))
+                for rows in (1, 2, 3, 4):  # decode (rows = next_n)
+                    ex.append(_decode_expr(kf, qf, rows, 0, 2, mma8))
+                    ex.append(_expr(kf, qf, rows, 1, 4, 0, 2, mma8))  # fixed-share decode; rows 4: prefill
                     if kf == 0:            # register double-buffering: a bench variant for bf16 keys
-                        ex.append(_expr(kf, qf, rows, 1, 4, 1))
+                        ex.append(_decode_expr(kf, qf, rows, 1))
                 ex.append(_expr(kf, qf, 8, 1, 8, 0, 2, mma8))   # paged prefill, 8-row tiles
     for hint in (0, 1):                            # L2 prefetch-size variants: main decode shapes only
-        ex.append(_expr(0, 1, 1, 1, 4, 0, hint))
-        ex.append(_expr(1, 1, 1, 1, 4, 0, hint))
+        ex.append(_decode_expr(0, 1, 1, 0, hint))
+        ex.append(_decode_expr(1, 1, 1, 0, hint))
     for qf in (1, 0):                               # contiguous bf16 keys (prefill)
         ex.append(_expr(0, qf, 4, 0, 4, 0))
         ex.append(_expr(0, qf, 8, 0, 8, 0))
@@ -105,9 +114,10 @@ runtime.register_instantiations(_SRC, _INSTANTIATIONS)
 _SM90_CONFIG = {1: (4, 2, 1), 2: (2, 3, 1), 4: (2, 2, 2)}
 
 
-def _sm90_expr(q_fp8: int, next_n: int) -> str:
+def _sm90_expr(q_fp8: int, next_n: int, balanced: bool = True) -> str:
     stages, ctas, split = _SM90_CONFIG[next_n]
-    return f"mqa_logits_sm90_kernel<{q_fp8}, {next_n}, {stages}, {ctas}, {split}>"
+    name = "mqa_logits_sm90_decode_kernel" if balanced else "mqa_logits_sm90_kernel"
+    return f"{name}<{q_fp8}, {next_n}, {stages}, {ctas}, {split}>"
 
 
 def _sm90_smem_bytes(next_n: int) -> int:
@@ -116,7 +126,8 @@ def _sm90_smem_bytes(next_n: int) -> int:
             + next_n * N_HEADS * 4)
 
 
-runtime.register_instantiations(_SRC, [_sm90_expr(qf, nn) for qf in (1, 0) for nn in _SM90_CONFIG])
+runtime.register_instantiations(_SRC, [_sm90_expr(qf, nn, bal) for qf in (1, 0) for nn in _SM90_CONFIG
+                                      for bal in (True, False)])
 
 
 def _mma8(key_fp8: int, q_fp8: int) -> int:
@@ -205,11 +216,7 @@ def _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_le
         raise ValueError(f"weights: expected shape {(B * next_n, N_HEADS)}, got {tuple(weights.shape)}")
     _check_device("weights", weights, device)
     _check_contiguous("weights", weights)
-    _check_dtype("context_lens", context_lens, (torch.int32,))
-    if tuple(context_lens.shape) not in ((B,), (B, next_n)):
-        raise ValueError(f"context_lens: expected shape ({B},) or ({B}, {next_n}), got {tuple(context_lens.shape)}")
-    _check_device("context_lens", context_lens, device)
-    _check_contiguous("context_lens", context_lens)
+    _check_context_lens(context_lens, B, next_n, device)
     _check_dtype("block_table", block_table, (torch.int32,))
     if block_table.dim() != 2 or block_table.shape[0] != B:
         raise ValueError(f"block_table: expected shape [{B}, max_pages], got {tuple(block_table.shape)}")
@@ -218,6 +225,52 @@ def _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_le
     _check_device("block_table", block_table, device)
     max_context_len = _check_int("max_context_len", max_context_len)
     return layout, B, next_n, max_context_len
+
+
+def _check_context_lens(context_lens, B, next_n, device=None):
+    _check_dtype("context_lens", context_lens, (torch.int32,))
+    if tuple(context_lens.shape) not in ((B,), (B, next_n)):
+        raise ValueError(f"context_lens: expected shape ({B},) or ({B}, {next_n}), got {tuple(context_lens.shape)}")
+    if device is not None:
+        _check_device("context_lens", context_lens, device)
+    _check_contiguous("context_lens", context_lens)
+
+
+def _check_plan(plan, B, device):
+    if not isinstance(plan, torch.Tensor):
+        raise TypeError(f"plan: expected the torch.Tensor of paged_mqa_logits_plan, got {type(plan).__name__}")
+    if plan.dtype != torch.int64 or tuple(plan.shape) != (B + 1,):
+        raise ValueError(f"plan: expected int64 shape ({B + 1},) from paged_mqa_logits_plan(context_lens, next_n), "
+                         f"got {plan.dtype} {tuple(plan.shape)}")
+    _check_device("plan", plan, device)
+    _check_contiguous("plan", plan)
+
+
+def paged_mqa_logits_plan_reference(context_lens, next_n, *, out=None):
+    """Torch reference of :func:`paged_mqa_logits_plan` (any device)."""
+    B, next_n = _check_plan_args(context_lens, next_n, out)
+    lens = context_lens.long()
+    longest = lens.amax(1) if lens.dim() == 2 else lens       # 1-D: the last row sees the most
+    pages = (longest.clamp_min(0) + PAGE_SLOTS - 1) // PAGE_SLOTS
+    if out is None:
+        out = torch.empty(B + 1, dtype=torch.int64, device=context_lens.device)
+    out[0] = 0
+    torch.cumsum(pages, 0, out=out[1:])
+    return out
+
+
+def _check_plan_args(context_lens, next_n, out):
+    next_n = _check_int("next_n", next_n, 1)
+    if next_n > 4:
+        raise ValueError(f"next_n: expected 1..4, got {next_n}")
+    _check_dtype("context_lens", context_lens, (torch.int32,))
+    if context_lens.dim() not in (1, 2) or (context_lens.dim() == 2 and context_lens.shape[1] != next_n):
+        raise ValueError(f"context_lens: expected shape [B] or [B, {next_n}], got {tuple(context_lens.shape)}")
+    _check_contiguous("context_lens", context_lens)
+    B = context_lens.shape[0]
+    if out is not None:
+        _check_plan(out, B, context_lens.device)
+    return B, next_n
 
 
 def _check_prefill(q, kv, weights, ks, ke, block_table, max_seqlen_k, rows):
@@ -318,9 +371,12 @@ def _head_sum(qf, wf, k, s):
 
 
 def paged_mqa_logits_reference(q, kv_cache, weights, context_lens, block_table, max_context_len, *,
-                               clean_logits=False, out=None):
-    """Torch reference of :func:`paged_mqa_logits` (any device; writes -inf to every masked column)."""
+                               clean_logits=False, out=None, plan=None):
+    """Torch reference of :func:`paged_mqa_logits` (any device; writes -inf to every masked column; a
+    ``plan`` is checked, not needed)."""
     layout, B, next_n, width = _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len)
+    if plan is not None:
+        _check_plan(plan, B, q.device)
     out = _alloc_out(out, B * next_n, width, q.device)
     out.fill_(_NEG_INF)
     if width == 0 or B == 0:
@@ -427,59 +483,112 @@ def _launch(expr, device, grid, warps, rows, args):
     runtime.launch(_SRC, expr, device, grid, (warps * 32, 1, 1), args, shared_mem=_smem_bytes(rows))
 
 
+def paged_mqa_logits_plan(context_lens, next_n, *, out=None):
+    """Balanced schedule of a decode batch for :func:`paged_mqa_logits`: int64 ``[B + 1]``, entry ``b`` = the
+    pages (64 index entries) that requests ``< b`` compute, a request computing ``ceil(longest row / 64)``.
+
+    context_lens: int32 ``[B]`` or ``[B, next_n]`` as for :func:`paged_mqa_logits`. Computed on the tensor's
+    device by one small kernel (no host sync, capturable in a CUDA graph); ``out`` reuses a plan buffer.
+    Build it once per forward batch and pass it to every layer's call: it stays valid while
+    ``context_lens`` holds the same values.
+    """
+    if not context_lens.is_cuda:
+        return paged_mqa_logits_plan_reference(context_lens, next_n, out=out)
+    B, next_n = _check_plan_args(context_lens, next_n, out)
+    if out is None:
+        out = torch.empty(B + 1, dtype=torch.int64, device=context_lens.device)
+    runtime.launch(_SRC, _PLAN_EXPR, context_lens.device, (1, 1, 1), (1024, 1, 1),
+                   (context_lens.data_ptr(), _I32(1 if context_lens.dim() == 2 else 0), _I32(B), _I32(next_n),
+                    out.data_ptr()))
+    return out
+
+
+_DECODE_GRID: dict[tuple, int] = {}
+
+
+def _one_wave(expr, device, threads, smem, cap=None):
+    """Grid of a balanced decode kernel: the CTAs that are resident at once on the whole device."""
+    key = (device.index, expr, cap)
+    grid = _DECODE_GRID.get(key)
+    if grid is None:
+        n_sms, _ = _device_info(device.index)
+        per_sm = runtime.resident_ctas_per_sm(_SRC, expr, device.index, threads, smem)
+        grid = _DECODE_GRID[key] = n_sms * (min(per_sm, cap) if cap else per_sm)
+    return grid
+
+
 def paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len, *,
-                     clean_logits=False, out=None):
+                     clean_logits=False, out=None, plan=None):
     """Decode / MTP logits against paged keys (DeepGEMM ``fp8_paged_mqa_logits`` semantics).
 
     q: fp8 e4m3 or bf16 ``[B, next_n, 64, 128]``, next_n 1..4. kv_cache: bf16 layout (uint8 ``[P, 16384]`` or
     bf16 ``[P, 64, 128]``) or fp8 layout (uint8 ``[P, 8448]`` or ``[P, 64, 1, 132]``). weights: fp32
     ``[B*next_n, 64]``. context_lens: int32 ``[B]`` (row ``i`` of request ``b`` sees
     ``ctx[b] - (next_n-1-i)`` keys) or ``[B, next_n]`` (per-row lengths). block_table: int32 ``[B, max_pages]``;
-    entries outside ``[0, P)`` are never read and their keys are masked.
+    entries outside ``[0, P)`` are never read and their keys are masked. plan: the batch's
+    :func:`paged_mqa_logits_plan` of these ``context_lens`` (built here when None).
 
-    Returns fp32 ``[B*next_n, max_context_len]`` (row stride a multiple of 4). Columns ``< len`` are valid;
-    with ``clean_logits`` every other column is -inf, otherwise they are unspecified.
+    The work is the pages each request's rows see, split evenly over one wave of CTAs whatever the mix of
+    lengths. Returns fp32 ``[B*next_n, max_context_len]`` (row stride a multiple of 4). Columns ``< len`` are
+    valid; with ``clean_logits`` every other column is -inf, otherwise they are unspecified.
     """
     if not q.is_cuda:
         return paged_mqa_logits_reference(q, kv_cache, weights, context_lens, block_table, max_context_len,
-                                          clean_logits=clean_logits, out=out)
+                                          clean_logits=clean_logits, out=out, plan=plan)
     layout, B, next_n, width = _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len)
+    if plan is not None:
+        _check_plan(plan, B, q.device)
     out = _alloc_out(out, B * next_n, width, q.device)
     if B == 0 or width == 0:
         return out
     _check_aligned(q=q, kv_cache=kv_cache)
-    n_sms, _ = _device_info(q.device.index)
+    balanced = TUNING["decode_schedule"] == "balanced"
+    if balanced and plan is None:
+        plan = paged_mqa_logits_plan(context_lens, next_n)
+    bt_width = block_table.shape[1]
+    bt_stride = _I64(block_table.stride(0) if bt_width > 0 else 0)
+    lens_2d = _I32(1 if context_lens.dim() == 2 else 0)
+    clean = _I32(1 if clean_logits else 0)
+    qf = int(q.dtype == _FP8)
     if (layout == "bf16" and next_n in _SM90_CONFIG and TUNING["sm90_wgmma"]
             and runtime.device_arch(q.device.index) == "sm_90"):
+        expr, smem = _sm90_expr(qf, next_n, balanced), _sm90_smem_bytes(next_n)
         cps = TUNING["sm90_ctas_per_sm"] or _SM90_CONFIG[next_n][1]
-        grid = (B, max(1, min(_ceil_div(width, PAGE_SLOTS), n_sms * cps // B, _MAX_GRID_Y)), 1)
-        bt_width = block_table.shape[1]
         args = (q.data_ptr(), weights.data_ptr(), kv_cache.data_ptr(), _I64(kv_cache.shape[0]),
-                block_table.data_ptr(), _I64(block_table.stride(0) if bt_width > 0 else 0), _I32(bt_width),
-                context_lens.data_ptr(), _I32(1 if context_lens.dim() == 2 else 0), _I32(width), out.data_ptr(),
-                _I64(out.stride(0)), _I32(1 if clean_logits else 0))
-        runtime.launch(_SRC, _sm90_expr(int(q.dtype == _FP8), next_n), q.device, grid, (128, 1, 1), args,
-                       shared_mem=_sm90_smem_bytes(next_n))
+                block_table.data_ptr(), bt_stride, _I32(bt_width), context_lens.data_ptr(), lens_2d, _I32(width),
+                out.data_ptr(), _I64(out.stride(0)), clean)
+        if balanced:
+            grid = (_one_wave(expr, q.device, 128, smem, cps), 1, 1)
+            args += (plan.data_ptr(), _I32(B))
+        else:
+            n_sms, _ = _device_info(q.device.index)
+            grid = (B, max(1, min(_ceil_div(width, PAGE_SLOTS), n_sms * cps // B, _MAX_GRID_Y)), 1)
+        runtime.launch(_SRC, expr, q.device, grid, (128, 1, 1), args, shared_mem=smem)
         return out
+    prefetch = 1 if (TUNING["decode_prefetch"] and layout == "bf16") else 0
+    kf = int(layout == "fp8")
+    mma8 = _mma8(kf, qf)
+    mode = _MODE_LENS_2D if context_lens.dim() == 2 else _MODE_CAUSAL_1D
+    args = (q.data_ptr(), weights.data_ptr(), kv_cache.data_ptr(), _I64(kv_cache.shape[0]),
+            block_table.data_ptr(), bt_stride, _I32(bt_width), context_lens.data_ptr(), context_lens.data_ptr(),
+            _I32(mode), _I32(0), _I32(B * next_n), _I32(width), out.data_ptr(), _I64(out.stride(0)), _I32(width),
+            _I32(0), clean)
+    if balanced:
+        expr = _decode_expr(kf, qf, next_n, prefetch, TUNING["decode_l2_hint"], mma8)
+        if expr not in _DECLARED:  # the L2-hint variants exist for the main decode shapes only
+            expr = _decode_expr(kf, qf, next_n, prefetch, 2, mma8)
+        smem = _smem_bytes(next_n)
+        grid = (_one_wave(expr, q.device, 128, smem), 1, 1)
+        runtime.launch(_SRC, expr, q.device, grid, (128, 1, 1), args + (plan.data_ptr(), _I32(B)),
+                       shared_mem=smem)
+        return out
+    # fixed shares (comparison only): G CTAs per request
+    n_sms, _ = _device_info(q.device.index)
     warps = 4
     tiles = _ceil_div(width, _TILE_KEYS)
-    # G CTAs per request share its tiles; enough CTAs in total to fill the GPU a few times over.
     per_req = _ceil_div(n_sms * TUNING["decode_ctas_per_sm"], B)
     grid = (B, max(1, min(_ceil_div(tiles, warps), per_req, _MAX_GRID_Y)), 1)
-    prefetch = 1 if (TUNING["decode_prefetch"] and layout == "bf16") else 0
-    kf, qf = int(layout == "fp8"), int(q.dtype == _FP8)
-    mma8 = _mma8(kf, qf)
-    expr = _expr(kf, qf, next_n, 1, warps, prefetch, TUNING["decode_l2_hint"], mma8)
-    if expr not in _DECLARED:  # the L2-hint variants exist for the main decode shapes only
-        expr = _expr(kf, qf, next_n, 1, warps, prefetch, 2, mma8)
-    mode = _MODE_LENS_2D if context_lens.dim() == 2 else _MODE_CAUSAL_1D
-    bt_width = block_table.shape[1]
-    args = (q.data_ptr(), weights.data_ptr(), kv_cache.data_ptr(), _I64(kv_cache.shape[0]),
-            block_table.data_ptr(), _I64(block_table.stride(0) if bt_width > 0 else 0), _I32(bt_width),
-            context_lens.data_ptr(), context_lens.data_ptr(), _I32(mode), _I32(0), _I32(B * next_n),
-            _I32(width), out.data_ptr(), _I64(out.stride(0)), _I32(width), _I32(0),
-            _I32(1 if clean_logits else 0))
-    _launch(expr, q.device, grid, warps, next_n, args)
+    _launch(_expr(kf, qf, next_n, 1, warps, 0, 2, mma8), q.device, grid, warps, next_n, args)
     return out
 
 

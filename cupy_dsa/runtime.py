@@ -33,6 +33,7 @@ _INSTANTIATIONS: dict[str, list[str]] = {}
 _FUNCTIONS: dict[tuple, object] = {}
 _STREAMS: dict[int, object] = {}
 _SMEM_OPT_IN: dict[tuple, int] = {}
+_OCCUPANCY: dict[tuple, int] = {}
 _ARCHS: dict[int, str] = {}
 _LOCK = threading.Lock()
 
@@ -204,6 +205,27 @@ def launch(filename: str, name_expression: str, device: torch.device, grid, bloc
             fn(grid, block, args, shared_mem=shared_mem, stream=stream)
     else:
         fn(grid, block, args, shared_mem=shared_mem, stream=stream)
+
+
+def resident_ctas_per_sm(filename: str, name_expression: str, device_index: int, threads: int,
+                         shared_mem: int) -> int:
+    """CTAs of one instantiation that fit on one SM at once (the driver's occupancy calculator; cached).
+    Sizes the one-wave grids of the balanced decode kernels."""
+    key = (device_index, filename, name_expression, threads, shared_mem)
+    n = _OCCUPANCY.get(key)
+    if n is None:
+        fn = get_function(filename, name_expression, device_index)
+        if shared_mem > 48 * 1024 and _SMEM_OPT_IN.get(key[:3], 0) < shared_mem:
+            fn.max_dynamic_shared_size_bytes = shared_mem
+            _SMEM_OPT_IN[key[:3]] = shared_mem
+        cp = cupy_module()
+        with cp.cuda.Device(device_index):
+            n = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, shared_mem)
+        if n < 1:
+            raise RuntimeError(f"{name_expression}: no CTA of {threads} threads and {shared_mem} B of shared "
+                               f"memory fits on an SM of device {device_index}")
+        _OCCUPANCY[key] = n
+    return n
 
 
 def warm_up(device: torch.device | int | None = None) -> int:

@@ -94,6 +94,75 @@ __device__ __forceinline__ i64 slot_byte_offset(i64 out_loc, i64 num_pages) {
 }
 
 
+// ---- balanced decode schedule ---------------------------------------------------------------------
+// The plan of a decode batch (paged_mqa_logits_plan) is int64 [batch + 1]: plan[b] = pages (64 keys) that
+// the requests before b must compute, plan[batch] = T in all. A request's computed pages are those some of
+// its rows sees: ceil(max row length / 64), whatever the block table or the output width. CTA c of a grid of
+// C takes the global pages [c T / C, (c+1) T / C) of the concatenation over requests: every CTA gets the
+// same share whatever the mix of lengths, and the grid depends on the device only (CUDA-graph safe).
+
+// Pages request b computes (row lengths as the decode kernels read them; negative lengths are empty).
+__device__ __forceinline__ int decode_pages(const int* __restrict__ lens, int lens_2d, int next_n, int b) {
+  int m = 0;
+  if (lens_2d) {
+    for (int r = 0; r < next_n; ++r) m = max(m, lens[static_cast<i64>(b) * next_n + r]);
+  } else {
+    m = lens[b];  // the last row sees the most: lens[b] - (next_n - 1 - r) at r = next_n - 1
+  }
+  return m > 0 ? m / kPageSlots + (m % kPageSlots != 0) : 0;
+}
+
+// Calls seg(b, page_begin, page_end) for each request segment of this CTA's share, in request order, with a
+// barrier between segments (they reuse shared memory). Called by every thread of the CTA.
+template <class F>
+__device__ __forceinline__ void for_each_decode_segment(const i64* __restrict__ plan, int batch, F&& seg) {
+  const i64 total = plan[batch];
+  const i64 g0 = total * blockIdx.x / gridDim.x, g1 = total * (blockIdx.x + 1) / gridDim.x;
+  if (g0 >= g1) return;  // CTA-uniform
+  // First request whose pages reach past g0 = the number of requests that end at or before it (plan is
+  // non-decreasing): one block-wide count per blockDim.x requests.
+  int b = 0;
+  for (int base = 0; base < batch; base += blockDim.x) {
+    const int i = base + static_cast<int>(threadIdx.x) + 1;
+    const int n = __syncthreads_count(i <= batch && plan[i] <= g0);
+    b += n;
+    if (n < static_cast<int>(blockDim.x)) break;  // CTA-uniform
+  }
+  bool first = true;
+  for (; b < batch; ++b) {
+    const i64 s = plan[b], e = plan[b + 1];
+    if (s >= g1) break;
+    const i64 lo = max(g0, s), hi = min(g1, e);
+    if (lo >= hi) continue;  // a request with no pages
+    if (!first) __syncthreads();
+    first = false;
+    seg(b, static_cast<int>(lo - s), static_cast<int>(hi - s));
+  }
+}
+
+// clean_logits: -inf in every column [64 p, min(64 p + 64, width)) of the next_n rows of request b for the
+// pages p in [pages_b, ceil(width / 64)) that no CTA computes (pages_b = plan[b+1] - plan[b]). Page p of
+// request b is unit b * W + p of the batch x W grid; CTA c writes the units = c mod C, so every element is
+// written by exactly one CTA and the fill is spread evenly. Called by every thread of the CTA.
+__device__ __forceinline__ void fill_uncomputed_pages(const i64* __restrict__ plan, int batch, int next_n,
+                                                      int width, float* __restrict__ out, i64 out_stride) {
+  const i64 wp = width / kPageSlots + (width % kPageSlots != 0);
+  const i64 C = gridDim.x, c = blockIdx.x;
+  const float neg_inf = __int_as_float(0xff800000);
+  for (int b = 0; b < batch; ++b) {
+    const i64 pb = plan[b + 1] - plan[b];
+    if (pb >= wp) continue;
+    const i64 u0 = static_cast<i64>(b) * wp + pb;           // first unit of request b to fill
+    for (i64 p = pb + ((c - u0 % C) + C) % C; p < wp; p += C) {
+      const int n0 = static_cast<int>(p) * kPageSlots, cols = min(kPageSlots, width - n0);
+      for (int i = threadIdx.x; i < next_n * kPageSlots; i += blockDim.x) {
+        const int r = i / kPageSlots, col = i % kPageSlots;
+        if (col < cols) out[(static_cast<i64>(b) * next_n + r) * out_stride + n0 + col] = neg_inf;
+      }
+    }
+  }
+}
+
 // ---- mma helpers ----
 // Tensor-core tile D += A * B for mma.sync m16n8k16 with fp32 accumulate (sm_80+). Fragments (PTX ISA,
 // gid = lane / 4, t = lane % 4): A row-major {a0a1, a2a3, a4a5, a6a7} = rows {gid, gid+8, gid, gid+8},

@@ -273,22 +273,50 @@ __device__ __forceinline__ float gid_reduce(const float (&p)[8], int lane) {
 }  // namespace logits
 }  // namespace dsa
 
-// q: [rows_total, 64, 128] fp8 e4m3 (QFp8) or bf16; weights fp32 [rows_total, 64]; kv: paged cache rows
-// (Paged; kv_pages pages, block table row of tile x at block_table + x * bt_tile_stride, bt_width entries) or
-// contiguous bf16 keys [num_keys, 128]. Rows of tile x: row_start + x*Rows + i, i < Rows, < row_end.
-// mode 0: len = lens0[x] - (Rows-1-i); mode 1: len = lens0[row]; mode 2: [lens0[row], lens1[row]).
-// out row (row - row_start), stride out_stride, `width` columns. L2Hint: L2 prefetch size of the key loads
-// (2: 256 B, 1: 128 B, 0: none). Mma8: fp8 keys x fp8 q on the e4m3 mma (0: never, 1: native targets, 2: all
-// sm_89+ targets), see the header.
+namespace dsa {
+namespace logits {
+
+// One launch's problem (see the kernels below for the tensor contracts).
+struct Problem {
+  const unsigned char* q;
+  const float* weights;
+  const unsigned char* kv;
+  i64 kv_pages;
+  const int* block_table;
+  i64 bt_tile_stride;
+  int bt_width;
+  const int* lens0;
+  const int* lens1;
+  int mode;
+  int row_start;
+  int row_end;
+  int num_keys;
+  float* out;
+  i64 out_stride;
+  int width;
+  int compressed;
+  int clean;
+};
+
+// Row tile `tile` (rows row_start + tile*Rows + i) against its key tiles in [t_lo, t_hi) (32 keys each): CTA
+// part `part` of `parts` takes every parts-th group of Warps tiles. Called by every thread of the CTA; uses
+// the dynamic shared memory for q, so a second call needs a barrier first.
 template <int KeyFp8, int QFp8, int Rows, int Paged, int Warps, int Prefetch, int L2Hint, int Mma8>
-__global__ void __launch_bounds__(Warps * 32, (dsa::logits::Config<KeyFp8, Rows, Warps, Prefetch>::MinBlocks))
-    mqa_logits_kernel(const unsigned char* __restrict__ q, const float* __restrict__ weights,
-                      const unsigned char* __restrict__ kv, long long kv_pages, const int* __restrict__ block_table,
-                      long long bt_tile_stride, int bt_width, const int* __restrict__ lens0,
-                      const int* __restrict__ lens1, int mode, int row_start, int row_end, int num_keys,
-                      float* __restrict__ out, long long out_stride, int width, int compressed, int clean) {
-  using namespace dsa;
-  using namespace dsa::logits;
+__device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int t_lo, int t_hi, int part,
+                                                int parts) {
+  const unsigned char* __restrict__ q = P.q;
+  const float* __restrict__ weights = P.weights;
+  const unsigned char* __restrict__ kv = P.kv;
+  const i64 kv_pages = P.kv_pages;
+  const int* __restrict__ block_table = P.block_table;
+  const i64 bt_tile_stride = P.bt_tile_stride;
+  const int bt_width = P.bt_width;
+  const int* __restrict__ lens0 = P.lens0;
+  const int* __restrict__ lens1 = P.lens1;
+  const int mode = P.mode, row_start = P.row_start, row_end = P.row_end, num_keys = P.num_keys;
+  float* __restrict__ out = P.out;
+  const i64 out_stride = P.out_stride;
+  const int width = P.width, compressed = P.compressed, clean = P.clean;
   static_assert(Rows >= 1 && Rows <= kMaxRows, "Rows");
   static_assert(Paged || !KeyFp8, "contiguous keys are bf16");
   // F8: fp8 keys x fp8 q with the e4m3 mma: Mma8 = 1 where the target runs it natively (sm_89, sm_120+),
@@ -306,7 +334,6 @@ __global__ void __launch_bounds__(Warps * 32, (dsa::logits::Config<KeyFp8, Rows,
   float2* ws = reinterpret_cast<float2*>(smem + Rows * kQWords);      // [Rows][4][8]: (w[16i+g], w[16i+g+8])
   __shared__ int s_lo[kMaxRows], s_hi[kMaxRows], s_off[kMaxRows];
 
-  const int tile = gridDim.x - 1 - blockIdx.x;  // last row tile first: causal prefill runs heaviest first
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int row0 = row_start + tile * Rows;
 
@@ -346,9 +373,11 @@ __global__ void __launch_bounds__(Warps * 32, (dsa::logits::Config<KeyFp8, Rows,
     t_begin = lo_min / kTileKeys;
     t_end = (hi_max + kTileKeys - 1) / kTileKeys;
   }
-  const int stride = gridDim.y * Warps;                  // tiles between a warp's consecutive tiles
-  if (t_begin + static_cast<int>(blockIdx.y) * Warps >= t_end) return;  // no tile for this CTA
-  const int t_warp = t_begin + blockIdx.y * Warps + warp;  // this warp's first tile
+  t_begin = max(t_begin, t_lo);
+  t_end = min(t_end, t_hi);
+  const int stride = parts * Warps;                      // tiles between a warp's consecutive tiles
+  if (t_begin + part * Warps >= t_end) return;           // no tile for this CTA (CTA-uniform)
+  const int t_warp = t_begin + part * Warps + warp;      // this warp's first tile
 
   // ---- stage row ranges, weights and q fragments (rows that see nothing are never read) ----
   if (tid < Rows) {
@@ -502,3 +531,85 @@ __global__ void __launch_bounds__(Warps * 32, (dsa::logits::Config<KeyFp8, Rows,
     }
   }
 }
+
+}  // namespace logits
+}  // namespace dsa
+
+#define DSA_LOGITS_ARGS                                                                                      \
+  const unsigned char *__restrict__ q, const float *__restrict__ weights, const unsigned char *__restrict__ kv, \
+      long long kv_pages, const int *__restrict__ block_table, long long bt_tile_stride, int bt_width,      \
+      const int *__restrict__ lens0, const int *__restrict__ lens1, int mode, int row_start, int row_end,   \
+      int num_keys, float *__restrict__ out, long long out_stride, int width, int compressed, int clean
+#define DSA_LOGITS_PROBLEM                                                                                   \
+  dsa::logits::Problem {                                                                                     \
+    q, weights, kv, kv_pages, block_table, bt_tile_stride, bt_width, lens0, lens1, mode, row_start, row_end, \
+        num_keys, out, out_stride, width, compressed, clean                                                  \
+  }
+
+// q: [rows_total, 64, 128] fp8 e4m3 (QFp8) or bf16; weights fp32 [rows_total, 64]; kv: paged cache rows
+// (Paged; kv_pages pages, block table row of tile x at block_table + x * bt_tile_stride, bt_width entries) or
+// contiguous bf16 keys [num_keys, 128]. Rows of tile x: row_start + x*Rows + i, i < Rows, < row_end.
+// mode 0: len = lens0[x] - (Rows-1-i); mode 1: len = lens0[row]; mode 2: [lens0[row], lens1[row]).
+// out row (row - row_start), stride out_stride, `width` columns. L2Hint: L2 prefetch size of the key loads
+// (2: 256 B, 1: 128 B, 0: none). Mma8: fp8 keys x fp8 q on the e4m3 mma (0: never, 1: native targets, 2: all
+// sm_89+ targets), see the header.
+// Grid: x = row tile (the last first: causal prefill runs its heaviest tiles first), y = CTAs sharing its keys.
+template <int KeyFp8, int QFp8, int Rows, int Paged, int Warps, int Prefetch, int L2Hint, int Mma8>
+__global__ void __launch_bounds__(Warps * 32, (dsa::logits::Config<KeyFp8, Rows, Warps, Prefetch>::MinBlocks))
+    mqa_logits_kernel(DSA_LOGITS_ARGS) {
+  dsa::logits::logits_row_tile<KeyFp8, QFp8, Rows, Paged, Warps, Prefetch, L2Hint, Mma8>(
+      DSA_LOGITS_PROBLEM, gridDim.x - 1 - blockIdx.x, 0, 0x7fffffff, blockIdx.y, gridDim.y);
+}
+
+// Paged decode with the balanced schedule: grid (C) = one wave, 4 warps, row tile = request b with its
+// Rows = next_n rows (mode 0 or 1, row_start 0, row_end = batch * Rows, num_keys = width, compressed 0).
+// CTA c runs the request segments of its share of the plan (int64 [batch + 1], see common.cuh), a segment of
+// pages [p0, p1) being key tiles [2 p0, 2 p1); with `clean` it then writes -inf over its share of the pages
+// no CTA computes.
+template <int KeyFp8, int QFp8, int Rows, int Prefetch, int L2Hint, int Mma8>
+__global__ void __launch_bounds__(128, (dsa::logits::Config<KeyFp8, Rows, 4, Prefetch>::MinBlocks))
+    mqa_logits_decode_kernel(DSA_LOGITS_ARGS, const long long* __restrict__ plan, int batch) {
+  const dsa::logits::Problem P = DSA_LOGITS_PROBLEM;
+  dsa::for_each_decode_segment(plan, batch, [&](int b, int p_begin, int p_end) {
+    dsa::logits::logits_row_tile<KeyFp8, QFp8, Rows, 1, 4, Prefetch, L2Hint, Mma8>(
+        P, b, 2 * p_begin, 2 * p_end, 0, 1);
+  });
+  if (clean) dsa::fill_uncomputed_pages(plan, batch, Rows, width, out, out_stride);
+}
+
+// The plan of a decode batch (common.cuh): plan[0] = 0, plan[b + 1] = plan[b] + decode_pages(b). One CTA of
+// 1024 threads, a block-wide inclusive scan per 1024 requests; lens as for the decode kernels.
+__global__ void __launch_bounds__(1024) paged_mqa_logits_plan_kernel(const int* __restrict__ lens, int lens_2d,
+                                                                     int batch, int next_n,
+                                                                     long long* __restrict__ plan) {
+  __shared__ long long s_warp[32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (tid == 0) plan[0] = 0;
+  long long carry = 0;
+  for (int base = 0; base < batch; base += 1024) {
+    const int b = base + tid;
+    long long x = b < batch ? dsa::decode_pages(lens, lens_2d, next_n, b) : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const long long y = __shfl_up_sync(0xffffffffu, x, o);
+      if (lane >= o) x += y;
+    }
+    if (lane == 31) s_warp[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+      long long y = s_warp[lane];
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const long long z = __shfl_up_sync(0xffffffffu, y, o);
+        if (lane >= o) y += z;
+      }
+      s_warp[lane] = y;
+    }
+    __syncthreads();
+    if (b < batch) plan[b + 1] = carry + (warp > 0 ? s_warp[warp - 1] : 0) + x;
+    carry += s_warp[31];
+    __syncthreads();
+  }
+}
+#undef DSA_LOGITS_PROBLEM
+#undef DSA_LOGITS_ARGS

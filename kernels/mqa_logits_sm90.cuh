@@ -426,41 +426,6 @@ __device__ __forceinline__ void run_pages(const Args& A, int b, int p_begin, int
   cp_async_wait<0>();  // no copy may outlive the segment
 }
 
-// Block-wide scan of count(b), b < B (every thread calls it): returns the total and, for g >= 0, stores in
-// *fb / *fs the request b with S_b <= g < S_b + count(b) (S_b: exclusive prefix) and S_b; *fb = B if none.
-template <class F>
-__device__ __forceinline__ long long scan_find(int B, F count, long long g, int* s_warp, int* fb, long long* fs) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  __syncthreads();  // every thread is done with the previous result in *fb / *fs
-  if (tid == 0) *fb = B;
-  long long carry = 0;
-  for (int base = 0; base < B; base += 128) {
-    const int b = base + tid;
-    const int v = b < B ? count(b) : 0;
-    int x = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, x, o);
-      if (lane >= o) x += y;
-    }
-    if (lane == 31) s_warp[warp] = x;
-    __syncthreads();
-    int before = 0, total = 0;
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      before += w < warp ? s_warp[w] : 0;
-      total += s_warp[w];
-    }
-    const long long S = carry + before + x - v;
-    if (v > 0 && S <= g && g < S + v) {
-      *fb = b;
-      *fs = S;
-    }
-    carry += total;
-    __syncthreads();
-  }
-  return carry;
-}
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 }  // namespace sm90
@@ -496,65 +461,22 @@ __global__ void __launch_bounds__(128, MinBlocks) mqa_logits_sm90_kernel(DSA_SM9
 #endif
 }
 
-// Balanced variant: grid (C), block 128, same shared memory. The pages some row sees, concatenated over all
-// requests (T in total), are cut into C even ranges; CTA c runs the request segments of range c one after
-// the other (q re-staged per segment). With `clean`, the -inf pages (per request: ceil(width/64) minus its
-// computed pages) are cut the same way. Load balance no longer depends on the length mix of the batch.
+// Balanced schedule: grid (C) = one wave, block 128, same shared memory. CTA c runs the request segments of
+// its share of the batch's computed pages (plan: int64 [batch + 1], see for_each_decode_segment in
+// common.cuh), q and weights re-staged per segment; with `clean` it then writes -inf over its share of the
+// pages no CTA computes. The time no longer depends on the mix of lengths, only on the pages in all.
 template <int QFp8, int NextN, int Stages, int MinBlocks, int Split>
-__global__ void __launch_bounds__(128, MinBlocks) mqa_logits_sm90_balanced_kernel(DSA_SM90_ARGS, int batch) {
+__global__ void __launch_bounds__(128, MinBlocks)
+    mqa_logits_sm90_decode_kernel(DSA_SM90_ARGS, const long long* __restrict__ plan, int batch) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace dsa::sm90;
   extern __shared__ unsigned char smem_raw[];
-  __shared__ int s_warp[4], s_fb;
-  __shared__ long long s_fs;
   const Args A{q, weights, kv, kv_pages, block_table, bt_stride, bt_width, lens, lens_2d, width, out, out_stride,
                clean};
-  const long long C = gridDim.x, c = blockIdx.x;
-  auto cpages = [&](int b) -> int { return compute_pages<NextN>(A, b); };
-  {
-    const long long T = scan_find(batch, cpages, -1, s_warp, &s_fb, &s_fs);
-    const long long g0 = c * T / C, g1 = (c + 1) * T / C;
-    if (g0 < g1) {
-      scan_find(batch, cpages, g0, s_warp, &s_fb, &s_fs);
-      int b = s_fb;
-      long long S = s_fs;
-      bool first = true;
-      for (; b < batch && S < g1; ++b) {
-        const int v = cpages(b);
-        const long long lo = max(g0 - S, 0ll), hi = min(g1 - S, static_cast<long long>(v));
-        if (lo < hi) {
-          if (!first) __syncthreads();  // previous segment's q / weights no longer read
-          first = false;
-          run_pages<QFp8, NextN, Stages, Split>(A, b, static_cast<int>(lo), static_cast<int>(hi), smem_raw);
-        }
-        S += v;
-      }
-    }
-  }
-  if (clean) {  // -inf pages: request b's pages [cpages(b), ceil(width/64))
-    const int wp = (width + dsa::kPageSlots - 1) / dsa::kPageSlots;
-    auto fpages = [&](int b) -> int { return wp - cpages(b); };
-    const long long T = scan_find(batch, fpages, -1, s_warp, &s_fb, &s_fs);
-    const long long g0 = c * T / C, g1 = (c + 1) * T / C;
-    if (g0 < g1) {
-      scan_find(batch, fpages, g0, s_warp, &s_fb, &s_fs);
-      int b = s_fb;
-      long long S = s_fs;
-      for (; b < batch && S < g1; ++b) {
-        const int cp = cpages(b), v = wp - cp;
-        const long long lo = max(g0 - S, 0ll), hi = min(g1 - S, static_cast<long long>(v));
-        if (lo < hi) {
-          const int n_lo = (cp + static_cast<int>(lo)) * dsa::kPageSlots;
-          const int n_hi = min((cp + static_cast<int>(hi)) * dsa::kPageSlots, width);
-          for (int i = threadIdx.x; i < NextN * (n_hi - n_lo); i += 128) {
-            const int r = i / (n_hi - n_lo), n = n_lo + i % (n_hi - n_lo);
-            out[(static_cast<long long>(b) * NextN + r) * out_stride + n] = __int_as_float(0xff800000);
-          }
-        }
-        S += v;
-      }
-    }
-  }
+  dsa::for_each_decode_segment(plan, batch, [&](int b, int p_begin, int p_end) {
+    run_pages<QFp8, NextN, Stages, Split>(A, b, p_begin, p_end, smem_raw);
+  });
+  if (clean) dsa::fill_uncomputed_pages(plan, batch, NextN, width, out, out_stride);
 #else
   __trap();
 #endif

@@ -8,7 +8,7 @@ memory errors are reported by the sanitizer itself.
 import torch
 
 import cupy_dsa
-from cupy_dsa import runtime
+from cupy_dsa import logits, runtime
 
 dev = torch.device("cuda")
 torch.manual_seed(0)
@@ -49,21 +49,40 @@ def run_store():
     return n
 
 
-def run_logits():
+def run_decode():
+    """Both decode kernels (sm_90: wgmma and mma.sync for bf16 keys), plans built inside and given, mixed
+    lengths with zeros, one request longer than the table and the width, all-zero lengths, 2-D lengths."""
     n = 0
     for layout in ("bf16", "fp8"):
         cache = cupy_dsa.empty_cache(P, layout, device=dev)
         cache.random_(0, 120)                                  # small bytes: finite fp8 and bf16 values
+        for wgmma in ((1, 0) if layout == "bf16" else (1,)):
+            logits.TUNING["sm90_wgmma"] = wgmma
+            for q_dtype in (torch.float8_e4m3fn, torch.bfloat16):
+                for next_n in (1, 2, 3, 4):
+                    B, max_pages = 7, 5
+                    q = torch.randn(B, next_n, 64, 128, device=dev).to(q_dtype)
+                    w = torch.rand(B * next_n, 64, device=dev)
+                    lens = torch.tensor([0, 77, 5 * 64 + 9, 3, 0, 200, 64], dtype=torch.int32, device=dev)
+                    lens2 = (lens[:, None] - torch.arange(next_n, device=dev)[None, :]).to(torch.int32)
+                    bt = torch.randint(-2, P + 3, (B, max_pages), dtype=torch.int32, device=dev)  # bad entries
+                    for ctx in (lens, lens2.contiguous(), torch.zeros_like(lens)):
+                        plan = cupy_dsa.paged_mqa_logits_plan(ctx, next_n)
+                        for clean in (False, True):
+                            for width in (max_pages * 64, 3 * 64 + 5):
+                                cupy_dsa.paged_mqa_logits(q, cache, w, ctx, bt, width, clean_logits=clean,
+                                                          plan=plan if clean else None)
+                                n += 1
+    logits.TUNING["sm90_wgmma"] = 1
+    return n
+
+
+def run_logits():
+    n = run_decode()
+    for layout in ("bf16", "fp8"):
+        cache = cupy_dsa.empty_cache(P, layout, device=dev)
+        cache.random_(0, 120)
         for q_dtype in (torch.float8_e4m3fn, torch.bfloat16):
-            for next_n in (1, 2, 3, 4):
-                B, max_pages = 3, 5
-                q = torch.randn(B, next_n, 64, 128, device=dev).to(q_dtype)
-                w = torch.rand(B * next_n, 64, device=dev)
-                lens = torch.tensor([0, 77, 5 * 64 + 9], dtype=torch.int32, device=dev)  # last one too long
-                bt = torch.randint(-2, P + 3, (B, max_pages), dtype=torch.int32, device=dev)  # bad entries
-                for clean in (False, True):
-                    cupy_dsa.paged_mqa_logits(q, cache, w, lens, bt, max_pages * 64, clean_logits=clean)
-                    n += 1
             T = 37
             q = torch.randn(T, 64, 128, device=dev).to(q_dtype)
             w = torch.rand(T, 64, device=dev)
@@ -83,8 +102,13 @@ def run_logits():
 
 
 if __name__ == "__main__":
+    import sys
+
     print("instantiations warmed:", runtime.warm_up(dev))
-    print("store launches:", run_store())
-    print("logits launches:", run_logits())
+    if sys.argv[1:] == ["decode"]:     # racecheck / initcheck: the decode kernels and the plan only
+        print("decode launches:", run_decode())
+    else:
+        print("store launches:", run_store())
+        print("logits launches:", run_logits())
     torch.cuda.synchronize()
     print("gpu_sanitize: done")

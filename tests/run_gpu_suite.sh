@@ -12,6 +12,12 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
 echo "commit ${CUPY_DSA_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null)}"
 
+# DeepGEMM (the peer the bench measures live) when its source was carried in .anchors
+if [ -f .anchors/build_deepgemm.sh ]; then
+  bash .anchors/build_deepgemm.sh /tmp/deepgemm >"$OUT/deepgemm_build.log" 2>&1 \
+    && export PYTHONPATH=/tmp/deepgemm${PYTHONPATH:+:$PYTHONPATH} && echo "DeepGEMM: $(tail -1 "$OUT/deepgemm_build.log")" \
+    || { echo "DeepGEMM build failed"; tail -5 "$OUT/deepgemm_build.log"; }
+fi
 K=${1:-}
 python3 -m pytest -q -m gpu tests ${K:+-k "$K"} -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log"
 PYTEST_LINE=$(tail -1 "$OUT/pytest_gpu.log")
@@ -20,6 +26,12 @@ compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/gpu_sanitize.
 SAN_RC=$?
 SAN_LINE=$(grep -E "ERROR SUMMARY" "$OUT/sanitizer.log" | tail -1)
 tail -5 "$OUT/sanitizer.log"
+# racecheck (shared memory) and initcheck (reads of unwritten device memory) over the decode kernels and plan
+for tool in racecheck initcheck; do
+  compute-sanitizer --tool $tool --error-exitcode 9 python3 tests/gpu_sanitize.py decode >"$OUT/$tool.log" 2>&1
+  echo "compute-sanitizer $tool (rc=$?): $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/$tool.log" | tail -1)" \
+    | tee -a "$OUT/sanitizers.txt"
+done
 
 if [ -z "${SKIP_BENCH:-}" ]; then
   python3 -m cupy_dsa bench all --backend cuda --json "$OUT/h200.json" --plot "$OUT/h200.png" \
@@ -30,5 +42,6 @@ echo "device: $(cat "$OUT/device.txt")"
 echo "commit: ${CUPY_DSA_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}"
 echo "pytest -m gpu: $PYTEST_LINE"
 echo "compute-sanitizer memcheck (rc=$SAN_RC): $SAN_LINE"
+cat "$OUT/sanitizers.txt"
 [ -f "$OUT/headline.md" ] && cat "$OUT/headline.md"
 exit 0

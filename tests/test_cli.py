@@ -22,8 +22,9 @@ ROW_KEYS = {
               "tokens_fit": int, "tokens_fit_vs_fp8": NUM, "index_share": NUM},
     "store": {"n_tokens": int, "layout": str, "numerics": str, "kv_dtype": str, "time_us": NUM,
               "tokens_per_s": NUM, "gbps": NUM, "pct_copy": NUM, "error": type(None)},
-    "decode": {"batch": int, "context": int, "next_n": int, "layout": str, "q_dtype": str, "time_us": NUM,
-               "gbps": NUM, "pct_copy": NUM, "gkeys_per_s": NUM, "error": type(None)},
+    "decode": {"batch_name": str, "batch": int, "entries": int, "context": int, "width": int, "next_n": int,
+               "layout": str, "q_dtype": str, "time_us": NUM, "plan_us": NUM, "gbps": NUM, "key_gbps": NUM,
+               "gkeys_per_s": NUM, "error": type(None)},
     "prefill": {"rows": int, "keys": int, "kv": str, "layout": str, "time_us": NUM, "tflops": NUM,
                 "pct_matmul": NUM, "visible_pairs": int, "error": type(None)},
     "recall": {"context_tokens": int, "index_entries": int, "k": int, "format": str, "queries": int,
@@ -97,9 +98,13 @@ def test_subcommand_cpu_quick(sub, runs):
 def test_logits_rows(runs):
     rows = runs["logits"][1]["logits"]
     dec = [r for r in rows if r["mode"] == "decode"]
-    assert {r["next_n"] for r in dec} == {1, 2, 4} and {r["layout"] for r in dec} == {"bf16", "fp8"}
+    assert {r["next_n"] for r in dec} == {1, 2} and {r["layout"] for r in dec} == {"bf16", "fp8"}
+    assert any(r["width"] > r["context"] for r in dec) and any(r["entries"] < r["batch"] * r["context"]
+                                                               for r in dec)   # a mixed batch, a wide table
     for r in dec:
-        assert (r["torch_time_us"] is not None) == (r["next_n"] == 1 and r["q_dtype"] == "fp8"), r
+        assert (r["torch_time_us"] is not None) == (r["batch_name"] == "1 x 256" and r["next_n"] == 1
+                                                    and r["q_dtype"] == "fp8"), r
+        assert r["deepgemm_us"] is None and r["deepgemm_note"]            # no GPU: the peer is said absent
         if r["layout"] == "fp8":
             assert r["time_vs_fp8"] == 1.0
     assert {r["kv"] for r in rows if r["mode"] == "prefill"} == {"contiguous", "paged"}
@@ -207,8 +212,8 @@ def test_torch_baseline_matches_the_op(layout, seed):
 
     g = torch.Generator().manual_seed(seed)
     B, ctx = 2, 200
-    cache, tables, q, w, lens = sweeps._decode_inputs(torch.device("cpu"), B, ctx, 1, layout, "fp8", 1, g)
-    lens = torch.tensor([ctx, 77], dtype=torch.int32)
+    batch = sweeps.DecodeBatch("test", [ctx, 77], ctx)
+    cache, tables, q, w, lens = sweeps._decode_inputs(torch.device("cpu"), batch, 1, layout, "fp8", 1, g)
     ref = cupy_dsa.paged_mqa_logits(q, cache, w, lens, tables[0], ctx, clean_logits=False)
     got = sweeps.torch_gather_bmm(q, cache, w, lens, tables[0], ctx, layout)
     for b in range(B):
@@ -217,6 +222,16 @@ def test_torch_baseline_matches_the_op(layout, seed):
         rel = ((a - e).norm() / e.norm()).item()
         assert rel < 2e-2, f"row {b}: relative L2 error {rel:.3g}"
         assert torch.all(got[b, n:] == 0)
+
+
+def test_long_tail_lengths(seed):
+    from cupy_dsa.bench import sweeps
+
+    for B in (32, 64, 128):
+        lens = sweeps.long_tail(B, seed)
+        assert len(lens) == B and min(lens) >= 128 and max(lens) <= 120 * 1024
+        assert sum(x >= 116 * 1024 for x in lens) >= max(1, B // 16)        # a few near the maximum
+        assert sorted(lens)[B // 2] < 32 * 1024                             # most are short
 
 
 def test_fp4_simulate_is_nearest_e2m1(seed):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from cupy_dsa import layouts
-from cupy_dsa.logits import (mqa_logits, mqa_logits_reference, paged_mqa_logits, paged_mqa_logits_reference)
+from cupy_dsa.logits import (mqa_logits, mqa_logits_reference, paged_mqa_logits, paged_mqa_logits_plan,
+                             paged_mqa_logits_plan_reference, paged_mqa_logits_reference)
 
 FP8 = torch.float8_e4m3fn
 H, D, PS = 64, 128, 64
@@ -247,6 +248,52 @@ def test_references_direct(seed):
     assert torch.equal(mqa_logits_reference(q2, kv, w2, ks, ke), mqa_logits(q2, kv, w2, ks, ke))
 
 
+def plan_oracle(ctx, next_n):
+    """Pages each request computes (ceil(longest row / 64)), as an exclusive prefix over requests."""
+    out = [0]
+    for row in ctx.long().reshape(ctx.shape[0], -1 if ctx.numel() else 1).tolist():
+        m = max(row) if len(row) else 0
+        out.append(out[-1] + (max(m, 0) + PS - 1) // PS)
+    return torch.tensor(out, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("lens_2d", [False, True], ids=["lens1d", "lens2d"])
+def test_plan_reference(seed, lens_2d):
+    for B, next_n in ((0, 1), (1, 1), (7, 2), (1500, 3), (33, 4)):
+        shape = (B, next_n) if lens_2d else (B,)
+        ctx = torch.randint(-70, 5000, shape, dtype=torch.int32)
+        plan = paged_mqa_logits_plan(ctx, next_n)
+        assert torch.equal(plan, plan_oracle(ctx, next_n)), (B, next_n)
+        buf = torch.full((B + 1,), -5, dtype=torch.int64)
+        assert paged_mqa_logits_plan(ctx, next_n, out=buf).data_ptr() == buf.data_ptr()
+        assert torch.equal(buf, plan)
+        assert torch.equal(paged_mqa_logits_plan_reference(ctx, next_n), plan)
+
+
+def test_paged_reference_takes_plan(seed):
+    q, cache, deq, w, ctx, bt = random_paged_case(B=3, next_n=2, max_pages=4, P=9, layout="fp8", q_dtype=FP8,
+                                                  lens_2d=False)
+    a = paged_mqa_logits(q, cache, w, ctx, bt, 4 * PS, clean_logits=True, plan=paged_mqa_logits_plan(ctx, 2))
+    assert torch.equal(a, paged_mqa_logits(q, cache, w, ctx, bt, 4 * PS, clean_logits=True))
+
+
+@pytest.mark.parametrize("change,exc,name", [
+    (dict(next_n=0), ValueError, "next_n"),
+    (dict(next_n=5), ValueError, "next_n"),
+    (dict(next_n=1.0), TypeError, "next_n"),
+    (dict(context_lens=torch.zeros(3, dtype=torch.int64)), TypeError, "context_lens"),
+    (dict(context_lens=torch.zeros(3, 2, dtype=torch.int32)), ValueError, "context_lens"),
+    (dict(context_lens=torch.zeros(3, 4, dtype=torch.int32)[:, :1]), ValueError, "context_lens"),
+    (dict(out=torch.zeros(3, dtype=torch.int64)), ValueError, "plan"),
+    (dict(out=torch.zeros(4, dtype=torch.int32)), ValueError, "plan"),
+])
+def test_plan_bad_input(change, exc, name):
+    kw = dict(context_lens=torch.zeros(3, dtype=torch.int32), next_n=1)
+    kw.update(change)
+    with pytest.raises(exc, match=name):
+        paged_mqa_logits_plan(**kw)
+
+
 # --------------------------------------------------------------------------------------------------
 # Bad input
 # --------------------------------------------------------------------------------------------------
@@ -277,6 +324,15 @@ def test_paged_bad_input(change, exc, name):
     args.update(change)
     with pytest.raises(exc, match=name):
         paged_mqa_logits(**args)
+
+
+@pytest.mark.parametrize("plan,exc", [
+    ("not a tensor", TypeError), (torch.zeros(3, dtype=torch.int32), ValueError),
+    (torch.zeros(2, dtype=torch.int64), ValueError),
+])
+def test_paged_bad_plan(plan, exc):
+    with pytest.raises(exc, match="plan"):
+        paged_mqa_logits(**_paged_args(), plan=plan)
 
 
 def test_paged_bad_out():
@@ -389,17 +445,17 @@ def test_gpu_paged(seed, tuning, layout, q_dtype, next_n, lens_2d, prefetch, mma
 
 @gpu
 @pytest.mark.parametrize("layout", ["bf16", "fp8"])
-@pytest.mark.parametrize("ctas_per_sm", [16, 1], ids=["many-ctas", "few-ctas"])
-def test_gpu_paged_long(seed, tuning, layout, ctas_per_sm):
-    """Many pages per request: many tiles per warp (few CTAs) or few (many CTAs); short and full lengths."""
-    tuning(decode_ctas_per_sm=ctas_per_sm)
+@pytest.mark.parametrize("schedule", ["balanced", "fixed"])
+def test_gpu_paged_long(seed, tuning, layout, schedule):
+    """Many pages per request, short and full lengths, both schedules."""
+    tuning(decode_schedule=schedule)
     q, cache, deq, w, ctx, bt = gpu_paged_case(seed, B=16, next_n=2, max_pages=211, P=3500, layout=layout,
                                                q_dtype=FP8, lens_2d=False)
     ctx[2] = 211 * PS                                               # a full-length row
     width = 211 * PS
     want = oracle_paged(q, deq, w, ctx, bt, width)
     got = paged_mqa_logits(q, cache, w, ctx, bt, width, clean_logits=True)
-    check_close(got, want, clean=True, what=f"paged long {layout} ctas/SM={ctas_per_sm} seed={seed}")
+    check_close(got, want, clean=True, what=f"paged long {layout} {schedule} seed={seed}")
     assert got.stride(0) % 4 == 0
 
 
@@ -478,12 +534,17 @@ def test_gpu_variants_bitwise_equal(seed, tuning):
     """Tuning variants change scheduling, never the arithmetic order: results must be bitwise equal."""
     q, cache, _, w, ctx, bt = gpu_paged_case(seed, B=7, next_n=2, max_pages=50, P=400, layout="bf16",
                                              q_dtype=torch.bfloat16, lens_2d=False)
-    outs = []
-    for pf, cps in [(0, 8), (1, 8), (0, 1), (1, 2)]:
-        tuning(decode_prefetch=pf, decode_ctas_per_sm=cps)
-        outs.append(paged_mqa_logits(q, cache, w, ctx, bt, 50 * PS, clean_logits=True))
-    for i, o in enumerate(outs[1:], 1):
-        assert torch.equal(o, outs[0]), f"paged variant {i} differs: {int((o != outs[0]).sum())} entries"
+    for wgmma in (1, 0):        # sm_90: the wgmma kernel, then the mma.sync kernel (elsewhere: mma.sync twice)
+        outs = []
+        for pf, sched, cps in [(0, "balanced", 0), (1, "balanced", 0), (0, "fixed", 8), (1, "fixed", 1),
+                               (0, "balanced", 1)]:
+            tuning(sm90_wgmma=wgmma, decode_prefetch=pf, decode_schedule=sched, decode_ctas_per_sm=cps or 16,
+                   sm90_ctas_per_sm=cps)
+            outs.append(paged_mqa_logits(q, cache, w, ctx, bt, 50 * PS, clean_logits=True))
+        for i, o in enumerate(outs[1:], 1):
+            assert torch.equal(o, outs[0]), \
+                f"paged variant {i} (wgmma={wgmma}) differs: {int((o != outs[0]).sum())} entries"
+    tuning(sm90_wgmma=1, decode_schedule="balanced")
     T = 77
     q2 = make_q((T, H, D), FP8, "cuda")
     w2 = torch.randn(T, H, device="cuda")
@@ -587,6 +648,121 @@ def test_gpu_cuda_graph(seed, layout):
         torch.cuda.synchronize()
         check_close(out, oracle_paged(q, deq, w, ctx, bt, width), clean=True,
                     what=f"graph replay {step} {layout} seed={seed}")
+
+
+def mixed_lengths(B, next_n, max_len, lens_2d, device="cuda"):
+    """Serving-like lengths: zeros, one request ~100x longer than the rest at a random slot, none a
+    multiple of 64 by construction (odd offsets)."""
+    short = max(2, max_len // 100)
+    lens = torch.randint(0, short, (B,), dtype=torch.int32) | 1
+    lens[torch.randperm(B)[:max(1, B // 5)]] = 0                           # empty requests
+    lens[int(torch.randint(0, B, (1,)))] = max_len - int(torch.randint(1, 63, (1,))) | 1
+    if lens_2d:                                                              # per-row, MTP-like
+        lens = (lens[:, None] - (next_n - 1) + torch.arange(next_n, dtype=torch.int32)[None, :]).clamp_min(0)
+        lens = lens.contiguous()
+    return lens.to(device)
+
+
+def mixed_case(B, next_n, max_pages, P, layout, q_dtype, lens_2d):
+    """A batch of mixed lengths whose block table is far wider than most requests (max_context_len as
+    SGLang passes it: table width x 64), with invalid page ids inside and past the visible ranges."""
+    cache, deq = make_cache(P, layout, "cuda")
+    q = make_q((B, next_n, H, D), q_dtype, "cuda")
+    w = torch.randn(B * next_n, H, device="cuda")
+    ctx = mixed_lengths(B, next_n, max_pages * PS - 200, lens_2d)
+    bt = mixed_table(B, max_pages, P, ctx)
+    return q, cache, deq, w, ctx, bt
+
+
+def mixed_table(B, max_pages, P, ctx):
+    bt = torch.stack([torch.randperm(P)[:max_pages] for _ in range(B)]).to(torch.int32)
+    longest = int(ctx.view(B, -1).max(1).values.argmax())
+    bt[longest, 3] = -1                                                      # inside the visible range
+    bt[longest, 5] = P + 7
+    bt[:, -1] = -3                                                           # past every visible range
+    return bt.cuda()
+
+
+@gpu
+def test_gpu_plan(seed):
+    """The plan kernel equals the oracle (several 1024-request scan chunks, negative lengths, 2-D lens)."""
+    for B, next_n, lens_2d in ((1, 1, False), (5, 3, True), (1024, 1, False), (1500, 2, True), (3001, 4, False)):
+        shape = (B, next_n) if lens_2d else (B,)
+        ctx = torch.randint(-100, 300000, shape, dtype=torch.int32, device="cuda")
+        buf = torch.full((B + 1,), -7, dtype=torch.int64, device="cuda")
+        got = paged_mqa_logits_plan(ctx, next_n, out=buf)
+        assert got.data_ptr() == buf.data_ptr()
+        assert torch.equal(got.cpu(), plan_oracle(ctx.cpu(), next_n)), (B, next_n, lens_2d)
+
+
+@gpu
+@pytest.mark.parametrize("layout,kernel", [("bf16", "wgmma"), ("bf16", "mma"), ("fp8", "mma")])
+@pytest.mark.parametrize("next_n", [1, 2, 3, 4])
+@pytest.mark.parametrize("lens_2d", [False, True], ids=["lens1d", "lens2d"])
+def test_gpu_paged_mixed(seed, tuning, layout, kernel, next_n, lens_2d):
+    """Balanced schedule on mixed lengths: every column vs the fp64 oracle (clean on: exact -inf masks;
+    off: visible columns), NaN-poisoned outputs, nothing written past the width, bitwise reruns, plan
+    given or built inside."""
+    tuning(sm90_wgmma=int(kernel == "wgmma"))
+    B, max_pages, P = 23, 260, 300
+    q, cache, deq, w, ctx, bt = mixed_case(B, next_n, max_pages, P, layout, FP8 if next_n % 2 else torch.bfloat16,
+                                           lens_2d)
+    width = max_pages * PS
+    want = oracle_paged(q, deq, w, ctx, bt, width)
+    plan = paged_mqa_logits_plan(ctx, next_n)
+    for clean in (True, False):
+        buf, out = poisoned(B * next_n, width, pad=4)
+        got = paged_mqa_logits(q, cache, w, ctx, bt, width, clean_logits=clean, out=out, plan=plan)
+        what = f"mixed {layout}/{kernel} next_n={next_n} 2d={lens_2d} clean={clean} seed={seed}"
+        check_close(got, want, clean=clean, what=what)
+        check_untouched(buf, width, what)
+        for _ in range(3):
+            again = paged_mqa_logits(q, cache, w, ctx, bt, width, clean_logits=clean, plan=None if _ else plan)
+            vis = torch.isfinite(want) if not clean else torch.ones_like(want, dtype=torch.bool)
+            assert torch.equal(again[vis], got[vis]), f"{what}: rerun differs"
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["bf16", "fp8"])
+def test_gpu_cuda_graph_mixed(seed, layout):
+    """One capture (plan + two layers reusing it), replayed with new mixed lengths: the longest request in
+    another slot, then all lengths zero; every column checked (clean logits)."""
+    B, next_n, max_pages, P = 12, 2, 200, 260
+    q, cache, deq, w, ctx, bt = mixed_case(B, next_n, max_pages, P, layout, FP8, False)
+    w2 = torch.randn_like(w)
+    width = max_pages * PS
+    plan = torch.empty(B + 1, dtype=torch.int64, device="cuda")
+
+    def forward():
+        paged_mqa_logits_plan(ctx, next_n, out=plan)
+        return [paged_mqa_logits(q, cache, ww, ctx, bt, width, clean_logits=True, plan=plan) for ww in (w, w2)]
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = forward()
+    for step in ("new lengths", "longest moves", "all zero"):
+        new = mixed_lengths(B, next_n, max_pages * PS - 200, False)
+        if step == "longest moves":
+            new = torch.roll(ctx, 5)
+        if step == "all zero":
+            new.zero_()
+        ctx.copy_(new)
+        bt.copy_(mixed_table(B, max_pages, P, ctx))
+        q.copy_(make_q(q.shape, FP8, "cuda"))
+        for o in outs:
+            o.fill_(NAN)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(plan.cpu(), plan_oracle(ctx.cpu(), next_n)), step
+        for o, ww in zip(outs, (w, w2)):
+            check_close(o, oracle_paged(q, deq, ww, ctx, bt, width), clean=True,
+                        what=f"graph replay '{step}' {layout} seed={seed}")
 
 
 @gpu
