@@ -355,6 +355,43 @@ def test_warm_up_expressions_compiles_one_program_per_file(monkeypatch):
     assert all((7, "store_index_k.cu", e) in runtime._FUNCTIONS for e in store_exprs)
 
 
+def test_decode_plans_built_once_per_forward(monkeypatch):
+    import cupy_dsa
+
+    calls = []
+    real = cupy_dsa.paged_mqa_logits_plan
+
+    def plan(lens, next_n):
+        calls.append((lens.clone(), next_n))
+        return real(lens, next_n)
+
+    monkeypatch.setattr(cupy_dsa, "paged_mqa_logits_plan", plan)
+    md = types.SimpleNamespace(compressed_seq_lens=torch.tensor([300, 64, 900], dtype=torch.int32))
+    q = torch.randn(3, 64, 128).to(torch.float8_e4m3fn)
+    w, pt = torch.rand(3, 64), torch.arange(45, dtype=torch.int32).view(3, 15)
+    cache = torch.zeros(48, core.BF16_PAGE_BYTES, dtype=torch.uint8)
+    seen = []
+    real_logits = cupy_dsa.paged_mqa_logits
+    monkeypatch.setattr(cupy_dsa, "paged_mqa_logits", lambda *a, **k: seen.append(k.get("plan")) or real_logits(*a, **k))
+    for layer in (1, 3, 5):  # one forward: the first C4 layer builds the schedules, the others reuse them
+        plans = core.DecodePlans.for_layer(md, md.compressed_seq_lens, layer)
+        for r in core.row_chunks(3, 2, 960, False):
+            core.paged_logits(q, w, md.compressed_seq_lens, pt, cache, 960, r, plans)
+    assert len(calls) == 2 and [c[0].tolist() for c in calls] == [[300, 64], [900]]
+    assert len(seen) == 6 and seen[0] is seen[2] is seen[4] and seen[1] is seen[3] is seen[5]
+    assert seen[0].tolist() == [0, 5, 6]  # pages per request, cumulated (int64 [B + 1])
+    core.DecodePlans.for_layer(md, md.compressed_seq_lens, 1)  # layer 1 again: a new pass (forward, capture)
+    plans = core.DecodePlans.for_layer(md, md.compressed_seq_lens, 1)
+    plans.get(slice(0, 3), md.compressed_seq_lens)
+    assert len(calls) == 3
+    md.compressed_seq_lens.add_(1)  # written in place (graph replay buffers): rebuilt
+    plans = core.DecodePlans.for_layer(md, md.compressed_seq_lens, 2)
+    plans.get(slice(0, 3), md.compressed_seq_lens)
+    assert len(calls) == 4 and calls[-1][0].tolist() == [301, 65, 901]
+    monkeypatch.delattr(cupy_dsa, "paged_mqa_logits_plan")
+    assert core.DecodePlans.for_layer(types.SimpleNamespace(), md.compressed_seq_lens, 1) is None
+
+
 def test_rope_table_is_a_view():
     ang = torch.rand(16, 32)
     fc = torch.polar(torch.ones_like(ang), ang)

@@ -229,17 +229,64 @@ def _as_i32(t: torch.Tensor) -> torch.Tensor:
 
 
 def paged_logits(q: torch.Tensor, weights: torch.Tensor, lens: torch.Tensor, page_table: torch.Tensor,
-                 kvcache: torch.Tensor, max_len: int, rows: slice) -> torch.Tensor:
+                 kvcache: torch.Tensor, max_len: int, rows: slice, plans: "DecodePlans | None" = None) -> torch.Tensor:
     """Decode / verify / small-extend rows: ``q`` fp8 ``[R, 64, 128]``, ``weights`` fp32 ``[R, 64]``,
     ``lens`` (compressed lengths) ``[R]``, ``page_table`` int32 ``[R, max_pages]``; returns fp32
-    ``[len(rows), max_len]``."""
+    ``[len(rows), max_len]``. ``plans`` holds the forward's balanced schedules (one per row chunk)."""
     import cupy_dsa
 
     if q.is_cuda:
         ensure_warm(q.device)
+    lens_r = _as_i32(lens[rows]).contiguous()
+    kw = {}
+    if plans is not None:
+        kw["plan"] = plans.get(rows, lens_r)
     return cupy_dsa.paged_mqa_logits(
-        q[rows].unsqueeze(1).contiguous(), kvcache, weights[rows].contiguous(), _as_i32(lens[rows]).contiguous(),
-        _as_i32(page_table[rows]), int(max_len), clean_logits=False)
+        q[rows].unsqueeze(1).contiguous(), kvcache, weights[rows].contiguous(), lens_r,
+        _as_i32(page_table[rows]), int(max_len), clean_logits=False, **kw)
+
+
+class DecodePlans:
+    """The balanced decode schedules (``cupy_dsa.paged_mqa_logits_plan``) of one forward batch, built by
+    its first C4 layer and reused by the others (every layer sees the same lengths).
+
+    Kept on SGLang's per-forward ``PagedIndexerMetadata``. A pass over the layers starts again at a layer id
+    not above the last one seen (a new forward, a warm-up rerun, a CUDA-graph capture of the same batch):
+    the schedules are then rebuilt, so a capture records the plan kernel and each replay reruns it on the
+    new lengths. They are rebuilt too when the lengths tensor is another one or was written in place."""
+
+    ATTR = "_cupy_dsa_decode_plans"
+
+    def __init__(self, source: torch.Tensor):
+        self.key = (id(source), source._version)
+        self.last_layer = None
+        self.plans: dict[tuple, torch.Tensor] = {}
+
+    @classmethod
+    def for_layer(cls, holder, source: torch.Tensor, layer_id: int) -> "DecodePlans | None":
+        import cupy_dsa
+
+        if not hasattr(cupy_dsa, "paged_mqa_logits_plan"):
+            return None
+        state = getattr(holder, cls.ATTR, None)
+        if (state is None or state.key != (id(source), source._version)
+                or (state.last_layer is not None and layer_id <= state.last_layer)):
+            state = cls(source)
+            try:
+                setattr(holder, cls.ATTR, state)
+            except (AttributeError, TypeError):
+                return None  # no place to keep them: paged_mqa_logits builds one per call
+        state.last_layer = layer_id
+        return state
+
+    def get(self, rows: slice, lens: torch.Tensor) -> torch.Tensor:
+        import cupy_dsa
+
+        key = (rows.start, rows.stop, lens.shape[0])
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = cupy_dsa.paged_mqa_logits_plan(lens, 1)
+        return plan
 
 
 def prefill_logits(q: torch.Tensor, weights: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor,

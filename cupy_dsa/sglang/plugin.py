@@ -631,8 +631,10 @@ def forward_c4_indexer_bf16(self, *, x, q_lora, c4_indexer, forward_batch, alt_s
         if (plans is None or rows_per_chunk is None or len(plans) != len(chunks)
                 or rows != indexer_metadata.compressed_seq_lens.shape[0]):
             plans = None
+        decode_plans = core.DecodePlans.for_layer(indexer_metadata, indexer_metadata.compressed_seq_lens,
+                                                  c4_indexer.layer_id)
         for i, r in enumerate(chunks):
-            logits = core.paged_logits(q, weights, lens, page_table, kvcache, width, r)
+            logits = core.paged_logits(q, weights, lens, page_table, kvcache, width, r, decode_plans)
             run_topk(r, logits, plans[i] if plans is not None else None)
             del logits
 
