@@ -1,4 +1,5 @@
-"""Make SGLang 0.5.23 importable on a CPU-only test machine (spec sglang-plugin.md 6.3, route A).
+"""Make SGLang 0.5.23 importable on a CPU-only test machine (spec sglang-plugin.md 6.3, route A), and on a
+GPU machine without SGLang's kernel packages (:func:`install_kernel_stubs`, for tests/gpu_sglang_path.py).
 
 SGLang's model-side imports reach ``import torchvision.transforms`` (a multimodal helper), and PyPI has no
 CPU build of torchvision that loads next to CPU torch. No DeepSeek-V4 code path calls torchvision, so tests
@@ -84,3 +85,68 @@ def install() -> None:
     if "torchvision" in sys.modules or _real_torchvision_works():
         return
     sys.meta_path.insert(0, _TorchvisionStubFinder())
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernel-package stubs (GPU machine without sgl-kernel, DeepGEMM, FlashMLA, FlashInfer)
+# --------------------------------------------------------------------------------------------------
+
+KERNEL_PACKAGES = ("sgl_kernel", "deep_gemm", "flash_mla", "flashinfer")
+_STRICT = [False]
+
+
+class _KernelDummy(_Dummy):
+    """Like the torchvision dummy while SGLang imports (module-level decorators and aliases work); once
+    :func:`strict_kernel_stubs` ran, calling anything raises an error naming it, so a piece of SGLang that
+    needs a missing kernel package fails loudly instead of computing with dummies."""
+
+    def __getattr__(self, item):
+        if item.startswith("__") and item.endswith("__"):
+            raise AttributeError(item)
+        return _KernelDummy(f"{self._name}.{item}")
+
+    def __call__(self, *args, **kwargs):
+        if _STRICT[0]:
+            raise RuntimeError(f"{self._name} was called, but {self._name.split('.')[0]} is an import stub on "
+                               "this machine (not installed): use SGLang's torch fallback for this piece")
+        return _KernelDummy(f"{self._name}()")
+
+
+class _KernelStubModule(types.ModuleType):
+    def __getattr__(self, item):
+        if item.startswith("__") and item.endswith("__"):
+            raise AttributeError(item)
+        return _KernelDummy(f"{self.__name__}.{item}")
+
+
+class _KernelStubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, names):
+        self.names = tuple(names)
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.split(".")[0] in self.names:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _KernelStubModule(spec.name)
+        module.__path__ = []
+        module.__version__ = "0.0.0+cupy_dsa_stub"
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def install_kernel_stubs(names=KERNEL_PACKAGES) -> list[str]:
+    """Serve imports of the kernel packages among ``names`` that are not installed (before ``import
+    sglang``); returns the stubbed names."""
+    missing = [n for n in names if n not in sys.modules and importlib.util.find_spec(n) is None]
+    if missing and not any(isinstance(f, _KernelStubFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _KernelStubFinder(missing))
+    return missing
+
+
+def strict_kernel_stubs() -> None:
+    """From now on a call into a stubbed kernel package raises (call after the SGLang imports)."""
+    _STRICT[0] = True

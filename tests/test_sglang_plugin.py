@@ -177,6 +177,18 @@ def test_other_sglang_version_refuses_cleanly(tmp_path):
     assert "Failed to execute general plugin" not in r.stderr and "Applied" not in r.stderr
 
 
+@pytest.mark.sglang
+def test_gpu_sglang_path_dry_mode():
+    """tests/gpu_sglang_path.py (SGLang's pool, plans, metadata, store call site and forward_c4_indexer with
+    cupy_dsa's ops) in its CPU dry mode: the code the H200 runs, with the CPU backends on both sides."""
+    _require_sglang()
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu_sglang_path.py"), "--device", "cpu"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600, env=_child_env({}, 0))
+    last = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
+    assert r.returncode == 0 and last.startswith("SGLANG GPU PATH: PASS"), f"{r.stdout[-4000:]}\n{r.stderr[-3000:]}"
+    assert "6 phases" in last, last
+
+
 # --------------------------------------------------------------------------------------------------
 # Without SGLang
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,564 @@
+#!/usr/bin/env python3
+"""SGLang 0.5.23's own DeepSeek-V4 indexer code driving cupy_dsa's CUDA kernels, checked against the CPU path.
+
+A standalone script (not collected by pytest): ``bash tests/run_sglang_gpu.sh`` installs SGLang's wheels from
+``.whl_sgl/`` into a ``--target`` directory and runs it; ``python tests/gpu_sglang_path.py --device cpu`` is
+the dry mode (the same code with the CPU backends on both sides), which CI-style machines can run.
+
+What runs is SGLang's: the plugin loaded by ``load_plugins()`` (the hooks applied to SGLang's functions),
+``DeepSeekV4IndexerPool`` on the device (16384-byte bf16 page rows), ``CompressorDecodePlan`` /
+``CompressorPrefillPlan`` objects, ``PagedIndexerMetadata``, the compressor's call site
+``CompressorBackendMixin._forward_compress_all_in_one`` (its hooked ``compress_norm_rope_store``) and
+``C4IndexerBackendMixin.forward_c4_indexer`` (hooked) with SGLang's torch top-k. Stand-ins, each for a piece
+that needs a CUDA package or JIT this machine does not have:
+
+* ``compress_forward`` (SGLang's CUDA JIT compressor) returns the compressed rows given here;
+* ``_forward_prepare_normal`` (the q path: SGLang's fused JIT RoPE/Hadamard/fp8 quant) returns the fp8 q and
+  weights given here;
+* the plan rows are built here in SGLang's 16-byte DecodePlan / CompressPlan layout (SGLang's generator is
+  a CUDA JIT module, ``c_plan.cuh``, which needs nvcc);
+* top-k: SGLang's torch fallback ``topk_transform_pytorch_vectorized`` (``DSATopKBackend.TORCH``) instead of
+  sgl-kernel's; ``PagedIndexerMetadata`` without DeepGEMM's schedule (``SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1``);
+* ``get_parallel()`` answers ``attn_cp_size=1`` (no distributed state in one process);
+* imports of ``sgl_kernel`` / ``deep_gemm`` / ``flash_mla`` / ``flashinfer``, when not installed, are served by a
+  test-only stub (``tests/_sglang_env.py``) whose functions raise if anything calls them.
+
+Phases, each on both devices with the same inputs: the prompt's index keys stored through an extend plan;
+an extend batch of three requests of mixed lengths (paged kernel); a one-request extend (prefill kernel);
+decode; next_n 2 target verify; then decode in one ``torch.cuda.graph`` capture (two C4 layers sharing the
+batch's balanced schedule) replayed twice with new lengths and inputs. Checked: cache bytes (<= 1 bf16 ulp,
+same slots written), logits (valid columns), top-k overlap (>= 0.99 per row), page indices = the slot
+transform of the raw indices. Last line: ``SGLANG GPU PATH: PASS ...`` or ``FAIL ...``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+import types
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.dirname(HERE))  # this checkout's cupy_dsa when it is not pip-installed
+
+os.environ.update({
+    "SGLANG_CUPY_DSA_INDEX_K": "bf16",
+    "SGLANG_PLUGINS": "cupy_dsa",
+    "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1",              # PagedIndexerMetadata without DeepGEMM
+    "SGLANG_OPT_USE_TOPK_V2": "0",                         # the v2 top-k plan is a JIT kernel
+    "SGLANG_OPT_DSV4_NONPAGED_INDEXER_MIN_QUERY_TOKENS": "16",  # the one-request extend takes the prefill kernel
+})
+
+import _sglang_env  # noqa: E402
+
+_sglang_env.install()
+STUBBED = _sglang_env.install_kernel_stubs()
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+TOPK = 512
+N_PAGES = 96          # C4 index pages of the pool (64 compressed tokens each)
+PAGES_PER_REQ = 24    # page-table width (max compressed length 1536)
+PROMPTS = (701, 2103, 4101)   # tokens per request: compressed 175 (<= top-k), 525, 1025
+EXTEND = (40, 100, 60)        # the last tokens of each prompt as one extend batch
+MAX_POS = 8192
+PLAN_INVALID = 0xFFFFFFFF
+
+PROBLEMS: list[str] = []
+NOTES: list[str] = []
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# SGLang
+# --------------------------------------------------------------------------------------------------
+
+def load_sglang():
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from cupy_dsa.sglang import plugin
+
+    if plugin.T_INDEXER not in plugin.installed_targets():
+        # cupy_dsa is not pip-installed here (no entry point): register it as load_plugins() would
+        plugin.register()
+        NOTES.append("plugin registered directly (no cupy_dsa entry point installed)")
+    missing = [t for t in plugin.ALWAYS_TARGETS + plugin.SWITCHED_TARGETS if t not in plugin.installed_targets()]
+    if missing:
+        raise RuntimeError(f"hooks not applied: {missing}")
+    import sglang
+    from sglang.kernels.ops.attention.dsv4 import compress
+    from sglang.srt.layers.attention.dsa.dsa_topk_backend import DSATopKBackend
+    from sglang.srt.layers.attention.dsv4 import compressor_v2
+    from sglang.srt.layers.attention.dsv4 import indexer as ix
+    from sglang.srt.layers.attention.dsv4.metadata import PagedIndexerMetadata
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4IndexerPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    _sglang_env.strict_kernel_stubs()
+    log(f"sglang {plugin.sglang_version()} from {os.path.dirname(sglang.__file__)}; "
+        f"{len(plugin.installed_targets())} hooks applied; stubbed imports: {STUBBED or 'none'}")
+    return types.SimpleNamespace(plugin=plugin, compress=compress, compressor_v2=compressor_v2, ix=ix,
+                                 DSATopKBackend=DSATopKBackend, PagedIndexerMetadata=PagedIndexerMetadata,
+                                 DeepSeekV4IndexerPool=DeepSeekV4IndexerPool, ForwardMode=ForwardMode)
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs (host side, shared by both devices)
+# --------------------------------------------------------------------------------------------------
+
+def decode_plan_rows(seq_lens):
+    """DecodePlan rows (uint8 [B, 16]): u32 seq_len, i32 write_loc, i32 read_page_0, i32 read_page_1."""
+    a = np.zeros((len(seq_lens), 4), dtype="<i4")
+    a[:, 0] = np.asarray(seq_lens, dtype=np.uint32).view(np.int32)
+    return torch.from_numpy(a.view(np.uint8).reshape(len(seq_lens), 16).copy())
+
+
+def compress_plan_rows(seq_lens, ragged_ids):
+    """CompressPlan rows (uint8 [N, 16]): u32 seq_len (0xFFFFFFFF = no compressed token), u16 ragged_id,
+    u16 buffer_len, 2 x i32."""
+    n = len(seq_lens)
+    a = np.zeros(n, dtype=[("seq", "<u4"), ("rid", "<u2"), ("blen", "<u2"), ("p0", "<i4"), ("p1", "<i4")])
+    a["seq"], a["rid"], a["blen"] = seq_lens, ragged_ids, 4
+    return torch.from_numpy(a.view(np.uint8).reshape(n, 16).copy())
+
+
+class Batch:
+    """Host description of the requests: page tables and token positions -> plan rows, out_loc, lengths."""
+
+    def __init__(self, g):
+        perm = torch.randperm(N_PAGES, generator=g)
+        self.page_table = perm[: len(PROMPTS) * PAGES_PER_REQ].view(len(PROMPTS), PAGES_PER_REQ).to(torch.int32)
+        self.lens = list(PROMPTS)
+
+    def slot(self, b, pos):
+        """C4 slot of the compressed token that ends at token ``pos`` (0-based) of request ``b``."""
+        j = (pos + 1) // 4 - 1
+        return int(self.page_table[b, j // 64]) * 64 + j % 64
+
+    def store_plan(self, tokens):
+        """An extend-style CompressPlan over ``tokens`` [(request, pos)], one row per query token."""
+        seq, rid, loc = [], [], []
+        for t, (b, pos) in enumerate(tokens):
+            boundary = (pos + 1) % 4 == 0
+            seq.append(pos + 1 if boundary else PLAN_INVALID)
+            rid.append(t)
+            loc.append(self.slot(b, pos) if boundary else -1)
+        return compress_plan_rows(np.array(seq, dtype=np.uint32), np.array(rid, dtype=np.uint16)), \
+            torch.tensor(loc, dtype=torch.int64)
+
+    def decode_plan(self):
+        """One decode token per request at position lens[b] (then lens grows by one)."""
+        seq = [n + 1 for n in self.lens]
+        loc = [self.slot(b, n) if (n + 1) % 4 == 0 else 0 for b, n in enumerate(self.lens)]
+        return decode_plan_rows(seq), torch.tensor(loc, dtype=torch.int64)
+
+    def rows_of(self, tokens):
+        """Indexer rows of query tokens: compressed length (causal) and the request's page-table row."""
+        lens = torch.tensor([(pos + 1) // 4 for _, pos in tokens], dtype=torch.int32)
+        pt = self.page_table[[b for b, _ in tokens]]
+        return lens, pt
+
+
+# --------------------------------------------------------------------------------------------------
+# One device: SGLang's pool, call sites and metadata
+# --------------------------------------------------------------------------------------------------
+
+class World:
+    def __init__(self, sg, device, norm_w, freq_cis):
+        self.sg, self.device = sg, torch.device(device)
+        pool = sg.DeepSeekV4IndexerPool(N_PAGES * 64, 64, torch.bfloat16, 128, 1, str(self.device), False,
+                                        use_fp4_indexer=False, global_page_size=256)
+        self.pool = pool
+        self.cache = pool.index_k_with_scale_buffer[0]
+        if tuple(self.cache.shape[1:]) != (16384,) or self.cache.dtype != torch.uint8 or self.cache.device != self.device:
+            raise RuntimeError(f"pool page rows {tuple(self.cache.shape)} {self.cache.dtype} on {self.cache.device}")
+        self.norm_w = norm_w.to(self.device)
+        self.freq_cis = freq_cis.to(self.device)
+        self.kv_score_buffer = torch.zeros(8, 512, device=self.device)
+        self.kv_score_input = torch.zeros(1, 512, device=self.device)
+        self.ape = torch.zeros(4, 128, device=self.device)
+        self.logits: list[torch.Tensor] = []
+
+    def to(self, t):
+        return t.to(self.device)
+
+    # the compressor's store call site (SGLang's), compress_forward standing in for the JIT compressor
+    def store(self, plan_cls, rows, kv, out_loc):
+        cv2 = self.sg.compressor_v2
+        plan = plan_cls(rows)
+
+        class Backend(cv2.CompressorBackendMixin):
+            forward_metadata = types.SimpleNamespace(c4_compress_metadata=plan)
+
+        orig = cv2.compress_forward
+        cv2.compress_forward = lambda **kw: kv
+        try:
+            Backend()._forward_compress_all_in_one(
+                kv_score_buffer=self.kv_score_buffer, kv_score_input=self.kv_score_input, ape=self.ape,
+                head_dim=128, norm=types.SimpleNamespace(weight=self.norm_w, variance_epsilon=1e-6),
+                freqs_cis_cache=self.freq_cis, kv_cache=self.cache, is_indexer=True, rotate=True, compress_ratio=4,
+                page_size=64, out_loc=out_loc)
+        finally:
+            cv2.compress_forward = orig
+
+    def decode_plan(self, rows):
+        return self.sg.compress.CompressorDecodePlan(4, rows)
+
+    def prefill_plan(self, rows):
+        return self.sg.compress.CompressorPrefillPlan(4, rows, torch.zeros(rows.shape[0], 8, dtype=torch.uint8,
+                                                                          device=rows.device))
+
+    # forward_c4_indexer (hooked), SGLang's torch top-k
+    def indexer_backend(self, q, w, lens, page_table, mode, batch_size):
+        sg, world = self.sg, self
+        rows = q.shape[0]
+
+        class Pool:
+            layer_mapping = {0: types.SimpleNamespace(compress_layer_id=0), 1: types.SimpleNamespace(compress_layer_id=1)}
+
+            def get_index_k_with_scale_buffer(self, layer_id):
+                return world.pool.get_index_k_with_scale_buffer(0)  # every layer reads the one buffer
+
+        class Backend(sg.ix.C4IndexerBackendMixin):
+            def __init__(self):
+                super().__init__()
+                self.dsa_topk_backend = sg.DSATopKBackend.TORCH
+                self.token_to_kv_pool = Pool()
+                self.hisparse_coordinator = None
+                im = sg.PagedIndexerMetadata(page_size=256, compressed_page_size=64, page_table=page_table,
+                                             compressed_seq_lens=lens, use_topk_v2=False)
+                cm = types.SimpleNamespace(
+                    positions=torch.arange(rows, device=world.device),
+                    c4_sparse_raw_indices=torch.full((rows, TOPK), -1, dtype=torch.int32, device=world.device),
+                    c4_sparse_page_indices=torch.full((rows, TOPK), -1, dtype=torch.int32, device=world.device))
+                self.forward_metadata = types.SimpleNamespace(indexer_metadata=im, core_metadata=cm)
+                self.forward_batch = types.SimpleNamespace(forward_mode=mode, batch_size=batch_size,
+                                                           _original_forward_mode=None, tbo_parent_token_range=None)
+
+            def _forward_prepare_normal(self, **kw):
+                return q, w[:, :, None]
+
+        return Backend()
+
+    def run_indexer(self, b, layers=(0,)):
+        x = torch.zeros(b.forward_metadata.core_metadata.positions.shape[0], 16, device=self.device)
+        for layer in layers:
+            ci = types.SimpleNamespace(layer_id=layer, use_fp4_indexer=False, index_topk=TOPK)
+            b.forward_c4_indexer(x, x, ci, b.forward_batch)
+        return b.forward_metadata.core_metadata
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------------------------------
+
+def ulp_diff(a, b):
+    a, b = a.float(), b.float()
+    ulp = torch.maximum(a.abs(), b.abs()) * 2.0 ** -7
+    d = (a - b).abs()
+    return torch.where(d <= 1e-6, torch.zeros_like(d), d / ulp.clamp_min(1e-30)).ceil()
+
+
+def check(cond, msg):
+    if not cond:
+        PROBLEMS.append(msg)
+        log(f"  FAIL {msg}")
+    return cond
+
+
+def compare_caches(name, dev, ref):
+    got, exp = dev.cache.cpu(), ref.cache.cpu()
+    d = ulp_diff(got.view(torch.bfloat16), exp.view(torch.bfloat16))
+    w_got = set((got.view(-1, 256) != 0).any(1).nonzero().flatten().tolist())
+    w_exp = set((exp.view(-1, 256) != 0).any(1).nonzero().flatten().tolist())
+    check(w_got == w_exp, f"{name}: written slots differ ({len(w_got ^ w_exp)} of {len(w_exp)})")
+    check(int(d.max()) <= 1, f"{name}: cache max {int(d.max())} bf16 ulp from the CPU path, {int((d > 0).sum())} differ")
+    log(f"  {name}: {len(w_exp)} slots written, max {int(d.max())} ulp")
+
+
+def compare_logits(name, got, ref, lens, tol=2e-3):
+    bad, worst = 0, 0.0
+    for r in range(ref.shape[0]):
+        n = int(lens[r])
+        if n == 0:
+            continue
+        g, e = got[r, :n].double().cpu(), ref[r, :n].double().cpu()
+        err = (g - e).abs()
+        lim = tol * (e.abs().max().item() + 1e-6)
+        bad += int((err > lim).sum())
+        worst = max(worst, err.max().item() / lim)
+    check(bad == 0, f"{name}: {bad} logits outside tolerance (worst {worst:.2f}x the limit)")
+    return worst
+
+
+def compare_topk(name, dev_md, ref_md, page_table, lens):
+    raw_g = dev_md.c4_sparse_raw_indices.cpu().long()
+    raw_r = ref_md.c4_sparse_raw_indices.cpu().long()
+    rec = []
+    for r in range(raw_r.shape[0]):
+        sg, sr = set(raw_g[r].tolist()) - {-1}, set(raw_r[r].tolist()) - {-1}
+        check(len(sg) == min(int(lens[r]), TOPK), f"{name}: row {r} selected {len(sg)} keys, expected "
+              f"{min(int(lens[r]), TOPK)}")
+        rec.append(len(sg & sr) / max(len(sr), 1))
+    check(min(rec) >= 0.99, f"{name}: top-{TOPK} overlap with the CPU path per row {['%.3f' % x for x in rec]}")
+    pt = page_table.cpu().long()
+    exp = torch.where(raw_g >= 0, pt.gather(1, raw_g.clamp(min=0) // 64) * 64 + raw_g % 64, -1)
+    check(torch.equal(dev_md.c4_sparse_page_indices.cpu().long(), exp),
+          f"{name}: page indices are not the slot transform of the raw indices")
+    return min(rec)
+
+
+# --------------------------------------------------------------------------------------------------
+# Phases
+# --------------------------------------------------------------------------------------------------
+
+class LogitsSpy:
+    """Records what the hook's logits calls return (eager phases only)."""
+
+    def __init__(self, core):
+        self.core, self.out = core, []
+        self.paged, self.prefill = core.paged_logits, core.prefill_logits
+
+    def __enter__(self):
+        def paged(*a, **k):
+            r = self.paged(*a, **k)
+            self.out.append(("paged", r.clone()))
+            return r
+
+        def prefill(*a, **k):
+            r = self.prefill(*a, **k)
+            self.out.append(("prefill", r.clone()))
+            return r
+
+        self.core.paged_logits, self.core.prefill_logits = paged, prefill
+        return self
+
+    def __exit__(self, *exc):
+        self.core.paged_logits, self.core.prefill_logits = self.paged, self.prefill
+
+
+def indexer_phase(name, sg, worlds, batch, tokens, mode, batch_size, g, expect_kind="paged"):
+    from cupy_dsa.sglang import core
+
+    lens, pt = batch.rows_of(tokens)
+    q = torch.randn(len(tokens), 64, 128, generator=g).to(torch.float8_e4m3fn)
+    w = torch.rand(len(tokens), 64, generator=g)
+    mds, spies = [], []
+    for world in worlds:
+        b = world.indexer_backend(world.to(q), world.to(w), world.to(lens), world.to(pt), mode, batch_size)
+        with LogitsSpy(core) as spy:
+            mds.append(world.run_indexer(b))
+        spies.append(spy.out)
+    kinds = [k for k, _ in spies[0]]
+    check(kinds and all(k == expect_kind for k in kinds), f"{name}: logits came from {kinds}, expected {expect_kind}")
+    got = torch.cat([t.cpu() for _, t in spies[0]])
+    ref = torch.cat([t for _, t in spies[1]])
+    check(got.shape == ref.shape, f"{name}: logits {tuple(got.shape)} vs {tuple(ref.shape)} on the CPU path")
+    worst = compare_logits(name, got, ref, lens)
+    rec = compare_topk(name, mds[0], mds[1], pt, lens)
+    log(f"  {name}: {len(tokens)} rows ({expect_kind}), logits worst {worst:.2f}x tol, min top-k overlap {rec:.4f}")
+
+
+def graph_phase(sg, worlds, batch, g, capture):
+    """Decode (store + two C4 layers) captured once, replayed with new lengths; the CPU path runs eagerly."""
+    B = len(PROMPTS)
+    state = []
+    for world in worlds:
+        bufs = types.SimpleNamespace(
+            kv=torch.zeros(B, 128, dtype=torch.bfloat16, device=world.device), plan=torch.zeros(B, 16, dtype=torch.uint8, device=world.device),
+            loc=torch.zeros(B, dtype=torch.int64, device=world.device),
+            q=torch.zeros(B, 64, 128, device=world.device).to(torch.float8_e4m3fn),
+            w=torch.zeros(B, 64, device=world.device), lens=torch.ones(B, dtype=torch.int32, device=world.device),
+            pt=world.to(batch.page_table))
+        backend = world.indexer_backend(bufs.q, bufs.w, bufs.lens, bufs.pt, sg.ForwardMode.DECODE, B)
+
+        def step(world=world, bufs=bufs, backend=backend):
+            world.store(world.decode_plan, bufs.plan, bufs.kv, bufs.loc)
+            world.run_indexer(backend, layers=(0, 1))
+
+        state.append((world, bufs, backend, step))
+
+    def new_inputs():
+        rows, loc = batch.decode_plan()
+        lens = torch.tensor([(n + 1) // 4 for n in batch.lens], dtype=torch.int32)
+        inp = dict(kv=torch.randn(B, 128, generator=g).bfloat16(), plan=rows, loc=loc,
+                   q=torch.randn(B, 64, 128, generator=g).to(torch.float8_e4m3fn), w=torch.rand(B, 64, generator=g),
+                   lens=lens)
+        batch.lens = [n + 1 for n in batch.lens]
+        return inp, lens
+
+    def fill(bufs, inp):
+        for k, v in inp.items():
+            getattr(bufs, k).copy_(v.to(getattr(bufs, k).device))
+
+    inp, lens = new_inputs()
+    for _, bufs, _, _ in state:
+        fill(bufs, inp)
+    dev_world, dev_bufs, dev_backend, dev_step = state[0]
+    graph = None
+    if capture:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                dev_step()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            dev_step()
+        torch.cuda.synchronize()
+        log("  decode step captured in one CUDA graph (store + 2 C4 layers)")
+    else:
+        dev_step()
+    state[1][3]()
+    compare_topk("graph warm-up", dev_backend.forward_metadata.core_metadata, state[1][2].forward_metadata.core_metadata,
+                 batch.page_table, lens)
+    for replay, jump in enumerate(((68, 131, 9), (3, 260, 70))):
+        # the decode steps in between, stored eagerly on both sides, so the replay sees new lengths (and
+        # crosses index pages) over keys that are all written
+        tokens = [(b, p) for b, (n, j) in enumerate(zip(batch.lens, jump)) for p in range(n, n + j)]
+        rows, loc = batch.store_plan(tokens)
+        kv = torch.randn(rows.shape[0], 128, generator=g).bfloat16()
+        for world, _, _, _ in state:
+            world.store(world.prefill_plan, world.to(rows), world.to(kv), world.to(loc))
+        batch.lens = [n + j for n, j in zip(batch.lens, jump)]
+        inp, lens = new_inputs()
+        for _, bufs, _, _ in state:
+            fill(bufs, inp)
+        if graph is not None:
+            graph.replay()
+            torch.cuda.synchronize()
+        else:
+            dev_step()
+        state[1][3]()
+        name = f"graph replay {replay + 1} (lens {lens.tolist()})"
+        compare_caches(name, dev_world, state[1][0])
+        compare_topk(name, dev_backend.forward_metadata.core_metadata, state[1][2].forward_metadata.core_metadata,
+                     batch.page_table, lens)
+        log(f"  {name}: ok" if not PROBLEMS else f"  {name}: {len(PROBLEMS)} problems so far")
+
+
+def run(device, seed):
+    t0 = time.time()
+    sg = load_sglang()
+    from cupy_dsa.sglang import core
+
+    g = torch.Generator().manual_seed(seed)
+    ang = torch.rand(MAX_POS, 32, generator=g) * 6.2831853
+    freq_cis = torch.polar(torch.ones_like(ang), ang)      # complex64 [max_pos, 32], as SGLang passes it
+    norm_w = torch.rand(128, generator=g) + 0.5
+    worlds = [World(sg, device, norm_w, freq_cis), World(sg, "cpu", norm_w, freq_cis)]
+    batch = Batch(g)
+    if device != "cpu":
+        t = time.time()
+        core.ensure_warm(torch.device(device))
+        log(f"  kernels warmed in {time.time() - t:.1f} s")
+    phases = []
+
+    def phase(name, fn):
+        log(f"[{name}]")
+        try:
+            fn()
+            phases.append(name)
+        except Exception:  # noqa: BLE001 - report and go on with the next phase
+            PROBLEMS.append(f"{name}: {traceback.format_exc().strip().splitlines()[-1]}")
+            log(traceback.format_exc())
+
+    def prompt_store():
+        tokens = [(b, p) for b, n in enumerate(PROMPTS) for p in range(n)]
+        rows, loc = batch.store_plan(tokens)
+        kv = torch.randn(rows.shape[0], 128, generator=g).bfloat16()  # the model dtype
+        for world in worlds:
+            world.store(world.prefill_plan, world.to(rows), world.to(kv), world.to(loc))
+        compare_caches("prompt store (extend plan)", worlds[0], worlds[1])
+
+    def extend_batch():
+        tokens = [(b, p) for b, (n, e) in enumerate(zip(PROMPTS, EXTEND)) for p in range(n - e, n)]
+        indexer_phase("extend, 3 requests", sg, worlds, batch, tokens, sg.ForwardMode.EXTEND, 3, g)
+
+    def extend_one():
+        b, n = 2, PROMPTS[2]
+        tokens = [(b, p) for p in range(n - 64, n)]
+        orig = sg.ix.get_parallel
+        sg.ix.get_parallel = lambda: types.SimpleNamespace(attn_cp_size=1)
+        try:
+            # one request: every row shares its page table (the prefill kernel reads page_table[0])
+            indexer_phase("extend, 1 request", sg, worlds, batch, tokens, sg.ForwardMode.EXTEND, 1, g,
+                          expect_kind="prefill")
+        finally:
+            sg.ix.get_parallel = orig
+
+    def decode():
+        rows, loc = batch.decode_plan()
+        kv = torch.randn(len(PROMPTS), 128, generator=g).bfloat16()
+        for world in worlds:
+            world.store(world.decode_plan, world.to(rows), world.to(kv), world.to(loc))
+        compare_caches("decode store", worlds[0], worlds[1])
+        batch.lens = [n + 1 for n in batch.lens]
+        tokens = [(b, n - 1) for b, n in enumerate(batch.lens)]
+        indexer_phase("decode", sg, worlds, batch, tokens, sg.ForwardMode.DECODE, len(PROMPTS), g)
+
+    def verify():
+        tokens = [(b, n + i) for b, n in enumerate(batch.lens) for i in range(2)]
+        rows, loc = batch.store_plan(tokens)
+        kv = torch.randn(rows.shape[0], 128, generator=g).bfloat16()  # the model dtype
+        for world in worlds:
+            world.store(world.prefill_plan, world.to(rows), world.to(kv), world.to(loc))
+        compare_caches("verify store (next_n 2)", worlds[0], worlds[1])
+        indexer_phase("target verify, next_n 2", sg, worlds, batch, tokens, sg.ForwardMode.TARGET_VERIFY,
+                      len(PROMPTS), g)
+        # the drafts were rejected: the requests go on from their decode lengths (the slots get rewritten)
+
+    phase("prompt store", prompt_store)
+    phase("extend batch", extend_batch)
+    phase("extend one request", extend_one)
+    phase("decode", decode)
+    phase("verify", verify)
+    phase("cuda graph" if device != "cpu" else "graph step (eager on cpu)",
+          lambda: graph_phase(sg, worlds, batch, g, capture=device != "cpu"))
+    return phases, time.time() - t0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--seed", type=int, default=int(os.environ.get("CUPY_DSA_SEED", "0")))
+    ap.add_argument("--schedule", choices=("balanced", "fixed"), default=None,
+                    help="cupy_dsa.logits.TUNING['decode_schedule'] (default: the shipped one)")
+    args = ap.parse_args()
+    where = args.device
+    if where.startswith("cuda"):
+        if not torch.cuda.is_available():
+            print("SGLANG GPU PATH: FAIL (no CUDA device; use --device cpu for the dry mode)")
+            return 1
+        where = f"{args.device} ({torch.cuda.get_device_name(0)}, torch {torch.__version__})"
+    import cupy_dsa.logits
+
+    if args.schedule and "decode_schedule" in cupy_dsa.logits.TUNING:
+        cupy_dsa.logits.TUNING["decode_schedule"] = args.schedule
+    log(f"device {where}, seed {args.seed}, decode schedule {cupy_dsa.logits.TUNING.get('decode_schedule')}")
+    try:
+        phases, secs = run(args.device, args.seed)
+    except BaseException:  # noqa: BLE001 - set-up failed (imports, hooks, pool)
+        log(traceback.format_exc())
+        print(f"SGLANG GPU PATH: FAIL (set-up: {traceback.format_exc().strip().splitlines()[-1]})")
+        return 1
+    mode = "" if args.device != "cpu" else " [dry mode: CPU backends on both sides]"
+    notes = f"; {'; '.join(NOTES)}" if NOTES else ""
+    if PROBLEMS:
+        print(f"SGLANG GPU PATH: FAIL ({len(PROBLEMS)} problems: {' | '.join(PROBLEMS)}){mode}")
+        return 1
+    print(f"SGLANG GPU PATH: PASS ({len(phases)} phases: {', '.join(phases)}; {where}; {secs:.0f} s; "
+          f"stubbed: {','.join(STUBBED) or 'none'}{notes}){mode}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# SGLang 0.5.23's own DeepSeek-V4 indexer code driving cupy_dsa's CUDA kernels (tests/gpu_sglang_path.py), on
+# a GPU machine without SGLang: installs the wheels of .whl_sgl/ (Python 3.12, --no-deps; how to download
+# them: README, "Testing the plugin without a GPU") into a throwaway --target directory put first on
+# PYTHONPATH, then runs the script. Last line: "SGLANG GPU PATH: PASS ..." or "FAIL ...".
+#   usage: bash tests/run_sglang_gpu.sh [--device cuda|cpu] [--seed N]      (log under $OUT, default ./out)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+SITE=${SGLANG_SITE:-/tmp/site}
+export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-$PWD/.cupy_cache}
+if ! ls .whl_sgl/sglang-0.5.23-*.whl >/dev/null 2>&1; then
+  echo "SGLANG GPU PATH: FAIL (no .whl_sgl/sglang-0.5.23-*.whl in $PWD)"; exit 1
+fi
+if [ ! -f "$SITE/sglang/version.py" ]; then
+  python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl_sgl/*.whl >"$OUT/sglang_wheels.log" 2>&1 \
+    || { tail -5 "$OUT/sglang_wheels.log"; echo "SGLANG GPU PATH: FAIL (wheel install into $SITE)"; exit 1; }
+fi
+PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 tests/gpu_sglang_path.py "$@" 2>&1 | tee "$OUT/sglang_gpu_path.log"
+exit "${PIPESTATUS[0]}"
