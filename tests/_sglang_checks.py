@@ -1010,6 +1010,27 @@ def scenario_refusals():
         invalid(plugin.ray_worker_setup)
 
     @check
+    def switch_off_hook_failure_leaves_sglang_unchanged():
+        import sglang.srt.plugins as sp
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        real = HookRegistry._apply_target.__func__
+
+        def failing(cls, target, hooks):
+            if target == plugin.T_CLI_FROM:
+                raise AttributeError("simulated")
+            return real(cls, target, hooks)
+
+        HookRegistry._apply_target = classmethod(functools.wraps(real)(failing))
+        try:
+            with mode_env("fp8"):
+                sp._plugins_loaded = False
+                sp.load_plugins()  # no refusal with the switch off: SGLang runs unchanged
+        finally:
+            HookRegistry._apply_target = classmethod(real)
+        nothing_patched()
+
+    @check
     def registers_after_refusals():
         import sglang.srt.plugins as sp
 

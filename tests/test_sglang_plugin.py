@@ -49,7 +49,7 @@ CHECKS = {
     "refusals": ["refuses_other_version", "refuses_source_fingerprint_mismatch", "refuses_signature_mismatch",
                  "hook_failure_undoes_applied_hooks", "resolution_hook_failure_undoes_hooks",
                  "invalid_value_direct_load_plugins", "invalid_value_engine", "invalid_value_ray_worker_hook",
-                 "registers_after_refusals"],
+                 "switch_off_hook_failure_leaves_sglang_unchanged", "registers_after_refusals"],
 }
 SCENARIO_ENV = {
     "on": {ENV: "bf16", "SGLANG_PLUGINS": "cupy_dsa", "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1",
@@ -325,6 +325,28 @@ def test_ensure_warm_compiles_only_the_selection(monkeypatch):
     core.ensure_warm(torch.device("cuda", 0))
     assert len(seen) == 1 and seen[0][0] == 0
     assert seen[0][1] == core.warm_expressions("sm_90", mode="bf16", next_ns=(1, 2))
+    core.reset_mode()
+
+
+def test_warm_up_hook_takes_the_server_arguments(monkeypatch):
+    """BEFORE ModelRunner.init_cuda_graphs: next_n from the speculative settings, kv dtype from the model."""
+    from cupy_dsa.sglang import plugin
+
+    seen = []
+    monkeypatch.setattr(core, "_WARM_CONFIG", dict(core._WARM_CONFIG))
+    monkeypatch.setattr(core, "ensure_warm", lambda device: seen.append((device, dict(core._WARM_CONFIG))))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setenv(ENV, "bf16")
+    core.reset_mode()
+    runner = types.SimpleNamespace(device="cuda", dtype=torch.bfloat16, server_args=types.SimpleNamespace(
+        speculative_algorithm="EAGLE", speculative_num_draft_tokens=3))
+    assert plugin._warm_up_hook(runner) is None
+    assert seen == [(torch.device("cuda", 3), {"next_ns": (1, 3), "kv_dtypes": (torch.bfloat16,)})]
+    monkeypatch.setenv(ENV, "fp8")
+    core.reset_mode()
+    plugin._warm_up_hook(runner)
+    assert len(seen) == 1, "warmed with the switch off"
     core.reset_mode()
 
 

@@ -187,15 +187,18 @@ def register() -> None:
     if mode != "fp8" and not _registered_switched:
         require_compatible_sglang(mode)
         entries = [] if _registered_always else _always_entries()
-        _install(entries + _switched_entries(), resolution=not _registered_always, mode=mode)
+        try:
+            _install(entries + _switched_entries(), resolution=not _registered_always)
+        except HookInstallError as e:
+            raise StartupRefused(f"cupy_dsa ({ENV_NAME}={mode}): {e}; start-up stops. {_off_hint()}") from e
         _registered_always = _registered_switched = True
         register_env_field()
         logger.info("cupy_dsa: %s=%s, bf16 C4 index-key hooks registered (SGLang %s)", ENV_NAME, mode,
                     sglang_version())
     elif mode == "fp8" and not _registered_always:
         try:
-            _install(_always_entries(), resolution=True, mode=mode)
-        except StartupRefused as e:
+            _install(_always_entries(), resolution=True)
+        except HookInstallError as e:
             logger.warning("cupy_dsa: the %s flag is not available (%s); SGLang runs unchanged", CLI_FLAG, e)
             return
         _registered_always = True
@@ -231,7 +234,11 @@ def _switched_entries():
             (T_WARM_UP, _warm_up_hook, HookType.BEFORE)]
 
 
-def _install(entries, *, resolution: bool, mode: str) -> None:
+class HookInstallError(RuntimeError):
+    pass
+
+
+def _install(entries, *, resolution: bool) -> None:
     """Apply ``entries`` (target, hook, HookType) now, through SGLang's own ``HookRegistry`` wrapper (same
     wrapping, propagation to ``from X import f`` copies and "Applied 1 hook(s)" log line), plus the
     resolution hook; all or none. The hooks are applied here rather than left to ``load_plugins()``'s
@@ -243,15 +250,17 @@ def _install(entries, *, resolution: bool, mode: str) -> None:
 
     source = _current_plugin_source.get()
     done = []
-    target = None
+    target = pending = None
     try:
         for target, hook, kind in entries:
             owner, attr, before, _ = _resolve(target)
+            pending = (target, owner, attr, before)
             HookRegistry._apply_target(target, [(kind, hook, source)])
-            after = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+            after = _current(owner, attr)
             if after is before:
                 raise RuntimeError("the registry left it unchanged")
             done.append((target, owner, attr, before, after))
+            pending = None
         target = f"resolution step {RESOLUTION_STEP}"
         if resolution and not _resolution_installed:
             from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
@@ -259,12 +268,17 @@ def _install(entries, *, resolution: bool, mode: str) -> None:
             register_resolution_hook(RESOLUTION_STEP)(validate_config)
             _resolution_installed = True
     except Exception as e:  # noqa: BLE001 - any failure undoes everything
+        if pending is not None and _current(*pending[1:3]) is not pending[3]:
+            done.append(pending + (_current(*pending[1:3]),))  # failed after it was set
         for entry in reversed(done):
             _uninstall(*entry)
-        raise StartupRefused(
-            f"cupy_dsa ({ENV_NAME}={mode}): the hook on {target} failed to apply ({type(e).__name__}: {e}); "
-            f"the {len(done)} hook(s) applied before it were undone and start-up stops. {_off_hint()}") from e
+        raise HookInstallError(f"the hook on {target} failed to apply ({type(e).__name__}: {e}); the {len(done)} "
+                               "hook(s) applied before it were undone") from e
     _installed.extend(done)
+
+
+def _current(owner, attr):
+    return owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
 
 
 def _uninstall(target, owner, attr, before, after) -> None:
