@@ -83,6 +83,35 @@ def _child_env(extra, seed):
 
 
 _SCENARIO_RESULTS: dict = {}
+_BACKGROUND: dict = {}  # name -> (Popen, its result once collected): started with the scenarios, in parallel
+_REFUSAL = "Refusing to start"
+_STUB_PRELUDE = "import sys; sys.path.insert(0, 'tests'); import _sglang_env; _sglang_env.install(); "
+
+
+def _background_commands():
+    launcher = (_STUB_PRELUDE + "import runpy; sys.argv = ['sglang.launch_server', '--model-path', 'dummy']; "
+                "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)")
+    return {
+        # python -m sglang.launch_server with an invalid switch
+        "launcher_invalid": ([sys.executable, "-c", launcher], {ENV: "bf8"}),
+        # tests/gpu_sglang_path.py in its CPU dry mode
+        "gpu_script_dry": ([sys.executable, str(ROOT / "tests" / "gpu_sglang_path.py"), "--device", "cpu"], {}),
+    }
+
+
+def _background(name):
+    """(returncode, stdout, stderr) of a background process started by _scenarios()."""
+    _scenarios()
+    proc, result = _BACKGROUND[name]
+    if result is None:
+        try:
+            out, err = proc.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        result = (proc.returncode, out, err)
+        _BACKGROUND[name] = (proc, result)
+    return result
 
 
 def _scenarios() -> dict:
@@ -91,6 +120,9 @@ def _scenarios() -> dict:
     if _SCENARIO_RESULTS:
         return _SCENARIO_RESULTS
     seed = int(os.environ.get("CUPY_DSA_SEED", torch.seed() % (2**31)))
+    for name, (cmd, extra) in _background_commands().items():
+        _BACKGROUND[name] = (subprocess.Popen(cmd, cwd=ROOT, env=_child_env(extra, 0), stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True), None)
     procs = {name: subprocess.Popen([sys.executable, str(CHECKS_SCRIPT), name], cwd=ROOT,
                                     env=_child_env(SCENARIO_ENV[name], seed), stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True)
@@ -132,22 +164,15 @@ def test_every_check_is_listed():
             assert sorted(res["results"]) == sorted(CHECKS[name]), name
 
 
-_REFUSAL = "Refusing to start"
-_STUB_PRELUDE = "import sys; sys.path.insert(0, 'tests'); import _sglang_env; _sglang_env.install(); "
-
-
 @pytest.mark.sglang
 def test_launcher_refuses_invalid_value():
     """``python -m sglang.launch_server`` (load_plugins() first thing): an invalid switch stops it with our
     message, not SGLang's "Failed to execute general plugin" and an fp8 server."""
     _require_sglang()
-    code = (_STUB_PRELUDE + "import runpy; sys.argv = ['sglang.launch_server', '--model-path', 'dummy']; "
-            "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env=_child_env({ENV: "bf8"}, 0))
-    assert r.returncode == 1, (r.returncode, r.stderr[-3000:])
-    assert f"{ENV}='bf8'" in r.stderr and _REFUSAL in r.stderr, r.stderr[-3000:]
-    assert "Failed to execute general plugin" not in r.stderr
+    rc, _, err = _background("launcher_invalid")
+    assert rc == 1, (rc, err[-3000:])
+    assert f"{ENV}='bf8'" in err and _REFUSAL in err, err[-3000:]
+    assert "Failed to execute general plugin" not in err
 
 
 @pytest.mark.sglang
@@ -182,10 +207,9 @@ def test_gpu_sglang_path_dry_mode():
     """tests/gpu_sglang_path.py (SGLang's pool, plans, metadata, store call site and forward_c4_indexer with
     cupy_dsa's ops) in its CPU dry mode: the code the H200 runs, with the CPU backends on both sides."""
     _require_sglang()
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu_sglang_path.py"), "--device", "cpu"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600, env=_child_env({}, 0))
-    last = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
-    assert r.returncode == 0 and last.startswith("SGLANG GPU PATH: PASS"), f"{r.stdout[-4000:]}\n{r.stderr[-3000:]}"
+    rc, out, err = _background("gpu_script_dry")
+    last = out.strip().splitlines()[-1] if out.strip() else ""
+    assert rc == 0 and last.startswith("SGLANG GPU PATH: PASS"), f"{out[-4000:]}\n{err[-3000:]}"
     assert "6 phases" in last, last
 
 
