@@ -84,7 +84,7 @@ _IX = "sglang.srt.layers.attention.dsv4.indexer."
 _HR = "sglang.srt.plugins.hook_registry."
 # SGLang 0.5.23: (signature, sha256[:16] of the source) of every function the plugin replaces, wraps, copies
 # the logic of or drives by private API; (signature, None) for functions it only calls. Regenerate with
-# ``python -m cupy_dsa.sglang.plugin --fingerprint`` after reviewing the hooks against a new SGLang.
+# ``python tests/_sglang_checks.py fingerprint`` after reviewing the hooks against a new SGLang.
 FINGERPRINT: dict[str, tuple[str, str | None]] = {}  # filled below
 
 _installed: list[tuple] = []       # (target, owner, attr, raw before, raw after), in install order
