@@ -53,6 +53,7 @@ TUNING = {
     "sm90_wgmma": 1,             # sm_90, bf16 keys, decode: the wgmma kernel (1) or the mma.sync kernel (0)
     "sm90_ctas_per_sm": 0,       # wgmma decode CTAs per SM (one wave); 0 = the configuration's own
     "decode_schedule": "balanced",  # "balanced": one wave over the plan's pages; "fixed": the old grid (B, G)
+    "decode_ctas": 0,            # balanced decode grid: 0 = one full wave (occupancy), else this many CTAs
     "decode_l2_hint": 1,         # L2 prefetch size of the streaming key loads: 2 = 256 B, 1 = 128 B, 0 = none;
                                  # 0 / 1 exist only for decode next_n=1 with fp8 q (else 2 is used).
                                  # H200, 64 x 32K bf16: 128 B 142.9 us, 256 B 145.5 us, none 151.3 us
@@ -508,6 +509,8 @@ _DECODE_GRID: dict[tuple, int] = {}
 
 def _one_wave(expr, device, threads, smem, cap=None):
     """Grid of a balanced decode kernel: the CTAs that are resident at once on the whole device."""
+    if TUNING["decode_ctas"]:
+        return int(TUNING["decode_ctas"])
     key = (device.index, expr, cap)
     grid = _DECODE_GRID.get(key)
     if grid is None:

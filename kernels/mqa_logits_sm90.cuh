@@ -243,7 +243,7 @@ __device__ __forceinline__ int compute_pages(const Args& A, int b) {
 
 // Pages [p_begin, p_end) of request b: pipeline over the pages some row sees, -inf fill of the rest.
 // Called by all 128 threads; may be called again for another range after a __syncthreads().
-template <int QFp8, int NextN, int Stages, int Split>
+template <int QFp8, int NextN, int Stages, int Split, bool Planned = false>
 __device__ __forceinline__ void run_pages(const Args& A, int b, int p_begin, int p_end,
                                           unsigned char* smem_raw) {
   static_assert(NextN >= 1 && NextN <= 4 && Stages >= 2, "config");
@@ -273,8 +273,11 @@ __device__ __forceinline__ void run_pages(const Args& A, int b, int p_begin, int
   if (cnt <= 0) return;  // CTA-uniform
   // Pages [p_begin, p_begin + cnt_c) are seen by some row and go through the pipeline (invalid block-table
   // entries included: neither read nor computed, stored as -inf); the rest of the range is filled with -inf.
-  const int cnt_c = max(0, min(p_end, (hi_max + kPageSlots - 1) / kPageSlots) - p_begin);
-  if (cnt_c < cnt) {
+  // Planned: the plan's pages are those some row sees (lengths clipped to width here), so the copies can
+  // be issued before the lengths arrive; they are needed by the epilogue only.
+  const int cnt_c = Planned ? max(0, min(p_end, (width + kPageSlots - 1) / kPageSlots) - p_begin)
+                            : max(0, min(p_end, (hi_max + kPageSlots - 1) / kPageSlots) - p_begin);
+  if (!Planned && cnt_c < cnt) {
     const int n_lo = (p_begin + cnt_c) * kPageSlots, n_hi = min(p_end * kPageSlots, width);
     for (int i = tid; i < NextN * (n_hi - n_lo); i += 128) {
       const int r = i / (n_hi - n_lo), n = n_lo + i % (n_hi - n_lo);
@@ -474,7 +477,7 @@ __global__ void __launch_bounds__(128, MinBlocks)
   const Args A{q, weights, kv, kv_pages, block_table, bt_stride, bt_width, lens, lens_2d, width, out, out_stride,
                clean};
   dsa::for_each_decode_segment(plan, batch, [&](int b, int p_begin, int p_end) {
-    run_pages<QFp8, NextN, Stages, Split>(A, b, p_begin, p_end, smem_raw);
+    run_pages<QFp8, NextN, Stages, Split, true>(A, b, p_begin, p_end, smem_raw);
   });
   if (clean) dsa::fill_uncomputed_pages(plan, batch, NextN, width, out, out_stride);
 #else
