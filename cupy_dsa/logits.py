@@ -513,6 +513,32 @@ def _one_wave(expr, device, threads, smem, cap=None):
     return grid
 
 
+def _decode_kernel(layout: str, q_fp8: int, next_n: int, arch: str) -> tuple[str, bool]:
+    """(name expression, is the sm_90 wgmma kernel) that decode launches for this problem and arch."""
+    if layout == "bf16" and next_n in _SM90_CONFIG and TUNING["sm90_wgmma"] and arch == "sm_90":
+        return _sm90_expr(q_fp8, next_n), True
+    kf = int(layout == "fp8")
+    prefetch = 1 if (TUNING["decode_prefetch"] and layout == "bf16") else 0
+    mma8 = _mma8(kf, q_fp8)
+    expr = _decode_expr(kf, q_fp8, next_n, prefetch, TUNING["decode_l2_hint"], mma8)
+    if expr not in _DECLARED:  # the L2-hint variants exist for the main decode shapes only
+        expr = _decode_expr(kf, q_fp8, next_n, prefetch, 2, mma8)
+    return expr, False
+
+
+def product_instantiations(arch: str, *, q_fp8=(1,), next_ns=(1,), layouts=("bf16",)) -> list[str]:
+    """The name expressions (of ``mqa_logits.cu``) that decode and paged prefill launch on ``arch`` for
+    these q dtypes (1 = fp8, 0 = bf16), next_n values and cache layouts with the current TUNING: what a
+    server warms up (the rest compiles on first use)."""
+    ex = [_PLAN_EXPR]
+    for layout in layouts:
+        kf = int(layout == "fp8")
+        for qf in q_fp8:
+            ex += [_decode_kernel(layout, qf, nn, arch)[0] for nn in next_ns]
+            ex += [_expr(kf, qf, rows, 1, rows, 0, 2, _mma8(kf, qf)) for rows in (4, 8)]  # paged prefill tiles
+    return list(dict.fromkeys(ex))
+
+
 def paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len, *,
                      clean_logits=False, out=None, plan=None):
     """Decode / MTP logits against paged keys (DeepGEMM ``fp8_paged_mqa_logits`` semantics).
@@ -545,9 +571,9 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_contex
     lens_2d = _I32(1 if context_lens.dim() == 2 else 0)
     clean = _I32(1 if clean_logits else 0)
     qf = int(q.dtype == _FP8)
-    if (layout == "bf16" and next_n in _SM90_CONFIG and TUNING["sm90_wgmma"]
-            and runtime.device_arch(q.device.index) == "sm_90"):
-        expr, smem = _sm90_expr(qf, next_n), _sm90_smem_bytes(next_n)
+    expr, sm90 = _decode_kernel(layout, qf, next_n, runtime.device_arch(q.device.index))
+    if sm90:
+        smem = _sm90_smem_bytes(next_n)
         cps = TUNING["sm90_ctas_per_sm"] or _SM90_CONFIG[next_n][1]
         args = (q.data_ptr(), weights.data_ptr(), kv_cache.data_ptr(), _I64(kv_cache.shape[0]),
                 block_table.data_ptr(), bt_stride, _I32(bt_width), context_lens.data_ptr(), lens_2d, _I32(width),
@@ -555,13 +581,7 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_contex
         runtime.launch(_SRC, expr, q.device, (_one_wave(expr, q.device, 128, smem, cps), 1, 1), (128, 1, 1), args,
                        shared_mem=smem)
         return out
-    prefetch = 1 if (TUNING["decode_prefetch"] and layout == "bf16") else 0
-    kf = int(layout == "fp8")
-    mma8 = _mma8(kf, qf)
     mode = _MODE_LENS_2D if context_lens.dim() == 2 else _MODE_CAUSAL_1D
-    expr = _decode_expr(kf, qf, next_n, prefetch, TUNING["decode_l2_hint"], mma8)
-    if expr not in _DECLARED:  # the L2-hint variants exist for the main decode shapes only
-        expr = _decode_expr(kf, qf, next_n, prefetch, 2, mma8)
     smem = _smem_bytes(next_n)
     args = (q.data_ptr(), weights.data_ptr(), kv_cache.data_ptr(), _I64(kv_cache.shape[0]),
             block_table.data_ptr(), bt_stride, _I32(bt_width), context_lens.data_ptr(), context_lens.data_ptr(),

@@ -233,6 +233,18 @@ def test_sm90_config_fits_hopper():
         assert stages >= 2 and next_n % split == 0
 
 
+def test_product_instantiations_are_declared():
+    """What a server warms up is declared (compiled by the CI matrix) and is what the dispatch launches."""
+    from cupy_dsa import logits as L
+    for arch in ("sm_80", "sm_89", "sm_90", "sm_100", "sm_120"):
+        ex = L.product_instantiations(arch, q_fp8=(1, 0), next_ns=(1, 2, 3, 4), layouts=("bf16", "fp8"))
+        assert set(ex) <= L._DECLARED, set(ex) - L._DECLARED
+        assert L._PLAN_EXPR in ex
+        assert any("sm90" in e for e in ex) == (arch == "sm_90")
+    one = L.product_instantiations("sm_90", q_fp8=(1,), next_ns=(1,), layouts=("bf16",))
+    assert one == [L._PLAN_EXPR, L._sm90_expr(1, 1), L._expr(0, 1, 4, 1, 4, 0, 2, 0), L._expr(0, 1, 8, 1, 8, 0, 2, 0)]
+
+
 def test_references_direct(seed):
     """The *_reference functions are the same as the CPU dispatch (and accept the same arguments)."""
     q, cache, deq, w, ctx, bt = random_paged_case(B=2, next_n=2, max_pages=2, P=4, layout="bf16",
