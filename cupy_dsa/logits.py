@@ -106,10 +106,14 @@ _DECLARED = frozenset(_INSTANTIATIONS)
 runtime.register_instantiations(_SRC, _INSTANTIATIONS)
 
 # sm_90 decode with bf16 keys: the wgmma kernel of kernels/mqa_logits_sm90.cuh (included by mqa_logits.cu).
-# next_n -> (pipeline stages, CTAs per SM, wgmma chunks). next_n = 3 stays on the mma.sync kernel: on the H200
-# it took 240.7 us at 64 x 32K against 254.7 us for the best wgmma configuration (next_n 1/2/4: 138/168/282 us
-# for these configurations, measured 2026-11-30 on the fixed-share grid the balanced schedule replaced).
-_SM90_CONFIG = {1: (4, 2, 1), 2: (2, 3, 1), 4: (2, 2, 2)}
+# next_n -> (pipeline stages, CTAs per SM, wgmma chunks), chosen on the H200 under the balanced schedule
+# (2026-12-01, fp8 q, CUDA-graph replays; 64 x 32K / long-tail B=64 / 1 x 256K + 63 x 2K / 1 x 8K, us):
+# next_n 1: (3, 3, 1) 141 / 111 / 34.9 / 5.1; (4, 2, 1) 152 / 123 / 35.4 / 5.1; (2, 4, 1) 140 / 109 / 34.2 / 5.6;
+#           mma.sync 140 / 109 / 35.5 / 6.7.
+# next_n 2: (2, 3, 1) 170 / 131 / 41.7 / 7.0; (3, 2, 1) 187 / 154 / 46.1 / 6.7; mma.sync 199 / 152 / 50.9 / 9.5.
+# next_n 3: (2, 2, 3) 263 / 214 / 62.6 / 8.4; (3, 2, 3) 268 / 218 / 64.4 / 8.4; mma.sync 275 / 212 / 66.4 / 11.1.
+# next_n 4: (2, 2, 2) 279 / 237 / 69.5 / 9.6; (2, 2, 4) 323 / 263 / 78.2 / 9.9; mma.sync 377 / 285 / 91.4 / 14.1.
+_SM90_CONFIG = {1: (3, 3, 1), 2: (2, 3, 1), 3: (2, 2, 3), 4: (2, 2, 2)}
 
 
 def _sm90_expr(q_fp8: int, next_n: int) -> str:
