@@ -11,8 +11,10 @@ and CUDA tensors to one templated kernel in ``kernels/mqa_logits.cu``:
 fp8 layout: ``logit = k_scale[n] * sum_h relu(q . k_fp8) * w`` (the scale applied after the head sum, as
 DeepGEMM does). Outputs are fp32 with a row stride that is a multiple of 4 elements (top-k needs it).
 
-The GPU path does no host sync and allocates only with torch: the launch grid depends on host integers
-only (batch, next_n, max_context_len, rows), so it can be captured in a CUDA graph after :func:`warm_up`.
+The GPU path does no host sync and allocates only with torch: decode work is split by
+:func:`paged_mqa_logits_plan` (a small kernel over ``context_lens``, built once per forward) over one wave
+of CTAs, and every launch grid depends on host integers and the device only, so the calls can be captured
+in a CUDA graph after :func:`warm_up` and stay balanced when replayed with new lengths.
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ _MAX_GRID_Y = 65535
 # Host-side tuning knobs (read on every call, so a bench can flip them; defaults are the shipped choice).
 TUNING = {
     "decode_prefetch": 0,        # bf16 keys: register double-buffer of the next key tile (1) or occupancy (0)
-    "decode_ctas_per_sm": 16,    # CTAs launched per SM (over all requests); they interleave over the tiles
     "prefill_rows": 4,           # query rows per CTA: 4 (4 warps; H200: 422 TFLOP/s at 4K x 64K) or 8 (8 warps,
                                  # ~129 KiB shared memory; 376 TFLOP/s there)
     "prefill_prefetch": 0,       # contiguous keys, 8-row tiles: register double-buffer of the next key tile
@@ -52,7 +53,6 @@ TUNING = {
                                  # a layout test / bench variant). Not exposed for other dtype combinations.
     "sm90_wgmma": 1,             # sm_90, bf16 keys, decode: the wgmma kernel (1) or the mma.sync kernel (0)
     "sm90_ctas_per_sm": 0,       # wgmma decode CTAs per SM (one wave); 0 = the configuration's own
-    "decode_schedule": "balanced",  # "balanced": one wave over the plan's pages; "fixed": the old grid (B, G)
     "decode_l2_hint": 1,         # L2 prefetch size of the streaming key loads: 2 = 256 B, 1 = 128 B, 0 = none;
                                  # 0 / 1 exist only for decode next_n=1 with fp8 q (else 2 is used).
                                  # H200, 64 x 32K bf16: 128 B 142.9 us, 256 B 145.5 us, none 151.3 us
@@ -87,9 +87,9 @@ def _declared_instantiations() -> list[str]:
             for mma8 in ((0, 1, 2) if kf and qf else (0,)):
                 for rows in (1, 2, 3, 4):  # decode (rows = next_n)
                     ex.append(_decode_expr(kf, qf, rows, 0, 2, mma8))
-                    ex.append(_expr(kf, qf, rows, 1, 4, 0, 2, mma8))  # fixed-share decode; rows 4: prefill
                     if kf == 0:            # register double-buffering: a bench variant for bf16 keys
                         ex.append(_decode_expr(kf, qf, rows, 1))
+                ex.append(_expr(kf, qf, 4, 1, 4, 0, 2, mma8))   # paged prefill, 4-row tiles
                 ex.append(_expr(kf, qf, 8, 1, 8, 0, 2, mma8))   # paged prefill, 8-row tiles
     for hint in (0, 1):                            # L2 prefetch-size variants: main decode shapes only
         ex.append(_decode_expr(0, 1, 1, 0, hint))
@@ -106,18 +106,19 @@ _DECLARED = frozenset(_INSTANTIATIONS)
 runtime.register_instantiations(_SRC, _INSTANTIATIONS)
 
 # sm_90 decode with bf16 keys: the wgmma kernel of kernels/mqa_logits_sm90.cuh (included by mqa_logits.cu).
-# next_n -> (pipeline stages, CTAs per SM, wgmma chunks); H200, B=64 x 32K, fp8 q (tests/wgmma_probe.py):
-# next_n 1: 136 us (mma.sync 146), 2: 155-164 us (199), 3: 242 us (291), 4: 281 us (397).
-# next_n -> (stages, CTAs per SM, split). next_n = 3 stays on the mma.sync kernel: on the H200 it took
-# 240.7 us at 64 x 32K against 254.7 us for the best wgmma configuration (next_n 1/2/4: 138/168/282 us vs
-# 139/175/288 us, tests/wgmma_probe.py, 2026-11-30).
-_SM90_CONFIG = {1: (4, 2, 1), 2: (2, 3, 1), 4: (2, 2, 2)}
+# next_n -> (pipeline stages, CTAs per SM, wgmma chunks), chosen on the H200 under the balanced schedule
+# (2026-12-01, fp8 q, CUDA-graph replays; 64 x 32K / long-tail B=64 / 1 x 256K + 63 x 2K / 1 x 8K, us):
+# next_n 1: (3, 3, 1) 141 / 111 / 34.9 / 5.1; (4, 2, 1) 152 / 123 / 35.4 / 5.1; (2, 4, 1) 140 / 109 / 34.2 / 5.6;
+#           mma.sync 140 / 109 / 35.5 / 6.7.
+# next_n 2: (2, 3, 1) 170 / 131 / 41.7 / 7.0; (3, 2, 1) 187 / 154 / 46.1 / 6.7; mma.sync 199 / 152 / 50.9 / 9.5.
+# next_n 3: (2, 2, 3) 263 / 214 / 62.6 / 8.4; (3, 2, 3) 268 / 218 / 64.4 / 8.4; mma.sync 275 / 212 / 66.4 / 11.1.
+# next_n 4: (2, 2, 2) 279 / 237 / 69.5 / 9.6; (2, 2, 4) 323 / 263 / 78.2 / 9.9; mma.sync 377 / 285 / 91.4 / 14.1.
+_SM90_CONFIG = {1: (3, 3, 1), 2: (2, 3, 1), 3: (2, 2, 3), 4: (2, 2, 2)}
 
 
-def _sm90_expr(q_fp8: int, next_n: int, balanced: bool = True) -> str:
+def _sm90_expr(q_fp8: int, next_n: int) -> str:
     stages, ctas, split = _SM90_CONFIG[next_n]
-    name = "mqa_logits_sm90_decode_kernel" if balanced else "mqa_logits_sm90_kernel"
-    return f"{name}<{q_fp8}, {next_n}, {stages}, {ctas}, {split}>"
+    return f"mqa_logits_sm90_decode_kernel<{q_fp8}, {next_n}, {stages}, {ctas}, {split}>"
 
 
 def _sm90_smem_bytes(next_n: int) -> int:
@@ -126,8 +127,7 @@ def _sm90_smem_bytes(next_n: int) -> int:
             + next_n * N_HEADS * 4)
 
 
-runtime.register_instantiations(_SRC, [_sm90_expr(qf, nn, bal) for qf in (1, 0) for nn in _SM90_CONFIG
-                                      for bal in (True, False)])
+runtime.register_instantiations(_SRC, [_sm90_expr(qf, nn) for qf in (1, 0) for nn in _SM90_CONFIG])
 
 
 def _mma8(key_fp8: int, q_fp8: int) -> int:
@@ -517,6 +517,32 @@ def _one_wave(expr, device, threads, smem, cap=None):
     return grid
 
 
+def _decode_kernel(layout: str, q_fp8: int, next_n: int, arch: str) -> tuple[str, bool]:
+    """(name expression, is the sm_90 wgmma kernel) that decode launches for this problem and arch."""
+    if layout == "bf16" and next_n in _SM90_CONFIG and TUNING["sm90_wgmma"] and arch == "sm_90":
+        return _sm90_expr(q_fp8, next_n), True
+    kf = int(layout == "fp8")
+    prefetch = 1 if (TUNING["decode_prefetch"] and layout == "bf16") else 0
+    mma8 = _mma8(kf, q_fp8)
+    expr = _decode_expr(kf, q_fp8, next_n, prefetch, TUNING["decode_l2_hint"], mma8)
+    if expr not in _DECLARED:  # the L2-hint variants exist for the main decode shapes only
+        expr = _decode_expr(kf, q_fp8, next_n, prefetch, 2, mma8)
+    return expr, False
+
+
+def product_instantiations(arch: str, *, q_fp8=(1,), next_ns=(1,), layouts=("bf16",)) -> list[str]:
+    """The name expressions (of ``mqa_logits.cu``) that decode and paged prefill launch on ``arch`` for
+    these q dtypes (1 = fp8, 0 = bf16), next_n values and cache layouts with the current TUNING: what a
+    server warms up (the rest compiles on first use)."""
+    ex = [_PLAN_EXPR]
+    for layout in layouts:
+        kf = int(layout == "fp8")
+        for qf in q_fp8:
+            ex += [_decode_kernel(layout, qf, nn, arch)[0] for nn in next_ns]
+            ex += [_expr(kf, qf, rows, 1, rows, 0, 2, _mma8(kf, qf)) for rows in (4, 8)]  # paged prefill tiles
+    return list(dict.fromkeys(ex))
+
+
 def paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len, *,
                      clean_logits=False, out=None, plan=None):
     """Decode / MTP logits against paged keys (DeepGEMM ``fp8_paged_mqa_logits`` semantics).
@@ -542,53 +568,31 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_contex
     if B == 0 or width == 0:
         return out
     _check_aligned(q=q, kv_cache=kv_cache)
-    balanced = TUNING["decode_schedule"] == "balanced"
-    if balanced and plan is None:
+    if plan is None:
         plan = paged_mqa_logits_plan(context_lens, next_n)
     bt_width = block_table.shape[1]
     bt_stride = _I64(block_table.stride(0) if bt_width > 0 else 0)
     lens_2d = _I32(1 if context_lens.dim() == 2 else 0)
     clean = _I32(1 if clean_logits else 0)
     qf = int(q.dtype == _FP8)
-    if (layout == "bf16" and next_n in _SM90_CONFIG and TUNING["sm90_wgmma"]
-            and runtime.device_arch(q.device.index) == "sm_90"):
-        expr, smem = _sm90_expr(qf, next_n, balanced), _sm90_smem_bytes(next_n)
+    expr, sm90 = _decode_kernel(layout, qf, next_n, runtime.device_arch(q.device.index))
+    if sm90:
+        smem = _sm90_smem_bytes(next_n)
         cps = TUNING["sm90_ctas_per_sm"] or _SM90_CONFIG[next_n][1]
         args = (q.data_ptr(), weights.data_ptr(), kv_cache.data_ptr(), _I64(kv_cache.shape[0]),
                 block_table.data_ptr(), bt_stride, _I32(bt_width), context_lens.data_ptr(), lens_2d, _I32(width),
-                out.data_ptr(), _I64(out.stride(0)), clean)
-        if balanced:
-            grid = (_one_wave(expr, q.device, 128, smem, cps), 1, 1)
-            args += (plan.data_ptr(), _I32(B))
-        else:
-            n_sms, _ = _device_info(q.device.index)
-            grid = (B, max(1, min(_ceil_div(width, PAGE_SLOTS), n_sms * cps // B, _MAX_GRID_Y)), 1)
-        runtime.launch(_SRC, expr, q.device, grid, (128, 1, 1), args, shared_mem=smem)
+                out.data_ptr(), _I64(out.stride(0)), clean, plan.data_ptr(), _I32(B))
+        runtime.launch(_SRC, expr, q.device, (_one_wave(expr, q.device, 128, smem, cps), 1, 1), (128, 1, 1), args,
+                       shared_mem=smem)
         return out
-    prefetch = 1 if (TUNING["decode_prefetch"] and layout == "bf16") else 0
-    kf = int(layout == "fp8")
-    mma8 = _mma8(kf, qf)
     mode = _MODE_LENS_2D if context_lens.dim() == 2 else _MODE_CAUSAL_1D
+    smem = _smem_bytes(next_n)
     args = (q.data_ptr(), weights.data_ptr(), kv_cache.data_ptr(), _I64(kv_cache.shape[0]),
             block_table.data_ptr(), bt_stride, _I32(bt_width), context_lens.data_ptr(), context_lens.data_ptr(),
             _I32(mode), _I32(0), _I32(B * next_n), _I32(width), out.data_ptr(), _I64(out.stride(0)), _I32(width),
-            _I32(0), clean)
-    if balanced:
-        expr = _decode_expr(kf, qf, next_n, prefetch, TUNING["decode_l2_hint"], mma8)
-        if expr not in _DECLARED:  # the L2-hint variants exist for the main decode shapes only
-            expr = _decode_expr(kf, qf, next_n, prefetch, 2, mma8)
-        smem = _smem_bytes(next_n)
-        grid = (_one_wave(expr, q.device, 128, smem), 1, 1)
-        runtime.launch(_SRC, expr, q.device, grid, (128, 1, 1), args + (plan.data_ptr(), _I32(B)),
-                       shared_mem=smem)
-        return out
-    # fixed shares (comparison only): G CTAs per request
-    n_sms, _ = _device_info(q.device.index)
-    warps = 4
-    tiles = _ceil_div(width, _TILE_KEYS)
-    per_req = _ceil_div(n_sms * TUNING["decode_ctas_per_sm"], B)
-    grid = (B, max(1, min(_ceil_div(tiles, warps), per_req, _MAX_GRID_Y)), 1)
-    _launch(_expr(kf, qf, next_n, 1, warps, 0, 2, mma8), q.device, grid, warps, next_n, args)
+            _I32(0), clean, plan.data_ptr(), _I32(B))
+    runtime.launch(_SRC, expr, q.device, (_one_wave(expr, q.device, 128, smem), 1, 1), (128, 1, 1), args,
+                   shared_mem=smem)
     return out
 
 

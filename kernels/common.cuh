@@ -116,18 +116,19 @@ __device__ __forceinline__ int decode_pages(const int* __restrict__ lens, int le
 // barrier between segments (they reuse shared memory). Called by every thread of the CTA.
 template <class F>
 __device__ __forceinline__ void for_each_decode_segment(const i64* __restrict__ plan, int batch, F&& seg) {
+  // First request whose pages reach past g0 = the number of requests that end at or before it (plan is
+  // non-decreasing): one block-wide count per blockDim.x requests. The first chunk's ends are loaded
+  // together with the total (one round trip before the first key load, not two).
+  const int i0 = static_cast<int>(threadIdx.x) + 1;
+  const i64 end0 = plan[min(i0, batch)];
   const i64 total = plan[batch];
   const i64 g0 = total * blockIdx.x / gridDim.x, g1 = total * (blockIdx.x + 1) / gridDim.x;
-  if (g0 >= g1) return;  // CTA-uniform
-  // First request whose pages reach past g0 = the number of requests that end at or before it (plan is
-  // non-decreasing): one block-wide count per blockDim.x requests.
-  int b = 0;
-  for (int base = 0; base < batch; base += blockDim.x) {
+  int b = __syncthreads_count(i0 <= batch && end0 <= g0);
+  for (int base = blockDim.x; b == base && base < batch; base += blockDim.x) {  // CTA-uniform
     const int i = base + static_cast<int>(threadIdx.x) + 1;
-    const int n = __syncthreads_count(i <= batch && plan[i] <= g0);
-    b += n;
-    if (n < static_cast<int>(blockDim.x)) break;  // CTA-uniform
+    b += __syncthreads_count(i <= batch && plan[min(i, batch)] <= g0);
   }
+  if (g0 >= g1) return;  // CTA-uniform: no pages for this CTA
   bool first = true;
   for (; b < batch; ++b) {
     const i64 s = plan[b], e = plan[b + 1];

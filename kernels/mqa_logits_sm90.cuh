@@ -14,11 +14,10 @@
 // holds 16 heads of 2 keys per row: relu * w summed in-thread, then over the 4 lanes sharing gid (2 xor
 // shuffles, deterministic), and the logits stored straight from registers.
 //
-// One CTA = one warpgroup (128 threads) over a contiguous range of one request's pages (grid x = request,
-// y = G CTAs splitting the request's visible pages evenly, computed from the device-side lengths: the grid
-// depends on host integers only, CUDA-graph safe). Every thread streams 8 of a page's 1024 16-byte chunks
+// One CTA = one warpgroup (128 threads) over contiguous page ranges of requests (the schedule below; the grid
+// depends on the device only, CUDA-graph safe). Every thread streams 8 of a page's 1024 16-byte chunks
 // with cp.async.cg into a Stages-deep ring of 16 KiB stages (Stages-1 pages in flight), writing the swizzled
-// layout directly; q (fp8 converted exactly to bf16) and the weights are staged once per CTA. Per page: wait
+// layout directly; q (fp8 converted exactly to bf16) and the weights are staged once per segment. Per page: wait
 // for its cp.async group, fence.proxy.async (generic-proxy smem writes -> wgmma's async proxy), barrier,
 // issue the next page's copies into the stage freed by the previous page, then the wgmma: with Split > 1 the
 // B rows are cut into Split chunks (NextN/Split query rows each), one commit group per chunk, and chunk c's
@@ -27,15 +26,15 @@
 // wgmma. (Keeping a group in flight across the loop back-edge, or issuing and waiting under separate
 // branches, makes ptxas serialize every wgmma: C7514.)
 //
-// Two schedules share the page loop (run_pages): mqa_logits_sm90_kernel, grid (B, G), G even shares of each
-// request; and mqa_logits_sm90_balanced_kernel, a 1-D grid cutting the concatenation of all requests' pages
-// into even ranges (mixed-length batches). H200 measurements: see tests/wgmma_probe.py.
+// Schedule: one wave of CTAs over the batch's plan (common.cuh): CTA c runs the request segments of its even
+// share of all computed pages (run_pages per segment), so the time depends on the pages in all, not on the
+// mix of lengths.
 //
 // Masking as in mqa_logits.cu (decode): row r sees keys [0, hi_r), hi_r = lens[b] - (next_n-1-r) (1-D lens)
 // or lens[b*next_n + r] (2-D), clipped to [0, width]; a page is read only when its block-table index is
-// < bt_width, its entry is in [0, P) and some row sees one of its keys; every column of a visited page below
-// `width` is written (value or -inf). Visited pages: all of [0, ceil(width/64)) with `clean`, else those
-// below ceil(max hi / 64). The arithmetic order of a logit is fixed (independent of grid and stages).
+// < bt_width, its entry is in [0, P) and some row sees one of its keys; every column of a computed page below
+// `width` is written (value or -inf); with `clean`, the pages no row sees are written -inf by
+// fill_uncomputed_pages. The arithmetic order of a logit is fixed (independent of grid and stages).
 #pragma once
 #include "common.cuh"
 
@@ -128,72 +127,11 @@ __device__ __forceinline__ void wgmma_m64n128k16_bf16_ss(float (&d)[64], u64 da,
       : "l"(da), "l"(db), "r"(scale_d));
 }
 
-__device__ __forceinline__ void wgmma_m64n192k16_bf16_ss(float (&d)[96], u64 da, u64 db, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\n"
-      "setp.ne.b32 p, %98, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
-      "}, %96, %97, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
-      : "l"(da), "l"(db), "r"(scale_d));
-}
-
-__device__ __forceinline__ void wgmma_m64n256k16_bf16_ss(float (&d)[128], u64 da, u64 db, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\n"
-      "setp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-      "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(da), "l"(db), "r"(scale_d));
-}
-
 template <int N>
 __device__ __forceinline__ void wgmma_bf16_ss(float (&d)[N / 2], u64 da, u64 db, int scale_d) {
+  static_assert(N == 64 || N == 128, "the shipped configurations use n64 and n128");
   if constexpr (N == 64) wgmma_m64n64k16_bf16_ss(d, da, db, scale_d);
-  else if constexpr (N == 128) wgmma_m64n128k16_bf16_ss(d, da, db, scale_d);
-  else if constexpr (N == 192) wgmma_m64n192k16_bf16_ss(d, da, db, scale_d);
-  else wgmma_m64n256k16_bf16_ss(d, da, db, scale_d);
+  else wgmma_m64n128k16_bf16_ss(d, da, db, scale_d);
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
@@ -232,24 +170,15 @@ __device__ __forceinline__ int row_len(const Args& A, int b, int r) {
   return min(max(h, 0), A.width);
 }
 
-// Pages of request b that some row sees (they go through the pipeline; the rest is -inf fill).
-template <int NextN>
-__device__ __forceinline__ int compute_pages(const Args& A, int b) {
-  int m = 0;
-#pragma unroll
-  for (int r = 0; r < NextN; ++r) m = max(m, row_len<NextN>(A, b, r));
-  return (m + kPageSlots - 1) / kPageSlots;
-}
-
-// Pages [p_begin, p_end) of request b: pipeline over the pages some row sees, -inf fill of the rest.
-// Called by all 128 threads; may be called again for another range after a __syncthreads().
+// Pages [p_begin, p_end) of request b (a segment of the plan: pages some row sees). Called by all 128
+// threads; may be called again for another range after a __syncthreads().
 template <int QFp8, int NextN, int Stages, int Split>
 __device__ __forceinline__ void run_pages(const Args& A, int b, int p_begin, int p_end,
                                           unsigned char* smem_raw) {
   static_assert(NextN >= 1 && NextN <= 4 && Stages >= 2, "config");
   constexpr int N = NextN * kHeads;  // B rows: (row, head)
   static_assert(NextN % Split == 0, "Split must divide NextN");
-  constexpr int NC = N / Split;      // B rows per wgmma (chunk of NextN / Split rows)
+  constexpr int NC = N / Split;      // B rows per wgmma (chunk of NextN / Split query rows)
   constexpr int RC = NC / 2;         // accumulator registers per thread and chunk
   const unsigned char* __restrict__ q = A.q;
   const float* __restrict__ weights = A.weights;
@@ -262,26 +191,11 @@ __device__ __forceinline__ void run_pages(const Args& A, int b, int p_begin, int
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t = lane & 3;
-  int hi[NextN];
-  int hi_max = 0;
-#pragma unroll
-  for (int r = 0; r < NextN; ++r) {
-    hi[r] = row_len<NextN>(A, b, r);
-    hi_max = max(hi_max, hi[r]);
-  }
-  const int cnt = p_end - p_begin;
-  if (cnt <= 0) return;  // CTA-uniform
-  // Pages [p_begin, p_begin + cnt_c) are seen by some row and go through the pipeline (invalid block-table
-  // entries included: neither read nor computed, stored as -inf); the rest of the range is filled with -inf.
-  const int cnt_c = max(0, min(p_end, (hi_max + kPageSlots - 1) / kPageSlots) - p_begin);
-  if (cnt_c < cnt) {
-    const int n_lo = (p_begin + cnt_c) * kPageSlots, n_hi = min(p_end * kPageSlots, width);
-    for (int i = tid; i < NextN * (n_hi - n_lo); i += 128) {
-      const int r = i / (n_hi - n_lo), n = n_lo + i % (n_hi - n_lo);
-      out[(static_cast<i64>(b) * NextN + r) * out_stride + n] = __int_as_float(0xff800000);
-    }
-  }
-  if (cnt_c == 0) return;
+  // The plan's pages are those some row sees, so the copies are issued before the lengths arrive (they
+  // are needed by the epilogue only); pages at or past `width` have no column to write.
+  const int cnt_c = max(0, min(p_end, (width + kPageSlots - 1) / kPageSlots) - p_begin);
+  if (cnt_c == 0) return;  // CTA-uniform
+  int hi[NextN];  // row lengths, loaded once the first copies are in flight
 
   // ---- shared memory: [align][q: 2 x N x 128 B][stages][weights] (tiles 1024-aligned) ----
   const u32 raw_addr = static_cast<u32>(__cvta_generic_to_shared(smem_raw));
@@ -400,6 +314,8 @@ __device__ __forceinline__ void run_pages(const Args& A, int b, int p_begin, int
     for (int i = 0; i < RC; ++i) acc[c][i] = 0.0f;
 #pragma unroll
   for (int j = 0; j < Stages - 1; ++j) issue(j);
+#pragma unroll
+  for (int r = 0; r < NextN; ++r) hi[r] = row_len<NextN>(A, b, r);
   stage_q();
   for (int j = 0; j < cnt_c; ++j) {
     cp_async_wait<Stages - 2>();  // page j's group (this thread's copies) has landed
@@ -436,30 +352,6 @@ __device__ __forceinline__ void run_pages(const Args& A, int b, int p_begin, int
       long long kv_pages, const int *__restrict__ block_table, long long bt_stride, int bt_width,           \
       const int *__restrict__ lens, int lens_2d, int width, float *__restrict__ out, long long out_stride,   \
       int clean
-
-// grid (B, G), block 128, dynamic shared memory dsa::sm90::Smem<NextN, Stages>::kBytes. MinBlocks: CTAs per SM
-// asked of ptxas (register cap); Split: wgmma chunks of the B rows (divides NextN). CTA (b, y) takes the y-th
-// of G even shares of request b's pages (all pages below width with `clean`, else those some row sees).
-// q [B, NextN, 64, 128] (QFp8: e4m3 bytes, else bf16), weights fp32 [B*NextN, 64], kv bf16 pages [kv_pages,
-// 16384] (16-byte aligned), block_table [B] rows of bt_stride, bt_width entries; lens int32 [B] (lens_2d 0) or
-// [B, NextN] (lens_2d 1); out fp32 rows b*NextN + r, stride out_stride, `width` columns.
-template <int QFp8, int NextN, int Stages, int MinBlocks, int Split>
-__global__ void __launch_bounds__(128, MinBlocks) mqa_logits_sm90_kernel(DSA_SM90_ARGS) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using namespace dsa::sm90;
-  extern __shared__ unsigned char smem_raw[];
-  const Args A{q, weights, kv, kv_pages, block_table, bt_stride, bt_width, lens, lens_2d, width, out, out_stride,
-               clean};
-  const int b = blockIdx.x;
-  const int n_vis = clean ? (width + dsa::kPageSlots - 1) / dsa::kPageSlots : compute_pages<NextN>(A, b);
-  const int G = gridDim.y, y = blockIdx.y;
-  const int p_begin = static_cast<int>((static_cast<long long>(y) * n_vis) / G);
-  const int p_end = static_cast<int>((static_cast<long long>(y + 1) * n_vis) / G);
-  run_pages<QFp8, NextN, Stages, Split>(A, b, p_begin, p_end, smem_raw);
-#else
-  __trap();
-#endif
-}
 
 // Balanced schedule: grid (C) = one wave, block 128, same shared memory. CTA c runs the request segments of
 // its share of the batch's computed pages (plan: int64 [batch + 1], see for_each_decode_segment in

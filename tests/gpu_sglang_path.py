@@ -531,8 +531,6 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=int(os.environ.get("CUPY_DSA_SEED", "0")))
-    ap.add_argument("--schedule", choices=("balanced", "fixed"), default=None,
-                    help="cupy_dsa.logits.TUNING['decode_schedule'] (default: the shipped one)")
     args = ap.parse_args()
     where = args.device
     if where.startswith("cuda"):
@@ -540,11 +538,7 @@ def main():
             print("SGLANG GPU PATH: FAIL (no CUDA device; use --device cpu for the dry mode)")
             return 1
         where = f"{args.device} ({torch.cuda.get_device_name(0)}, torch {torch.__version__})"
-    import cupy_dsa.logits
-
-    if args.schedule and "decode_schedule" in cupy_dsa.logits.TUNING:
-        cupy_dsa.logits.TUNING["decode_schedule"] = args.schedule
-    log(f"device {where}, seed {args.seed}, decode schedule {cupy_dsa.logits.TUNING.get('decode_schedule')}")
+    log(f"device {where}, seed {args.seed}")
     try:
         phases, secs = run(args.device, args.seed)
     except BaseException:  # noqa: BLE001 - set-up failed (imports, hooks, pool)

@@ -233,6 +233,20 @@ def test_sm90_config_fits_hopper():
         assert stages >= 2 and next_n % split == 0
 
 
+def test_product_instantiations_are_declared():
+    """What a server warms up is declared (compiled by the CI matrix) and is what the dispatch launches."""
+    from cupy_dsa import logits as L
+    from cupy_dsa import runtime
+    declared = set(runtime.instantiations()["mqa_logits.cu"])
+    for arch in ("sm_80", "sm_89", "sm_90", "sm_100", "sm_120"):
+        ex = L.product_instantiations(arch, q_fp8=(1, 0), next_ns=(1, 2, 3, 4), layouts=("bf16", "fp8"))
+        assert set(ex) <= declared, set(ex) - declared
+        assert L._PLAN_EXPR in ex
+        assert any("sm90" in e for e in ex) == (arch == "sm_90")
+    one = L.product_instantiations("sm_90", q_fp8=(1,), next_ns=(1,), layouts=("bf16",))
+    assert one == [L._PLAN_EXPR, L._sm90_expr(1, 1), L._expr(0, 1, 4, 1, 4, 0, 2, 0), L._expr(0, 1, 8, 1, 8, 0, 2, 0)]
+
+
 def test_references_direct(seed):
     """The *_reference functions are the same as the CPU dispatch (and accept the same arguments)."""
     q, cache, deq, w, ctx, bt = random_paged_case(B=2, next_n=2, max_pages=2, P=4, layout="bf16",
@@ -445,17 +459,17 @@ def test_gpu_paged(seed, tuning, layout, q_dtype, next_n, lens_2d, prefetch, mma
 
 @gpu
 @pytest.mark.parametrize("layout", ["bf16", "fp8"])
-@pytest.mark.parametrize("schedule", ["balanced", "fixed"])
-def test_gpu_paged_long(seed, tuning, layout, schedule):
-    """Many pages per request, short and full lengths, both schedules."""
-    tuning(decode_schedule=schedule)
+@pytest.mark.parametrize("kernel", ["wgmma", "mma"])
+def test_gpu_paged_long(seed, tuning, layout, kernel):
+    """Many pages per request, short and full lengths (sm_90: the wgmma and the mma.sync kernel)."""
+    tuning(sm90_wgmma=int(kernel == "wgmma"))
     q, cache, deq, w, ctx, bt = gpu_paged_case(seed, B=16, next_n=2, max_pages=211, P=3500, layout=layout,
                                                q_dtype=FP8, lens_2d=False)
     ctx[2] = 211 * PS                                               # a full-length row
     width = 211 * PS
     want = oracle_paged(q, deq, w, ctx, bt, width)
     got = paged_mqa_logits(q, cache, w, ctx, bt, width, clean_logits=True)
-    check_close(got, want, clean=True, what=f"paged long {layout} {schedule} seed={seed}")
+    check_close(got, want, clean=True, what=f"paged long {layout} {kernel} seed={seed}")
     assert got.stride(0) % 4 == 0
 
 
@@ -536,15 +550,13 @@ def test_gpu_variants_bitwise_equal(seed, tuning):
                                              q_dtype=torch.bfloat16, lens_2d=False)
     for wgmma in (1, 0):        # sm_90: the wgmma kernel, then the mma.sync kernel (elsewhere: mma.sync twice)
         outs = []
-        for pf, sched, cps in [(0, "balanced", 0), (1, "balanced", 0), (0, "fixed", 8), (1, "fixed", 1),
-                               (0, "balanced", 1)]:
-            tuning(sm90_wgmma=wgmma, decode_prefetch=pf, decode_schedule=sched, decode_ctas_per_sm=cps or 16,
-                   sm90_ctas_per_sm=cps)
+        for pf, cps in [(0, 0), (1, 0), (0, 1)]:   # sm90_ctas_per_sm=1: a smaller grid, other segment cuts
+            tuning(sm90_wgmma=wgmma, decode_prefetch=pf, sm90_ctas_per_sm=cps)
             outs.append(paged_mqa_logits(q, cache, w, ctx, bt, 50 * PS, clean_logits=True))
         for i, o in enumerate(outs[1:], 1):
             assert torch.equal(o, outs[0]), \
                 f"paged variant {i} (wgmma={wgmma}) differs: {int((o != outs[0]).sum())} entries"
-    tuning(sm90_wgmma=1, decode_schedule="balanced")
+    tuning(sm90_wgmma=1, sm90_ctas_per_sm=0)
     T = 77
     q2 = make_q((T, H, D), FP8, "cuda")
     w2 = torch.randn(T, H, device="cuda")
@@ -811,19 +823,19 @@ def _bench_variants(quick=False):
         bt = torch.randperm(P, device=dev).to(torch.int32).view(B, pages)
         key_bytes = B * ctx_len * (256 if layout == "bf16" else 132)
         nbytes = key_bytes + q.numel() * q.element_size() + w.numel() * 4 + B * next_n * ctx_len * 4
-        variants = [dict(decode_prefetch=pf, decode_ctas_per_sm=cps)
-                    for pf, cps in itertools.product((0, 1) if layout == "bf16" else (0,), (8, 16, 32))]
+        variants = [dict(decode_prefetch=pf, sm90_wgmma=wg)
+                    for pf, wg in itertools.product((0, 1) if layout == "bf16" else (0,), (1, 0))]
         if layout == "fp8":      # e4m3 mma.sync: 1 = where native (sm_89/sm_120+), 2 = forced (sm_90: emulated)
             variants += [dict(fp8_mma=m) for m in (1, 2)]
         if (B, ctx_len, next_n) == (64, 32768, 1):   # L2 prefetch-size hint of the key loads (default 256 B)
             # (declared for prefetch 0, fp8_mma 0 only; anything else falls back to 256 B)
-            variants += [dict(decode_l2_hint=h, decode_ctas_per_sm=cps) for h in (1, 0) for cps in (16, 32)]
+            variants += [dict(decode_l2_hint=h, sm90_wgmma=0) for h in (1, 0)]
         for var in variants:
             L.TUNING.update(base, **var)
             us = timed(lambda: paged_mqa_logits(q, cache, w, ctx, bt, ctx_len))
             t = L.TUNING
             print(f"decode {layout:4s} B={B:3d} ctx={ctx_len:6d} next_n={next_n} prefetch={t['decode_prefetch']} "
-                  f"ctas/SM={t['decode_ctas_per_sm']:2d} l2hint={t['decode_l2_hint']} fp8_mma={t['fp8_mma']}: "
+                  f"wgmma={t['sm90_wgmma']} l2hint={t['decode_l2_hint']} fp8_mma={t['fp8_mma']}: "
                   f"{us:8.1f} us {nbytes / us / 1e3:7.0f} GB/s {B * ctx_len * next_n / us / 1e3:6.1f} G pairs/s")
         del cache
     T, S = (2048, 16384) if quick else (4096, 65536)

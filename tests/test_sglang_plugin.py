@@ -304,6 +304,21 @@ def test_warm_expressions_selects_the_server_variants(monkeypatch):
     assert len(declared[core.STORE_SOURCE]) == 72  # the rest compiles on first use
 
 
+def test_warm_expressions_with_logits_product():
+    """cupy_dsa.logits.product_instantiations itself: the plan kernel, one decode kernel per next_n for the
+    arch, the paged prefill tiles; a small part of the declared set."""
+    from cupy_dsa import logits, runtime
+
+    if not hasattr(logits, "product_instantiations"):
+        pytest.skip("cupy_dsa.logits.product_instantiations not in this checkout")
+    declared = runtime.instantiations()[core.LOGITS_SOURCE]
+    for arch in ("sm_80", "sm_90", "sm_120"):
+        one = core.warm_expressions(arch, mode="bf16")[core.LOGITS_SOURCE]
+        two = core.warm_expressions(arch, mode="bf16", next_ns=(1, 2))[core.LOGITS_SOURCE]
+        assert set(one) < set(two) <= set(declared) and len(two) < len(declared) // 4, (arch, two)
+        assert two == logits.product_instantiations(arch, q_fp8=(1,), next_ns=(1, 2), layouts=("bf16",))
+
+
 def test_warm_expressions_rejects_undeclared(monkeypatch):
     import cupy_dsa.logits
 
