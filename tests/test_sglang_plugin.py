@@ -426,6 +426,12 @@ def test_warm_up_expressions_compiles_one_program_per_file(monkeypatch):
     assert runtime.warm_up_expressions(7, {"store_index_k.cu": store_exprs[:2] + store_exprs[:1]}) == 2
     assert len(modules) == 1, "already-loaded expressions were compiled again"
     assert all((7, "store_index_k.cu", e) in runtime._FUNCTIONS for e in store_exprs)
+    # a later first use of another declared expression compiles the rest, keeping the loaded kernels
+    loaded = {e: runtime._FUNCTIONS[(7, "store_index_k.cu", e)] for e in store_exprs}
+    declared = runtime.instantiations()["store_index_k.cu"]
+    runtime.get_function("store_index_k.cu", declared[-1], 7)
+    assert modules[-1] == declared
+    assert all(runtime._FUNCTIONS[(7, "store_index_k.cu", e)] is f for e, f in loaded.items())
 
 
 def test_decode_plans_built_once_per_forward(monkeypatch):
