@@ -33,6 +33,25 @@ for tool in racecheck initcheck; do
     | tee -a "$OUT/sanitizers.txt"
 done
 
+# SGLang 0.5.23's own indexer code driving our kernels, when its wheels were carried in .whl_sgl
+SGL_LINE="not run (no .whl_sgl)"
+if ls .whl_sgl/sglang-0.5.23-*.whl >/dev/null 2>&1; then
+  OUT="$OUT" timeout 300 bash tests/run_sglang_gpu.sh >"$OUT/sglang_path.txt" 2>&1
+  SGL_LINE=$(grep -E "SGLANG GPU PATH" "$OUT/sglang_path.txt" | tail -1)
+  tail -3 "$OUT/sglang_path.txt"
+fi
+# Start-up compile time of the kernels an SGLang server warms (bf16 keys, next_n 1 and 2): cold = empty CuPy
+# cache (NVRTC compiles), warm = the cache filled by the cold run (module loads only); one process each.
+WARM_CACHE=$(mktemp -d)
+for kind in cold warm; do
+  CUPY_CACHE_DIR=$WARM_CACHE SGLANG_CUPY_DSA_INDEX_K=bf16 python3 -c "
+import time, torch
+from cupy_dsa.sglang import core
+core.configure_warm(next_ns=(1, 2))
+torch.cuda.init(); t = time.perf_counter(); core.ensure_warm(torch.device('cuda'))
+print('start-up compile ($kind CuPy cache): %.1f s' % (time.perf_counter() - t))" 2>&1 | tail -1 | tee -a "$OUT/startup.txt"
+done
+rm -rf "$WARM_CACHE"
 if [ -z "${SKIP_BENCH:-}" ]; then
   python3 -m cupy_dsa bench all --backend cuda --json "$OUT/h200.json" --plot "$OUT/h200.png" \
       --markdown "$OUT/headline.md" 2>&1 | tee "$OUT/bench.log" | tail -60
@@ -43,5 +62,7 @@ echo "commit: ${CUPY_DSA_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || 
 echo "pytest -m gpu: $PYTEST_LINE"
 echo "compute-sanitizer memcheck (rc=$SAN_RC): $SAN_LINE"
 cat "$OUT/sanitizers.txt"
+echo "SGLang path: $SGL_LINE"
+cat "$OUT/startup.txt"
 [ -f "$OUT/headline.md" ] && cat "$OUT/headline.md"
 exit 0

@@ -111,9 +111,7 @@ def warm_expressions(arch: str, *, mode: str, next_ns=(1,), kv_dtypes=(torch.bfl
     """The kernel instantiations one SGLang server launches, ``{source_file: [name expressions]}``: the bf16
     layout, fp8 q, the given ``next_ns`` (1, plus the MTP draft count), the mode's store numerics on
     SGLang's decode and prefill plan rows for the model's kv dtype. Everything else compiles on first use.
-
-    The logits expressions come from ``cupy_dsa.logits.product_instantiations``; without it (older
-    cupy_dsa) every declared logits instantiation is warmed, as before."""
+    The logits expressions are ``cupy_dsa.logits.product_instantiations``."""
     from cupy_dsa import logits, runtime, store
 
     declared = runtime.instantiations()
@@ -121,12 +119,8 @@ def warm_expressions(arch: str, *, mode: str, next_ns=(1,), kv_dtypes=(torch.bfl
     out = {STORE_SOURCE: store.product_instantiations(
         layouts=("bf16",), numerics=(numerics_of(mode),), key_styles=("v4",), hadamard=(True,),
         in_dtypes=kv_dtypes, sources=("decode", "prefill"))}
-    product = getattr(logits, "product_instantiations", None)
-    if product is None:
-        out[LOGITS_SOURCE] = list(declared[LOGITS_SOURCE])
-    else:
-        out[LOGITS_SOURCE] = list(product(arch, q_fp8=SGLANG_Q_FP8, next_ns=tuple(sorted(set(next_ns))),
-                                          layouts=("bf16",)))
+    out[LOGITS_SOURCE] = logits.product_instantiations(arch, q_fp8=SGLANG_Q_FP8,
+                                                       next_ns=tuple(sorted(set(next_ns))), layouts=("bf16",))
     for filename, exprs in out.items():
         unknown = [e for e in exprs if e not in declared.get(filename, ())]
         if unknown:
