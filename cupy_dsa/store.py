@@ -320,6 +320,15 @@ def _fp4sim(k: torch.Tensor) -> torch.Tensor:
     return (r * scale).view(-1, HEAD_DIM)
 
 
+def fp4sim_reference(x: torch.Tensor) -> torch.Tensor:
+    """``numerics='fp4sim'`` rounding of any float tensor whose last dim is 128 (e2m1, power-of-two scale
+    per 32 elements, ties to the even code), float32 out: what the store does to a key, applied to e.g. a
+    query, as DeepSeek-V4's reference fp4-simulates both."""
+    if x.shape[-1] != HEAD_DIM:
+        raise ValueError(f"x: expected a last dimension of {HEAD_DIM}, got shape {tuple(x.shape)}")
+    return _fp4sim(x.to(torch.float32).reshape(-1, HEAD_DIM)).view(x.shape)
+
+
 HADAMARD_SCALE = float(np.float32(128.0 ** -0.5))  # fp32 bits 0x3db504f3
 
 
@@ -412,4 +421,4 @@ def _store_reference(kv, cache, positions, out_loc, norm_weight, freqs_cis, norm
 
 
 __all__ = ["store_index_k", "store_index_k_from_plan", "store_index_k_reference", "rotate_index_k_reference",
-           "fp8_quantize_reference", "plan_to_direct"]
+           "fp8_quantize_reference", "fp4sim_reference", "plan_to_direct"]
