@@ -29,7 +29,7 @@ from cupy_dsa.store import fp4sim_reference, rotate_index_k_reference
 from .sweeps import DIM, HEADS, make_freqs
 
 TOPKS = (512, 1024)
-MARGINS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+MARGINS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 RESOLUTION_RATE = 0.99           # a format "resolves" a margin when it keeps >= 99% of the needles
 FORMATS = ("fp8", "fp4", "bf16", "bf16-fp4sim", "bf16+q-bf16", "bf16-fp4sim+q-fp4")
 ORACLES = ("exact", "reference")
@@ -58,8 +58,8 @@ RECALL_NOTE = (
     "channel), U z a rank-16 factor, e ~ N(0, 0.3^2), s heavy-tailed per-channel scales exp(N(0, 0.75^2)) with "
     "4 outlier channels x20; norm weight exp(N(0, 0.2^2)); RMSNorm, interleaved RoPE at position 4i (theta "
     "1.6e5) and Hadamard as store_index_k applies them. Per query, a cluster of min(n/2, 2048) near-duplicates "
-    "of one base key is built in the rotated basis (base + sigma * rms(base) * N(0, I), sigma in {0.01, 0.02, "
-    "0.05, 0.1, 0.2, 0.5}) at random depths, and every rotated key is mapped back to a raw key by the inverse "
+    "of one base key is built in the rotated basis (base + sigma * rms(base) * N(0, I), sigma in {0.002, 0.005, "
+    "0.01, 0.02, 0.05, 0.1}) at random depths, and every rotated key is mapped back to a raw key by the inverse "
     "Hadamard, RoPE and norm weight, so the real store reproduces it. Queries (rotated basis): heads 1-16 "
     "point at the base (norm ~4, N(0, 0.5^2/128) noise), heads 17-63 at random directions plus the mean key "
     "direction; weights |N(1, 0.25^2)| / sqrt(8192). Head 0 is the needle's own head: a unit direction e "
@@ -78,7 +78,7 @@ RECALL_NOTE = (
 def contexts(device: torch.device, quick: bool) -> tuple[list[int], int]:
     """(context lengths in raw tokens, queries per context)."""
     if device.type != "cuda":  # the torch reference store is slow: small sizes
-        return ([4096, 8192], 2) if quick else ([1024, 4096, 8192, 16384], 4)
+        return ([4096, 16384], 4) if quick else ([1024, 4096, 16384, 65536], 8)
     if quick:
         return [4096, 65536, 1048576], 8
     return [1024, 4096, 16384, 65536, 262144, 1048576], 32

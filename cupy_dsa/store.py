@@ -115,10 +115,7 @@ def _check_common(kv, cache, norm_weight, norm_bias, freqs_cis, eps, numerics, k
         raise ValueError(f"eps: expected a non-negative float, got {eps!r}")
     if not isinstance(cache, torch.Tensor):
         raise TypeError(f"cache: expected a torch.Tensor, got {type(cache).__name__}")
-    try:
-        layout = layout_of(cache)
-    except ValueError as e:
-        raise ValueError(f"cache: {e}") from None
+    layout = layout_of(cache, "cache")
     _check_contig("cache", cache)
     _check_device("cache", cache, dev)
     _check_align("cache", cache, 16)
