@@ -27,7 +27,7 @@ TARGETS = {
     "prefill_pct_matmul": 0.50,
 }
 TARGET_MIN_KEYS = 2 * 2**20
-# DeepGEMM fp8_paged_mqa_logits on our H200 (anchors.md 3a: a separate run, 2026-11-30; (B, ctx, next_n) -> us).
+# DeepGEMM fp8_paged_mqa_logits on our H200 (a separate run, 2026-11-30; (B, ctx, next_n) -> us).
 # Shown next to our rows for reference only; the ratios in this bench use figures measured in this run.
 DEEPGEMM_FP8_US_H200 = {(1, 8192, 1): 33.1, (64, 32768, 1): 94.8, (128, 16384, 1): 92.4, (32, 65536, 1): 93.2,
                         (64, 32768, 2): 95.1, (4, 262144, 1): 54.5}  # bandwidth targets apply to sweeps with >= 2M key tokens in total
@@ -342,6 +342,6 @@ LOGITS_COUNTED = ("decode GB/s counts keys read once per request (256 B/entry bf
                   "read + fp32 logits written for visible columns; G keys/s = index entries scanned per second; "
                   "time vs fp8 = our time / our fp8-layout time at the same shape; torch = gather pages + bmm "
                   "(SGLang's fallback formulation, q in bf16); peak extra memory = torch.cuda.max_memory_allocated "
-                  "delta of one eager call (ours: its output). 'DeepGEMM (ref)' = DeepGEMM fp8 time on our H200 from "
-                  "anchors.md 3a (a separate run, shown for reference only). Prefill TFLOP/s = 2*64*128 per visible (row, key) "
+                  "delta of one eager call (ours: its output). 'DeepGEMM (ref)' = DeepGEMM fp8 time on our H200 measured in "
+                  "a separate run (2026-11-30), shown for reference only. Prefill TFLOP/s = 2*64*128 per visible (row, key) "
                   "pair, causal ks=0, ke=S-T+i+1, clean_logits on.")

@@ -1,4 +1,4 @@
-"""Make SGLang 0.5.23 importable on a CPU-only test machine (spec sglang-plugin.md 6.3, route A).
+"""Make SGLang 0.5.23 importable on a CPU-only test machine (SGLang installed with --no-deps).
 
 SGLang's model-side imports reach ``import torchvision.transforms`` (a multimodal helper), and PyPI has no
 CPU build of torchvision that loads next to CPU torch. No DeepSeek-V4 code path calls torchvision, so tests
