@@ -42,7 +42,7 @@ def common_options(f):
                      help="torch device for the GPU backend, e.g. cuda:1 (default: the current device)."),
         click.option("--quick", is_flag=True, default=False, help=QUICK_HELP),
         click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
-                     help="write the results as JSON (schema cupy-dsa-bench/1)."),
+                     help="write the results as JSON (schema cupy-dsa-bench/2)."),
         click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
                      callback=_png_path, help="write a PNG plot (matplotlib); the name must end in .png."),
         click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
@@ -137,7 +137,7 @@ def report_cmd(json_file, markdown_path, plot_path):
         doc = json.loads(Path(json_file).read_text())
     except ValueError as exc:
         raise click.BadParameter(f"not a JSON file: {exc}", param_hint="JSON_FILE")
-    if doc.get("schema") != report.SCHEMA:
+    if doc.get("schema") not in report.READABLE_SCHEMAS:
         raise click.BadParameter(f"expected schema {report.SCHEMA!r}, got {doc.get('schema')!r}",
                                  param_hint="JSON_FILE")
     report.print_all(_console(), doc, [s for s in SECTIONS_ALL if doc.get(s)])

@@ -10,7 +10,10 @@ from pathlib import Path
 
 from rich.table import Table
 
-SCHEMA = "cupy-dsa-bench/1"
+# /2: recall rows carry the margin sweep (needle_rate per margin, resolution, ref_overlap); `bench report`
+# still re-prints /1 documents (without their recall rows, which had no margins).
+SCHEMA = "cupy-dsa-bench/2"
+READABLE_SCHEMAS = (SCHEMA, "cupy-dsa-bench/1")
 SECTIONS = ("bytes", "store", "logits", "recall")
 
 
