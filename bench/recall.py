@@ -52,6 +52,7 @@ CLUSTER_SIGMAS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 MAX_CLUSTER = 2048
 HALF_SPACE_GAP = 1e-3            # non-needle keys end at least this far (times |k|) on the negative side of e
 NEEDLE_E = 0.05                  # the needle's extra component along e (times |k|)
+CHUNK_KEYS = 2**20               # keys per chunk of queries (bounds the fp64 oracle's memory)
 
 RECALL_NOTE = (
     "Keys are SYNTHETIC. Background raw (pre-norm) key = s * (mu + U z + e): mu a shared mean (N(0,1) per "
@@ -161,7 +162,7 @@ def run(device: torch.device, quick: bool, seed: int, progress=None) -> list[dic
         n = L // 4
         acc = _Acc()
         error = None
-        chunk = max(1, min(n_queries, 2**20 // n))
+        chunk = max(1, min(n_queries, CHUNK_KEYS // n))
         try:
             done = 0
             while done < n_queries:
