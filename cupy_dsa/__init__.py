@@ -30,6 +30,7 @@ if ("cupy_dsa.bench" not in _sys.modules and (_CHECKOUT / "setup.cfg").is_file()
     _bench = _ilu.module_from_spec(_spec)
     _sys.modules["cupy_dsa.bench"] = _bench
     _spec.loader.exec_module(_bench)
+    bench = _bench  # what the import system binds for a subpackage it loads itself
 
 from .layouts import (BF16_BYTES_PER_TOKEN, BF16_PAGE_BYTES, FP4_BYTES_PER_TOKEN, FP8_BYTES_PER_TOKEN,
                       FP8_PAGE_BYTES, HEAD_DIM, PAGE_SLOTS, empty_cache)
