@@ -234,10 +234,12 @@ def _run(ctx: click.Context, sections, o: dict) -> dict:
     doc = report.new_document(backend=backend, device_name=_device_name(dev) if needs_device else "none (arithmetic)",
                               quick=quick, seed=seed, gpu_mem_gb=float(o["gpu_mem_gb"]))
     doc["sections"] = list(sections)
+    if not doc["git_commit"]:
+        doc["notes"].setdefault("general", []).append(report.NO_COMMIT)
     if backend == "cpu":
-        doc["notes"]["general"] = ["CPU backend: the torch reference at small sizes; its timings show that the "
-                                   "pipeline runs, they are not performance figures, and no ratios to ceilings "
-                                   "are computed."]
+        doc["notes"].setdefault("general", []).insert(0, "CPU backend: the torch reference at small sizes; its "
+                                                      "timings show that the pipeline runs, they are not "
+                                                      "performance figures, and no ratios to ceilings are computed.")
         err.print("[yellow]CPU backend: torch reference at small sizes (timings are not performance figures).[/]")
 
     if "bytes" in sections:

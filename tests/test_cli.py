@@ -209,6 +209,11 @@ def test_commit_less_run_says_so(runs, tmp_path, monkeypatch):
     monkeypatch.delenv("CUPY_DSA_COMMIT", raising=False)
     monkeypatch.setattr(report, "__file__", str(tmp_path / "bench" / "report.py"))  # outside any checkout
     assert report.git_commit() is None
+    j = tmp_path / "b.json"
+    res = _invoke(["bench", "bytes", "--json", str(j)])
+    assert res.exit_code == 0 and report.NO_COMMIT in res.output
+    saved = json.loads(j.read_text())
+    assert saved["git_commit"] is None and report.NO_COMMIT in saved["notes"]["general"]
 
 
 def test_cpu_tables_print_no_ratios(runs):
