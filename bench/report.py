@@ -87,11 +87,12 @@ def _pct(x):
     return "—" if x is None else f"{100 * x:.1f}%"
 
 
-def _num(x):
-    """A rate: no decimals from 10 on, three significant digits below (CPU rates are small, never '0')."""
+def _num(x, decimals=0):
+    """A rate with ``decimals`` decimals, or three significant digits where that would print fewer (CPU
+    rates are small: never '0')."""
     if x is None:
         return "—"
-    return f"{x:.0f}" if abs(x) >= 10 else f"{x:.3g}"
+    return f"{x:.{decimals}f}" if abs(x) >= 10 ** (2 - decimals) else f"{x:.3g}"
 
 
 def _si(n):
@@ -166,7 +167,7 @@ def store_table(doc) -> Table:
                       "", "", "", "", "")
             continue
         t.add_row(_si(r["n_tokens"]), r["layout"], r["numerics"], r["kv_dtype"], f"{r['time_us']:.1f} us",
-                  f"{r['tokens_per_s'] / 1e9:.3g} G", _num(r["gbps"]), _pct(r["pct_copy"]),
+                  f"{_num(r['tokens_per_s'] / 1e9, 2)} G", _num(r["gbps"]), _pct(r["pct_copy"]),
                   _target_pct(r.get("target_pct_copy")), _verdict(r))
     return t
 
@@ -187,7 +188,7 @@ def decode_table(doc) -> Table:
         target = _target_pct(r.get("target_pct_copy")) if r.get("target_pct_copy") else (
             f"<={r['target_us']:g} us" if r.get("target_us") else "—")
         t.add_row(shape, str(r["next_n"]), r["layout"], r["q_dtype"], f"{r['time_us']:.1f} us",
-                  _num(r["gbps"]), _pct(r["pct_copy"]), _pct(r.get("pct_read")), f"{r['gkeys_per_s']:.3g}",
+                  _num(r["gbps"]), _pct(r["pct_copy"]), _pct(r.get("pct_read")), _num(r["gkeys_per_s"], 1),
                   _f(r.get("time_vs_fp8"), "{:.2f}x"), _f(r.get("torch_time_us"), "{:.0f} us"),
                   _f(r.get("speedup_vs_torch"), "{:.1f}x"), _f(r.get("peak_extra_mb"), "{:.1f} MB"),
                   _f(r.get("torch_peak_extra_mb"), "{:.0f} MB"), _f(r.get("deepgemm_fp8_us_anchor"), "{:.1f} us"),
@@ -207,8 +208,8 @@ def prefill_table(doc) -> Table:
         if r.get("error"):
             t.add_row(shape, r["kv"], r["layout"], f"[red]{r['error'][:60]}[/]", *[""] * 6)
             continue
-        t.add_row(shape, r["kv"], r["layout"], f"{r['time_us'] / 1e3:.3f} ms", _num(r["tflops"]),
-                  _pct(r["pct_matmul"]), f"{r['gpairs_per_s']:.3g}", _f(r.get("peak_extra_mb"), "{:.0f} MB"),
+        t.add_row(shape, r["kv"], r["layout"], f"{r['time_us'] / 1e3:.3f} ms", _num(r["tflops"], 1),
+                  _pct(r["pct_matmul"]), _num(r["gpairs_per_s"], 1), _f(r.get("peak_extra_mb"), "{:.0f} MB"),
                   _target_pct(r.get("target_pct_matmul")), _verdict(r))
     return t
 
