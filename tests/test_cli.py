@@ -135,6 +135,24 @@ def test_recall_exact_scores_pass_every_needle(runs):
     assert "Needle resolution" in out and "DeepSeek-V4 reference" in out and "SYNTHETIC" in out
 
 
+@pytest.mark.gpu
+def test_recall_suite_on_gpu(monkeypatch):
+    """The recall suite through the CUDA kernels at a small size: exact keeps every needle, and the
+    reference stored as cupy_dsa stores it matches the reference oracle's top-k."""
+    from cupy_dsa.bench import recall
+
+    monkeypatch.setattr(recall, "contexts", lambda device, quick: ([16384], 4))
+    rows = recall.run(torch.device("cuda"), True, 0)
+    assert all(r["error"] is None for r in rows), rows[0]["error"]
+    for r in rows:
+        if r["format"] == "exact":
+            assert r["needle_rate"] == [1.0] * len(recall.MARGINS)
+        if r["format"] == "bf16-fp4sim+q-fp4":  # the kernel's rsqrtf may move a key by one fp4 code
+            assert r["ref_overlap_mean"] >= 0.95, r
+        if r["format"] == "bf16+q-bf16":
+            assert r["recall_mean"] >= 0.8, r
+
+
 def test_recall_resolution_definition():
     from cupy_dsa.bench.recall import MARGINS, resolution
 
