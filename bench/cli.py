@@ -115,7 +115,7 @@ _subcommand("logits", ("logits",), "paged_mqa_logits (decode: B x context, next_
             "torch gather+bmm baseline) and mqa_logits (prefill) against copy bandwidth / bf16 matmul rate.")
 _subcommand("recall", ("recall",), "Needle suite with a controlled margin and a DeepSeek-V4 reference comparison, "
             "on synthetic keys through the real store and logits ops: per format and context, the needle-in-top-k "
-            "rate at margins 0.01%..10% over the best distractor (exact fp64 passes every needle by construction), "
+            "rate at margins 0.001%..10% over the best distractor (exact fp64 passes every needle by construction), "
             "the resolution (smallest margin with >= 99% kept), recall@512/1024 vs exact fp64 and top-k overlap "
             "with the reference numerics (fp4-simulated q and keys, fp32 scores).")
 _subcommand("all", SECTIONS_ALL, "Run bytes, store, logits and recall (the default).")

@@ -124,7 +124,7 @@ def test_recall_exact_scores_pass_every_needle(runs):
         if r["format"] == "exact":
             assert r["needle_rate"] == [1.0] * len(recall.MARGINS), r
             assert r["resolution"] == min(recall.MARGINS) and r["recall_mean"] == 1.0
-            assert r["exact_margin_ratio_min"] >= 1 - 1e-3
+            assert r["exact_margin_ratio_min"] > 0.99
         if r["format"] == "reference":
             assert r["ref_overlap_mean"] == 1.0
         if r["format"] == "bf16-fp4sim+q-fp4":  # the reference as cupy_dsa stores it: fp32 summation order only
