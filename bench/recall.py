@@ -50,8 +50,8 @@ RANK = 16
 NEEDLE_HEADS = range(1, 17)      # heads that look for the cluster; head 0 is the needle's own head
 CLUSTER_SIGMAS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02)
 MAX_CLUSTER = 2048
-HALF_SPACE_GAP = 1e-3            # non-needle keys end at least this far (times |k|) on the negative side of e
-NEEDLE_E = 0.05                  # the needle's extra component along e (times |k|)
+HALF_SPACE_GAP = 0.05            # non-needle keys end at least this far (times |k|) on the negative side of e,
+#                                  beyond what a format's key rounding can move them
 CHUNK_KEYS = 2**20               # keys per chunk of queries (bounds the fp64 oracle's memory)
 
 RECALL_NOTE = (
@@ -64,9 +64,11 @@ RECALL_NOTE = (
     "of min(n/2, 2048) near-duplicates of the background key that scores best on heads 1-63 is built in the "
     "rotated basis (key + sigma * rms(key) * N(0, I), sigma in {0.0005, 0.001, 0.002, 0.005, 0.01, 0.02}) at "
     "random depths; every rotated key is mapped back to a raw key by the inverse Hadamard, RoPE and norm weight, "
-    "so that the real store reproduces it. Head 0 is the needle's own head: a unit direction e orthogonal to "
-    "heads 1-63. Every key but the needle lies on the negative side of e (its e-component reflected, at most "
-    "-0.001 |k|), so head 0 scores only the needle, whose e-component is positive. The needle is the cluster "
+    "so that the real store reproduces it. Head 0 is the needle's own head: a direction e of random signs "
+    "(+-1/sqrt(128): every q format rounds t e by one common factor), heads 1-63 made orthogonal to it. Every key "
+    "but the needle lies on the negative side of e (its e-component reflected, then at most -0.05 |k|), so head 0 "
+    "scores only the needle, whose e-component is the mirror image (at least +0.05 |k|); the sign of e is chosen "
+    "so that this mirror costs the best keys score on heads 1-63 (RMSNorm rescales every stored key). The needle is the cluster "
     "member that ranks just below the best other key on heads 1-63 (exact fp64); head 0 = t e, with t set per "
     "margin so that the needle's exact logit is (1 + margin) x the best other key's. Exact scores therefore "
     "rank it first at every margin (checked on every row). needle rate = share of needles inside the format's "
@@ -251,6 +253,12 @@ def _queries(base, mean_dir, B, device, g):
     return q, w
 
 
+def _positive_side(k, e):
+    """The mirror image of :func:`_negative_side`: component along e moved to +|c| + HALF_SPACE_GAP |k|."""
+    c = torch.einsum("bmd,bd->bm", k, e)
+    return _set_e(k, e, c.abs() + HALF_SPACE_GAP * k.norm(dim=-1))
+
+
 def _negative_side(k, e):
     """k [B, m, 128] with its component c along e [B, 128] moved to -|c| - HALF_SPACE_GAP |k| (fp64)."""
     c = torch.einsum("bmd,bd->bm", k, e)
@@ -258,12 +266,14 @@ def _negative_side(k, e):
 
 
 def _needle_direction(q, device, g):
-    """A unit vector per query orthogonal to heads 1..63 (so moving a key along it changes only head 0)."""
+    """Head 0's direction e per query: random signs / sqrt(128), so that head 0's query t e has equal
+    magnitudes and every q format rounds it by one common factor (no spurious scores on other keys); the
+    other heads are made orthogonal to it (in place), so moving a key along e changes only head 0."""
     B = q.shape[0]
-    Q, _ = torch.linalg.qr(q[:, 1:].double().transpose(1, 2))          # [B, 128, 63]
-    r = torch.randn(B, DIM, device=device, generator=g).double()
-    e = r - (Q @ (Q.transpose(1, 2) @ r[..., None]))[..., 0]
-    return e / e.norm(dim=-1, keepdim=True)
+    e = (torch.randint(0, 2, (B, DIM), device=device, generator=g) * 2 - 1).double() / math.sqrt(DIM)
+    ef = e.float()
+    q[:, 1:] -= torch.einsum("bhd,bd->bh", q[:, 1:], ef)[..., None] * ef[:, None, :]
+    return e
 
 
 def _set_e(k, e, value):
@@ -284,8 +294,18 @@ def _chunk(world, freqs, had, B, n, device, g, acc):
     mean_dir = rot.mean((0, 1)).double()
     mean_dir = (mean_dir / mean_dir.norm()).float()
     q, w = _queries(base.float(), mean_dir, B, device, g)
-    qd, wd = q.double(), w.double()
     e = _needle_direction(q, device, g)                                                # [B, 128] fp64
+    qd, wd = q.double(), w.double()
+    # RMSNorm rescales a stored key by the RMS of its raw key, which moving it along e changes: orient e so
+    # that the positive side costs the best key (and its near-duplicates) score on heads 1..63, so that a
+    # needle candidate never outranks every distractor before head 0 lifts it
+    best = _rest_scores(qd, wd, rot.double()).argmax(-1)
+    top, top_pos = rot.double()[ar_b, best][:, None], positions.view(B, n)[ar_b, best]     # [B, 1, 128], [B]
+    sides = torch.cat((_positive_side(top, e), _negative_side(top, e)), 1)               # [B, 2, 128]
+    k2 = rotate_index_k_reference(_unrotate(sides.reshape(2 * B, DIM), top_pos.repeat_interleave(2), w_norm,
+                                            freqs, had), top_pos.repeat_interleave(2), w_norm, freqs)
+    r2 = _rest_scores(qd, wd, k2.view(B, 2, DIM).double())
+    e = torch.where((r2[:, 0] > r2[:, 1])[:, None], -e, e)
     # ---- every key but the needle on the negative side of e; raw keys the store maps back to them
     raw = _unrotate(_negative_side(rot.double(), e).reshape(B * n, DIM), positions, w_norm, freqs, had)
     k_all = rotate_index_k_reference(raw, positions, w_norm, freqs).view(B, n, DIM)      # what the store makes
@@ -300,11 +320,10 @@ def _chunk(world, freqs, had, B, n, device, g, acc):
     rms = center.norm(dim=-1) / math.sqrt(DIM)
     cluster = center[:, None, :] + (sig[None, :, None] * rms[:, None, None]
                                     * torch.randn(B, nc, DIM, device=device, generator=g).double())
-    c = torch.einsum("bmd,bd->bm", cluster, e)
     flat_pos = slot_pos.reshape(-1)
     raw_neg = _unrotate(_negative_side(cluster, e).reshape(B * nc, DIM), flat_pos, w_norm, freqs, had)
-    raw_cand = _unrotate(_set_e(cluster, e, c.abs() + NEEDLE_E * cluster.norm(dim=-1)).reshape(B * nc, DIM),
-                         flat_pos, w_norm, freqs, had)                                 # needle versions
+    raw_cand = _unrotate(_positive_side(cluster, e).reshape(B * nc, DIM), flat_pos, w_norm, freqs,
+                         had)                                                          # needle versions
     k_neg = rotate_index_k_reference(raw_neg, flat_pos, w_norm, freqs).view(B, nc, DIM)
     k_cand = rotate_index_k_reference(raw_cand, flat_pos, w_norm, freqs).view(B, nc, DIM)
     raw.view(B, n, DIM)[ar_b[:, None], slots] = raw_neg.view(B, nc, DIM)
