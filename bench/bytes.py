@@ -1,7 +1,7 @@
 """``cupy-dsa bench bytes``: what each index-key layout costs in memory, per layer and per full token.
 
-Pure arithmetic (no GPU). Facts come from ``dsv4-indexer.md`` (sections 1, 7, 12) and ``anchors.md``
-(5.4); every number that is not read from a published config or from SGLang's pool code is listed in
+Pure arithmetic (no GPU). Facts come from SGLang 0.5.23's pool code, the published DeepSeek configs and
+FlashMLA's cache layout; every number that is not read from a published config or from SGLang's pool code is listed in
 :data:`ASSUMPTIONS` and printed with the table.
 """
 
@@ -21,8 +21,8 @@ LAYOUT_NOTES = {
 }
 
 # Main-cache entry sizes (bytes per cached entry of one layer).
-V4_MAIN_KV_ENTRY = 584   # SGLang's fp8 FlashMLA-style V4 KV entry (C4 KV pool, dsv4-indexer.md 6)
-V32_MLA_FP8_ENTRY = 656  # FlashMLA fp8 MLA cache: 512 e4m3 + 4 fp32 scales + 64 bf16 RoPE (anchors.md 5.4)
+V4_MAIN_KV_ENTRY = 584   # SGLang's fp8 FlashMLA-style V4 KV entry (the C4 KV pool's entry size)
+V32_MLA_FP8_ENTRY = 656  # FlashMLA fp8 MLA cache: 512 e4m3 + 4 fp32 scales + 64 bf16 RoPE
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,19 @@ DEFAULTS = {"backend": "auto", "device": None, "quick": False, "json_path": None
             "markdown_path": None, "seed": 0, "gpu_mem_gb": 100.0}
 
 
+def _png_path(ctx, param, value):
+    """--plot: the plot is written as PNG, so the name must say so (no silent PNG bytes in x.jpg)."""
+    if value is not None and Path(value).suffix.lower() != ".png":
+        raise click.BadParameter(f"expected a file name ending in .png (the plot is written as PNG), got {value!r}")
+    return value
+
+
+MARKDOWN_HELP = "write the compact markdown headline table (what the README quotes) here; '-' prints it to stdout."
+QUICK_HELP = ("smaller sizes. GPU: every section (ceilings, store, logits, recall: 3 contexts x 8 needles). "
+              "CPU backend: recall runs 2 contexts x 4 needles instead of 4 x 8 (up to 64K tokens); store and logits always run "
+              "their tiny CPU sizes.")
+
+
 def common_options(f):
     """The options every bench command accepts (defaults resolved after merging group and subcommand)."""
     opts = [
@@ -27,13 +40,13 @@ def common_options(f):
                      help="auto = the GPU when torch sees one, else the CPU reference at small sizes. [auto]"),
         click.option("--device", default=None, metavar="DEV",
                      help="torch device for the GPU backend, e.g. cuda:1 (default: the current device)."),
-        click.option("--quick", is_flag=True, default=False, help="small sizes (seconds on the CPU backend)."),
+        click.option("--quick", is_flag=True, default=False, help=QUICK_HELP),
         click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
-                     help="write the results as JSON (schema cupy-dsa-bench/1)."),
+                     help="write the results as JSON (schema cupy-dsa-bench/2)."),
         click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
-                     help="write a PNG plot (matplotlib)."),
-        click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True), default=None,
-                     help="write the compact markdown headline table (what the README quotes)."),
+                     callback=_png_path, help="write a PNG plot (matplotlib); the name must end in .png."),
+        click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
+                     default=None, help=MARKDOWN_HELP),
         click.option("--seed", type=click.IntRange(min=0), default=None, help="random seed. [0]"),
         click.option("--gpu-mem-gb", type=click.FloatRange(min=0, min_open=True), default=None,
                      help="KV memory budget for `bytes` (GB = 1e9 B). [100]"),
@@ -101,17 +114,20 @@ _subcommand("store", ("store",), "store_index_k throughput at N = 1M tokens (bf1
 _subcommand("logits", ("logits",), "paged_mqa_logits (decode: equal, long-tail and one-long batches, next_n "
             "1-4, bf16 and fp8 keys, DeepGEMM live when importable, torch gather+bmm baseline) and mqa_logits "
             "(prefill) against the read-only stream / bf16 matmul rate measured in the same run.")
-_subcommand("recall", ("recall",), "Needle-in-a-haystack on synthetic keys through the real store and logits "
-            "ops: recall@512/1024 and needle-in-top-k of fp8, fp4, bf16-fp4sim and bf16 keys vs exact fp64.")
+_subcommand("recall", ("recall",), "Needle suite with a controlled margin and a DeepSeek-V4 reference comparison, "
+            "on synthetic keys through the real store and logits ops: per format and context, the needle-in-top-k "
+            "rate at margins 0.001%..10% over the best distractor (exact fp64 passes every needle by construction), "
+            "the resolution (smallest margin with >= 99% kept), recall@512/1024 vs exact fp64 and top-k overlap "
+            "with the reference numerics (fp4-simulated q and keys, fp32 scores).")
 _subcommand("all", SECTIONS_ALL, "Run bytes, store, logits and recall (the default).")
 
 
 @bench.command(name="report")
 @click.argument("json_file", type=click.Path(exists=True, dir_okay=False))
-@click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True), default=None,
-              help="write the markdown headline table here ('-' = stdout).")
+@click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
+              default=None, help=MARKDOWN_HELP)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
-              help="re-draw the PNG plot from the JSON.")
+              callback=_png_path, help="re-draw the PNG plot from the JSON; the name must end in .png.")
 def report_cmd(json_file, markdown_path, plot_path):
     """Re-print the tables of a saved JSON result (and its markdown headline / plot)."""
     from rich.console import Console
@@ -122,17 +138,23 @@ def report_cmd(json_file, markdown_path, plot_path):
         doc = json.loads(Path(json_file).read_text())
     except ValueError as exc:
         raise click.BadParameter(f"not a JSON file: {exc}", param_hint="JSON_FILE")
-    if doc.get("schema") != report.SCHEMA:
+    if doc.get("schema") not in report.READABLE_SCHEMAS:
         raise click.BadParameter(f"expected schema {report.SCHEMA!r}, got {doc.get('schema')!r}",
                                  param_hint="JSON_FILE")
     report.print_all(_console(), doc, [s for s in SECTIONS_ALL if doc.get(s)])
-    md = report.markdown_headline(doc)
-    if markdown_path == "-":
-        click.echo(md)
-    elif markdown_path:
-        Path(markdown_path).write_text(md)
+    if markdown_path:
+        _write_markdown(report.markdown_headline(doc), markdown_path)
     if plot_path:
         report.plot(doc, plot_path)
+
+
+def _write_markdown(md: str, path: str) -> None:
+    """The headline table to ``path``, or to stdout for '-' (every command treats '-' the same way)."""
+    if path == "-":
+        click.echo(md, nl=False)
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(md)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -206,16 +228,19 @@ def _run(ctx: click.Context, sections, o: dict) -> dict:
         dev, backend = _resolve_device(o["backend"].lower(), o["device"])
     else:
         dev, backend = torch.device("cpu"), "none"
-    quick = o["quick"] or backend == "cpu"  # the CPU reference only runs small sizes
+    quick = bool(o["quick"])  # on CPU the store/logits sizes are tiny either way (see --help)
     seed = int(o["seed"])
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     doc = report.new_document(backend=backend, device_name=_device_name(dev) if needs_device else "none (arithmetic)",
                               quick=quick, seed=seed, gpu_mem_gb=float(o["gpu_mem_gb"]))
     doc["sections"] = list(sections)
+    if not doc["git_commit"]:
+        doc["notes"].setdefault("general", []).append(report.NO_COMMIT)
     if backend == "cpu":
-        doc["notes"]["general"] = ["CPU backend: the torch reference at small sizes; its timings show that the "
-                                   "pipeline runs, they are not performance figures."]
+        doc["notes"].setdefault("general", []).insert(0, "CPU backend: the torch reference at small sizes; its "
+                                                      "timings show that the pipeline runs, they are not "
+                                                      "performance figures, and no ratios to ceilings are computed.")
         err.print("[yellow]CPU backend: torch reference at small sizes (timings are not performance figures).[/]")
 
     if "bytes" in sections:
@@ -228,7 +253,9 @@ def _run(ctx: click.Context, sections, o: dict) -> dict:
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         with _progress(err) as progress:
-            if "store" in sections or "logits" in sections:
+            if ("store" in sections or "logits" in sections) and backend == "cpu":
+                doc["targets"] = dict(sweeps.TARGETS)  # ceilings stay None: no ratios on the CPU backend
+            elif "store" in sections or "logits" in sections:
                 task = progress.add_task("ceilings", total=1)
                 from .timing import measure_ceilings
 
@@ -247,6 +274,8 @@ def _run(ctx: click.Context, sections, o: dict) -> dict:
 
                 doc["recall"] = recall.run(dev, quick, seed, progress)
                 doc["notes"]["recall"] = [recall.RECALL_NOTE] + [f"{k}: {v}" for k, v in recall.FORMAT_NOTES.items()]
+                if any(r.get("error") for r in doc["recall"]):
+                    err.print("[red]recall: a context failed (see the 'error' fields)[/]")
     doc["elapsed_s"] = time.perf_counter() - t0
 
     report.print_all(out, doc, sections)
@@ -254,9 +283,9 @@ def _run(ctx: click.Context, sections, o: dict) -> dict:
         report.write_json(doc, o["json_path"])
         err.print(f"wrote {o['json_path']}")
     if o["markdown_path"]:
-        Path(o["markdown_path"]).parent.mkdir(parents=True, exist_ok=True)
-        Path(o["markdown_path"]).write_text(report.markdown_headline(doc))
-        err.print(f"wrote {o['markdown_path']}")
+        _write_markdown(report.markdown_headline(doc), o["markdown_path"])
+        if o["markdown_path"] != "-":
+            err.print(f"wrote {o['markdown_path']}")
     if o["plot_path"]:
         report.plot(doc, o["plot_path"])
         err.print(f"wrote {o['plot_path']}")

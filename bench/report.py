@@ -10,7 +10,10 @@ from pathlib import Path
 
 from rich.table import Table
 
-SCHEMA = "cupy-dsa-bench/1"
+# /2: recall rows carry the margin sweep (needle_rate per margin, resolution, ref_overlap); `bench report`
+# still re-prints /1 documents (without their recall rows, which had no margins).
+SCHEMA = "cupy-dsa-bench/2"
+READABLE_SCHEMAS = (SCHEMA, "cupy-dsa-bench/1")
 SECTIONS = ("bytes", "store", "logits", "recall")
 
 
@@ -33,6 +36,14 @@ def git_commit() -> str | None:
         return out.stdout.strip() + ("-dirty" if dirty else "")
     except Exception:
         return None
+
+
+NO_COMMIT = "no commit recorded (not run from a git checkout; set CUPY_DSA_COMMIT to record one)"
+
+
+def commit_text(doc: dict) -> str:
+    """``commit `abc...` `` or a sentence saying that the run recorded none."""
+    return f"commit `{doc['git_commit']}`" if doc.get("git_commit") else NO_COMMIT
 
 
 def new_document(*, backend: str, device_name: str, quick: bool, seed: int, gpu_mem_gb: float) -> dict:
@@ -76,6 +87,14 @@ def _pct(x):
     return "—" if x is None else f"{100 * x:.1f}%"
 
 
+def _num(x, decimals=0):
+    """A rate with ``decimals`` decimals, or three significant digits where that would print fewer (CPU
+    rates are small: never '0')."""
+    if x is None:
+        return "—"
+    return f"{x:.{decimals}f}" if abs(x) >= 10 ** (2 - decimals) else f"{x:.3g}"
+
+
 def _si(n):
     n = int(n)
     for unit, div in (("M", 2**20), ("K", 2**10)):
@@ -99,8 +118,19 @@ def _target_pct(t):
 # rich tables
 # --------------------------------------------------------------------------------------------------
 
+CPU_NO_RATIOS = ("CPU backend: no ceilings are measured and no ratios to them (% of copy / read / matmul, "
+                 "targets) are printed: the ops run their torch references, which are test oracles, not tuned "
+                 "code, so a ratio to the CPU's copy or matmul rate would mean nothing. GB/s and TFLOP/s only show "
+                 "that the pipeline runs; performance figures come from a GPU run.")
+
+
 def ceilings_table(doc) -> Table:
     c = doc["ceilings"]
+    if doc.get("backend") == "cpu" and not c.get("copy_gbps"):
+        t = Table(title=f"Ceilings ({doc['device']}, backend cpu)")
+        t.add_column("not measured on the CPU backend")
+        t.add_row("ratios to ceilings are GPU figures; see the note below")
+        return t
     t = Table(title=f"Ceilings measured in this run ({doc['device']}, backend {doc['backend']})")
     for col in ("d2d copy (read+write)", "read-only stream", "bf16 matmul", "L2"):
         t.add_column(col, justify="right")
@@ -137,7 +167,7 @@ def store_table(doc) -> Table:
                       "", "", "", "", "")
             continue
         t.add_row(_si(r["n_tokens"]), r["layout"], r["numerics"], r["kv_dtype"], f"{r['time_us']:.1f} us",
-                  f"{r['tokens_per_s'] / 1e9:.2f} G", f"{r['gbps']:.0f}", _pct(r["pct_copy"]),
+                  f"{_num(r['tokens_per_s'] / 1e9, 2)} G", _num(r["gbps"]), _pct(r["pct_copy"]),
                   _target_pct(r.get("target_pct_copy")), _verdict(r))
     return t
 
@@ -158,7 +188,7 @@ def decode_table(doc) -> Table:
         target = _target_pct(r.get("target_pct_read")) if r.get("target_pct_read") else (
             f"<={r['target_us']:g} us" if r.get("target_us") else "—")
         t.add_row(*head, f"{r['time_us']:.1f} us", _f(r.get("plan_us"), "{:.1f} us"),
-                  _f(r.get("key_gbps"), "{:.0f}"), _pct(r.get("pct_read")), _f(r.get("time_vs_fp8"), "{:.2f}x"),
+                  _num(r.get("key_gbps")), _pct(r.get("pct_read")), _f(r.get("time_vs_fp8"), "{:.2f}x"),
                   _f(r.get("deepgemm_us"), "{:.1f} us"), _f(r.get("vs_deepgemm"), "{:.2f}x"),
                   _f(r.get("deepgemm_rel_l2"), "{:.1e}"), _f(r.get("torch_time_us"), "{:.0f} us"),
                   _f(r.get("speedup_vs_torch"), "{:.1f}x"), _f(r.get("peak_extra_mb"), "{:.1f} MB"),
@@ -178,37 +208,109 @@ def prefill_table(doc) -> Table:
         if r.get("error"):
             t.add_row(shape, r["kv"], r["layout"], f"[red]{r['error'][:60]}[/]", *[""] * 6)
             continue
-        t.add_row(shape, r["kv"], r["layout"], f"{r['time_us'] / 1e3:.3f} ms", f"{r['tflops']:.1f}",
-                  _pct(r["pct_matmul"]), f"{r['gpairs_per_s']:.1f}", _f(r.get("peak_extra_mb"), "{:.0f} MB"),
+        t.add_row(shape, r["kv"], r["layout"], f"{r['time_us'] / 1e3:.3f} ms", _num(r["tflops"], 1),
+                  _pct(r["pct_matmul"]), _num(r["gpairs_per_s"], 1), _f(r.get("peak_extra_mb"), "{:.0f} MB"),
                   _target_pct(r.get("target_pct_matmul")), _verdict(r))
     return t
 
 
-def recall_table(doc) -> Table:
-    t = Table(title="Needle in a haystack (synthetic keys): recall@k vs exact fp64 / needle-in-top-k rate")
-    rows = doc["recall"]
+def _margin(m):
+    return "—" if m is None else f"{100 * m:.3g}%"
+
+
+def _recall_rows(doc):
+    """Recall rows of the current schema (needle_rate per margin); older documents have none."""
+    return [r for r in doc["recall"] if "needle_rate" in r]
+
+
+def _recall_grid(rows):
     ctxs = sorted({r["context_tokens"] for r in rows})
+    fmts = list(dict.fromkeys(r["format"] for r in rows))
+    ks = sorted({r["k"] for r in rows})
+    at = {(r["context_tokens"], r["k"], r["format"]): r for r in rows}
+    return ctxs, fmts, ks, at
+
+
+def resolution_table(doc) -> Table:
+    rows = _recall_rows(doc)
+    ctxs, fmts, ks, at = _recall_grid(rows)
+    t = Table(title="Needle resolution (synthetic keys): smallest margin over the best distractor at which the format "
+                    "keeps >= 99% of needles in its top-k (exact fp64 keeps 100% at every margin by construction)")
     t.add_column("k")
     t.add_column("format")
     for c in ctxs:
         t.add_column(f"{_si(c)} tok", justify="right")
-    for k in sorted({r["k"] for r in rows}):
-        for fmt in dict.fromkeys(r["format"] for r in rows):
+    margins = rows[0]["margins"] if rows else []
+    for k in ks:
+        for fmt in fmts:
             cells = []
             for c in ctxs:
-                r = next((x for x in rows if x["k"] == k and x["format"] == fmt and x["context_tokens"] == c), None)
+                r = at.get((c, k, fmt))
+                if r is None or r.get("needle_rate") is None:
+                    cells.append("[red]err[/]" if (r and r.get("error")) else "—")
+                elif r["trivial"]:
+                    cells.append("[dim]trivial[/]")
+                elif r["resolution"] is None:
+                    cells.append(f"[red]>{_margin(max(margins))}[/]")
+                else:
+                    cells.append(_margin(r["resolution"]))
+            t.add_row(str(k), fmt, *cells)
+    return t
+
+
+def needle_margin_table(doc) -> Table | None:
+    rows = [r for r in _recall_rows(doc) if r.get("needle_rate") is not None and not r["trivial"]]
+    if not rows:
+        return None
+    # every context at the smallest k (V4-Flash's 512), the largest context at the other k
+    L = max(r["context_tokens"] for r in rows)
+    k0 = min(r["k"] for r in rows)
+    rows = sorted((r for r in rows if r["k"] == k0 or r["context_tokens"] == L),
+                  key=lambda r: (r["k"], r["context_tokens"]))
+    margins = rows[0]["margins"]
+    t = Table(title=f"Needle-in-top-k rate by margin over the best distractor ({rows[0]['queries']} needles per "
+                    f"context; non-trivial contexts)")
+    for col in ("k", "context", "format"):
+        t.add_column(col)
+    for m in margins:
+        t.add_column(_margin(m), justify="right")
+    for i, r in enumerate(rows):
+        if i and (r["k"], r["context_tokens"]) != (rows[i - 1]["k"], rows[i - 1]["context_tokens"]):
+            t.add_section()
+        t.add_row(str(r["k"]), f"{_si(r['context_tokens'])} tok", r["format"],
+                  *[f"{100 * x:.0f}%" for x in r["needle_rate"]])
+    return t
+
+
+def recall_table(doc) -> Table:
+    rows = _recall_rows(doc)
+    ctxs, fmts, ks, at = _recall_grid(rows)
+    t = Table(title="recall@k vs exact fp64 top-k / top-k overlap with the DeepSeek-V4 reference numerics (synthetic keys)")
+    t.add_column("k")
+    t.add_column("format")
+    for c in ctxs:
+        t.add_column(f"{_si(c)} tok", justify="right")
+    for k in ks:
+        for fmt in fmts:
+            cells = []
+            for c in ctxs:
+                r = at.get((c, k, fmt))
                 if r is None or r.get("recall_mean") is None:
                     cells.append("[red]err[/]" if (r and r.get("error")) else "—")
                     continue
-                cell = f"{100 * r['recall_mean']:.2f}% / {100 * r['needle_in_topk']:.0f}%"
+                cell = f"{100 * r['recall_mean']:.2f}% / {100 * r['ref_overlap_mean']:.2f}%"
                 cells.append(f"[dim]{cell}[/]" if r["trivial"] else cell)
             t.add_row(str(k), fmt, *cells)
     return t
 
 
 def print_all(console, doc, sections) -> None:
+    for n in doc["notes"].get("general", []):
+        console.print(f"[yellow]{n}[/]")
     if any(s in sections for s in ("store", "logits")):
         console.print(ceilings_table(doc))
+        if doc.get("backend") == "cpu" and not doc["ceilings"].get("copy_gbps"):
+            console.print(f"  [dim]- {CPU_NO_RATIOS}[/]")
     if "bytes" in sections and doc["bytes"]:
         console.print(bytes_table(doc))
         for n in doc["notes"]["bytes"]:
@@ -222,7 +324,14 @@ def print_all(console, doc, sections) -> None:
         console.print(prefill_table(doc))
         for n in doc["notes"]["logits"]:
             console.print(f"  [dim]- {n}[/]")
-    if "recall" in sections and doc["recall"]:
+    if "recall" in sections and doc["recall"] and not _recall_rows(doc):
+        console.print("[yellow]recall: rows of an older bench version (no margin sweep); re-run `cupy-dsa bench "
+                      "recall` for the current tables.[/]")
+    if "recall" in sections and _recall_rows(doc):
+        console.print(resolution_table(doc))
+        nm = needle_margin_table(doc)
+        if nm is not None:
+            console.print(nm)
         console.print(recall_table(doc))
         for n in doc["notes"]["recall"]:
             console.print(f"  [dim]- {n}[/]")
@@ -244,9 +353,11 @@ def markdown_headline(doc: dict) -> str:
     c = doc["ceilings"]
     lines = [
         f"cupy-dsa bench — {doc['device']} ({doc['backend']}{', quick' if doc['quick'] else ''}), "
-        f"{doc['date'][:10]}, commit `{doc['git_commit'] or 'unknown'}`. Ceilings measured in the same run: "
-        f"d2d copy {_f(c.get('copy_gbps'), '{:.0f}')} GB/s (read+write), read-only {_f(c.get('read_gbps'), '{:.0f}')} "
-        f"GB/s, bf16 matmul {_f(c.get('matmul_tflops'), '{:.0f}')} TFLOP/s.",
+        f"{doc['date'][:10]}, {commit_text(doc)}. " + (
+            f"Ceilings measured in the same run: d2d copy {_f(c.get('copy_gbps'), '{:.0f}')} GB/s (read+write), "
+            f"read-only {_f(c.get('read_gbps'), '{:.0f}')} GB/s, bf16 matmul {_f(c.get('matmul_tflops'), '{:.0f}')} "
+            f"TFLOP/s." if c.get("copy_gbps") else
+            "No ceilings measured (CPU backend or no throughput section): no ratios to them."),
         "",
         "| figure | result | ratio | target | |",
         "|---|---|---|---|---|",
@@ -255,7 +366,7 @@ def markdown_headline(doc: dict) -> str:
         if r.get("error") or r["kv_dtype"] != "float32":
             continue
         lines.append(f"| store {_si(r['n_tokens'])} tokens, {r['layout']} {r['numerics']} | {r['time_us']:.0f} us, "
-                     f"{r['gbps']:.0f} GB/s | {_pct(r['pct_copy'])} of copy | "
+                     f"{_num(r['gbps'])} GB/s | {_pct(r['pct_copy'])} of copy | "
                      f"{_target_pct(r.get('target_pct_copy'))} | {_md_verdict(r)} |")
     for r in doc["logits"]:
         if r.get("error"):
@@ -272,18 +383,27 @@ def markdown_headline(doc: dict) -> str:
                          f"{_pct(r.get('pct_read'))} of read | {tgt} | {_md_verdict(r)} |")
         else:
             lines.append(f"| prefill {_si(r['rows'])} x {_si(r['keys'])}, {r['kv']} {r['layout']} | "
-                         f"{r['time_us'] / 1e3:.2f} ms, {r['tflops']:.0f} TFLOP/s | {_pct(r['pct_matmul'])} of matmul | "
+                         f"{r['time_us'] / 1e3:.2f} ms, {_num(r['tflops'])} TFLOP/s | {_pct(r['pct_matmul'])} of matmul | "
                          f"{_target_pct(r.get('target_pct_matmul'))} | {_md_verdict(r)} |")
-    rec = [r for r in doc["recall"] if r.get("recall_mean") is not None and not r["trivial"]]
+    rec = [r for r in _recall_rows(doc) if r.get("recall_mean") is not None and not r["trivial"]]
     if rec:
         L = max(r["context_tokens"] for r in rec)
+        margins = rec[0]["margins"]
         for k in sorted({r["k"] for r in rec}):
-            cells = [f"{r['format']} {100 * r['recall_mean']:.2f}%" for r in rec
-                     if r["context_tokens"] == L and r["k"] == k and r["format"] != "exact"]
-            needle = [f"{r['format']} {100 * r['needle_in_topk']:.0f}%" for r in rec
-                      if r["context_tokens"] == L and r["k"] == k and r["format"] != "exact"]
-            lines.append(f"| recall@{k} at {_si(L)} tokens (synthetic) | {', '.join(cells)} | needle: "
-                         f"{', '.join(needle)} | — | |")
+            at = [r for r in rec if r["context_tokens"] == L and r["k"] == k]
+            fm = [r for r in at if r["format"] not in ("exact", "reference")]
+            res = ", ".join(f"{r['format']} {_margin(r['resolution']) if r['resolution'] else '>' + _margin(max(margins))}"
+                            for r in fm)
+            ref = next((r for r in at if r["format"] == "reference"), None)
+            ref_res = (_margin(ref["resolution"]) if ref and ref["resolution"] else f">{_margin(max(margins))}")
+            lines.append(f"| needle resolution, top-{k} at {_si(L)} tokens (synthetic; margin for >=99% kept) | {res} | "
+                         f"exact: {_margin(min(margins))} (by construction), reference numerics: {ref_res} | — | |")
+            lines.append(f"| recall@{k} vs exact fp64 at {_si(L)} tokens (synthetic) | "
+                         + ", ".join(f"{r['format']} {100 * r['recall_mean']:.2f}%" for r in fm) + " | — | — | |")
+            lines.append(f"| top-{k} overlap with the DeepSeek-V4 reference numerics at {_si(L)} tokens (synthetic) | "
+                         + ", ".join(f"{r['format']} {100 * r['ref_overlap_mean']:.2f}%" for r in fm)
+                         + " | " + "".join(f"exact fp64 {100 * r['ref_overlap_mean']:.2f}%" for r in at
+                                           if r["format"] == "exact") + " | — | |")
     for r in doc["bytes"]:
         if r["model"] == "DeepSeek-V4-Flash" and r["layout"] in ("fp8", "bf16"):
             lines.append(f"| V4-Flash capacity, {r['layout']} index keys | {r['tokens_fit'] / 1e6:.2f}M tokens in "
@@ -295,16 +415,24 @@ def markdown_headline(doc: dict) -> str:
 # plot
 # --------------------------------------------------------------------------------------------------
 
+PLOT_SUFFIX = ".png"
+
+
 def plot(doc: dict, path: str) -> None:
+    if Path(path).suffix.lower() != PLOT_SUFFIX:
+        raise ValueError(f"plot: expected a file name ending in .png (the plot is PNG), got {path!r}")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = []
-    rec = [r for r in doc["recall"] if r.get("recall_mean") is not None]
+    rec = [r for r in _recall_rows(doc) if r.get("recall_mean") is not None]
+    k0 = min((r["k"] for r in rec), default=None)
     if rec:
-        panels += [("recall", k) for k in sorted({r["k"] for r in rec})] + [("needle", None)]
+        panels += [("needle", c) for c in sorted({r["context_tokens"] for r in rec
+                                                  if r["k"] == k0 and not r["trivial"]})]
+        panels += [("resolution", None), ("recall", None), ("overlap", None)]
     dec = [r for r in doc["logits"] if r.get("mode") == "decode" and not r.get("error")]
     if dec:
         panels.append(("decode", None))
@@ -314,28 +442,55 @@ def plot(doc: dict, path: str) -> None:
         panels.append(("bytes", None))
     if not panels:
         panels.append(("empty", None))
+    has_ceiling = bool(doc["ceilings"].get("copy_gbps"))
     ncol = min(3, len(panels))
     nrow = (len(panels) + ncol - 1) // ncol
     fig, axes = plt.subplots(nrow, ncol, figsize=(5.2 * ncol, 4.0 * nrow), squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.axis("off")
     for ax, (kind, k) in zip(axes.flat, panels):
-        if kind in ("recall", "needle"):
-            kk = k if kind == "recall" else min(r["k"] for r in rec)
+        if kind == "needle":
             for fmt in dict.fromkeys(r["format"] for r in rec):
-                pts = sorted((r["context_tokens"], r["recall_mean"] if kind == "recall" else r["needle_in_topk"])
-                             for r in rec if r["format"] == fmt and r["k"] == kk)
-                ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=fmt,
-                        linestyle="--" if fmt == "exact" else "-")
+                r = next((r for r in rec if r["format"] == fmt and r["k"] == k0 and r["context_tokens"] == k), None)
+                if r is None or r.get("needle_rate") is None:
+                    continue
+                ax.plot([100 * m for m in r["margins"]], [100 * x for x in r["needle_rate"]], marker="o", label=fmt,
+                        linestyle="--" if fmt in ("exact", "reference") else "-")
+            ax.axhline(100 * 0.99, color="grey", linewidth=0.6)
+            ax.set_xscale("log")
+            ax.set_xlabel("margin of the needle over the best distractor (exact fp64, %)")
+            ax.set_ylabel(f"% of needles in top-{k0}")
+            ax.set_ylim(-3, 103)
+            ax.set_title(f"needle in top-{k0} vs margin, {_si(k)} tokens (synthetic)", fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6)
+        elif kind in ("resolution", "recall", "overlap"):
+            ks = sorted({r["k"] for r in rec})
+            for i, fmt in enumerate(dict.fromkeys(r["format"] for r in rec)):
+                if kind == "recall" and fmt == "exact" or kind == "overlap" and fmt == "reference":
+                    continue
+                for kk in ks:
+                    pts = sorted((r["context_tokens"], r) for r in rec if r["format"] == fmt and r["k"] == kk
+                                 and not r["trivial"])
+                    if kind == "resolution":
+                        y = [100 * r["resolution"] if r["resolution"] else float("nan") for _, r in pts]
+                    else:
+                        y = [100 * r["recall_mean" if kind == "recall" else "ref_overlap_mean"] for _, r in pts]
+                    ax.plot([p[0] for p in pts], y, marker="o", color=f"C{i}", label=fmt if kk == ks[0] else None,
+                            linestyle="-" if kk == ks[0] else ":")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("context (raw tokens; index entries = tokens / 4)")
-            ax.set_ylabel("%")
-            ax.set_title(f"recall@{kk} vs exact fp64 (synthetic keys)" if kind == "recall"
-                         else f"needle in top-{kk} (synthetic keys)")
-            if kind == "needle":
-                ax.set_ylim(-3, 103)
+            styles = " / ".join(f"{'solid' if kk == ks[0] else 'dotted'} k={kk}" for kk in ks)
+            if kind == "resolution":
+                ax.set_yscale("log")
+                ax.set_ylabel("smallest margin with >= 99% kept (%)")
+                ax.set_title(f"needle resolution vs context ({styles}; gap = not resolved)", fontsize=8)
+            else:
+                ax.set_ylabel("%")
+                ax.set_title((f"recall@k vs exact fp64 ({styles})" if kind == "recall" else
+                              f"top-k overlap with DeepSeek-V4 reference numerics ({styles})"), fontsize=8)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=6)
         elif kind == "decode":
             shapes = list(dict.fromkeys(r.get("batch_name") for r in dec if r["next_n"] == 1
                                         and r["q_dtype"] == "fp8"))
@@ -345,20 +500,24 @@ def plot(doc: dict, path: str) -> None:
                 for s in shapes:
                     r = next((r for r in dec if r.get("batch_name") == s and r["next_n"] == 1
                               and r["layout"] == lay and r["q_dtype"] == "fp8"), None)
-                    vals.append(100 * r["pct_read"] if r and r.get("pct_read") else 0)
+                    if has_ceiling:
+                        vals.append(100 * r["pct_read"] if r and r.get("pct_read") else 0)
+                    else:
+                        vals.append(r["key_gbps"] if r else 0)
                 ax.bar([i + 0.4 * j for i in x], vals, width=0.4, label=f"{lay} keys")
             ax.set_xticks([i + 0.2 for i in x])
             ax.set_xticklabels([str(s).replace(" + ", "\n+ ") for s in shapes], fontsize=6, rotation=30)
-            ax.set_ylabel("% of the read-only stream (key bytes)")
+            ax.set_ylabel("% of the read-only stream (key bytes)" if has_ceiling
+                          else "key GB/s (no ceiling: CPU backend)")
             ax.set_title("decode logits, next_n=1")
             ax.legend(fontsize=7)
             ax.grid(alpha=0.3, axis="y")
         elif kind == "store":
             rows = [r for r in doc["store"] if not r.get("error")]
-            ax.bar(range(len(rows)), [100 * (r["pct_copy"] or 0) for r in rows])
+            ax.bar(range(len(rows)), [100 * (r["pct_copy"] or 0) if has_ceiling else r["gbps"] for r in rows])
             ax.set_xticks(range(len(rows)))
             ax.set_xticklabels([f"{r['layout']}\n{r['numerics']}\n{r['kv_dtype']}" for r in rows], fontsize=6)
-            ax.set_ylabel("% of d2d copy bandwidth")
+            ax.set_ylabel("% of d2d copy bandwidth" if has_ceiling else "GB/s (no ceiling: CPU backend)")
             ax.set_title("store_index_k")
         elif kind == "bytes":
             rows = doc["bytes"]
@@ -376,7 +535,8 @@ def plot(doc: dict, path: str) -> None:
         else:
             ax.text(0.5, 0.5, "no data", ha="center")
             ax.axis("off")
-    fig.suptitle(f"cupy-dsa bench — {doc['device']} — {doc['date'][:10]} — {doc['git_commit'] or ''}", fontsize=9)
+    commit = f"commit {doc['git_commit']}" if doc.get("git_commit") else "no commit recorded (not a git checkout)"
+    fig.suptitle(f"cupy-dsa bench — {doc['device']} — {doc['date'][:10]} — {commit}", fontsize=9)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, format="png")

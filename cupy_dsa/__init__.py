@@ -7,21 +7,27 @@ Public API:
 * :func:`paged_mqa_logits` (decode, MTP rows) and :func:`mqa_logits` (prefill) -- indexer logits
   ``sum_h relu(q_h . k) * w_h`` from those keys;
 * :func:`to_cupy` / :func:`to_torch` -- zero-copy views for users who want CuPy arrays;
-* :func:`warm_up` -- compile every kernel instantiation before CUDA-graph capture.
+* :func:`warm_up` -- compile every kernel instantiation before CUDA-graph capture;
+* :func:`store_index_k_reference`, :func:`paged_mqa_logits_reference`, :func:`mqa_logits_reference` -- the
+  torch references (any device), plus :func:`rotate_index_k_reference` (the fp32 key before rounding) and
+  :func:`fp4sim_reference` (the fp4sim rounding).
 
 Every op accepts CPU tensors too and then runs the torch reference (the test oracle).
 """
 
 from .layouts import (BF16_BYTES_PER_TOKEN, BF16_PAGE_BYTES, FP4_BYTES_PER_TOKEN, FP8_BYTES_PER_TOKEN,
                       FP8_PAGE_BYTES, HEAD_DIM, PAGE_SLOTS, empty_cache)
-from .logits import mqa_logits, paged_mqa_logits, paged_mqa_logits_plan
+from .logits import (mqa_logits, mqa_logits_reference, paged_mqa_logits, paged_mqa_logits_plan,
+                     paged_mqa_logits_reference)
 from .runtime import to_cupy, to_torch, warm_up
-from .store import store_index_k, store_index_k_from_plan
+from .store import (fp4sim_reference, rotate_index_k_reference, store_index_k, store_index_k_from_plan,
+                    store_index_k_reference)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "store_index_k", "store_index_k_from_plan", "paged_mqa_logits", "paged_mqa_logits_plan", "mqa_logits", "to_cupy", "to_torch",
-    "warm_up", "empty_cache", "PAGE_SLOTS", "HEAD_DIM", "BF16_BYTES_PER_TOKEN", "FP8_BYTES_PER_TOKEN",
+    "warm_up", "store_index_k_reference", "paged_mqa_logits_reference", "mqa_logits_reference",
+    "rotate_index_k_reference", "fp4sim_reference", "empty_cache", "PAGE_SLOTS", "HEAD_DIM", "BF16_BYTES_PER_TOKEN", "FP8_BYTES_PER_TOKEN",
     "FP4_BYTES_PER_TOKEN", "BF16_PAGE_BYTES", "FP8_PAGE_BYTES",
 ]

@@ -44,8 +44,9 @@ def empty_cache(num_pages: int, layout: str, device="cpu") -> torch.Tensor:
     return torch.zeros(num_pages, page_bytes(layout), dtype=torch.uint8, device=device)
 
 
-def layout_of(cache: torch.Tensor) -> str:
-    """Infer the layout from a cache tensor (uint8 page rows, or typed views SGLang hands around)."""
+def layout_of(cache: torch.Tensor, name: str = "kv_cache") -> str:
+    """Infer the layout from a cache tensor (uint8 page rows, or typed views SGLang hands around); a bad
+    cache raises a ValueError whose message starts with ``name`` (the caller's argument name)."""
     if cache.dtype == torch.bfloat16 and cache.dim() == 3 and tuple(cache.shape[1:]) == (PAGE_SLOTS, HEAD_DIM):
         return "bf16"
     if cache.dtype == torch.uint8:
@@ -54,15 +55,15 @@ def layout_of(cache: torch.Tensor) -> str:
         if cache.dim() == 4 and tuple(cache.shape[1:]) == (PAGE_SLOTS, 1, FP8_BYTES_PER_TOKEN):
             return "fp8"
     raise ValueError(
-        "kv_cache: expected uint8 [P, 16384] or bfloat16 [P, 64, 128] (bf16 layout), or uint8 [P, 8448] "
+        f"{name}: expected uint8 [P, 16384] or bfloat16 [P, 64, 128] (bf16 layout), or uint8 [P, 8448] "
         f"or [P, 64, 1, 132] (fp8 layout); got {cache.dtype} {tuple(cache.shape)}")
 
 
-def as_page_rows(cache: torch.Tensor) -> torch.Tensor:
+def as_page_rows(cache: torch.Tensor, name: str = "kv_cache") -> torch.Tensor:
     """The cache as contiguous ``uint8 [P, page_bytes]`` rows (a view, never a copy)."""
-    layout = layout_of(cache)
+    layout = layout_of(cache, name)
     if not cache.is_contiguous():
-        raise ValueError(f"kv_cache: expected a contiguous tensor, got strides {cache.stride()}")
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {cache.stride()}")
     return cache.view(torch.uint8).view(cache.shape[0], PAGE_BYTES[layout])
 
 

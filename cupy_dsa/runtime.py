@@ -106,8 +106,9 @@ def cupy_module():
     if not found:
         extra = "cu12" if torch_major == "12" else "cu13"
         raise ImportError(
-            "cupy_dsa needs CuPy for its GPU kernels: pip install 'cupy-dsa[%s]' "
-            "(cu13 for a torch built with CUDA 13, cu12 for CUDA 12)" % extra
+            "cupy_dsa needs CuPy for its GPU kernels: install cupy_dsa with its [%s] extra from a checkout "
+            "or a built wheel (pip install '.[%s]'), or pip install cupy-cuda%sx "
+            "(cu13 for a torch built with CUDA 13, cu12 for CUDA 12)" % (extra, extra, extra[2:])
         )
     if len(found) > 1:
         warnings.warn(f"several CuPy wheels are installed ({', '.join(found)}); uninstall all but one")
@@ -116,7 +117,7 @@ def cupy_module():
     cupy_major = str(cupy.cuda.runtime.runtimeGetVersion() // 1000)
     if torch_major and torch_major != cupy_major:
         warnings.warn(f"CuPy is built for CUDA {cupy_major} but torch for CUDA {torch_major}; "
-                      f"install cupy-dsa[cu{torch_major}]")
+                      f"install cupy-cuda{torch_major}x (the [cu{torch_major}] extra of cupy_dsa)")
     return cupy
 
 
@@ -230,12 +231,29 @@ def resident_ctas_per_sm(filename: str, name_expression: str, device_index: int,
     return n
 
 
-def warm_up(device: torch.device | int | None = None) -> int:
+def warm_up(device: torch.device | str | int | None = None) -> int:
     """Compile and load every declared instantiation on ``device`` (call before graph capture).
+
+    ``device``: ``None`` (torch's current CUDA device), a ``torch.device``, a string (``"cuda"``,
+    ``"cuda:1"``) or a device index. Raises ``RuntimeError`` without a CUDA GPU (the ops need no warm-up
+    on CPU: they run their torch references) and ``ValueError`` for a non-CUDA or missing device.
     Returns the number of instantiations loaded."""
-    if device is None:
-        device = torch.cuda.current_device()
-    idx = device if isinstance(device, int) else (device.index or 0)
+    if isinstance(device, bool) or not (device is None or isinstance(device, (torch.device, str, int))):
+        raise TypeError(f"device: expected None, a torch.device, a device string or an int, got "
+                        f"{type(device).__name__}")
+    try:
+        dev = None if device is None else torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"device: expected 'cuda', 'cuda:N' or N, got {device!r} ({e})") from None
+    if dev is not None and dev.type != "cuda":
+        raise ValueError(f"device: warm_up compiles CUDA kernels, got {str(dev)!r}; on CPU the ops run their "
+                         "torch references and need no warm-up")
+    if not torch.cuda.is_available():
+        raise RuntimeError("warm_up: no CUDA GPU is available (torch.cuda.is_available() is False); on CPU the "
+                           "ops run their torch references and need no warm-up")
+    idx = torch.cuda.current_device() if (dev is None or dev.index is None) else dev.index
+    if not 0 <= idx < torch.cuda.device_count():
+        raise ValueError(f"device: cuda:{idx} does not exist ({torch.cuda.device_count()} CUDA device(s))")
     n = 0
     for filename, exprs in instantiations().items():
         for expr in exprs:
@@ -283,7 +301,8 @@ def cuda_include_dir() -> str:
 
     inc = find_nvidia_header_directory("cudart")
     if inc is None:
-        raise FileNotFoundError("CUDA runtime headers not found: pip install 'cupy-dsa[cu13]' (or [cu12])")
+        raise FileNotFoundError("CUDA runtime headers not found: install cupy_dsa with its [cu13] (or [cu12]) extra, "
+                                "e.g. pip install '.[cu13]' in a checkout, or pip install 'cuda-toolkit[nvrtc,cudart]==13.*'")
     return str(inc)
 
 

@@ -131,10 +131,7 @@ def _check_common(kv, cache, norm_weight, norm_bias, freqs_cis, eps, numerics, k
         raise ValueError(f"eps: expected a non-negative float, got {eps!r}")
     if not isinstance(cache, torch.Tensor):
         raise TypeError(f"cache: expected a torch.Tensor, got {type(cache).__name__}")
-    try:
-        layout = layout_of(cache)
-    except ValueError as e:
-        raise ValueError(f"cache: {e}") from None
+    layout = layout_of(cache, "cache")
     _check_contig("cache", cache)
     _check_device("cache", cache, dev)
     _check_align("cache", cache, 16)
@@ -336,6 +333,15 @@ def _fp4sim(k: torch.Tensor) -> torch.Tensor:
     return (r * scale).view(-1, HEAD_DIM)
 
 
+def fp4sim_reference(x: torch.Tensor) -> torch.Tensor:
+    """``numerics='fp4sim'`` rounding of any float tensor whose last dim is 128 (e2m1, power-of-two scale
+    per 32 elements, ties to the even code), float32 out: what the store does to a key, applied to e.g. a
+    query, as DeepSeek-V4's reference fp4-simulates both."""
+    if x.shape[-1] != HEAD_DIM:
+        raise ValueError(f"x: expected a last dimension of {HEAD_DIM}, got shape {tuple(x.shape)}")
+    return _fp4sim(x.to(torch.float32).reshape(-1, HEAD_DIM)).view(x.shape)
+
+
 HADAMARD_SCALE = float(np.float32(128.0 ** -0.5))  # fp32 bits 0x3db504f3
 
 
@@ -428,4 +434,4 @@ def _store_reference(kv, cache, positions, out_loc, norm_weight, freqs_cis, norm
 
 
 __all__ = ["store_index_k", "store_index_k_from_plan", "store_index_k_reference", "rotate_index_k_reference",
-           "fp8_quantize_reference", "plan_to_direct"]
+           "fp8_quantize_reference", "fp4sim_reference", "plan_to_direct"]

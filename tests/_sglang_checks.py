@@ -429,7 +429,7 @@ def _strictness_checks(plugin):
 
 
 # --------------------------------------------------------------------------------------------------
-# forward_c4_indexer: SGLang's own (fp8) vs hooked (bf16), spec sglang-plugin.md section 8
+# forward_c4_indexer: SGLang's own (fp8) vs hooked (bf16)
 # --------------------------------------------------------------------------------------------------
 
 def _indexer_setup(lens=(2000, 1500, 2560), topk=512, seed=None, one_request=False):

@@ -1,4 +1,4 @@
-"""Make SGLang 0.5.23 importable on a CPU-only test machine (spec sglang-plugin.md 6.3, route A), and on a
+"""Make SGLang 0.5.23 importable on a CPU-only test machine (SGLang installed with --no-deps), and on a
 GPU machine without SGLang's kernel packages (:func:`install_kernel_stubs`, for tests/gpu_sglang_path.py).
 
 SGLang's model-side imports reach ``import torchvision.transforms`` (a multimodal helper), and PyPI has no

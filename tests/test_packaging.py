@@ -1,6 +1,8 @@
 """Packaging facts CI relies on: the README's test command is what .ci/run runs; kernels ship in the package."""
 import configparser
 import re
+
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,3 +33,39 @@ def test_kernel_dir_found():
 
     d = runtime.kernel_dir()
     assert (d / "common.cuh").is_file() and (d / "store_index_k.cu").is_file() and (d / "mqa_logits.cu").is_file()
+
+
+def _readme_python_blocks():
+    text = (ROOT / "README.md").read_text()
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def test_readme_has_python_blocks():
+    assert len(_readme_python_blocks()) >= 2
+
+
+@pytest.mark.parametrize("index", range(len(_readme_python_blocks())))
+def test_readme_python_block_runs_on_cpu(index, monkeypatch):
+    """Every Python block of the README runs as written (on CPU here: the blocks pick the GPU when there is one)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code = _readme_python_blocks()[index]
+    exec(compile(code, f"README.md python block {index}", "exec"), {"__name__": "__readme__"})
+
+
+def test_readme_names_only_public_functions():
+    """Every ``cupy_dsa.<name>`` or bare ``*_reference`` name the README mentions is exported."""
+    import cupy_dsa
+
+    text = (ROOT / "README.md").read_text()
+    names = set(re.findall(r"cupy_dsa\.([a-z_][a-z0-9_]*)\(", text)) | set(re.findall(r"`([a-z_0-9]+_reference)`", text))
+    assert names, "no names found"
+    missing = sorted(n for n in names if n not in cupy_dsa.__all__)
+    assert not missing, missing
+
+
+def test_readme_installs_from_a_checkout_or_wheel():
+    """cupy-dsa is not on a package registry: the README never tells users to install it by name."""
+    text = (ROOT / "README.md").read_text()
+    assert not re.search(r"pip install \"?'?cupy-dsa\[", text), "README installs cupy-dsa from a registry"

@@ -288,7 +288,7 @@ def test_warm_expressions_selects_the_server_variants(monkeypatch):
     from cupy_dsa import runtime, store
 
     calls = []
-    monkeypatch.setattr(cupy_dsa.logits, "product_instantiations", _fake_logits_product(calls), raising=False)
+    monkeypatch.setattr(cupy_dsa.logits, "product_instantiations", _fake_logits_product(calls))
     exprs = core.warm_expressions("sm_90", mode="bf16", next_ns=(2, 1, 2))
     assert calls == [("sm_90", (1,), (1, 2), ("bf16",))]
     assert set(exprs) == {core.STORE_SOURCE, core.LOGITS_SOURCE}
@@ -328,15 +328,6 @@ def test_warm_expressions_rejects_undeclared(monkeypatch):
         core.warm_expressions("sm_90", mode="bf16")
 
 
-def test_warm_expressions_without_logits_product(monkeypatch):
-    import cupy_dsa.logits
-    from cupy_dsa import runtime
-
-    monkeypatch.delattr(cupy_dsa.logits, "product_instantiations", raising=False)
-    exprs = core.warm_expressions("sm_90", mode="bf16")
-    assert exprs[core.LOGITS_SOURCE] == runtime.instantiations()[core.LOGITS_SOURCE]
-
-
 def test_server_next_ns():
     ns = types.SimpleNamespace
     assert core.server_next_ns(None) == (1,)
@@ -350,7 +341,7 @@ def test_ensure_warm_compiles_only_the_selection(monkeypatch):
     import cupy_dsa.logits
     from cupy_dsa import runtime
 
-    monkeypatch.setattr(cupy_dsa.logits, "product_instantiations", _fake_logits_product([]), raising=False)
+    monkeypatch.setattr(cupy_dsa.logits, "product_instantiations", _fake_logits_product([]))
     monkeypatch.setattr(runtime, "device_arch", lambda idx: "sm_90")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     seen = []

@@ -392,6 +392,15 @@ def test_bad_input(name, bad, exc):
         store.store_index_k(kv, cache, **g)
 
 
+def test_bad_cache_error_names_the_argument_once():
+    g = _good()
+    kv = g.pop("kv")
+    g.pop("cache")
+    with pytest.raises(ValueError, match=r"^cache: expected uint8 \[P, 16384\]") as e:
+        store.store_index_k(kv, torch.zeros(2, 100, dtype=torch.uint8), **g)
+    assert "kv_cache" not in str(e.value)
+
+
 def test_bad_options():
     g = _good()
     kv, cache = g.pop("kv"), g.pop("cache")
