@@ -153,7 +153,7 @@ def refusal_message(mode: str, problems: list[str]) -> str:
     supported = ", ".join(SUPPORTED_SGLANG)
     return (f"cupy_dsa ({ENV_NAME}={mode}): refusing to start. The bf16 index-key hooks were written for "
             f"SGLang {supported}; " + problems[0] + "." + "".join(f"\n  - {p}" for p in problems[1:])
-            + f"\nNothing was patched. Install sglang=={SUPPORTED_SGLANG[-1]} (pip install \"cupy-dsa[sglang]\"). "
+            + f"\nNothing was patched. Install a supported SGLang: pip install sglang=={SUPPORTED_SGLANG[-1]}. "
             + _off_hint())
 
 
