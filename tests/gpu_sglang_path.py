@@ -172,6 +172,8 @@ class Batch:
 class World:
     def __init__(self, sg, device, norm_w, freq_cis):
         self.sg, self.device = sg, torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # tensors report cuda:N, never bare cuda
+            self.device = torch.device("cuda", torch.cuda.current_device())
         pool = sg.DeepSeekV4IndexerPool(N_PAGES * 64, 64, torch.bfloat16, 128, 1, str(self.device), False,
                                         use_fp4_indexer=False, global_page_size=256)
         self.pool = pool
