@@ -264,10 +264,10 @@ def _check_plan_args(context_lens, next_n, out):
     if next_n > 4:
         raise ValueError(f"next_n: expected 1..4, got {next_n}")
     _check_dtype("context_lens", context_lens, (torch.int32,))
-    if context_lens.dim() not in (1, 2) or (context_lens.dim() == 2 and context_lens.shape[1] != next_n):
-        raise ValueError(f"context_lens: expected shape [B] or [B, {next_n}], got {tuple(context_lens.shape)}")
-    _check_contiguous("context_lens", context_lens)
+    if context_lens.dim() == 0:
+        raise ValueError(f"context_lens: expected shape [B] or [B, {next_n}], got a 0-d tensor")
     B = context_lens.shape[0]
+    _check_context_lens(context_lens, B, next_n)
     if out is not None:
         _check_plan(out, B, context_lens.device)
     return B, next_n
