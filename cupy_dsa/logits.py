@@ -56,6 +56,9 @@ TUNING = {
     "decode_l2_hint": 1,         # L2 prefetch size of the streaming key loads: 2 = 256 B, 1 = 128 B, 0 = none;
                                  # 0 / 1 exist only for decode next_n=1 with fp8 q (else 2 is used).
                                  # H200, 64 x 32K bf16: 128 B 142.9 us, 256 B 145.5 us, none 151.3 us
+    "sm90_prefill": None,        # sm_90 prefill, bf16 keys: (stages, split, warpgroups, schedule) of the wgmma
+                                 # kernel; None = the shipped _SM90_PREFILL_CONFIG
+    "sm90_prefill_parts": 0,     # CTAs per 4-row tile of the wgmma prefill; 0 = sized to fill a few waves
 }
 
 
@@ -128,6 +131,32 @@ def _sm90_smem_bytes(next_n: int) -> int:
 
 
 runtime.register_instantiations(_SRC, [_sm90_expr(qf, nn) for qf in (1, 0) for nn in _SM90_CONFIG])
+
+# sm_90 prefill with bf16 keys (contiguous or paged): the wgmma kernel of kernels/mqa_logits_sm90.cuh, 4 query
+# rows per CTA; config = (key stages per key group, wgmma chunks per warpgroup, warpgroups, schedule). Chosen on
+# the H200 (2026-12-01, fp8 q, causal, CUDA-graph replays; % of the bf16 matmul measured in the same run at
+# 4K x 64K contiguous / paged, 1K x 16K, 8K x 128K): (4, 1, 2, 2) 69.8 / 69.2 / 65.1 / 69.2;
+# (4, 1, 4, 2) 68.5 / 63.5 / 65.5 / 65.1; (4, 1, 4, 0) 66.0 / 65.6 / 62.9 / 65.6; (4, 2, 2, 2) 66.5 / 60.6 /
+# 62.3 / 66.2; (3, 1, 4, 2) and (5, 1, 4, 2) within 1% of (4, 1, 4, 2); the mma.sync kernel 54.1 / 52.6 / 50.9 /
+# 53.7. From 8 rows on it is faster at every length measured (8 x 64K: 23.6 vs 128.7 us; 64 x 64K: 182 vs 188).
+_SM90_PREFILL_ROWS = 4
+_SM90_PREFILL_CONFIG = (4, 1, 2, 2)
+_SM90_PREFILL_MIN_ROWS = 8     # fewer rows: the mma.sync kernel (not measured below 8 rows)
+
+
+def _sm90_prefill_expr(q_fp8: int, paged: int, config=None) -> str:
+    stages, split, wgs, sched = config or _SM90_PREFILL_CONFIG
+    return f"mqa_logits_sm90_prefill_kernel<{q_fp8}, {paged}, {stages}, {split}, {wgs}, {sched}>"
+
+
+def _sm90_prefill_smem_bytes(config=None) -> int:
+    # mirrors dsa::sm90::PrefillSmem: alignment slack + q tile + two key groups' stages + weights
+    stages = (config or _SM90_PREFILL_CONFIG)[0]
+    return (1024 + _SM90_PREFILL_ROWS * N_HEADS * HEAD_DIM * 2 + 2 * stages * BF16_PAGE_BYTES
+            + _SM90_PREFILL_ROWS * N_HEADS * 4)
+
+
+runtime.register_instantiations(_SRC, [_sm90_prefill_expr(qf, pg) for qf in (1, 0) for pg in (0, 1)])
 
 
 def _mma8(key_fp8: int, q_fp8: int) -> int:
@@ -625,25 +654,48 @@ def mqa_logits(q, kv, weights, ks, ke, *, block_table=None, max_seqlen_k=0, clea
             out.fill_(_NEG_INF)
         return out
     _check_aligned(q=q, kv=kv)
+    kf, qf = int(layout == "fp8"), int(q.dtype == _FP8)
+    paged = layout != "contiguous"
+    if paged:
+        kv_ptr, n_pages, bt_ptr, bt_width = kv.data_ptr(), kv.shape[0], bt.data_ptr(), bt.shape[0]
+    else:
+        kv_ptr, n_pages, bt_ptr, bt_width = kv.data_ptr(), 0, 0, 0
+    if (not kf and TUNING["sm90_wgmma"] and n_rows >= _SM90_PREFILL_MIN_ROWS
+            and runtime.device_arch(q.device.index) == "sm_90"):
+        _sm90_prefill(q, kv_ptr, n_pages, bt_ptr, bt_width, weights, ks, ke, start, end, num_keys, out, width,
+                      compressed, clean_logits, qf, int(paged))
+        return out
     _, optin = _device_info(q.device.index)
     tile_rows = TUNING["prefill_rows"]
     if _smem_bytes(tile_rows) > optin or n_rows <= 4:
         tile_rows = 4
     warps = 8 if tile_rows == 8 else 4
-    paged = layout != "contiguous"
     prefetch = 1 if (TUNING["prefill_prefetch"] and not paged and tile_rows == 8) else 0
     tiles = _ceil_div(num_keys, _TILE_KEYS)
     per_tile = _ceil_div(num_keys, max(_TILE_KEYS, TUNING["prefill_keys_per_cta"]))
     grid = (_ceil_div(n_rows, tile_rows), max(1, min(_ceil_div(tiles, warps), per_tile, _MAX_GRID_Y)), 1)
-    kf, qf = int(layout == "fp8"), int(q.dtype == _FP8)
     expr = _expr(kf, qf, tile_rows, int(paged), warps, prefetch, 2, _mma8(kf, qf))
-    if paged:
-        kv_ptr, n_pages, bt_ptr, bt_width = kv.data_ptr(), kv.shape[0], bt.data_ptr(), bt.shape[0]
-    else:
-        kv_ptr, n_pages, bt_ptr, bt_width = kv.data_ptr(), 0, 0, 0
     args = (q.data_ptr(), weights.data_ptr(), kv_ptr, _I64(n_pages), bt_ptr, _I64(0), _I32(bt_width),
             ks.data_ptr(), ke.data_ptr(), _I32(_MODE_KS_KE), _I32(start), _I32(end), _I32(num_keys),
             out.data_ptr(), _I64(out.stride(0)), _I32(width), _I32(1 if compressed else 0),
             _I32(1 if (clean_logits and not compressed) else 0))
     _launch(expr, q.device, grid, warps, tile_rows, args)
     return out
+
+
+def _sm90_prefill(q, kv_ptr, n_pages, bt_ptr, bt_width, weights, ks, ke, start, end, num_keys, out, width,
+                  compressed, clean_logits, qf, paged):
+    """Launch the sm_90 wgmma prefill kernel: one CTA per 4-row tile, the tile's key blocks cut into parts so
+    that short prompts still fill a few waves."""
+    n_sms, _ = _device_info(q.device.index)
+    tiles = _ceil_div(end - start, _SM90_PREFILL_ROWS)
+    blocks = _ceil_div(num_keys, PAGE_SLOTS)
+    parts = TUNING["sm90_prefill_parts"] or max(1, min(_ceil_div(3 * n_sms, tiles), _ceil_div(blocks, 16)))
+    parts = min(parts, _MAX_GRID_Y)
+    config = TUNING["sm90_prefill"] or _SM90_PREFILL_CONFIG
+    expr = _sm90_prefill_expr(qf, paged, config)
+    args = (q.data_ptr(), weights.data_ptr(), kv_ptr, _I64(n_pages), bt_ptr, _I32(bt_width), ks.data_ptr(),
+            ke.data_ptr(), _I32(start), _I32(end), _I32(num_keys), out.data_ptr(), _I64(out.stride(0)),
+            _I32(width), _I32(1 if compressed else 0), _I32(1 if (clean_logits and not compressed) else 0))
+    runtime.launch(_SRC, expr, q.device, (tiles, parts, 1), (128 * config[2], 1, 1), args,
+                   shared_mem=_sm90_prefill_smem_bytes(config))

@@ -505,18 +505,25 @@ def gpu_prefill_case(seed, kind, q_dtype, T, S_pages):
 @gpu
 @pytest.mark.parametrize("kind", ["contiguous", "bf16", "fp8"])
 @pytest.mark.parametrize("q_dtype", [FP8, torch.bfloat16], ids=["qfp8", "qbf16"])
-@pytest.mark.parametrize("variant", ["rows8", "rows8-prefetch", "rows4", "rows8-e4m3mma", "rows4-e4m3mma"])
+@pytest.mark.parametrize("variant", ["wgmma", "wgmma-1part", "rows8", "rows8-prefetch", "rows4", "rows8-e4m3mma",
+                                     "rows4-e4m3mma"])
 def test_gpu_prefill(seed, tuning, kind, q_dtype, variant):
+    """Both prefill kernels (on sm_90 the wgmma kernel serves bf16 keys from 8 rows on; the rows* variants are
+    the mma.sync kernel everywhere) against the fp64 oracle, on NaN-poisoned outputs."""
     mma8 = 2 if variant.endswith("e4m3mma") else 0
     if mma8 and (kind != "fp8" or q_dtype != FP8):
         pytest.skip("the e4m3 mma is an fp8-key x fp8-q variant")
-    tuning(prefill_rows=4 if variant.startswith("rows4") else 8, prefill_prefetch=int(variant == "rows8-prefetch"),
-           prefill_keys_per_cta=1024, fp8_mma=mma8)
+    if variant.startswith("wgmma"):
+        tuning(sm90_wgmma=1, sm90_prefill_parts=1 if variant == "wgmma-1part" else 0)
+    else:
+        tuning(sm90_wgmma=0, prefill_rows=4 if variant.startswith("rows4") else 8,
+               prefill_prefetch=int(variant == "rows8-prefetch"), prefill_keys_per_cta=1024, fp8_mma=mma8)
     T, S_pages = 203, 45
     q, kv, bt, keys, valid, w, ks, ke = gpu_prefill_case(seed, kind, q_dtype, T, S_pages)
     S = keys.shape[0]
     for rows, msk, clean in [(None, 0, True), (None, 0, False), ((9, 170), 0, True), (None, 700, False),
-                             ((2, 199), 500, True), ((50, 51), 0, True), ((4, 4), 0, True)]:
+                             ((2, 199), 500, True), ((50, 51), 0, True), ((4, 4), 0, True), ((1, 10), 0, True),
+                             ((100, 203), 64, True)]:
         start, end = rows if rows else (0, T)
         width = msk if msk else S
         want = oracle_prefill(q, keys, valid, w, ks, ke, start, end, msk)
@@ -564,11 +571,19 @@ def test_gpu_variants_bitwise_equal(seed, tuning):
     ke = torch.randint(0, 3000, (T,), dtype=torch.int32, device="cuda")
     ks = (ke - 900).clamp_min(0)
     outs = []
+    tuning(sm90_wgmma=0)
     for rows, pf, chunk in [(8, 0, 4096), (8, 1, 1024), (4, 0, 64), (4, 0, 2048)]:
         tuning(prefill_rows=rows, prefill_prefetch=pf, prefill_keys_per_cta=chunk)
         outs.append(mqa_logits(q2, kv, w2, ks, ke))
     for i, o in enumerate(outs[1:], 1):
         assert torch.equal(o, outs[0]), f"prefill variant {i} differs: {int((o != outs[0]).sum())} entries"
+    outs = []
+    tuning(sm90_wgmma=1)
+    for parts in (0, 1, 3, 40):  # sm_90 wgmma kernel: other cuts of a tile's key blocks over CTAs
+        tuning(sm90_prefill_parts=parts)
+        outs.append(mqa_logits(q2, kv, w2, ks, ke))
+    for i, o in enumerate(outs[1:], 1):
+        assert torch.equal(o, outs[0]), f"wgmma prefill parts variant {i} differs: {int((o != outs[0]).sum())}"
 
 
 @gpu
@@ -625,11 +640,12 @@ def test_gpu_deterministic(seed, tuning):
             assert torch.equal(again, first), \
                 f"{layout} fp8_mma={mma8} rerun {i}: {int((again != first).sum())} entries differ"
     tuning(fp8_mma=0)
-    q, kv, bt, _, _, w, ks, ke = gpu_prefill_case(seed, "fp8", FP8, 150, 30)
-    first = mqa_logits(q, kv, w, ks, ke, block_table=bt)
-    for i in range(10):
-        again = mqa_logits(q, kv, w, ks, ke, block_table=bt)
-        assert torch.equal(again, first), f"prefill rerun {i}: {int((again != first).sum())} entries differ"
+    for kind in ("fp8", "bf16", "contiguous"):  # on sm_90 the bf16 kinds take the wgmma kernel
+        q, kv, bt, _, _, w, ks, ke = gpu_prefill_case(seed, kind, FP8, 150, 30)
+        first = mqa_logits(q, kv, w, ks, ke, block_table=bt)
+        for i in range(10):
+            again = mqa_logits(q, kv, w, ks, ke, block_table=bt)
+            assert torch.equal(again, first), f"prefill {kind} rerun {i}: {int((again != first).sum())} differ"
 
 
 @gpu
