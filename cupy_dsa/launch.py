@@ -110,15 +110,20 @@ class Config:
     block: tuple = field(init=False, compare=False)
     smem: int = field(init=False, compare=False)
     _values: dict = field(init=False, compare=False, repr=False)
+    _hash: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self):
         values = dict(zip(self.kernel.params, self.template))
         values.update(self.host)
         set_ = functools.partial(object.__setattr__, self)
         set_("_values", values)
+        set_("_hash", hash((self.kernel, self.template, self.host)))   # configs key per-call caches
         set_("expr", self.kernel.expression(self.template))
         set_("block", (self.kernel.threads(self), 1, 1))
         set_("smem", self.kernel.smem(self))
+
+    def __hash__(self):
+        return self._hash
 
     def __getattr__(self, name):
         values = self.__dict__.get("_values")
@@ -215,9 +220,11 @@ class Family:
 
     @contextlib.contextmanager
     def forced(self, config: Config, arch: str | None = None):
-        """Within the block every call of this family launches ``config`` (bench variants and tests). It must
-        be declared for ``arch`` (when given) and serve each call's problem; one forced config at a time."""
-        if arch is not None and config not in self.declared(arch):
+        """Within the block every call of this family launches ``config`` (bench variants and tests). Its
+        instantiation must be declared for ``arch`` (when given; host parameters are free, they need no other
+        instantiation) and it must serve each call's problem; one forced config at a time."""
+        if arch is not None and not any(c.kernel is config.kernel and c.template == config.template
+                                        for c in self.declared(arch)):
             raise ValueError(f"{self.name}: {config} is not a declared config on {arch}")
         with self._lock:
             if self._forced is not None:

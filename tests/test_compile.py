@@ -174,6 +174,8 @@ def test_forced_config_must_be_declared_and_serve():
         with pytest.raises(ValueError, match="does not serve"):
             L.DECODE.select(("bf16", 1, 1), "sm_89")
     assert L.DECODE.select(("fp8", 1, 1), "sm_89").Mma8 == 0
+    with L.PREFILL.forced(L.PREFILL.select(("fp8", 1), "sm_89").replace(keys_per_cta=64), "sm_89") as cfg:
+        assert L.PREFILL.select(("fp8", 1), "sm_89").keys_per_cta == 64 == cfg.keys_per_cta
     with pytest.raises(TypeError, match="missing"):
         L.DECODE_KERNEL.config(KeyFp8=0)
 
