@@ -439,7 +439,7 @@ def _decode_cases():
 
 def _prefill_cases():
     return [(cfg, p) for p in L.PREFILL.problems for cfg in L.PREFILL.candidates(p, ARCH)
-            if cfg.keys_per_cta == 4096]     # other keys_per_cta: the same instantiation (bitwise test below)
+            if cfg.values.get("keys_per_cta", 4096) == 4096]     # other keys_per_cta: the same instantiation (bitwise test below)
 
 
 def gpu_paged_case(seed, *, B, next_n, max_pages, P, layout, q_dtype, lens_2d, shape="rows"):
@@ -530,8 +530,10 @@ def test_gpu_prefill(seed, cfg, problem):
     row tile)."""
     kind, q_fp8 = problem
     q_dtype = FP8 if q_fp8 else torch.bfloat16
-    native_fp8 = cfg.Mma8 == 1 and ARCH not in ("sm_90", "sm_100")
+    native_fp8 = cfg.values.get("Mma8") == 1 and ARCH not in ("sm_90", "sm_100")
     variant = str(cfg)
+    if "keys_per_cta" in cfg.values:
+        cfg = cfg.replace(keys_per_cta=1024)
     T, S_pages = 203, 45
     q, kv, bt, keys, valid, w, ks, ke = gpu_prefill_case(seed, kind, q_dtype, T, S_pages)
     S = keys.shape[0]
@@ -541,7 +543,7 @@ def test_gpu_prefill(seed, cfg, problem):
         width = msk if msk else S
         want = oracle_prefill(q, keys, valid, w, ks, ke, start, end, msk)
         buf, out = poisoned(end - start, width, pad=4)
-        with L.PREFILL.forced(cfg.replace(keys_per_cta=1024), ARCH):
+        with L.PREFILL.forced(cfg, ARCH):
             got = mqa_logits(q, kv, w, ks, ke, block_table=bt, max_seqlen_k=msk, clean_logits=clean, rows=rows,
                              out=out)
         what = f"prefill {kind} q={q_dtype} {variant} rows={rows} max_seqlen_k={msk} clean={clean} seed={seed}"
