@@ -1,4 +1,4 @@
-"""The ``cupy-dsa`` command line: ``cupy-dsa bench [bytes|store|logits|recall|all|report]``.
+"""The ``cupy-dsa`` command line: ``cupy-dsa bench [bytes|store|logits|recall|all|report|variants|resources]``.
 
 Options can be given to ``bench`` or to a subcommand (the subcommand's value wins). ``bench`` without a
 subcommand runs ``all``.
@@ -120,6 +120,45 @@ _subcommand("recall", ("recall",), "Needle suite with a controlled margin and a 
             "the resolution (smallest margin with >= 99% kept), recall@512/1024 vs exact fp64 and top-k overlap "
             "with the reference numerics (fp4-simulated q and keys, fp32 scores).")
 _subcommand("all", SECTIONS_ALL, "Run bytes, store, logits and recall (the default).")
+
+
+@bench.command(name="variants")
+@click.option("--device", default=None, metavar="DEV", help="CUDA device, e.g. cuda:1 (default: the current one).")
+@click.option("--quick", is_flag=True, default=False, help="two decode cases and a smaller prefill.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="random seed.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="write the rows as JSON.")
+def variants_cmd(device, quick, seed, json_path):
+    """Time every declared config (product and experimental) of the decode and prefill logits on this GPU,
+    on the same inputs; the product config of each case first (experimental configs run only here and in
+    the tests). Needs a CUDA GPU."""
+    from rich.table import Table
+
+    from . import variants
+
+    dev, _ = _resolve_device("cuda", device)
+    rows = variants.decode_rows(dev, quick, seed) + variants.prefill_rows(dev, quick, seed)
+    table = Table(title=f"variants on {_device_name(dev)}")
+    for col in ("op", "case", "config", "us", "vs product"):
+        table.add_column(col)
+    for r in rows:
+        case = (f"{r['layout']} B={r['B']} ctx={r['ctx']} next_n={r['next_n']}" if r["op"] == "decode"
+                else f"q={r['q']} T={r['T']} S={r['S']} ({r['tflops']:.0f} TFLOP/s)")
+        table.add_row(r["op"], case, ("* " if r["product"] else "  ") + r["config"], f"{r['us']:.1f}",
+                      f"{r['vs_product']:.3f}")
+    _console().print(table)
+    if json_path:
+        Path(json_path).write_text(json.dumps({"device": _device_name(dev), "rows": rows}, indent=1))
+
+
+@bench.command(name="resources")
+@click.option("--arch", "archs", multiple=True, help="target arch (repeatable). [sm_80 sm_89 sm_90 sm_100 sm_120]")
+def resources_cmd(archs):
+    """ptxas's registers / spills / shared memory of every product kernel config per target arch (NVRTC, no
+    GPU), as the README's markdown table."""
+    from . import resources
+
+    click.echo(resources.markdown(resources.rows(archs or resources.ARCHS)))
 
 
 @bench.command(name="report")

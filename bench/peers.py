@@ -1,5 +1,6 @@
 """Peers measured live next to our kernels, never imported by the product: DeepGEMM's fp8 paged decode
-logits (what stock SGLang calls on Hopper). ``import deep_gemm`` may fail; the bench then says why."""
+logits and fp8 prefill logits (what stock SGLang calls on Hopper). ``import deep_gemm`` may fail; the bench
+then says why."""
 
 from __future__ import annotations
 
@@ -36,3 +37,20 @@ def deepgemm_decode(dg, q_fp8, fp8_cache, weights, lens, block_table, width):
         return dg.fp8_paged_mqa_logits(q_fp8, pages, weights, lens_2d, bt, meta, width, False)
 
     return schedule, logits
+
+
+def deepgemm_prefill(dg, q_fp8, keys, weights, ks, ke):
+    """DeepGEMM's fp8 prefill logits on the same rows and ranges, with ``keys`` (bf16 ``[S, 128]``) quantized
+    per token to e4m3 and an fp32 scale as SGLang's non-paged prefill passes them; clean_logits on. Returns
+    the call (None when this DeepGEMM has no fp8_mqa_logits)."""
+    if not hasattr(dg, "fp8_mqa_logits"):
+        return None
+    kf = keys.float()
+    scale = (kf.abs().amax(1) / 448.0).clamp_min(1e-12)
+    k_fp8 = (kf / scale[:, None]).to(torch.float8_e4m3fn).contiguous()
+    scale = scale.contiguous()
+
+    def logits():
+        return dg.fp8_mqa_logits(q_fp8, (k_fp8, scale), weights, ks, ke, True)
+
+    return logits

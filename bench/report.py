@@ -197,20 +197,24 @@ def decode_table(doc) -> Table:
 
 
 def prefill_table(doc) -> Table:
-    t = Table(title="mqa_logits, prefill (causal: ks = 0, ke = S - T + i + 1)")
-    for col in ("T x S", "kv", "layout", "time", "TFLOP/s", "% matmul", "G pairs/s", "mem ours", "target",
-                "result"):
+    t = Table(title="mqa_logits, prefill (causal: ks = 0, ke = S - T + i + 1; ragged: several extend requests)")
+    for col in ("T x S", "kv", "layout", "time", "TFLOP/s", "% matmul", "vs contig", "DeepGEMM fp8", "ours/DG",
+                "mem ours", "target", "result"):
         t.add_column(col, justify="right")
     for r in doc["logits"]:
         if r.get("mode") != "prefill":
             continue
         shape = f"{_si(r['rows'])} x {_si(r['keys'])}"
         if r.get("error"):
-            t.add_row(shape, r["kv"], r["layout"], f"[red]{r['error'][:60]}[/]", *[""] * 6)
+            t.add_row(shape, r["kv"], r["layout"], f"[red]{r['error'][:60]}[/]", *[""] * 8)
             continue
+        dg = (f"{r['deepgemm_us'] / 1e3:.3f} ms" if r.get("deepgemm_us")
+              else ("—" if r["kv"] == "paged" else (r.get("deepgemm_note") or "—")[:30]))
+        target = (_target_pct(r.get("target_pct_matmul")) if r.get("target_pct_matmul")
+                  else (f"<= {r['target_vs_contiguous']:.2f}x" if r.get("target_vs_contiguous") else "—"))
         t.add_row(shape, r["kv"], r["layout"], f"{r['time_us'] / 1e3:.3f} ms", _num(r["tflops"], 1),
-                  _pct(r["pct_matmul"]), _num(r["gpairs_per_s"], 1), _f(r.get("peak_extra_mb"), "{:.0f} MB"),
-                  _target_pct(r.get("target_pct_matmul")), _verdict(r))
+                  _pct(r["pct_matmul"]), _f(r.get("vs_contiguous"), "{:.3f}x"), dg, _f(r.get("vs_deepgemm"), "{:.2f}x"),
+                  _f(r.get("peak_extra_mb"), "{:.0f} MB"), target, _verdict(r))
     return t
 
 
@@ -382,9 +386,14 @@ def markdown_headline(doc: dict) -> str:
                          f"next_n {r['next_n']}, {r['layout']} keys | {r['time_us']:.1f} us{dg} | "
                          f"{_pct(r.get('pct_read'))} of read | {tgt} | {_md_verdict(r)} |")
         else:
+            dg = (f"; DeepGEMM fp8 {r['deepgemm_us'] / 1e3:.2f} ms, ours {r['vs_deepgemm']:.2f}x"
+                  if r.get("vs_deepgemm") else "")
+            vs = f", {r['vs_contiguous']:.3f}x contiguous" if r.get("vs_contiguous") else ""
+            tgt = (_target_pct(r.get("target_pct_matmul")) if r.get("target_pct_matmul")
+                   else (f"<= {r['target_vs_contiguous']:.2f}x contiguous" if r.get("target_vs_contiguous") else "—"))
             lines.append(f"| prefill {_si(r['rows'])} x {_si(r['keys'])}, {r['kv']} {r['layout']} | "
-                         f"{r['time_us'] / 1e3:.2f} ms, {_num(r['tflops'])} TFLOP/s | {_pct(r['pct_matmul'])} of matmul | "
-                         f"{_target_pct(r.get('target_pct_matmul'))} | {_md_verdict(r)} |")
+                         f"{r['time_us'] / 1e3:.2f} ms, {_num(r['tflops'])} TFLOP/s{dg} | "
+                         f"{_pct(r['pct_matmul'])} of matmul{vs} | {tgt} | {_md_verdict(r)} |")
     rec = [r for r in _recall_rows(doc) if r.get("recall_mean") is not None and not r["trivial"]]
     if rec:
         L = max(r["context_tokens"] for r in rec)

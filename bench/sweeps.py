@@ -25,8 +25,14 @@ TARGETS = {
     # 256K..1M entries); every batch, equal and mixed lengths alike
     "decode_bf16_pct_read": {1: (0.90, 0.80), 2: (0.85, 0.75), 3: (0.80, 0.70), 4: (0.80, 0.70)},
     "decode_small_us": 5.0,
-    "prefill_pct_matmul": 0.50,
+    # prefill, contiguous keys: TFLOP/s useful over the bf16 matmul, by (rows, keys); paged within 5% of it
+    "prefill_pct_matmul": {"4096x65536": 0.70, "8192x131072": 0.70, "1024x16384": 0.60},
+    "prefill_paged_vs_contiguous": 1.05,
 }
+
+# A ragged multi-request extend (one mqa_logits call over the requests' concatenated keys): (prefix, new)
+# index entries per request; row r of a request sees its own keys [0, prefix + r].
+RAGGED_EXTEND = [(12288, 2048), (0, 4096), (30720, 1024), (2048, 512), (8192, 3072), (57344, 256)]
 @dataclass
 class DecodeBatch:
     """One decode batch as serving sees it: per-request index entries (the last row's length) and the
@@ -85,7 +91,7 @@ def sizes(device: torch.device, quick: bool) -> Sizes:
         return Sizes([256], [(64, 512)], 2)
     if quick:
         return Sizes([2**18], [(1024, 16384)], 20)
-    return Sizes([2**20], [(4096, 65536), (1024, 16384)], 30)
+    return Sizes([2**20], [(4096, 65536), (8192, 131072), (1024, 16384)], 30)
 
 
 def make_freqs(max_pos: int, device) -> torch.Tensor:
@@ -365,28 +371,53 @@ def prefill_rows(device, quick, seed, ceilings, progress=None) -> list[dict]:
     cases = []
     for i, (T, S) in enumerate(sz.prefill):
         cases.append((T, S, "contiguous", "bf16"))
-        if i == 0:
+        if S >= 65536 or i == 0:
             cases.append((T, S, "paged", "bf16"))
+        if i == 0:
             cases.append((T, S, "paged", "fp8"))
+    if device.type == "cuda" and not quick:
+        cases.append((sum(n for _, n in RAGGED_EXTEND), sum(p + n for p, n in RAGGED_EXTEND), "ragged", "bf16"))
     task = progress.add_task("logits (prefill)", total=len(cases)) if progress else None
+    dg, dg_reason = peers.deepgemm() if device.type == "cuda" else (None, "no GPU")
     rows = []
     for T, S, kvk, layout in cases:
         base = {"mode": "prefill", "rows": T, "keys": S, "kv": kvk, "layout": layout, "q_dtype": "fp8",
                 "error": None}
-        reps = max(5, sz.reps // 2) if device.type == "cuda" else sz.reps
-        rows.append(_run_case(base, lambda: _prefill_case(device, T, S, kvk, layout, seed, reps, ceilings, base),
-                              device, progress, task))
+        reps = max(5, sz.reps // 3) if device.type == "cuda" else sz.reps
+        rows.append(_run_case(base, lambda: _prefill_case(device, T, S, kvk, layout, seed, reps, ceilings, base,
+                                                          dg, dg_reason), device, progress, task))
+    contiguous = {(r["rows"], r["keys"]): r for r in rows if r.get("kv") == "contiguous" and r.get("time_us")}
+    for r in rows:
+        c = contiguous.get((r["rows"], r["keys"]))
+        if r.get("kv") == "paged" and r.get("layout") == "bf16" and c and r.get("time_us"):
+            r["vs_contiguous"] = r["time_us"] / c["time_us"]
+            r["target_vs_contiguous"] = TARGETS["prefill_paged_vs_contiguous"]
+            r["verdict"] = _verdict(r["vs_contiguous"], r["target_vs_contiguous"], higher_is_better=False)
     return rows
 
 
-def _prefill_case(device, T, S, kvk, layout, seed, reps, ceilings, base):
+def _ragged_ranges(device):
+    """ks, ke of RAGGED_EXTEND over the concatenated keys."""
+    ks, ke, base = [], [], 0
+    for prefix, new in RAGGED_EXTEND:
+        ks.append(torch.full((new,), base, dtype=torch.int32))
+        ke.append(base + prefix + 1 + torch.arange(new, dtype=torch.int32))
+        base += prefix + new
+    return torch.cat(ks).to(device), torch.cat(ke).to(device)
+
+
+def _prefill_case(device, T, S, kvk, layout, seed, reps, ceilings, base, dg=None, dg_reason=None):
     g = _gen(device, seed)
     q = torch.randn(T, HEADS, DIM, device=device, generator=g).to(torch.float8_e4m3fn)
     weights = torch.rand(T, HEADS, device=device, generator=g) / math.sqrt(HEADS * DIM)
-    ks = torch.zeros(T, dtype=torch.int32, device=device)
-    ke = (S - T + 1 + torch.arange(T, device=device)).to(torch.int32)  # causal: row i ends at the diagonal
-    if kvk == "contiguous":
-        kv = (0.3 * torch.randn(S, DIM, device=device, generator=g)).to(torch.bfloat16)
+    if kvk == "ragged":
+        ks, ke = _ragged_ranges(device)
+    else:
+        ks = torch.zeros(T, dtype=torch.int32, device=device)
+        ke = (S - T + 1 + torch.arange(T, device=device)).to(torch.int32)  # causal: row i ends at the diagonal
+    keys = None
+    if kvk in ("contiguous", "ragged"):
+        kv = keys = (0.3 * torch.randn(S, DIM, device=device, generator=g)).to(torch.bfloat16)
         kwargs = {}
     else:
         pages = math.ceil(S / PAGE_SLOTS)
@@ -402,12 +433,23 @@ def _prefill_case(device, T, S, kvk, layout, seed, reps, ceilings, base):
     tflops = 2 * HEADS * DIM * pairs / t.seconds / 1e12
     mm = ceilings.get("matmul_tflops")
     pct = _pct(tflops, mm)
-    target = TARGETS["prefill_pct_matmul"] if (device.type == "cuda" and T >= 4096 and S >= 65536
-                                               and kvk == "contiguous") else None
+    target = TARGETS["prefill_pct_matmul"].get(f"{T}x{S}") if (device.type == "cuda" and kvk == "contiguous") else None
     row = dict(base)
     row.update({"time_us": t.seconds * 1e6, "visible_pairs": pairs, "tflops": tflops, "pct_matmul": pct,
                 "gpairs_per_s": pairs / t.seconds / 1e9, "peak_extra_mb": None if mem is None else mem / 1e6,
-                "target_pct_matmul": target, "verdict": _verdict(pct, target), "timing": t.method})
+                "target_pct_matmul": target, "verdict": _verdict(pct, target), "timing": t.method,
+                "deepgemm_us": None, "vs_deepgemm": None, "deepgemm_note": dg_reason})
+    if keys is not None and dg is not None:
+        try:
+            dg_call = peers.deepgemm_prefill(dg, q, keys, weights, ks, ke)
+            if dg_call is None:
+                row["deepgemm_note"] = "deep_gemm has no fp8_mqa_logits"
+            else:
+                td = time_calls([dg_call], device, reps=reps)
+                row.update({"deepgemm_us": td.seconds * 1e6, "vs_deepgemm": t.seconds / td.seconds,
+                            "deepgemm_tflops": 2 * HEADS * DIM * pairs / td.seconds / 1e12, "deepgemm_note": None})
+        except Exception as exc:  # DeepGEMM present but failing here: say so, keep our figures
+            row["deepgemm_note"] = f"{type(exc).__name__}: {str(exc)[:160]}"
     return row
 
 
@@ -420,4 +462,7 @@ LOGITS_COUNTED = ("decode: key bytes = index entries of each request's longest r
                   "fp8_paged_mqa_logits on the same fp8 cache and q, timed the same way (CUDA-graph replays) in "
                   "this process; rel L2 = our fp8-layout logits vs DeepGEMM's on visible columns. time vs fp8 = "
                   "our time / our fp8-layout time; torch = gather pages + bmm (SGLang's fallback formulation). "
-                  "Prefill TFLOP/s = 2*64*128 per visible (row, key) pair, causal ks=0, ke=S-T+i+1, clean on.")
+                  "Prefill TFLOP/s = 2*64*128 per visible (row, key) pair, causal ks=0, ke=S-T+i+1, clean on; ragged = one "
+                  "call over the concatenated keys of several extend requests (prefix + new entries each); "
+                  "DeepGEMM = fp8_mqa_logits on the same rows with the keys in fp8 + per-token scales, clean on, "
+                  "timed the same way.")

@@ -7,7 +7,7 @@ Public API:
 * :func:`paged_mqa_logits` (decode, MTP rows) and :func:`mqa_logits` (prefill) -- indexer logits
   ``sum_h relu(q_h . k) * w_h`` from those keys;
 * :func:`to_cupy` / :func:`to_torch` -- zero-copy views for users who want CuPy arrays;
-* :func:`warm_up` -- compile every kernel instantiation before CUDA-graph capture;
+* :func:`warm_up` -- compile every product kernel config before CUDA-graph capture;
 * :func:`store_index_k_reference`, :func:`paged_mqa_logits_reference`, :func:`mqa_logits_reference` -- the
   torch references (any device), plus :func:`rotate_index_k_reference` (the fp32 key before rounding) and
   :func:`fp4sim_reference` (the fp4sim rounding).
@@ -19,7 +19,8 @@ from .layouts import (BF16_BYTES_PER_TOKEN, BF16_PAGE_BYTES, FP4_BYTES_PER_TOKEN
                       FP8_PAGE_BYTES, HEAD_DIM, PAGE_SLOTS, empty_cache)
 from .logits import (mqa_logits, mqa_logits_reference, paged_mqa_logits, paged_mqa_logits_plan,
                      paged_mqa_logits_reference)
-from .runtime import to_cupy, to_torch, warm_up
+from .launch import warm_up
+from .runtime import to_cupy, to_torch
 from .store import (fp4sim_reference, rotate_index_k_reference, store_index_k, store_index_k_from_plan,
                     store_index_k_reference)
 

@@ -20,12 +20,12 @@ in a CUDA graph after :func:`warm_up` and stay balanced when replayed with new l
 from __future__ import annotations
 
 import functools
-import math
 
-import numpy as np
 import torch
 
-from . import runtime
+from . import launch, runtime
+from .contracts import check_aligned, check_contiguous, check_device, check_dtype, check_int
+from .launch import I32, I64, PTR
 from .layouts import (BF16_PAGE_BYTES, FP8_PAGE_BYTES, HEAD_DIM, N_HEADS, PAGE_SLOTS, bf16_view, fp8_views,
                       layout_of)
 
@@ -39,78 +39,64 @@ _MODE_CAUSAL_1D, _MODE_LENS_2D, _MODE_KS_KE = 0, 1, 2
 _TILE_KEYS = 32         # keys per warp tile in the kernel
 _MAX_GRID_Y = 65535
 
-# Host-side tuning knobs (read on every call, so a bench can flip them; defaults are the shipped choice).
-TUNING = {
-    "decode_prefetch": 0,        # bf16 keys: register double-buffer of the next key tile (1) or occupancy (0)
-    "prefill_rows": 4,           # query rows per CTA: 4 (4 warps; H200: 422 TFLOP/s at 4K x 64K) or 8 (8 warps,
-                                 # ~129 KiB shared memory; 376 TFLOP/s there)
-    "prefill_prefetch": 0,       # contiguous keys, 8-row tiles: register double-buffer of the next key tile
-    "prefill_keys_per_cta": 4096,  # CTAs per row tile = ceil(keys / this)
-    "fp8_mma": 0,                # fp8 keys x fp8 q: 0 = f16 mma of shift-expanded bytes (all archs); 1 = e4m3
-                                 # mma.sync m16n8k32 where native (sm_89, sm_120+; elsewhere same as 0): half
-                                 # the mma, no conversion, but Ada fp8 tensor cores add with ~13-bit precision;
-                                 # 2 = e4m3 mma on every sm_89+ target (sm_90/100: ptxas emulates it, slower;
-                                 # a layout test / bench variant). Not exposed for other dtype combinations.
-    "sm90_wgmma": 1,             # sm_90, bf16 keys, decode: the wgmma kernel (1) or the mma.sync kernel (0)
-    "sm90_ctas_per_sm": 0,       # wgmma decode CTAs per SM (one wave); 0 = the configuration's own
-    "decode_l2_hint": 1,         # L2 prefetch size of the streaming key loads: 2 = 256 B, 1 = 128 B, 0 = none;
-                                 # 0 / 1 exist only for decode next_n=1 with fp8 q (else 2 is used).
-                                 # H200, 64 x 32K bf16: 128 B 142.9 us, 256 B 145.5 us, none 151.3 us
-    "sm90_prefill": None,        # sm_90 prefill, bf16 keys: (stages, split, warpgroups, schedule) of the wgmma
-                                 # kernel; None = the shipped _SM90_PREFILL_CONFIG
-    "sm90_prefill_parts": 0,     # CTAs per 4-row tile of the wgmma prefill; 0 = sized to fill a few waves
-}
-
-
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
 # --------------------------------------------------------------------------------------------------
-# Instantiations
+# Kernel specs (kernels/mqa_logits.cu, kernels/mqa_logits_sm90.cuh) and the configs each problem gets
 # --------------------------------------------------------------------------------------------------
 
-def _expr(key_fp8: int, q_fp8: int, rows: int, paged: int, warps: int, prefetch: int, l2_hint: int = 2,
-          mma8: int = 0) -> str:
-    return f"mqa_logits_kernel<{key_fp8}, {q_fp8}, {rows}, {paged}, {warps}, {prefetch}, {l2_hint}, {mma8}>"
+# Arguments of mqa_logits_kernel (DSA_LOGITS_ARGS); the decode kernels append (plan, batch).
+_ROW_TILE_ARGS = (("q", PTR), ("weights", PTR), ("kv", PTR), ("kv_pages", I64), ("block_table", PTR),
+                  ("bt_tile_stride", I64), ("bt_width", I32), ("lens0", PTR), ("lens1", PTR), ("mode", I32),
+                  ("row_start", I32), ("row_end", I32), ("num_keys", I32), ("out", PTR), ("out_stride", I64),
+                  ("width", I32), ("compressed", I32), ("clean", I32))
+_PLAN_ARGS = (("plan", PTR), ("batch", I32))
 
 
-def _decode_expr(key_fp8: int, q_fp8: int, rows: int, prefetch: int = 0, l2_hint: int = 2, mma8: int = 0) -> str:
-    return f"mqa_logits_decode_kernel<{key_fp8}, {q_fp8}, {rows}, {prefetch}, {l2_hint}, {mma8}>"
+def _row_tile_smem(cfg) -> int:
+    """dsa::logits::kRowTileSmemBytes: q as 16-bit mma quads + weights, per row of the tile."""
+    return cfg.Rows * (N_HEADS * HEAD_DIM * 2 + N_HEADS * 4)
 
 
-_PLAN_EXPR = "paged_mqa_logits_plan_kernel"
+def _row_tile_threads(cfg) -> int:
+    return 32 * (8 if cfg.Rows > 4 else 4)  # dsa::logits::kWarps<Rows>
 
 
-def _declared_instantiations() -> list[str]:
-    ex = [_PLAN_EXPR]
-    for kf in (0, 1):
-        for qf in (1, 0):
-            # fp8 x fp8: both the e4m3-mma (sm_89+; f16 on sm_80) and the f16-mma variant (TUNING fp8_mma)
-            for mma8 in ((0, 1, 2) if kf and qf else (0,)):
-                for rows in (1, 2, 3, 4):  # decode (rows = next_n)
-                    ex.append(_decode_expr(kf, qf, rows, 0, 2, mma8))
-                    if kf == 0:            # register double-buffering: a bench variant for bf16 keys
-                        ex.append(_decode_expr(kf, qf, rows, 1))
-                ex.append(_expr(kf, qf, 4, 1, 4, 0, 2, mma8))   # paged prefill, 4-row tiles
-                ex.append(_expr(kf, qf, 8, 1, 8, 0, 2, mma8))   # paged prefill, 8-row tiles
-    for hint in (0, 1):                            # L2 prefetch-size variants: main decode shapes only
-        ex.append(_decode_expr(0, 1, 1, 0, hint))
-        ex.append(_decode_expr(1, 1, 1, 0, hint))
-    for qf in (1, 0):                               # contiguous bf16 keys (prefill)
-        ex.append(_expr(0, qf, 4, 0, 4, 0))
-        ex.append(_expr(0, qf, 8, 0, 8, 0))
-        ex.append(_expr(0, qf, 8, 0, 8, 1))
-    return ex
+PREFILL_KERNEL = launch.Kernel(
+    _SRC, "mqa_logits_kernel", params=("KeyFp8", "QFp8", "Rows", "Paged", "Prefetch", "L2Hint", "Mma8"),
+    host={"keys_per_cta": 4096},   # CTAs per row tile = ceil(keys / keys_per_cta)
+    args=_ROW_TILE_ARGS, threads=_row_tile_threads, smem=_row_tile_smem,
+    smem_check="dsa::logits::kRowTileSmemBytes<{Rows}>")
+DECODE_KERNEL = launch.Kernel(
+    _SRC, "mqa_logits_decode_kernel", params=("KeyFp8", "QFp8", "Rows", "Prefetch", "L2Hint", "Mma8", "MinBlocks"),
+    args=_ROW_TILE_ARGS + _PLAN_ARGS, threads=lambda cfg: 128, smem=_row_tile_smem,
+    smem_check="dsa::logits::kRowTileSmemBytes<{Rows}>")
 
 
-_INSTANTIATIONS = _declared_instantiations()
-_DECLARED = frozenset(_INSTANTIATIONS)
-runtime.register_instantiations(_SRC, _INSTANTIATIONS)
+def _sm90_smem(cfg) -> int:
+    """dsa::sm90::Smem<NextN, Stages>::kBytes: 1 KiB alignment slack, q tiles, key stages, weights."""
+    return 1024 + cfg.NextN * N_HEADS * HEAD_DIM * 2 + cfg.Stages * BF16_PAGE_BYTES + cfg.NextN * N_HEADS * 4
 
-# sm_90 decode with bf16 keys: the wgmma kernel of kernels/mqa_logits_sm90.cuh (included by mqa_logits.cu).
-# next_n -> (pipeline stages, CTAs per SM, wgmma chunks), chosen on the H200 under the balanced schedule
-# (2026-12-01, fp8 q, CUDA-graph replays; 64 x 32K / long-tail B=64 / 1 x 256K + 63 x 2K / 1 x 8K, us):
+
+SM90_DECODE_KERNEL = launch.Kernel(
+    _SRC, "mqa_logits_sm90_decode_kernel", params=("QFp8", "NextN", "Stages", "MinBlocks", "Split"),
+    host={"ctas_per_sm": 0},       # CTAs per SM of the one-wave grid (0: as many as fit)
+    args=(("q", PTR), ("weights", PTR), ("kv", PTR), ("kv_pages", I64), ("block_table", PTR), ("bt_stride", I64),
+          ("bt_width", I32), ("lens", PTR), ("lens_2d", I32), ("width", I32), ("out", PTR), ("out_stride", I64),
+          ("clean", I32)) + _PLAN_ARGS,
+    threads=lambda cfg: 128, smem=_sm90_smem, smem_check="dsa::sm90::Smem<{NextN}, {Stages}>::kBytes")
+PLAN_KERNEL = launch.Kernel(
+    _SRC, "paged_mqa_logits_plan_kernel",
+    args=(("lens", PTR), ("lens_2d", I32), ("batch", I32), ("next_n", I32), ("plan", PTR)), threads=lambda cfg: 1024)
+
+_ARCHS_WITH_FP8_MMA = ("sm_89", "sm_90", "sm_100", "sm_103", "sm_110", "sm_120", "sm_121")  # m16n8k32 e4m3 compiles
+_LAYOUT_KEY_FP8 = {"bf16": 0, "fp8": 1, "contiguous": 0}
+
+# sm_90 decode with bf16 keys: the wgmma kernel. next_n -> (pipeline stages, CTAs per SM, wgmma chunks), chosen
+# on the H200 under the balanced schedule (2026-12-01, fp8 q, CUDA-graph replays; 64 x 32K / long-tail B=64 /
+# 1 x 256K + 63 x 2K / 1 x 8K, us):
 # next_n 1: (3, 3, 1) 141 / 111 / 34.9 / 5.1; (4, 2, 1) 152 / 123 / 35.4 / 5.1; (2, 4, 1) 140 / 109 / 34.2 / 5.6;
 #           mma.sync 140 / 109 / 35.5 / 6.7.
 # next_n 2: (2, 3, 1) 170 / 131 / 41.7 / 7.0; (3, 2, 1) 187 / 154 / 46.1 / 6.7; mma.sync 199 / 152 / 50.9 / 9.5.
@@ -119,53 +105,168 @@ runtime.register_instantiations(_SRC, _INSTANTIATIONS)
 _SM90_CONFIG = {1: (3, 3, 1), 2: (2, 3, 1), 3: (2, 2, 3), 4: (2, 2, 2)}
 
 
-def _sm90_expr(q_fp8: int, next_n: int) -> str:
+def _sm90_decode(q_fp8: int, next_n: int, ctas_per_sm: int | None = None):
     stages, ctas, split = _SM90_CONFIG[next_n]
-    return f"mqa_logits_sm90_decode_kernel<{q_fp8}, {next_n}, {stages}, {ctas}, {split}>"
+    return SM90_DECODE_KERNEL.config(QFp8=q_fp8, NextN=next_n, Stages=stages, MinBlocks=ctas, Split=split,
+                                     ctas_per_sm=ctas if ctas_per_sm is None else ctas_per_sm)
 
 
-def _sm90_smem_bytes(next_n: int) -> int:
-    # mirrors dsa::sm90::Smem: alignment slack + q tiles + key stages + weights
-    return (1024 + next_n * N_HEADS * HEAD_DIM * 2 + _SM90_CONFIG[next_n][0] * BF16_PAGE_BYTES
-            + next_n * N_HEADS * 4)
+# (key_fp8, rows) of the mma.sync decode that need more than 168 registers (MinBlocks 2), by arch family
+# (ptxas, CUDA 13: sm_100 / sm_120 spill ~100 B at 168 registers for one bf16 row).
+_DECODE_WIDE_TILES = {"sm_10": ((0, 1), (1, 2), (1, 4)), "sm_12": ((0, 1), (1, 4))}
 
 
-runtime.register_instantiations(_SRC, [_sm90_expr(qf, nn) for qf in (1, 0) for nn in _SM90_CONFIG])
+def _decode_min_blocks(key_fp8: int, rows: int, prefetch: int, arch: str) -> int:
+    """Resident CTAs per SM asked of ptxas (register cap 65536 / (128 * MinBlocks)): the most that compile
+    without a spill (tests/test_compile.py checks every product config). fp8 keys keep raw bytes and expanded
+    words live together and the register double-buffer holds two tiles; sm_90 fits one- and two-row bf16
+    tiles in 128 registers, the other targets in 168 except the wide tiles above."""
+    if prefetch:
+        return 2
+    if (key_fp8, rows) in _DECODE_WIDE_TILES.get(arch[:5], ()):
+        return 2
+    if rows <= 2 and not key_fp8 and arch == "sm_90":
+        return 4
+    return 3
+
+
+def _mma_decode(key_fp8: int, q_fp8: int, rows: int, arch: str, *, prefetch: int = 0, l2_hint: int | None = None,
+                mma8: int = 0):
+    # L2 prefetch size of the key loads: 128 B for next_n 1 with fp8 q (H200, 64 x 32K bf16: 128 B 142.9 us,
+    # 256 B 145.5 us, none 151.3 us), 256 B elsewhere
+    if l2_hint is None:
+        l2_hint = 1 if (q_fp8 and rows == 1) else 2
+    return DECODE_KERNEL.config(KeyFp8=key_fp8, QFp8=q_fp8, Rows=rows, Prefetch=prefetch, L2Hint=l2_hint, Mma8=mma8,
+                                MinBlocks=_decode_min_blocks(key_fp8, rows, prefetch, arch))
+
+
+def _select_decode(problem, arch):
+    layout, q_fp8, next_n = problem
+    if layout == "bf16" and arch == "sm_90":
+        return _sm90_decode(q_fp8, next_n)
+    return _mma_decode(_LAYOUT_KEY_FP8[layout], q_fp8, next_n, arch)
+
+
+def _decode_serves(cfg, problem) -> bool:
+    layout, q_fp8, next_n = problem
+    if cfg.kernel is SM90_DECODE_KERNEL:
+        return layout == "bf16" and cfg.QFp8 == q_fp8 and cfg.NextN == next_n
+    return cfg.KeyFp8 == _LAYOUT_KEY_FP8[layout] and cfg.QFp8 == q_fp8 and cfg.Rows == next_n
+
+
+def _decode_experimental(arch):
+    for layout, q_fp8, next_n in DECODE.problems:
+        kf = _LAYOUT_KEY_FP8[layout]
+        yield _mma_decode(kf, q_fp8, next_n, arch)          # sm_90 bf16 keys: the mma.sync kernel
+        if not kf:
+            yield _mma_decode(kf, q_fp8, next_n, arch, prefetch=1)   # register double-buffer of the next tile
+        if q_fp8 and next_n == 1:
+            for hint in (0, 1, 2):                           # L2 prefetch size: none, 128 B, 256 B
+                yield _mma_decode(kf, q_fp8, next_n, arch, l2_hint=hint)
+        if kf and q_fp8 and arch in _ARCHS_WITH_FP8_MMA:     # e4m3 mma.sync (native on sm_89 / sm_120+)
+            yield _mma_decode(kf, q_fp8, next_n, arch, mma8=1)
+        if layout == "bf16" and arch == "sm_90":
+            yield _sm90_decode(q_fp8, next_n, ctas_per_sm=1)  # a smaller wave: other segment cuts
+
+
+DECODE = launch.register(launch.Family(
+    "paged_mqa_logits", problems=[(layout, q_fp8, next_n) for layout in ("bf16", "fp8") for q_fp8 in (1, 0)
+                                  for next_n in (1, 2, 3, 4)],
+    select=_select_decode, serves=_decode_serves, experimental=_decode_experimental))
+
+PLAN = launch.register(launch.Family(
+    "paged_mqa_logits_plan", problems=[()], select=lambda problem, arch: PLAN_KERNEL.config(),
+    serves=lambda cfg, problem: True))
+
 
 # sm_90 prefill with bf16 keys (contiguous or paged): the wgmma kernel of kernels/mqa_logits_sm90.cuh, 4 query
-# rows per CTA; config = (key stages per key group, wgmma chunks per warpgroup, warpgroups, schedule). Chosen on
-# the H200 (2026-12-01, fp8 q, causal, CUDA-graph replays; % of the bf16 matmul measured in the same run at
+# rows per CTA. (Stages, Split, WGs, Sched) = key stages per key group, wgmma chunks per warpgroup, warpgroups
+# (two key groups of WGs / 2), schedule (2: the key groups take turns issuing, 0: free-running). Chosen on the
+# H200 (2026-12-01, fp8 q, causal, CUDA-graph replays; % of the bf16 matmul measured in the same run at
 # 4K x 64K contiguous / paged, 1K x 16K, 8K x 128K): (4, 1, 2, 2) 69.8 / 69.2 / 65.1 / 69.2;
 # (4, 1, 4, 2) 68.5 / 63.5 / 65.5 / 65.1; (4, 1, 4, 0) 66.0 / 65.6 / 62.9 / 65.6; (4, 2, 2, 2) 66.5 / 60.6 /
 # 62.3 / 66.2; (3, 1, 4, 2) and (5, 1, 4, 2) within 1% of (4, 1, 4, 2); the mma.sync kernel 54.1 / 52.6 / 50.9 /
-# 53.7. From 8 rows on it is faster at every length measured (8 x 64K: 23.6 vs 128.7 us; 64 x 64K: 182 vs 188).
+# 53.7. It is also the faster one for short prompts (8 x 64K: 23.6 vs 128.7 us; 64 x 64K: 182 vs 188 us).
 _SM90_PREFILL_ROWS = 4
 _SM90_PREFILL_CONFIG = (4, 1, 2, 2)
-_SM90_PREFILL_MIN_ROWS = 8     # fewer rows: the mma.sync kernel (not measured below 8 rows)
 
 
-def _sm90_prefill_expr(q_fp8: int, paged: int, config=None) -> str:
-    stages, split, wgs, sched = config or _SM90_PREFILL_CONFIG
-    return f"mqa_logits_sm90_prefill_kernel<{q_fp8}, {paged}, {stages}, {split}, {wgs}, {sched}>"
-
-
-def _sm90_prefill_smem_bytes(config=None) -> int:
-    # mirrors dsa::sm90::PrefillSmem: alignment slack + q tile + two key groups' stages + weights
-    stages = (config or _SM90_PREFILL_CONFIG)[0]
-    return (1024 + _SM90_PREFILL_ROWS * N_HEADS * HEAD_DIM * 2 + 2 * stages * BF16_PAGE_BYTES
+def _sm90_prefill_smem(cfg) -> int:
+    """dsa::sm90::PrefillSmem<Stages>::kBytes: alignment slack, q tile, two key groups' stages, weights."""
+    return (1024 + _SM90_PREFILL_ROWS * N_HEADS * HEAD_DIM * 2 + 2 * cfg.Stages * BF16_PAGE_BYTES
             + _SM90_PREFILL_ROWS * N_HEADS * 4)
 
 
-runtime.register_instantiations(_SRC, [_sm90_prefill_expr(qf, pg) for qf in (1, 0) for pg in (0, 1)])
+SM90_PREFILL_KERNEL = launch.Kernel(
+    _SRC, "mqa_logits_sm90_prefill_kernel", params=("QFp8", "Paged", "Stages", "Split", "WGs", "Sched"),
+    host={"parts": 0},             # CTAs per 4-row tile (0: enough to fill a few waves)
+    args=(("q", PTR), ("weights", PTR), ("kv", PTR), ("kv_pages", I64), ("block_table", PTR), ("bt_width", I32),
+          ("ks", PTR), ("ke", PTR), ("row_start", I32), ("row_end", I32), ("num_keys", I32), ("out", PTR),
+          ("out_stride", I64), ("width", I32), ("compressed", I32), ("clean", I32)),
+    threads=lambda cfg: 128 * cfg.WGs, smem=_sm90_prefill_smem, smem_check="dsa::sm90::PrefillSmem<{Stages}>::kBytes")
 
 
-def _mma8(key_fp8: int, q_fp8: int) -> int:
-    return int(TUNING["fp8_mma"]) if (key_fp8 and q_fp8) else 0
+def _sm90_prefill(layout: str, q_fp8: int, config=_SM90_PREFILL_CONFIG, parts: int = 0):
+    stages, split, wgs, sched = config
+    return SM90_PREFILL_KERNEL.config(QFp8=q_fp8, Paged=int(layout != "contiguous"), Stages=stages, Split=split,
+                                      WGs=wgs, Sched=sched, parts=parts)
 
 
-def _smem_bytes(rows: int) -> int:
-    # q fragments (rows x 64 heads x 128 x 16 bit) + weights
-    return rows * (N_HEADS * HEAD_DIM * 2 + N_HEADS * 4)
+def _prefill(layout: str, q_fp8: int, *, rows: int = 4, prefetch: int = 0, mma8: int = 0, keys_per_cta: int = 4096):
+    # 4 rows per CTA (4 warps; H200: 422 TFLOP/s at 4K x 64K) over 8 (8 warps, ~129 KiB of shared memory, which
+    # sm_86 / sm_89 / sm_120 do not have; 376 TFLOP/s there); 4096 keys per CTA
+    return PREFILL_KERNEL.config(KeyFp8=_LAYOUT_KEY_FP8[layout], QFp8=q_fp8, Rows=rows, Paged=int(layout != "contiguous"),
+                                 Prefetch=prefetch, L2Hint=2, Mma8=mma8, keys_per_cta=keys_per_cta)
+
+
+def _select_prefill(problem, arch):
+    layout, q_fp8 = problem
+    if layout != "fp8" and arch == "sm_90":
+        return _sm90_prefill(layout, q_fp8)
+    return _prefill(layout, q_fp8)
+
+
+def _prefill_serves(cfg, problem) -> bool:
+    layout, q_fp8 = problem
+    if cfg.kernel is SM90_PREFILL_KERNEL:
+        return layout != "fp8" and cfg.QFp8 == q_fp8 and cfg.Paged == int(layout != "contiguous")
+    return (cfg.KeyFp8 == _LAYOUT_KEY_FP8[layout] and cfg.QFp8 == q_fp8
+            and cfg.Paged == int(layout != "contiguous"))
+
+
+_SM90_PREFILL_EXPERIMENTAL = ((4, 1, 4, 2), (4, 1, 4, 0), (4, 2, 2, 2), (3, 1, 2, 2))
+
+
+def _prefill_experimental(arch):
+    for layout, q_fp8 in PREFILL.problems:
+        if layout != "fp8" and arch == "sm_90":
+            for config in _SM90_PREFILL_EXPERIMENTAL:
+                yield _sm90_prefill(layout, q_fp8, config)
+            yield _sm90_prefill(layout, q_fp8, parts=1)  # one CTA per tile: other cuts of the key blocks
+        for rows in (4, 8):
+            for keys_per_cta in (2048, 4096, 8192):
+                yield _prefill(layout, q_fp8, rows=rows, keys_per_cta=keys_per_cta)
+                if layout == "contiguous" and rows == 8:      # register double-buffer of the next key tile
+                    yield _prefill(layout, q_fp8, rows=rows, prefetch=1, keys_per_cta=keys_per_cta)
+            if layout == "fp8" and q_fp8 and arch in _ARCHS_WITH_FP8_MMA:
+                yield _prefill(layout, q_fp8, rows=rows, mma8=1)
+
+
+PREFILL = launch.register(launch.Family(
+    "mqa_logits", problems=[(layout, q_fp8) for layout in ("contiguous", "bf16", "fp8") for q_fp8 in (1, 0)],
+    select=_select_prefill, serves=_prefill_serves, experimental=_prefill_experimental))
+
+
+def product_instantiations(arch: str, *, q_fp8=(1,), next_ns=(1,), layouts=("bf16",)) -> list[str]:
+    """The name expressions (of ``mqa_logits.cu``) that decode and paged prefill launch on ``arch`` for these q
+    dtypes (1 = fp8, 0 = bf16), next_n values and cache layouts: what a server warms up (the rest compiles on
+    first use)."""
+    ex = [PLAN.select((), arch).expr]
+    for layout in layouts:
+        for qf in q_fp8:
+            ex += [DECODE.select((layout, qf, nn), arch).expr for nn in next_ns]
+            ex.append(PREFILL.select((layout, qf), arch).expr)
+    return list(dict.fromkeys(ex))
 
 
 @functools.lru_cache(maxsize=None)
@@ -179,37 +280,12 @@ def _device_info(index: int) -> tuple[int, int]:
 # Validation (host metadata only)
 # --------------------------------------------------------------------------------------------------
 
-def _check_dtype(name, t, dtypes):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
-
-
-def _check_device(name, t, device):
-    if t.device != device:
-        raise ValueError(f"{name}: expected a tensor on {device} (same device as q), got {t.device}")
-
-
-def _check_contiguous(name, t):
-    if not t.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
-
-
-def _check_int(name, v, lo=0):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
-    if v < lo:
-        raise ValueError(f"{name}: expected an int >= {lo}, got {v}")
-    return int(v)
-
-
 def _check_kv_cache(kv_cache, device):
     if not isinstance(kv_cache, torch.Tensor):
         raise TypeError(f"kv_cache: expected a torch.Tensor, got {type(kv_cache).__name__}")
     layout = layout_of(kv_cache)  # ValueError naming kv_cache
-    _check_device("kv_cache", kv_cache, device)
-    _check_contiguous("kv_cache", kv_cache)
+    check_device("kv_cache", kv_cache, device, "q")
+    check_contiguous("kv_cache", kv_cache)
     return layout
 
 
@@ -232,47 +308,47 @@ def _alloc_out(out, rows, width, device):
 
 
 def _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len):
-    _check_dtype("q", q, _Q_DTYPES)
+    check_dtype("q", q, _Q_DTYPES)
     if q.dim() != 4 or q.shape[2] != N_HEADS or q.shape[3] != HEAD_DIM or not 1 <= q.shape[1] <= 4:
         raise ValueError(f"q: expected shape [B, next_n, {N_HEADS}, {HEAD_DIM}] with next_n in 1..4, "
                          f"got {tuple(q.shape)}")
-    _check_contiguous("q", q)
+    check_contiguous("q", q)
     device = q.device
     B, next_n = q.shape[0], q.shape[1]
     layout = _check_kv_cache(kv_cache, device)
-    _check_dtype("weights", weights, (torch.float32,))
+    check_dtype("weights", weights, (torch.float32,))
     if tuple(weights.shape) != (B * next_n, N_HEADS):
         raise ValueError(f"weights: expected shape {(B * next_n, N_HEADS)}, got {tuple(weights.shape)}")
-    _check_device("weights", weights, device)
-    _check_contiguous("weights", weights)
+    check_device("weights", weights, device, "q")
+    check_contiguous("weights", weights)
     _check_context_lens(context_lens, B, next_n, device)
-    _check_dtype("block_table", block_table, (torch.int32,))
+    check_dtype("block_table", block_table, (torch.int32,))
     if block_table.dim() != 2 or block_table.shape[0] != B:
         raise ValueError(f"block_table: expected shape [{B}, max_pages], got {tuple(block_table.shape)}")
     if block_table.shape[1] > 0 and block_table.stride(1) != 1:
         raise ValueError(f"block_table: expected stride(1) == 1, got strides {block_table.stride()}")
-    _check_device("block_table", block_table, device)
-    max_context_len = _check_int("max_context_len", max_context_len)
+    check_device("block_table", block_table, device, "q")
+    max_context_len = check_int("max_context_len", max_context_len)
     return layout, B, next_n, max_context_len
 
 
 def _check_context_lens(context_lens, B, next_n, device=None):
-    _check_dtype("context_lens", context_lens, (torch.int32,))
+    check_dtype("context_lens", context_lens, (torch.int32,))
     if tuple(context_lens.shape) not in ((B,), (B, next_n)):
         raise ValueError(f"context_lens: expected shape ({B},) or ({B}, {next_n}), got {tuple(context_lens.shape)}")
     if device is not None:
-        _check_device("context_lens", context_lens, device)
-    _check_contiguous("context_lens", context_lens)
+        check_device("context_lens", context_lens, device, "q")
+    check_contiguous("context_lens", context_lens)
 
 
-def _check_plan(plan, B, device):
+def _check_plan(plan, B, device, like="q"):
     if not isinstance(plan, torch.Tensor):
         raise TypeError(f"plan: expected the torch.Tensor of paged_mqa_logits_plan, got {type(plan).__name__}")
     if plan.dtype != torch.int64 or tuple(plan.shape) != (B + 1,):
         raise ValueError(f"plan: expected int64 shape ({B + 1},) from paged_mqa_logits_plan(context_lens, next_n), "
                          f"got {plan.dtype} {tuple(plan.shape)}")
-    _check_device("plan", plan, device)
-    _check_contiguous("plan", plan)
+    check_device("plan", plan, device, like)
+    check_contiguous("plan", plan)
 
 
 def paged_mqa_logits_plan_reference(context_lens, next_n, *, out=None):
@@ -289,24 +365,24 @@ def paged_mqa_logits_plan_reference(context_lens, next_n, *, out=None):
 
 
 def _check_plan_args(context_lens, next_n, out):
-    next_n = _check_int("next_n", next_n, 1)
+    next_n = check_int("next_n", next_n, 1)
     if next_n > 4:
         raise ValueError(f"next_n: expected 1..4, got {next_n}")
-    _check_dtype("context_lens", context_lens, (torch.int32,))
+    check_dtype("context_lens", context_lens, (torch.int32,))
     if context_lens.dim() == 0:
         raise ValueError(f"context_lens: expected shape [B] or [B, {next_n}], got a 0-d tensor")
     B = context_lens.shape[0]
     _check_context_lens(context_lens, B, next_n)
     if out is not None:
-        _check_plan(out, B, context_lens.device)
+        _check_plan(out, B, context_lens.device, "context_lens")
     return B, next_n
 
 
 def _check_prefill(q, kv, weights, ks, ke, block_table, max_seqlen_k, rows):
-    _check_dtype("q", q, _Q_DTYPES)
+    check_dtype("q", q, _Q_DTYPES)
     if q.dim() != 3 or q.shape[1] != N_HEADS or q.shape[2] != HEAD_DIM:
         raise ValueError(f"q: expected shape [T, {N_HEADS}, {HEAD_DIM}], got {tuple(q.shape)}")
-    _check_contiguous("q", q)
+    check_contiguous("q", q)
     device = q.device
     T = q.shape[0]
     if not isinstance(kv, torch.Tensor):
@@ -317,17 +393,17 @@ def _check_prefill(q, kv, weights, ks, ke, block_table, max_seqlen_k, rows):
                             f"block_table=), got dtype {kv.dtype}")
         if kv.dim() != 2 or kv.shape[1] != HEAD_DIM:
             raise ValueError(f"kv: expected shape [S, {HEAD_DIM}], got {tuple(kv.shape)}")
-        _check_device("kv", kv, device)
-        _check_contiguous("kv", kv)
+        check_device("kv", kv, device, "q")
+        check_contiguous("kv", kv)
         layout, num_keys, bt = "contiguous", kv.shape[0], None
     else:
         try:
             layout = layout_of(kv)
         except ValueError as e:
             raise ValueError(str(e).replace("kv_cache:", "kv (paged cache):")) from None
-        _check_device("kv", kv, device)
-        _check_contiguous("kv", kv)
-        _check_dtype("block_table", block_table, (torch.int32,))
+        check_device("kv", kv, device, "q")
+        check_contiguous("kv", kv)
+        check_dtype("block_table", block_table, (torch.int32,))
         if block_table.dim() == 2 and block_table.shape[0] == 1:
             bt = block_table[0]
         elif block_table.dim() == 1:
@@ -337,20 +413,20 @@ def _check_prefill(q, kv, weights, ks, ke, block_table, max_seqlen_k, rows):
                              f"got {tuple(block_table.shape)}")
         if bt.shape[0] > 0 and bt.stride(0) != 1:
             raise ValueError(f"block_table: expected unit stride along pages, got strides {block_table.stride()}")
-        _check_device("block_table", block_table, device)
+        check_device("block_table", block_table, device, "q")
         num_keys = bt.shape[0] * PAGE_SLOTS
-    _check_dtype("weights", weights, (torch.float32,))
+    check_dtype("weights", weights, (torch.float32,))
     if tuple(weights.shape) != (T, N_HEADS):
         raise ValueError(f"weights: expected shape {(T, N_HEADS)}, got {tuple(weights.shape)}")
-    _check_device("weights", weights, device)
-    _check_contiguous("weights", weights)
+    check_device("weights", weights, device, "q")
+    check_contiguous("weights", weights)
     for name, t in (("ks", ks), ("ke", ke)):
-        _check_dtype(name, t, (torch.int32,))
+        check_dtype(name, t, (torch.int32,))
         if tuple(t.shape) != (T,):
             raise ValueError(f"{name}: expected shape ({T},), got {tuple(t.shape)}")
-        _check_device(name, t, device)
-        _check_contiguous(name, t)
-    max_seqlen_k = _check_int("max_seqlen_k", max_seqlen_k)
+        check_device(name, t, device, "q")
+        check_contiguous(name, t)
+    max_seqlen_k = check_int("max_seqlen_k", max_seqlen_k)
     if rows is None:
         start, end = 0, T
     else:
@@ -495,23 +571,6 @@ def mqa_logits_reference(q, kv, weights, ks, ke, *, block_table=None, max_seqlen
 # Public ops
 # --------------------------------------------------------------------------------------------------
 
-# Kernel scalars: NumPy-typed (a Python int would not be marshalled as int32); cached, since constructing
-# a NumPy scalar costs ~0.5 us and a call passes ~10 of them.
-_I32 = functools.lru_cache(maxsize=4096)(np.int32)
-_I64 = functools.lru_cache(maxsize=4096)(np.int64)
-
-
-def _check_aligned(**tensors):
-    for name, t in tensors.items():
-        if t.data_ptr() % 16:
-            raise ValueError(f"{name}: expected 16-byte aligned data (the kernel reads 16-byte vectors), "
-                             f"got address {t.data_ptr():#x}")
-
-
-def _launch(expr, device, grid, warps, rows, args):
-    runtime.launch(_SRC, expr, device, grid, (warps * 32, 1, 1), args, shared_mem=_smem_bytes(rows))
-
-
 def paged_mqa_logits_plan(context_lens, next_n, *, out=None):
     """Balanced schedule of a decode batch for :func:`paged_mqa_logits`: int64 ``[B + 1]``, entry ``b`` = the
     pages (64 index entries) that requests ``< b`` compute, a request computing ``ceil(longest row / 64)``.
@@ -526,50 +585,26 @@ def paged_mqa_logits_plan(context_lens, next_n, *, out=None):
     B, next_n = _check_plan_args(context_lens, next_n, out)
     if out is None:
         out = torch.empty(B + 1, dtype=torch.int64, device=context_lens.device)
-    runtime.launch(_SRC, _PLAN_EXPR, context_lens.device, (1, 1, 1), (1024, 1, 1),
-                   (context_lens.data_ptr(), _I32(1 if context_lens.dim() == 2 else 0), _I32(B), _I32(next_n),
-                    out.data_ptr()))
+    cfg = PLAN.select((), runtime.device_arch(context_lens.device.index))
+    cfg.launch(context_lens.device, (1, 1, 1), lens=context_lens, lens_2d=int(context_lens.dim() == 2), batch=B,
+               next_n=next_n, plan=out)
     return out
 
 
 _DECODE_GRID: dict[tuple, int] = {}
 
 
-def _one_wave(expr, device, threads, smem, cap=None):
-    """Grid of a balanced decode kernel: the CTAs that are resident at once on the whole device."""
-    key = (device.index, expr, cap)
+def _one_wave(cfg, device) -> int:
+    """Grid of a balanced decode kernel: the CTAs that are resident at once on the whole device (at most the
+    config's ``ctas_per_sm`` per SM, where it has one)."""
+    key = (device.index, cfg)
     grid = _DECODE_GRID.get(key)
     if grid is None:
         n_sms, _ = _device_info(device.index)
-        per_sm = runtime.resident_ctas_per_sm(_SRC, expr, device.index, threads, smem)
+        per_sm = cfg.resident_ctas_per_sm(device.index)
+        cap = cfg.values.get("ctas_per_sm", 0)
         grid = _DECODE_GRID[key] = n_sms * (min(per_sm, cap) if cap else per_sm)
     return grid
-
-
-def _decode_kernel(layout: str, q_fp8: int, next_n: int, arch: str) -> tuple[str, bool]:
-    """(name expression, is the sm_90 wgmma kernel) that decode launches for this problem and arch."""
-    if layout == "bf16" and next_n in _SM90_CONFIG and TUNING["sm90_wgmma"] and arch == "sm_90":
-        return _sm90_expr(q_fp8, next_n), True
-    kf = int(layout == "fp8")
-    prefetch = 1 if (TUNING["decode_prefetch"] and layout == "bf16") else 0
-    mma8 = _mma8(kf, q_fp8)
-    expr = _decode_expr(kf, q_fp8, next_n, prefetch, TUNING["decode_l2_hint"], mma8)
-    if expr not in _DECLARED:  # the L2-hint variants exist for the main decode shapes only
-        expr = _decode_expr(kf, q_fp8, next_n, prefetch, 2, mma8)
-    return expr, False
-
-
-def product_instantiations(arch: str, *, q_fp8=(1,), next_ns=(1,), layouts=("bf16",)) -> list[str]:
-    """The name expressions (of ``mqa_logits.cu``) that decode and paged prefill launch on ``arch`` for
-    these q dtypes (1 = fp8, 0 = bf16), next_n values and cache layouts with the current TUNING: what a
-    server warms up (the rest compiles on first use)."""
-    ex = [_PLAN_EXPR]
-    for layout in layouts:
-        kf = int(layout == "fp8")
-        for qf in q_fp8:
-            ex += [_decode_kernel(layout, qf, nn, arch)[0] for nn in next_ns]
-            ex += [_expr(kf, qf, rows, 1, rows, 0, 2, _mma8(kf, qf)) for rows in (4, 8)]  # paged prefill tiles
-    return list(dict.fromkeys(ex))
 
 
 def paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len, *,
@@ -596,32 +631,26 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_contex
     out = _alloc_out(out, B * next_n, width, q.device)
     if B == 0 or width == 0:
         return out
-    _check_aligned(q=q, kv_cache=kv_cache)
+    check_aligned("q", q)
+    check_aligned("kv_cache", kv_cache)
     if plan is None:
         plan = paged_mqa_logits_plan(context_lens, next_n)
     bt_width = block_table.shape[1]
-    bt_stride = _I64(block_table.stride(0) if bt_width > 0 else 0)
-    lens_2d = _I32(1 if context_lens.dim() == 2 else 0)
-    clean = _I32(1 if clean_logits else 0)
-    qf = int(q.dtype == _FP8)
-    expr, sm90 = _decode_kernel(layout, qf, next_n, runtime.device_arch(q.device.index))
-    if sm90:
-        smem = _sm90_smem_bytes(next_n)
-        cps = TUNING["sm90_ctas_per_sm"] or _SM90_CONFIG[next_n][1]
-        args = (q.data_ptr(), weights.data_ptr(), kv_cache.data_ptr(), _I64(kv_cache.shape[0]),
-                block_table.data_ptr(), bt_stride, _I32(bt_width), context_lens.data_ptr(), lens_2d, _I32(width),
-                out.data_ptr(), _I64(out.stride(0)), clean, plan.data_ptr(), _I32(B))
-        runtime.launch(_SRC, expr, q.device, (_one_wave(expr, q.device, 128, smem, cps), 1, 1), (128, 1, 1), args,
-                       shared_mem=smem)
-        return out
-    mode = _MODE_LENS_2D if context_lens.dim() == 2 else _MODE_CAUSAL_1D
-    smem = _smem_bytes(next_n)
-    args = (q.data_ptr(), weights.data_ptr(), kv_cache.data_ptr(), _I64(kv_cache.shape[0]),
-            block_table.data_ptr(), bt_stride, _I32(bt_width), context_lens.data_ptr(), context_lens.data_ptr(),
-            _I32(mode), _I32(0), _I32(B * next_n), _I32(width), out.data_ptr(), _I64(out.stride(0)), _I32(width),
-            _I32(0), clean, plan.data_ptr(), _I32(B))
-    runtime.launch(_SRC, expr, q.device, (_one_wave(expr, q.device, 128, smem), 1, 1), (128, 1, 1), args,
-                   shared_mem=smem)
+    bt_stride = block_table.stride(0) if bt_width > 0 else 0
+    lens_2d = int(context_lens.dim() == 2)
+    cfg = DECODE.select((layout, int(q.dtype == _FP8), next_n), runtime.device_arch(q.device.index))
+    grid = (_one_wave(cfg, q.device), 1, 1)
+    if cfg.kernel is SM90_DECODE_KERNEL:
+        cfg.launch(q.device, grid, q=q, weights=weights, kv=kv_cache, kv_pages=kv_cache.shape[0],
+                   block_table=block_table, bt_stride=bt_stride, bt_width=bt_width, lens=context_lens,
+                   lens_2d=lens_2d, width=width, out=out, out_stride=out.stride(0), clean=int(clean_logits),
+                   plan=plan, batch=B)
+    else:
+        cfg.launch(q.device, grid, q=q, weights=weights, kv=kv_cache, kv_pages=kv_cache.shape[0],
+                   block_table=block_table, bt_tile_stride=bt_stride, bt_width=bt_width, lens0=context_lens,
+                   lens1=context_lens, mode=_MODE_LENS_2D if lens_2d else _MODE_CAUSAL_1D, row_start=0,
+                   row_end=B * next_n, num_keys=width, out=out, out_stride=out.stride(0), width=width, compressed=0,
+                   clean=int(clean_logits), plan=plan, batch=B)
     return out
 
 
@@ -653,49 +682,32 @@ def mqa_logits(q, kv, weights, ks, ke, *, block_table=None, max_seqlen_k=0, clea
         if clean_logits:
             out.fill_(_NEG_INF)
         return out
-    _check_aligned(q=q, kv=kv)
-    kf, qf = int(layout == "fp8"), int(q.dtype == _FP8)
+    check_aligned("q", q)
+    check_aligned("kv", kv)
+    problem = (layout, int(q.dtype == _FP8))
+    arch = runtime.device_arch(q.device.index)
+    cfg = PREFILL.select(problem, arch)
+    n_sms, optin = _device_info(q.device.index)
+    if cfg.smem > optin:
+        raise ValueError(f"mqa_logits: {cfg} needs {cfg.smem} B of shared memory, the device has {optin} B")
     paged = layout != "contiguous"
-    if paged:
-        kv_ptr, n_pages, bt_ptr, bt_width = kv.data_ptr(), kv.shape[0], bt.data_ptr(), bt.shape[0]
-    else:
-        kv_ptr, n_pages, bt_ptr, bt_width = kv.data_ptr(), 0, 0, 0
-    if (not kf and TUNING["sm90_wgmma"] and n_rows >= _SM90_PREFILL_MIN_ROWS
-            and runtime.device_arch(q.device.index) == "sm_90"):
-        _sm90_prefill(q, kv_ptr, n_pages, bt_ptr, bt_width, weights, ks, ke, start, end, num_keys, out, width,
-                      compressed, clean_logits, qf, int(paged))
+    if cfg.kernel is SM90_PREFILL_KERNEL:
+        # one CTA per 4-row tile and part of its key blocks; parts fill a few waves when the rows are few
+        tiles = _ceil_div(n_rows, _SM90_PREFILL_ROWS)
+        parts = cfg.parts or max(1, min(_ceil_div(3 * n_sms, tiles), _ceil_div(num_keys, 16 * PAGE_SLOTS)))
+        cfg.launch(q.device, (tiles, min(parts, _MAX_GRID_Y), 1), q=q, weights=weights, kv=kv,
+                   kv_pages=kv.shape[0] if paged else 0, block_table=bt if paged else None,
+                   bt_width=bt.shape[0] if paged else 0, ks=ks, ke=ke, row_start=start, row_end=end,
+                   num_keys=num_keys, out=out, out_stride=out.stride(0), width=width, compressed=int(compressed),
+                   clean=int(clean_logits and not compressed))
         return out
-    _, optin = _device_info(q.device.index)
-    tile_rows = TUNING["prefill_rows"]
-    if _smem_bytes(tile_rows) > optin or n_rows <= 4:
-        tile_rows = 4
-    warps = 8 if tile_rows == 8 else 4
-    prefetch = 1 if (TUNING["prefill_prefetch"] and not paged and tile_rows == 8) else 0
+    warps = cfg.block[0] // 32
     tiles = _ceil_div(num_keys, _TILE_KEYS)
-    per_tile = _ceil_div(num_keys, max(_TILE_KEYS, TUNING["prefill_keys_per_cta"]))
-    grid = (_ceil_div(n_rows, tile_rows), max(1, min(_ceil_div(tiles, warps), per_tile, _MAX_GRID_Y)), 1)
-    expr = _expr(kf, qf, tile_rows, int(paged), warps, prefetch, 2, _mma8(kf, qf))
-    args = (q.data_ptr(), weights.data_ptr(), kv_ptr, _I64(n_pages), bt_ptr, _I64(0), _I32(bt_width),
-            ks.data_ptr(), ke.data_ptr(), _I32(_MODE_KS_KE), _I32(start), _I32(end), _I32(num_keys),
-            out.data_ptr(), _I64(out.stride(0)), _I32(width), _I32(1 if compressed else 0),
-            _I32(1 if (clean_logits and not compressed) else 0))
-    _launch(expr, q.device, grid, warps, tile_rows, args)
+    per_tile = _ceil_div(num_keys, max(_TILE_KEYS, cfg.keys_per_cta))
+    grid = (_ceil_div(n_rows, cfg.Rows), max(1, min(_ceil_div(tiles, warps), per_tile, _MAX_GRID_Y)), 1)
+    cfg.launch(q.device, grid, q=q, weights=weights, kv=kv, kv_pages=kv.shape[0] if paged else 0,
+               block_table=bt if paged else None, bt_tile_stride=0, bt_width=bt.shape[0] if paged else 0, lens0=ks,
+               lens1=ke, mode=_MODE_KS_KE, row_start=start, row_end=end, num_keys=num_keys, out=out,
+               out_stride=out.stride(0), width=width, compressed=int(compressed),
+               clean=int(clean_logits and not compressed))
     return out
-
-
-def _sm90_prefill(q, kv_ptr, n_pages, bt_ptr, bt_width, weights, ks, ke, start, end, num_keys, out, width,
-                  compressed, clean_logits, qf, paged):
-    """Launch the sm_90 wgmma prefill kernel: one CTA per 4-row tile, the tile's key blocks cut into parts so
-    that short prompts still fill a few waves."""
-    n_sms, _ = _device_info(q.device.index)
-    tiles = _ceil_div(end - start, _SM90_PREFILL_ROWS)
-    blocks = _ceil_div(num_keys, PAGE_SLOTS)
-    parts = TUNING["sm90_prefill_parts"] or max(1, min(_ceil_div(3 * n_sms, tiles), _ceil_div(blocks, 16)))
-    parts = min(parts, _MAX_GRID_Y)
-    config = TUNING["sm90_prefill"] or _SM90_PREFILL_CONFIG
-    expr = _sm90_prefill_expr(qf, paged, config)
-    args = (q.data_ptr(), weights.data_ptr(), kv_ptr, _I64(n_pages), bt_ptr, _I32(bt_width), ks.data_ptr(),
-            ke.data_ptr(), _I32(start), _I32(end), _I32(num_keys), out.data_ptr(), _I64(out.stride(0)),
-            _I32(width), _I32(1 if compressed else 0), _I32(1 if (clean_logits and not compressed) else 0))
-    runtime.launch(_SRC, expr, q.device, (tiles, parts, 1), (128 * config[2], 1, 1), args,
-                   shared_mem=_sm90_prefill_smem_bytes(config))

@@ -10,8 +10,8 @@ such as ``store_index_k<0, 1, 0, true, float, 0>``. This module:
   ``torch.cuda.graph`` once the kernel was warmed up outside the capture;
 * compiles for an arbitrary arch **without a GPU** (:func:`compile_cubin`), used by the CI compile matrix.
 
-Op modules declare every instantiation they can launch with :func:`register_instantiations`, so the
-compile matrix and :func:`warm_up` see exactly what production can run.
+Which instantiations exist, and which of them ship, is declared by the ops through the launch layer
+(``cupy_dsa.launch``); this module knows nothing of ops.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import os
+import re
 import threading
 import warnings
 from pathlib import Path
@@ -29,7 +30,6 @@ import torch
 # -ftz=true and --device-as-default-execution-space; the matrix adds the same two.
 _BASE_OPTIONS = ("-std=c++17",)
 
-_INSTANTIATIONS: dict[str, list[str]] = {}
 _FUNCTIONS: dict[tuple, object] = {}
 _STREAMS: dict[int, object] = {}
 _SMEM_OPT_IN: dict[tuple, int] = {}
@@ -68,21 +68,6 @@ def device_arch(device_index: int) -> str:
         major, minor = torch.cuda.get_device_capability(device_index)
         a = _ARCHS[device_index] = f"sm_{major}{minor}"
     return a
-
-
-def register_instantiations(filename: str, name_expressions) -> None:
-    """Declare the template instantiations an op may launch (read by the compile matrix and warm_up)."""
-    lst = _INSTANTIATIONS.setdefault(filename, [])
-    for expr in name_expressions:
-        if expr not in lst:
-            lst.append(expr)
-
-
-def instantiations() -> dict[str, list[str]]:
-    """All declared instantiations, by source file. Importing the op modules fills it."""
-    from . import logits, store  # noqa: F401  (registration happens at import)
-
-    return {k: list(v) for k, v in _INSTANTIATIONS.items()}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -126,31 +111,12 @@ def cupy_module():
 # --------------------------------------------------------------------------------------------------
 
 def get_function(filename: str, name_expression: str, device_index: int):
-    """The compiled kernel for one instantiation on one device (compiled on first use, then cached).
-
-    The first use of a source file compiles *all* its declared instantiations in one NVRTC program
-    (one parse of the headers instead of one per variant; CuPy caches the result on disk)."""
-    key = (device_index, filename, name_expression)
-    fn = _FUNCTIONS.get(key)
-    if fn is not None:
-        return fn
-    with _LOCK:
-        fn = _FUNCTIONS.get(key)
-        if fn is None:
-            cp = cupy_module()
-            declared = _INSTANTIATIONS.get(filename, [])
-            exprs = list(declared) if name_expression in declared else [name_expression]
-            with cp.cuda.Device(device_index):
-                module = cp.RawModule(code=read_source(filename),
-                                      options=compile_options(device_arch(device_index)),
-                                      name_expressions=exprs)
-                for expr in exprs:
-                    f = module.get_function(expr)
-                    f.compile()  # load the module now, not inside a capture
-                    # keep a kernel loaded earlier (warm_up_expressions): launch() set its attributes
-                    # (the shared-memory opt-in) on that object
-                    _FUNCTIONS.setdefault((device_index, filename, expr), f)
-            fn = _FUNCTIONS[key]
+    """The compiled kernel for one instantiation on one device (compiled on first use, then cached). The
+    launch layer loads a source's product instantiations together first (:func:`warm_up_expressions`)."""
+    fn = _FUNCTIONS.get((device_index, filename, name_expression))
+    if fn is None:
+        warm_up_expressions(device_index, {filename: [name_expression]})
+        fn = _FUNCTIONS[(device_index, filename, name_expression)]
     return fn
 
 
@@ -231,13 +197,10 @@ def resident_ctas_per_sm(filename: str, name_expression: str, device_index: int,
     return n
 
 
-def warm_up(device: torch.device | str | int | None = None) -> int:
-    """Compile and load every declared instantiation on ``device`` (call before graph capture).
-
-    ``device``: ``None`` (torch's current CUDA device), a ``torch.device``, a string (``"cuda"``,
-    ``"cuda:1"``) or a device index. Raises ``RuntimeError`` without a CUDA GPU (the ops need no warm-up
-    on CPU: they run their torch references) and ``ValueError`` for a non-CUDA or missing device.
-    Returns the number of instantiations loaded."""
+def cuda_device_index(device: torch.device | str | int | None) -> int:
+    """The CUDA device index of ``device`` (``None``: torch's current device; a ``torch.device``; ``"cuda"`` /
+    ``"cuda:1"``; an index). TypeError / ValueError naming ``device`` for anything else or a missing device,
+    RuntimeError without a CUDA GPU (on CPU the ops run their torch references and need no warm-up)."""
     if isinstance(device, bool) or not (device is None or isinstance(device, (torch.device, str, int))):
         raise TypeError(f"device: expected None, a torch.device, a device string or an int, got "
                         f"{type(device).__name__}")
@@ -254,12 +217,7 @@ def warm_up(device: torch.device | str | int | None = None) -> int:
     idx = torch.cuda.current_device() if (dev is None or dev.index is None) else dev.index
     if not 0 <= idx < torch.cuda.device_count():
         raise ValueError(f"device: cuda:{idx} does not exist ({torch.cuda.device_count()} CUDA device(s))")
-    n = 0
-    for filename, exprs in instantiations().items():
-        for expr in exprs:
-            get_function(filename, expr, idx)
-            n += 1
-    return n
+    return idx
 
 
 def warm_up_expressions(device_index: int, exprs: dict[str, list[str]]) -> int:
@@ -306,18 +264,21 @@ def cuda_include_dir() -> str:
     return str(inc)
 
 
-def compile_cubin(filename: str, name_expressions, arch: str) -> tuple[bytes, dict[str, str]]:
-    """Compile ``kernels/filename`` with NVRTC for ``arch`` (e.g. ``"sm_90"``) without a GPU.
+def compile_cubin(filename: str, name_expressions, arch: str, *, source: str | None = None,
+                  resource_usage: bool = False) -> tuple[bytes, dict[str, str]] | tuple[bytes, dict[str, str], str]:
+    """Compile ``kernels/filename`` (or ``source``, with ``kernels/`` on the include path) with NVRTC for
+    ``arch`` (e.g. ``"sm_90"``) without a GPU.
 
-    Uses the same options as run time plus the two CuPy appends. Returns the cubin and the lowered
-    name of every expression; raises ``RuntimeError`` with NVRTC's log on failure.
+    Uses the same options as run time plus the two CuPy appends. Returns the cubin and the lowered name of
+    every expression, and with ``resource_usage`` also ptxas's report (``-v``: registers, spills, shared
+    memory per kernel; see :func:`ptxas_resources`); raises ``RuntimeError`` with NVRTC's log on failure.
     """
     cp = cupy_module()
     nvrtc = cp.cuda.nvrtc
-    src = read_source(filename)
+    src = read_source(filename) if source is None else source
     # sm_90 is built as sm_90a, exactly as at run time (compile_options adds the flag)
     opts = compile_options(arch) + (f"-I{cuda_include_dir()}",) + (() if arch == "sm_90" else (f"-arch={arch}",)) \
-        + ("-ftz=true", "--device-as-default-execution-space")
+        + ("-ftz=true", "--device-as-default-execution-space") + (("--ptxas-options=-v",) if resource_usage else ())
     prog = nvrtc.createProgram(src, filename, (), ())
     try:
         for expr in name_expressions:
@@ -328,9 +289,39 @@ def compile_cubin(filename: str, name_expressions, arch: str) -> tuple[bytes, di
             raise RuntimeError(f"NVRTC failed for {filename} ({arch}):\n{nvrtc.getProgramLog(prog)}") from e
         cubin = nvrtc.getCUBIN(prog)
         lowered = {expr: nvrtc.getLoweredName(prog, expr) for expr in name_expressions}
+        log = nvrtc.getProgramLog(prog) if resource_usage else None
     finally:
         nvrtc.destroyProgram(prog)
-    return cubin, lowered
+    return (cubin, lowered) if log is None else (cubin, lowered, log)
+
+
+_PTXAS_FUNCTION = re.compile(r"Function properties for (\S+)")
+_PTXAS_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_USED = re.compile(r"Used (\d+) registers.*?(?:, (\d+) bytes smem)?$")
+
+
+def ptxas_resources(log: str, lowered: dict[str, str]) -> dict[str, dict[str, int]]:
+    """``{name expression: {registers, stack, spill_stores, spill_loads, static_smem}}`` from ptxas's ``-v``
+    report of :func:`compile_cubin` (kernels that were not asked for by name are left out)."""
+    by_lowered = {v: k for k, v in lowered.items()}
+    out: dict[str, dict[str, int]] = {}
+    current = None
+    for line in log.splitlines():
+        m = _PTXAS_FUNCTION.search(line)
+        if m:
+            current = by_lowered.get(m.group(1))
+            if current is not None:
+                out[current] = {"registers": 0, "stack": 0, "spill_stores": 0, "spill_loads": 0, "static_smem": 0}
+            continue
+        if current is None:
+            continue
+        m = _PTXAS_SPILLS.search(line)
+        if m:
+            out[current].update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        m = _PTXAS_USED.search(line.strip())
+        if m:
+            out[current].update(registers=int(m.group(1)), static_smem=int(m.group(2) or 0))
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -21,23 +21,59 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import runtime
+from . import launch, runtime
+from .contracts import check_aligned, check_contiguous, check_device, check_dtype, check_shape
+from .launch import F32, I32, I64, PTR
 from .layouts import FP8_MAX, FP8_MIN_AMAX, FP8_SCALE_OFFSET, HEAD_DIM, PAGE_SLOTS, ROPE_DIM, as_page_rows, layout_of
 
-_FILE = "store_index_k.cu"
-
-# Template arguments of store_index_k<Layout, Numerics, Style, Hadamard, TIn, Source>; the index dtype
+# Template parameters of store_index_k<Layout, Numerics, Style, Hadamard, TIn, Source>; the index dtype
 # (int32/int64 positions or plan out_loc) is a run-time kernel argument.
 _LAYOUT_ID = {"bf16": 0, "fp8": 1}
 _NUMERICS_ID = {"exact": 0, "fp4sim": 1}
 _STYLE_ID = {"v4": 0, "v32": 1}
-_SRC_DIRECT, _SRC_DECODE, _SRC_PREFILL = 0, 1, 2
+_SOURCES = {"direct": 0, "decode": 1, "prefill": 2}   # positions, SGLang's decode / prefill plan rows
 _IN_TYPE = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16"}
+_VARIANTS = (("bf16", "exact"), ("bf16", "fp4sim"), ("fp8", "exact"))  # (layout, numerics) the kernel has
 
 WARPS_PER_BLOCK = 8
 TOKENS_PER_WARP = 2  # kTokensPerWarp in the kernel
 TOKENS_PER_BLOCK = WARPS_PER_BLOCK * TOKENS_PER_WARP
 BLOCK = (32 * WARPS_PER_BLOCK, 1, 1)
+
+
+def _render(param, value):
+    if param == "Hadamard":
+        return "true" if value else "false"
+    return _IN_TYPE[value] if param == "TIn" else str(value)
+
+
+STORE_KERNEL = launch.Kernel(
+    "store_index_k.cu", "store_index_k", params=("Layout", "Numerics", "Style", "Hadamard", "TIn", "Source"),
+    args=(("kv", PTR), ("cache", PTR), ("items", PTR), ("out_loc", PTR), ("norm_w", PTR), ("norm_b", PTR),
+          ("freqs", PTR), ("n", I64), ("n_loc", I64), ("num_pages", I64), ("max_pos", I64), ("eps", F32),
+          ("ratio", I32), ("idx64", I32)),
+    threads=lambda cfg: BLOCK[0], render=_render)
+
+# A problem: (layout, numerics, key style, hadamard, kv dtype, source); every one has its instantiation.
+STORE = launch.register(launch.Family(
+    "store_index_k",
+    problems=[(layout, num, style, had, in_dtype, src) for layout, num in _VARIANTS for style in _STYLE_ID
+              for had in (True, False) for in_dtype in _IN_TYPE for src in _SOURCES],
+    select=lambda p, arch: STORE_KERNEL.config(Layout=_LAYOUT_ID[p[0]], Numerics=_NUMERICS_ID[p[1]],
+                                               Style=_STYLE_ID[p[2]], Hadamard=p[3], TIn=p[4], Source=_SOURCES[p[5]]),
+    serves=lambda cfg, p: cfg == STORE.select(p, None)))
+
+
+def product_instantiations(*, layouts=("bf16",), numerics=("exact",), key_styles=("v4",), hadamard=(True,),
+                           in_dtypes=(torch.float32, torch.bfloat16),
+                           sources=("direct", "decode", "prefill")) -> list[str]:
+    """Name expressions of the store for the given options (every combination the kernel has), e.g. what
+    one server launches: ``layouts=("bf16",), numerics=("exact",), in_dtypes=(torch.bfloat16,),
+    sources=("decode", "prefill")``. Sources: ``direct`` (positions), ``decode`` / ``prefill`` (plan rows)."""
+    return [STORE.select(p, None).expr for p in STORE.problems
+            if p[0] in layouts and p[1] in numerics and p[2] in key_styles and p[3] in hadamard
+            and p[4] in in_dtypes and p[5] in sources]
+
 
 FP4_BLOCK = 32
 FP4_MAX = 6.0
@@ -49,77 +85,18 @@ PLAN_INVALID = 0xFFFFFFFF
 _rsqrt = torch.rsqrt
 
 
-def _expr(layout, numerics, style, hadamard, in_dtype, source) -> str:
-    return (f"store_index_k<{_LAYOUT_ID[layout]}, {_NUMERICS_ID[numerics]}, {_STYLE_ID[style]}, "
-            f"{'true' if hadamard else 'false'}, {_IN_TYPE[in_dtype]}, {source}>")
-
-
-_SOURCES = {"direct": _SRC_DIRECT, "decode": _SRC_DECODE, "prefill": _SRC_PREFILL}
-_VARIANTS = (("bf16", "exact"), ("bf16", "fp4sim"), ("fp8", "exact"))  # (layout, numerics) the kernel has
-
-
-def product_instantiations(*, layouts=("bf16",), numerics=("exact",), key_styles=("v4",), hadamard=(True,),
-                           in_dtypes=(torch.float32, torch.bfloat16),
-                           sources=("direct", "decode", "prefill")) -> list[str]:
-    """Name expressions of the store for the given options (every combination the kernel has), e.g. what
-    one server launches: ``layouts=("bf16",), numerics=("exact",), in_dtypes=(torch.bfloat16,),
-    sources=("decode", "prefill")``. Sources: ``direct`` (positions), ``decode`` / ``prefill`` (plan rows)."""
-    out = []
-    for layout, num in _VARIANTS:
-        if layout not in layouts or num not in numerics:
-            continue
-        for style in key_styles:
-            for had in hadamard:
-                for in_dtype in in_dtypes:
-                    for src in sources:
-                        out.append(_expr(layout, num, style, had, in_dtype, _SOURCES[src]))
-    return out
-
-
-def _all_instantiations() -> list[str]:
-    return product_instantiations(layouts=("bf16", "fp8"), numerics=tuple(_NUMERICS_ID), key_styles=tuple(_STYLE_ID),
-                                  hadamard=(True, False), in_dtypes=tuple(_IN_TYPE), sources=tuple(_SOURCES))
-
-
-runtime.register_instantiations(_FILE, _all_instantiations())
-
-
 # --------------------------------------------------------------------------------------------------
 # Contract checks (tensor metadata only: no host sync)
 # --------------------------------------------------------------------------------------------------
 
-def _check_dtype(name, t, dtypes):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        want = " or ".join(str(d) for d in dtypes)
-        raise TypeError(f"{name}: expected dtype {want}, got {t.dtype}")
-
-
-def _check_shape(name, t, shape_desc, ok):
-    if not ok:
-        raise ValueError(f"{name}: expected shape {shape_desc}, got {tuple(t.shape)}")
-
-
-def _check_contig(name, t):
-    if not t.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
-
-
 def _check_device(name, t, device):
-    if t.device != device:
-        raise ValueError(f"{name}: expected a tensor on {device} (the device of kv), got {t.device}")
-
-
-def _check_align(name, t, nbytes):
-    if t.is_cuda and t.data_ptr() % nbytes:
-        raise ValueError(f"{name}: expected a {nbytes}-byte aligned data pointer, got {t.data_ptr():#x}")
+    check_device(name, t, device, "kv")
 
 
 def _check_common(kv, cache, norm_weight, norm_bias, freqs_cis, eps, numerics, key_style, hadamard):
-    _check_dtype("kv", kv, (torch.float32, torch.bfloat16))
-    _check_shape("kv", kv, f"[N, {HEAD_DIM}]", kv.dim() == 2 and kv.shape[1] == HEAD_DIM)
-    _check_contig("kv", kv)
+    check_dtype("kv", kv, (torch.float32, torch.bfloat16))
+    check_shape("kv", kv, f"[N, {HEAD_DIM}]", kv.dim() == 2 and kv.shape[1] == HEAD_DIM)
+    check_contiguous("kv", kv)
     dev = kv.device
     if numerics not in _NUMERICS_ID:
         raise ValueError(f"numerics: expected one of {tuple(_NUMERICS_ID)}, got {numerics!r}")
@@ -132,63 +109,63 @@ def _check_common(kv, cache, norm_weight, norm_bias, freqs_cis, eps, numerics, k
     if not isinstance(cache, torch.Tensor):
         raise TypeError(f"cache: expected a torch.Tensor, got {type(cache).__name__}")
     layout = layout_of(cache, "cache")
-    _check_contig("cache", cache)
+    check_contiguous("cache", cache)
     _check_device("cache", cache, dev)
-    _check_align("cache", cache, 16)
+    check_aligned("cache", cache, 16)
     if numerics == "fp4sim" and layout != "bf16":
         raise ValueError("numerics: 'fp4sim' needs a bf16-layout cache (uint8 [P, 16384]), got an fp8 cache")
-    _check_dtype("norm_weight", norm_weight, (torch.float32,))
-    _check_shape("norm_weight", norm_weight, f"[{HEAD_DIM}]", tuple(norm_weight.shape) == (HEAD_DIM,))
-    _check_contig("norm_weight", norm_weight)
+    check_dtype("norm_weight", norm_weight, (torch.float32,))
+    check_shape("norm_weight", norm_weight, f"[{HEAD_DIM}]", tuple(norm_weight.shape) == (HEAD_DIM,))
+    check_contiguous("norm_weight", norm_weight)
     _check_device("norm_weight", norm_weight, dev)
     if key_style == "v32":
         if norm_bias is None:
             raise ValueError("norm_bias: key_style 'v32' (LayerNorm) needs a float32 [128] bias")
-        _check_dtype("norm_bias", norm_bias, (torch.float32,))
-        _check_shape("norm_bias", norm_bias, f"[{HEAD_DIM}]", tuple(norm_bias.shape) == (HEAD_DIM,))
-        _check_contig("norm_bias", norm_bias)
+        check_dtype("norm_bias", norm_bias, (torch.float32,))
+        check_shape("norm_bias", norm_bias, f"[{HEAD_DIM}]", tuple(norm_bias.shape) == (HEAD_DIM,))
+        check_contiguous("norm_bias", norm_bias)
         _check_device("norm_bias", norm_bias, dev)
     elif norm_bias is not None:
         raise ValueError("norm_bias: only key_style 'v32' (LayerNorm) takes a bias; pass None for 'v4'")
-    _check_dtype("freqs_cis", freqs_cis, (torch.float32,))
-    _check_shape("freqs_cis", freqs_cis, f"[max_pos, {ROPE_DIM}]",
+    check_dtype("freqs_cis", freqs_cis, (torch.float32,))
+    check_shape("freqs_cis", freqs_cis, f"[max_pos, {ROPE_DIM}]",
                  freqs_cis.dim() == 2 and freqs_cis.shape[1] == ROPE_DIM)
-    _check_contig("freqs_cis", freqs_cis)
+    check_contiguous("freqs_cis", freqs_cis)
     _check_device("freqs_cis", freqs_cis, dev)
-    _check_align("freqs_cis", freqs_cis, 16)
-    _check_align("kv", kv, 16 if kv.dtype == torch.float32 else 8)
-    _check_align("norm_weight", norm_weight, 16)
+    check_aligned("freqs_cis", freqs_cis, 16)
+    check_aligned("kv", kv, 16 if kv.dtype == torch.float32 else 8)
+    check_aligned("norm_weight", norm_weight, 16)
     if norm_bias is not None:
-        _check_align("norm_bias", norm_bias, 16)
+        check_aligned("norm_bias", norm_bias, 16)
     return layout
 
 
 def _check_direct(kv, positions, out_loc):
     n = kv.shape[0]
-    _check_dtype("positions", positions, (torch.int32, torch.int64))
-    _check_shape("positions", positions, f"[{n}] (N of kv)", tuple(positions.shape) == (n,))
-    _check_contig("positions", positions)
+    check_dtype("positions", positions, (torch.int32, torch.int64))
+    check_shape("positions", positions, f"[{n}] (N of kv)", tuple(positions.shape) == (n,))
+    check_contiguous("positions", positions)
     _check_device("positions", positions, kv.device)
-    _check_dtype("out_loc", out_loc, (torch.int64,))
-    _check_shape("out_loc", out_loc, f"[{n}] (N of kv)", tuple(out_loc.shape) == (n,))
-    _check_contig("out_loc", out_loc)
+    check_dtype("out_loc", out_loc, (torch.int64,))
+    check_shape("out_loc", out_loc, f"[{n}] (N of kv)", tuple(out_loc.shape) == (n,))
+    check_contiguous("out_loc", out_loc)
     _check_device("out_loc", out_loc, kv.device)
 
 
 def _check_plan(kv, plan, out_loc, compress_ratio, is_decode):
     n = kv.shape[0]
-    _check_dtype("plan", plan, (torch.uint8,))
-    _check_shape("plan", plan, f"[{n}, 16] (one 16-byte plan row per kv row)",
+    check_dtype("plan", plan, (torch.uint8,))
+    check_shape("plan", plan, f"[{n}, 16] (one 16-byte plan row per kv row)",
                  plan.dim() == 2 and tuple(plan.shape) == (n, 16))
-    _check_contig("plan", plan)
+    check_contiguous("plan", plan)
     _check_device("plan", plan, kv.device)
-    _check_align("plan", plan, 16)
-    _check_dtype("out_loc", out_loc, (torch.int32, torch.int64))
-    _check_shape("out_loc", out_loc, "[M] (1-D)", out_loc.dim() == 1)
+    check_aligned("plan", plan, 16)
+    check_dtype("out_loc", out_loc, (torch.int32, torch.int64))
+    check_shape("out_loc", out_loc, "[M] (1-D)", out_loc.dim() == 1)
     if is_decode and out_loc.shape[0] < n:
         raise ValueError(f"out_loc: a decode plan needs at least {n} entries (one per plan row), "
                          f"got {out_loc.shape[0]}")
-    _check_contig("out_loc", out_loc)
+    check_contiguous("out_loc", out_loc)
     _check_device("out_loc", out_loc, kv.device)
     if not isinstance(is_decode, bool):
         raise TypeError(f"is_decode: expected a bool, got {type(is_decode).__name__}")
@@ -217,10 +194,8 @@ def store_index_k(kv, cache, *, positions, out_loc, norm_weight, freqs_cis, norm
     n = kv.shape[0]
     if n == 0:
         return
-    rows = as_page_rows(cache)
-    expr = _expr(layout, numerics, key_style, hadamard, kv.dtype, _SRC_DIRECT)
-    _launch(expr, kv, rows, positions, out_loc, norm_weight, norm_bias, freqs_cis, n, eps, 0,
-            positions.dtype == torch.int64)
+    _launch((layout, numerics, key_style, hadamard, kv.dtype, "direct"), kv, as_page_rows(cache), positions, out_loc,
+            norm_weight, norm_bias, freqs_cis, n, eps, 0, positions.dtype == torch.int64)
 
 
 def store_index_k_from_plan(kv, plan, *, cache, out_loc, norm_weight, freqs_cis, is_decode, compress_ratio=4,
@@ -242,24 +217,16 @@ def store_index_k_from_plan(kv, plan, *, cache, out_loc, norm_weight, freqs_cis,
     n = kv.shape[0]
     if n == 0:
         return
-    rows = as_page_rows(cache)
-    src = _SRC_DECODE if is_decode else _SRC_PREFILL
-    expr = _expr(layout, numerics, key_style, hadamard, kv.dtype, src)
-    _launch(expr, kv, rows, plan, out_loc, norm_weight, norm_bias, freqs_cis, n, eps, compress_ratio,
+    _launch((layout, numerics, key_style, hadamard, kv.dtype, "decode" if is_decode else "prefill"), kv,
+            as_page_rows(cache), plan, out_loc, norm_weight, norm_bias, freqs_cis, n, eps, compress_ratio,
             out_loc.dtype == torch.int64)
 
 
-_IDX64 = (np.int32(0), np.int32(1))
-
-
-def _launch(expr, kv, rows, items, out_loc, norm_weight, norm_bias, freqs_cis, n, eps, ratio, idx64):
-    grid = ((n + TOKENS_PER_BLOCK - 1) // TOKENS_PER_BLOCK, 1, 1)
-    args = (kv.data_ptr(), rows.data_ptr(), items.data_ptr(), out_loc.data_ptr(), norm_weight.data_ptr(),
-            0 if norm_bias is None else norm_bias.data_ptr(), freqs_cis.data_ptr(), np.int64(n),
-            np.int64(out_loc.shape[0]), np.int64(rows.shape[0]), np.int64(freqs_cis.shape[0]),
-            np.float32(eps), np.int32(ratio),
-            _IDX64[idx64])
-    runtime.launch(_FILE, expr, kv.device, grid, BLOCK, args)
+def _launch(problem, kv, rows, items, out_loc, norm_weight, norm_bias, freqs_cis, n, eps, ratio, idx64):
+    cfg = STORE.select(problem, runtime.device_arch(kv.device.index))
+    cfg.launch(kv.device, ((n + TOKENS_PER_BLOCK - 1) // TOKENS_PER_BLOCK, 1, 1), kv=kv, cache=rows, items=items,
+               out_loc=out_loc, norm_w=norm_weight, norm_b=norm_bias, freqs=freqs_cis, n=n, n_loc=out_loc.shape[0],
+               num_pages=rows.shape[0], max_pos=freqs_cis.shape[0], eps=float(eps), ratio=ratio, idx64=int(idx64))
 
 
 # --------------------------------------------------------------------------------------------------

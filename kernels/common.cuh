@@ -210,16 +210,11 @@ __device__ __forceinline__ uint4 ldg_stream_v4(const void* p) {
 // fp8 mma.sync (m16n8k32 .e4m3 x .e4m3, fp32 accumulate) is valid PTX on sm_89 and later, but only sm_89
 // (Ada) and sm_120+ (consumer Blackwell) run it natively (SASS QMMA). On sm_90 / sm_100 ptxas emulates it
 // (checked with cuobjdump, CUDA 13): F2FP to f16, two HMMA.16816 per mma, ~4 FADD per mma, slower than
-// expanding e4m3 by shifts. The NVRTC compile for each target defines __CUDA_ARCH__: per-target switches.
+// expanding e4m3 by shifts. Which targets run it natively is the host's knowledge (its configs per arch).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
 constexpr bool kHasFp8Mma = true;         // the instruction compiles
 #else
 constexpr bool kHasFp8Mma = false;
-#endif
-#if defined(__CUDA_ARCH__) && ((__CUDA_ARCH__ >= 890 && __CUDA_ARCH__ < 900) || __CUDA_ARCH__ >= 1200)
-constexpr bool kNativeFp8Mma = true;      // ... and runs on fp8 tensor cores
-#else
-constexpr bool kNativeFp8Mma = false;
 #endif
 
 // D += A * B for mma.sync m16n8k32 .row.col .f32.e4m3.e4m3.f32 (sm_89+; PTX ISA "Matrix Fragments for

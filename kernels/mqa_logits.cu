@@ -30,7 +30,7 @@
 // (gid, t) ends with key 8*(gid/2) + 2t + gid%2 and stores it (32 lanes: 32 consecutive columns).
 // fp8 keys with fp8 q use f16 mma on both operands scaled by 2^-8 (exact) and fold 2^16 into the epilogue;
 // every other combination uses bf16 mma (fp8 q -> bf16 exact; fp8 keys -> bf16 exact, slow path).
-// fp8 keys with fp8 q, Mma8 (TUNING fp8_mma): mma.sync m16n8k32 .e4m3 on the raw bytes, no conversion and
+// fp8 keys with fp8 q, Mma8 = 1 (an experimental config): mma.sync m16n8k32 .e4m3 on the raw bytes, no conversion and
 // half the mma (4 k-steps of 32). Fragments (8-bit): A {a0..a3} = rows {g, g+8, g, g+8}, k {4t..4t+3} (a0,
 // a1) and {4t+16..4t+19} (a2, a3); B {b0, b1} = k {4t..}, {4t+16..} of column g. The thread's 16-byte key
 // chunk c (bytes 64c + 16t .. +15, words w0..w3, as loaded above) gives k-step 2c B = {w0, w1} and k-step
@@ -38,12 +38,11 @@
 // each head_dim element once. q is staged raw in the same order: A = {x.lo, y.lo, x.hi, y.hi} with x, y the
 // 8 bytes of heads h, h+8 at d0 (one LDS.128 per k-step). Epilogue: key scale only (products are exact e4m3).
 // The e4m3 mma runs natively on sm_89 and sm_120+ only (there with ~13-bit fp8 tensor-core accumulation);
-// ptxas emulates it on sm_90 / sm_100 (slower than the f16 path), so Mma8 = 1 keeps the f16 path there and
-// Mma8 = 2 forces the emulation (a test of this layout on Hopper). The path is chosen per target at compile
-// time (__CUDA_ARCH__, see common.cuh); the summation order is fixed per compiled path.
+// ptxas emulates it on sm_90 / sm_100 (slower than the f16 path; there Mma8 = 1 is a test of this layout).
+// It does not exist on sm_80: the host declares Mma8 = 1 for sm_89+ targets only.
 // Key loads: ld.global.nc.L1::no_allocate with an L2 prefetch-size hint L2Hint (2: 256 B, 1: 128 B, 0: none).
 // Every row's arithmetic (mma order, head order, lane reduction) is fixed, independent of the scheduling
-// variant (Warps/Prefetch/L2Hint/grid): results are deterministic and bitwise equal across those variants
+// variant (Prefetch/L2Hint/MinBlocks/grid): results are deterministic and bitwise equal across those variants
 // (Mma8 changes the arithmetic, hence the results in the last bits).
 //
 // Masking: row r sees keys n in [lo_r, hi_r) (decode: [0, len); prefill: [ks, ke)) whose page is valid
@@ -62,15 +61,26 @@ constexpr int kTileKeys = 32;       // keys per warp tile (4 n-tiles)
 constexpr int kMaxRows = 8;
 enum RangeMode { kCausal1D = 0, kLens2D = 1, kKsKe = 2 };
 
-template <int KeyFp8, int Rows, int Warps, int Prefetch>
+// Warps per CTA: 8 for 8-row (prefill) tiles, else 4 (decode and 4-row prefill tiles).
+template <int Rows>
+constexpr int kWarps = Rows > 4 ? 8 : 4;
+
+template <int Rows, int Prefetch>
 struct Config {
   // head m-tiles whose accumulators are live together (independent mma chains per warp: 4 * MT).
-  static constexpr int MT = (Warps >= 8 && Rows >= 8) ? 2 : 1;
-  // Resident CTAs per SM asked of ptxas (register cap 65536 / (threads * MinBlocks)). fp8 keys keep raw
-  // bytes and expanded words live together: 128 registers would spill.
-  static constexpr int MinBlocks =
-      Warps >= 8 ? (Rows >= 8 ? 1 : 2) : (Prefetch ? 2 : (Rows <= 2 && !KeyFp8 ? 4 : 3));
+  static constexpr int MT = Rows >= 8 ? 2 : 1;
+  // Resident CTAs per SM asked of ptxas (register cap 65536 / (threads * MinBlocks)) by the prefill kernel;
+  // the decode kernel takes MinBlocks from the host's per-arch config (cupy_dsa.logits), where ptxas is
+  // checked not to spill.
+  static constexpr int MinBlocks = Rows >= 8 ? 1 : (Prefetch ? 2 : 3);
 };
+
+// 16-byte q words per row staged in shared memory (A quads [m-tile][pair][k-step][lane] of 16-bit mma; the
+// e4m3 mma uses the first half) and the dynamic shared memory of a row tile: q words + weights. The host
+// passes this size (cupy_dsa.logits states the same formula; tests/test_compile.py checks the two agree).
+constexpr int kQWords16 = 4 * 4 * 2 * 32;
+template <int Rows>
+constexpr int kRowTileSmemBytes = Rows * (kQWords16 * 16 + kNumHeads * 4);
 
 // Raw key bytes of one 32-key tile held by one thread: [n-tile j: key 8j + gid][16-byte chunk c] at byte
 // 64c + 16t of the key row (bf16: 4 chunks = pairs s; fp8: 2 chunks = pairs 2c, 2c+1).
@@ -163,11 +173,34 @@ __device__ __forceinline__ void key_words(const KeyTile<KeyFp8>& kt, u32 (&W)[4]
   }
 }
 
+// The two ways a warp multiplies its q quads by a key tile: one k-step `ks` of m-tile accumulator acc (key
+// n-tile j) from A quad `a`. Mma16: 8 k-steps of m16n8k16 (bf16, or f16 when F16) on the converted words
+// W[j][pair][word] (k-step 2s + kk = words 2kk, 2kk+1 of pair s). MmaE4m3 (sm_89+): 4 k-steps of m16n8k32 on
+// the raw key bytes: k-step ks uses chunk ks/2, words {x, y} (ks even) or {z, w} (ks odd); no conversion.
+template <bool F16>
+struct Mma16 {
+  static constexpr int kSteps = 8;
+  const u32 (&W)[4][4][4];
+  __device__ __forceinline__ void step(float (&acc)[4], const uint4& a, int j, int ks) const {
+    const u32* w = W[j][ks >> 1] + 2 * (ks & 1);
+    mma_16816<F16>(acc, a.x, a.y, a.z, a.w, w[0], w[1]);
+  }
+};
+
+struct MmaE4m3 {
+  static constexpr int kSteps = 4;
+  const uint4 (&raw)[4][2];
+  __device__ __forceinline__ void step(float (&acc)[4], const uint4& a, int j, int ks) const {
+    const uint4 v = raw[j][ks >> 1];
+    mma_16832_e4m3(acc, a.x, a.y, a.z, a.w, (ks & 1) ? v.z : v.x, (ks & 1) ? v.w : v.y);
+  }
+};
+
 // sum_h relu(q[r,h] . k) * w[r,h] for this thread's keys 8j + 2t + e (p[2j + e]), partial over its heads
-// 16i + gid and 16i + gid + 8 (the reduction over gid follows). qs_row: A quads [m-tile i][pair s][k-step
-// kk][lane]; ws_row: weights as float2 (w[16i + gid], w[16i + gid + 8]) at [i][gid].
-template <bool F16, int MT>
-__device__ __forceinline__ void row_partials(const u32 (&W)[4][4][4], const uint4* __restrict__ qs_row,
+// 16i + gid and 16i + gid + 8 (the reduction over gid follows). qs_row: A quads [m-tile i][k-step][lane]
+// (Mma::kSteps k-steps); ws_row: weights as float2 (w[16i + gid], w[16i + gid + 8]) at [i][gid].
+template <int MT, class Mma>
+__device__ __forceinline__ void row_partials(const Mma& mma, const uint4* __restrict__ qs_row,
                                              const float2* __restrict__ ws_row, int lane, float (&p)[8]) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) p[i] = 0.0f;
@@ -181,58 +214,12 @@ __device__ __forceinline__ void row_partials(const u32 (&W)[4][4][4], const uint
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[ii][j][e] = 0.0f;
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-#pragma unroll
-        for (int ii = 0; ii < MT; ++ii) {
-          const uint4 a = qs_row[(((i0 + ii) * 4 + s) * 2 + kk) * 32 + lane];
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-            mma_16816<F16>(acc[ii][j], a.x, a.y, a.z, a.w, W[j][s][2 * kk], W[j][s][2 * kk + 1]);
-        }
-      }
-    }
-#pragma unroll
-    for (int ii = 0; ii < MT; ++ii) {
-      const float2 w = ws_row[(i0 + ii) * 8 + (lane >> 2)];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        p[2 * j] = fmaf(fmaxf(acc[ii][j][0], 0.0f), w.x, p[2 * j]);
-        p[2 * j] = fmaf(fmaxf(acc[ii][j][2], 0.0f), w.y, p[2 * j]);
-        p[2 * j + 1] = fmaf(fmaxf(acc[ii][j][1], 0.0f), w.x, p[2 * j + 1]);
-        p[2 * j + 1] = fmaf(fmaxf(acc[ii][j][3], 0.0f), w.y, p[2 * j + 1]);
-      }
-    }
-  }
-}
-
-// Same partials with the fp8 tensor-core mma (sm_89+): A = raw e4m3 q quads [m-tile i][k-step ks][lane], B =
-// the raw key words: k-step ks uses chunk ks/2, words {x, y} (ks even) or {z, w} (ks odd). No conversion.
-template <int MT>
-__device__ __forceinline__ void row_partials_f8(const uint4 (&raw)[4][2], const uint4* __restrict__ qs_row,
-                                                const float2* __restrict__ ws_row, int lane, float (&p)[8]) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) p[i] = 0.0f;
-#pragma unroll
-  for (int i0 = 0; i0 < 4; i0 += MT) {
-    float acc[MT][4][4];
-#pragma unroll
-    for (int ii = 0; ii < MT; ++ii)
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[ii][j][e] = 0.0f;
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
+    for (int ks = 0; ks < Mma::kSteps; ++ks) {
 #pragma unroll
       for (int ii = 0; ii < MT; ++ii) {
-        const uint4 a = qs_row[((i0 + ii) * 4 + ks) * 32 + lane];
+        const uint4 a = qs_row[((i0 + ii) * Mma::kSteps + ks) * 32 + lane];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const uint4 v = raw[j][ks >> 1];
-          mma_16832_e4m3(acc[ii][j], a.x, a.y, a.z, a.w, (ks & 1) ? v.z : v.x, (ks & 1) ? v.w : v.y);
-        }
+        for (int j = 0; j < 4; ++j) mma.step(acc[ii][j], a, j, ks);
       }
     }
 #pragma unroll
@@ -299,9 +286,9 @@ struct Problem {
 };
 
 // Row tile `tile` (rows row_start + tile*Rows + i) against its key tiles in [t_lo, t_hi) (32 keys each): CTA
-// part `part` of `parts` takes every parts-th group of Warps tiles. Called by every thread of the CTA; uses
+// part `part` of `parts` takes every parts-th group of kWarps<Rows> tiles. Called by every thread of the CTA; uses
 // the dynamic shared memory for q, so a second call needs a barrier first.
-template <int KeyFp8, int QFp8, int Rows, int Paged, int Warps, int Prefetch, int L2Hint, int Mma8>
+template <int KeyFp8, int QFp8, int Rows, int Paged, int Prefetch, int L2Hint, int Mma8>
 __device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int t_lo, int t_hi, int part,
                                                 int parts) {
   const unsigned char* __restrict__ q = P.q;
@@ -319,15 +306,18 @@ __device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int 
   const int width = P.width, compressed = P.compressed, clean = P.clean;
   static_assert(Rows >= 1 && Rows <= kMaxRows, "Rows");
   static_assert(Paged || !KeyFp8, "contiguous keys are bf16");
-  // F8: fp8 keys x fp8 q with the e4m3 mma: Mma8 = 1 where the target runs it natively (sm_89, sm_120+),
-  // Mma8 = 2 on every sm_89+ target (sm_90 / sm_100: ptxas emulation, a layout test / bench variant).
+  // F8: fp8 keys x fp8 q with the e4m3 mma (Mma8 = 1; sm_89+ only: native on sm_89 / sm_120+, emulated by
+  // ptxas on sm_90 / sm_100, where it is a layout test / bench variant).
   // F16: the same on f16 mma of shift-expanded bytes (2^-8 scaled operands) everywhere else.
-  constexpr bool F8 = KeyFp8 && QFp8 && ((Mma8 == 1 && kNativeFp8Mma) || (Mma8 == 2 && kHasFp8Mma));
+  static_assert(Mma8 == 0 || (Mma8 == 1 && KeyFp8 && QFp8 && kHasFp8Mma),
+                "Mma8 = 1 is the fp8-key x fp8-q e4m3 mma of sm_89+ targets");
+  constexpr bool F8 = Mma8 == 1;
   constexpr bool F16 = KeyFp8 && QFp8 && !F8;
-  constexpr int MT = Config<KeyFp8, Rows, Warps, Prefetch>::MT;
+  constexpr int Warps = kWarps<Rows>;
+  constexpr int MT = Config<Rows, Prefetch>::MT;
   // uint4 per row: A quads [m-tile][pair][k-step][lane] (16-bit), [m-tile][k-step][lane] (F8). The host
-  // always reserves the 16-bit size.
-  constexpr int kQWords = F8 ? 4 * 4 * 32 : 4 * 4 * 2 * 32;
+  // always reserves the 16-bit size (kRowTileSmemBytes).
+  constexpr int kQWords = F8 ? kQWords16 / 2 : kQWords16;
 
   extern __shared__ uint4 smem[];
   uint4* qs = smem;                                                   // [Rows][kQWords]
@@ -499,9 +489,9 @@ __device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int 
       if ((kt.live >> r) & 1u) {
         float p[8];
         if constexpr (F8)
-          row_partials_f8<MT>(kt.raw, qs + r * kQWords, ws + r * (kNumHeads / 2), lane, p);
+          row_partials<MT>(MmaE4m3{kt.raw}, qs + r * kQWords, ws + r * (kNumHeads / 2), lane, p);
         else
-          row_partials<F16, MT>(W, qs + r * kQWords, ws + r * (kNumHeads / 2), lane, p);
+          row_partials<MT>(Mma16<F16>{W}, qs + r * kQWords, ws + r * (kNumHeads / 2), lane, p);
         const float sum = gid_reduce(p, lane);
         if (n >= s_lo[r] && n < s_hi[r]) val = sum * scale;
       }
@@ -551,13 +541,13 @@ __device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int 
 // contiguous bf16 keys [num_keys, 128]. Rows of tile x: row_start + x*Rows + i, i < Rows, < row_end.
 // mode 0: len = lens0[x] - (Rows-1-i); mode 1: len = lens0[row]; mode 2: [lens0[row], lens1[row]).
 // out row (row - row_start), stride out_stride, `width` columns. L2Hint: L2 prefetch size of the key loads
-// (2: 256 B, 1: 128 B, 0: none). Mma8: fp8 keys x fp8 q on the e4m3 mma (0: never, 1: native targets, 2: all
-// sm_89+ targets), see the header.
+// (2: 256 B, 1: 128 B, 0: none). Mma8: fp8 keys x fp8 q on the e4m3 mma (1, sm_89+ targets) or
+// not (0), see the header. Warps: kWarps<Rows>; dynamic shared memory: kRowTileSmemBytes<Rows>.
 // Grid: x = row tile (the last first: causal prefill runs its heaviest tiles first), y = CTAs sharing its keys.
-template <int KeyFp8, int QFp8, int Rows, int Paged, int Warps, int Prefetch, int L2Hint, int Mma8>
-__global__ void __launch_bounds__(Warps * 32, (dsa::logits::Config<KeyFp8, Rows, Warps, Prefetch>::MinBlocks))
+template <int KeyFp8, int QFp8, int Rows, int Paged, int Prefetch, int L2Hint, int Mma8>
+__global__ void __launch_bounds__(dsa::logits::kWarps<Rows> * 32, (dsa::logits::Config<Rows, Prefetch>::MinBlocks))
     mqa_logits_kernel(DSA_LOGITS_ARGS) {
-  dsa::logits::logits_row_tile<KeyFp8, QFp8, Rows, Paged, Warps, Prefetch, L2Hint, Mma8>(
+  dsa::logits::logits_row_tile<KeyFp8, QFp8, Rows, Paged, Prefetch, L2Hint, Mma8>(
       DSA_LOGITS_PROBLEM, gridDim.x - 1 - blockIdx.x, 0, 0x7fffffff, blockIdx.y, gridDim.y);
 }
 
@@ -566,12 +556,13 @@ __global__ void __launch_bounds__(Warps * 32, (dsa::logits::Config<KeyFp8, Rows,
 // CTA c runs the request segments of its share of the plan (int64 [batch + 1], see common.cuh), a segment of
 // pages [p0, p1) being key tiles [2 p0, 2 p1); with `clean` it then writes -inf over its share of the pages
 // no CTA computes.
-template <int KeyFp8, int QFp8, int Rows, int Prefetch, int L2Hint, int Mma8>
-__global__ void __launch_bounds__(128, (dsa::logits::Config<KeyFp8, Rows, 4, Prefetch>::MinBlocks))
+template <int KeyFp8, int QFp8, int Rows, int Prefetch, int L2Hint, int Mma8, int MinBlocks>
+__global__ void __launch_bounds__(128, MinBlocks)
     mqa_logits_decode_kernel(DSA_LOGITS_ARGS, const long long* __restrict__ plan, int batch) {
+  static_assert(Rows <= 4, "decode runs 4 warps: next_n <= 4");
   const dsa::logits::Problem P = DSA_LOGITS_PROBLEM;
   dsa::for_each_decode_segment(plan, batch, [&](int b, int p_begin, int p_end) {
-    dsa::logits::logits_row_tile<KeyFp8, QFp8, Rows, 1, 4, Prefetch, L2Hint, Mma8>(
+    dsa::logits::logits_row_tile<KeyFp8, QFp8, Rows, 1, Prefetch, L2Hint, Mma8>(
         P, b, 2 * p_begin, 2 * p_end, 0, 1);
   });
   if (clean) dsa::fill_uncomputed_pages(plan, batch, Rows, width, out, out_stride);

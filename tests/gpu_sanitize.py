@@ -10,7 +10,8 @@ import torch
 import cupy_dsa
 from cupy_dsa import logits, runtime
 
-dev = torch.device("cuda")
+dev = torch.device("cuda", torch.cuda.current_device())
+ARCH = runtime.device_arch(dev.index)
 torch.manual_seed(0)
 P, max_pos = 8, 4096
 
@@ -49,6 +50,14 @@ def run_store():
     return n
 
 
+def decode_kernels(layout, q_fp8, next_n):
+    """The product decode config of each kernel that serves the problem (sm_90 bf16 keys: wgmma and mma.sync)."""
+    first = {}
+    for cfg in logits.DECODE.candidates((layout, q_fp8, next_n), ARCH):
+        first.setdefault(cfg.kernel, cfg)
+    return list(first.values())
+
+
 def run_decode():
     """Both decode kernels (sm_90: wgmma and mma.sync for bf16 keys), plans built inside and given, mixed
     lengths with zeros, one request longer than the table and the width, all-zero lengths, 2-D lengths."""
@@ -56,29 +65,30 @@ def run_decode():
     for layout in ("bf16", "fp8"):
         cache = cupy_dsa.empty_cache(P, layout, device=dev)
         cache.random_(0, 120)                                  # small bytes: finite fp8 and bf16 values
-        for wgmma in ((1, 0) if layout == "bf16" else (1,)):
-            logits.TUNING["sm90_wgmma"] = wgmma
-            for q_dtype in (torch.float8_e4m3fn, torch.bfloat16):
-                for next_n in (1, 2, 3, 4):
-                    B, max_pages = 7, 5
-                    q = torch.randn(B, next_n, 64, 128, device=dev).to(q_dtype)
-                    w = torch.rand(B * next_n, 64, device=dev)
-                    lens = torch.tensor([0, 77, 5 * 64 + 9, 3, 0, 200, 64], dtype=torch.int32, device=dev)
-                    lens2 = (lens[:, None] - torch.arange(next_n, device=dev)[None, :]).to(torch.int32)
-                    bt = torch.randint(-2, P + 3, (B, max_pages), dtype=torch.int32, device=dev)  # bad entries
-                    for ctx in (lens, lens2.contiguous(), torch.zeros_like(lens)):
-                        plan = cupy_dsa.paged_mqa_logits_plan(ctx, next_n)
-                        for clean in (False, True):
-                            for width in (max_pages * 64, 3 * 64 + 5):
-                                cupy_dsa.paged_mqa_logits(q, cache, w, ctx, bt, width, clean_logits=clean,
-                                                          plan=plan if clean else None)
-                                n += 1
-    logits.TUNING["sm90_wgmma"] = 1
+        for q_dtype in (torch.float8_e4m3fn, torch.bfloat16):
+            for next_n in (1, 2, 3, 4):
+                for cfg in decode_kernels(layout, int(q_dtype == torch.float8_e4m3fn), next_n):
+                    with logits.DECODE.forced(cfg, ARCH):
+                        B, max_pages = 7, 5
+                        q = torch.randn(B, next_n, 64, 128, device=dev).to(q_dtype)
+                        w = torch.rand(B * next_n, 64, device=dev)
+                        lens = torch.tensor([0, 77, 5 * 64 + 9, 3, 0, 200, 64], dtype=torch.int32, device=dev)
+                        lens2 = (lens[:, None] - torch.arange(next_n, device=dev)[None, :]).to(torch.int32)
+                        bt = torch.randint(-2, P + 3, (B, max_pages), dtype=torch.int32, device=dev)  # bad entries
+                        for ctx in (lens, lens2.contiguous(), torch.zeros_like(lens)):
+                            plan = cupy_dsa.paged_mqa_logits_plan(ctx, next_n)
+                            for clean in (False, True):
+                                for width in (max_pages * 64, 3 * 64 + 5):
+                                    cupy_dsa.paged_mqa_logits(q, cache, w, ctx, bt, width, clean_logits=clean,
+                                                              plan=plan if clean else None)
+                                    n += 1
     return n
 
 
-def run_logits():
-    n = run_decode()
+def run_prefill():
+    """Every product prefill kernel (on sm_90 the wgmma kernel for bf16 keys), paged with invalid entries,
+    compressed and row ranges, and contiguous keys not a multiple of 64."""
+    n = 0
     for layout in ("bf16", "fp8"):
         cache = cupy_dsa.empty_cache(P, layout, device=dev)
         cache.random_(0, 120)
@@ -101,12 +111,16 @@ def run_logits():
     return n
 
 
+def run_logits():
+    return run_decode() + run_prefill()
+
+
 if __name__ == "__main__":
     import sys
 
-    print("instantiations warmed:", runtime.warm_up(dev))
-    if sys.argv[1:] == ["decode"]:     # racecheck / initcheck: the decode kernels and the plan only
-        print("decode launches:", run_decode())
+    print("instantiations warmed:", cupy_dsa.warm_up(dev))
+    if sys.argv[1:] == ["logits"]:     # racecheck / initcheck: the decode kernels, the plan and prefill
+        print("logits launches:", run_logits())
     else:
         print("store launches:", run_store())
         print("logits launches:", run_logits())

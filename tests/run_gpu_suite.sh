@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole GPU suite in one call (used on the H200): GPU tests, compute-sanitizer over every kernel
-# family (small shapes incl. out-of-range indices), then `cupy-dsa bench all`. Prints a short summary last.
+# The whole GPU suite in one call (used on the H200): GPU tests, the fuzz test, compute-sanitizer memcheck,
+# racecheck and initcheck over every kernel family (small shapes incl. out-of-range indices), then
+# `cupy-dsa bench all` and `cupy-dsa bench variants`. Prints a short summary last.
 #   usage: bash tests/run_gpu_suite.sh [pytest -k expression]     (results under $OUT, default ./out)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,14 +22,18 @@ fi
 K=${1:-}
 python3 -m pytest -q -m gpu tests ${K:+-k "$K"} -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log"
 PYTEST_LINE=$(tail -1 "$OUT/pytest_gpu.log")
+# the fuzz test at full size (thousands of random valid / invalid calls per op on poisoned buffers)
+CUPY_DSA_FUZZ_N=3000 python3 -m pytest -q tests/test_fuzz.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_fuzz.log"
+FUZZ_LINE=$(tail -1 "$OUT/pytest_fuzz.log")
 
 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/gpu_sanitize.py >"$OUT/sanitizer.log" 2>&1
 SAN_RC=$?
 SAN_LINE=$(grep -E "ERROR SUMMARY" "$OUT/sanitizer.log" | tail -1)
 tail -5 "$OUT/sanitizer.log"
-# racecheck (shared memory) and initcheck (reads of unwritten device memory) over the decode kernels and plan
+# racecheck (shared memory) and initcheck (reads of unwritten device memory) over the logits kernels: decode,
+# the plan and prefill
 for tool in racecheck initcheck; do
-  compute-sanitizer --tool $tool --error-exitcode 9 python3 tests/gpu_sanitize.py decode >"$OUT/$tool.log" 2>&1
+  compute-sanitizer --tool $tool --error-exitcode 9 python3 tests/gpu_sanitize.py logits >"$OUT/$tool.log" 2>&1
   echo "compute-sanitizer $tool (rc=$?): $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/$tool.log" | tail -1)" \
     | tee -a "$OUT/sanitizers.txt"
 done
@@ -56,10 +61,14 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   python3 -m cupy_dsa bench all --backend cuda --json "$OUT/h200.json" --plot "$OUT/h200.png" \
       --markdown "$OUT/headline.md" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
+if [ -z "${SKIP_BENCH:-}" ]; then
+  python3 -m cupy_dsa bench variants --json "$OUT/variants.json" 2>&1 | tee "$OUT/variants.log" | tail -80
+fi
 echo "================ SUMMARY ($(($(date +%s) - T0)) s) ================"
 echo "device: $(cat "$OUT/device.txt")"
 echo "commit: ${CUPY_DSA_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}"
 echo "pytest -m gpu: $PYTEST_LINE"
+echo "fuzz (3000 calls per op): $FUZZ_LINE"
 echo "compute-sanitizer memcheck (rc=$SAN_RC): $SAN_LINE"
 cat "$OUT/sanitizers.txt"
 echo "SGLang path: $SGL_LINE"

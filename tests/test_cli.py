@@ -354,3 +354,24 @@ def test_fp4_simulate_is_nearest_e2m1(seed):
     best = (cand - xb[..., None]).abs().min(-1).values
     assert torch.allclose((y - xb).abs(), best, rtol=0, atol=1e-12)
     assert torch.equal(y.float().to(torch.bfloat16).double(), y)          # exactly representable in bf16
+
+
+def test_variants_needs_a_gpu(monkeypatch):
+    """`bench variants` times CUDA kernels: without a GPU it says so (exit code 2, no traceback)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    res = _invoke(["bench", "variants", "--quick"])
+    assert res.exit_code == 2 and "no CUDA device" in res.output, res.output
+
+
+@pytest.mark.gpu
+def test_variants_gpu_quick(tmp_path):
+    """Every row of a case is a declared config of this GPU, the product one first."""
+    j = tmp_path / "v.json"
+    res = _invoke(["bench", "variants", "--quick", "--json", str(j)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(j.read_text())["rows"]
+    assert {r["op"] for r in rows} == {"decode", "prefill"}
+    assert sum(r["product"] for r in rows) == len({(r["op"], r["layout"], r.get("B"), r.get("ctx"), r.get("next_n"),
+                                                     r.get("q")) for r in rows})

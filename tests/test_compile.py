@@ -1,34 +1,193 @@
-"""NVRTC compile of every declared kernel instantiation for every target arch, without a GPU."""
+"""NVRTC compile of every declared kernel config (product and experimental) for every target arch, without a
+GPU; ptxas's resource report of every product config (no spills); the launch specs against the CUDA source
+(argument names and types, template parameters, shared-memory formulas)."""
+import functools
+import re
+
 import pytest
 import torch
 
-from cupy_dsa import runtime
+import cupy_dsa
+from cupy_dsa import launch, runtime
 
 ARCHS = ["sm_80", "sm_89", "sm_90", "sm_100", "sm_120"]
+SOURCES = ["mqa_logits.cu", "store_index_k.cu"]
 
 
-def _cases():
-    return [(f, a) for f in sorted(runtime.instantiations()) for a in ARCHS]
+@functools.lru_cache(maxsize=None)
+def compiled(filename, arch):
+    """(cubin, lowered names, ptxas resources) of every declared config of ``filename`` on ``arch``."""
+    exprs = launch.declared_expressions(arch)[filename]
+    cubin, lowered, log = runtime.compile_cubin(filename, exprs, arch, resource_usage=True)
+    return cubin, lowered, runtime.ptxas_resources(log, lowered)
 
 
-def test_every_source_declares_instantiations():
-    inst = runtime.instantiations()
-    assert set(inst) == {"store_index_k.cu", "mqa_logits.cu"}
-    assert all(len(v) > 0 for v in inst.values())
+def test_every_source_declares_configs():
+    for arch in ARCHS:
+        product, declared = launch.product_expressions(arch), launch.declared_expressions(arch)
+        assert set(product) == set(declared) == set(SOURCES)
+        assert all(set(product[f]) <= set(declared[f]) for f in SOURCES)
+    assert set(launch.families()) == {"store_index_k", "paged_mqa_logits", "paged_mqa_logits_plan", "mqa_logits"}
 
 
-@pytest.mark.parametrize("filename,arch", _cases())
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("filename", SOURCES)
 def test_nvrtc_compiles(filename, arch):
-    exprs = runtime.instantiations()[filename]
-    cubin, lowered = runtime.compile_cubin(filename, exprs, arch)
+    cubin, lowered, resources = compiled(filename, arch)
+    exprs = launch.declared_expressions(arch)[filename]
     assert cubin[:4] == b"\x7fELF"
     assert set(lowered) == set(exprs) and all(lowered.values())
+    assert set(resources) == set(exprs), "ptxas reported no resources for some configs"
 
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("filename", SOURCES)
+def test_product_configs_do_not_spill(filename, arch):
+    """A spill in a shipped config is a bug of its launch bounds / MinBlocks (the README lists the figures)."""
+    _, _, resources = compiled(filename, arch)
+    spills = {e: r for e, r in resources.items() if e in launch.product_expressions(arch)[filename]
+              and (r["spill_stores"] or r["spill_loads"])}
+    assert not spills, f"{arch}: product configs spill: {spills}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Specs vs the CUDA source
+# --------------------------------------------------------------------------------------------------
+
+def _expand_macros(src: str) -> str:
+    """The source with its object-like #defines expanded (the shared argument lists of the kernels)."""
+    src = src.replace("\\\n", " ")
+    macros = dict(re.findall(r"^#define (\w+)[ \t]+(.+)$", src, flags=re.M))
+    src = re.sub(r"^#(define|undef) .*$", "", src, flags=re.M)
+    for name, body in macros.items():
+        src = re.sub(rf"\b{name}\b", lambda _m: body, src)
+    return src
+
+
+def _split_top(text: str) -> list[str]:
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch in "(<{" and 1 or (ch in ")>}" and -1 or 0)
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return out + ([cur.strip()] if cur.strip() else [])
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_signature(source: str, name: str):
+    """(template parameter names, [(argument name, C type)]) of ``__global__ ... name(...)`` in ``source``."""
+    text = _expand_macros(runtime.read_source(source))
+    for header in ("mqa_logits_sm90.cuh",):
+        if f'#include "{header}"' in text:
+            text = _expand_macros(runtime.read_source(header)) + text
+    m = re.search(rf"(template\s*<([^>]*)>\s*)?__global__[^;{{]*?\b{name}\s*\(([^)]*)\)", text, flags=re.S)
+    assert m, f"{name} not found in {source}"
+    params = [p.split()[-1] for p in _split_top(m.group(2) or "")]
+    args = []
+    for a in _split_top(m.group(3)):
+        a = a.replace("__restrict__", " ").replace("*", " * ")
+        words = a.split()
+        args.append((words[-1], " ".join(words[:-1])))
+    return params, args
+
+
+def _matches(c_type: str, typ: str) -> bool:
+    if typ == launch.PTR:
+        return c_type.endswith("*")
+    return c_type.replace("const ", "") in {launch.I32: ("int",), launch.I64: ("long long", "i64"),
+                                              launch.F32: ("float",)}[typ]
+
+
+def _kernels():
+    seen = {}
+    for fam in launch.families().values():
+        for arch in ARCHS:
+            for cfg in fam.declared(arch):
+                seen[cfg.kernel.name] = cfg.kernel
+    return sorted(seen.values(), key=lambda k: k.name)
+
+
+@pytest.mark.parametrize("kernel", _kernels(), ids=lambda k: k.name)
+def test_spec_matches_the_kernel_signature(kernel):
+    params, args = kernel_signature(kernel.source, kernel.name)
+    assert tuple(params) == kernel.params
+    assert [n for n, _ in args] == [n for n, _ in kernel.args], "argument names / order"
+    for (name, c_type), (_, typ) in zip(args, kernel.args):
+        assert _matches(c_type, typ), f"{kernel.name}: {name} is {c_type!r} in the source, declared {typ}"
+
+
+def test_smem_formulas_match_the_kernels():
+    """Each kernel's dynamic shared memory as the Python spec computes it equals the C++ constant the kernel
+    lays its buffers out with (static_asserts compiled for every declared config)."""
+    checks = {}
+    for fam in launch.families().values():
+        for arch in ARCHS:
+            for cfg in fam.declared(arch):
+                if cfg.kernel.smem_check:
+                    checks[cfg.kernel.smem_check.format(**cfg.values)] = (cfg.smem, cfg.kernel.source)
+    assert checks
+    for source in {s for _, s in checks.values()}:
+        body = "".join(f'static_assert({expr} == {smem}, "smem of {expr}");\n'
+                       for expr, (smem, s) in checks.items() if s == source)
+        runtime.compile_cubin(f"smem_check_{source}", [], "sm_90", source=f"#include \"{source}\"\n{body}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch layer (CPU): configs, argument packing, selection
+# --------------------------------------------------------------------------------------------------
+
+def test_selected_configs_serve_their_problems():
+    for fam in launch.families().values():
+        for arch in ARCHS:
+            for p in fam.problems:
+                assert fam.serves(fam.select(p, arch), p), (fam.name, arch, p)
+            for cfg in fam.experimental(arch):      # no variant that no problem could launch
+                assert any(fam.serves(cfg, p) for p in fam.problems), (fam.name, arch, str(cfg))
+
+
+def test_pack_checks_names_and_types():
+    from cupy_dsa import logits as L
+    cfg = L.PLAN.select((), "sm_90")
+    t = torch.zeros(3, dtype=torch.int32)
+    packed = cfg.kernel.pack(lens=t, lens_2d=0, batch=3, next_n=1, plan=None)
+    assert packed[0] == t.data_ptr() and packed[4] == 0 and packed[2].dtype.name == "int32"
+    with pytest.raises(TypeError, match="batch"):
+        cfg.kernel.pack(lens=t, lens_2d=0, next_n=1, plan=t)
+    with pytest.raises(TypeError, match="bogus"):
+        cfg.kernel.pack(lens=t, lens_2d=0, batch=3, next_n=1, plan=t, bogus=1)
+    with pytest.raises(TypeError, match="lens"):
+        cfg.launch(torch.device("cuda", 0), (1, 1, 1), lens=5, lens_2d=0, batch=3, next_n=1, plan=t)
+
+
+def test_forced_config_must_be_declared_and_serve():
+    from cupy_dsa import logits as L
+    fp8_e4m3 = [c for c in L.DECODE.experimental("sm_89") if c.values.get("Mma8") == 1]
+    assert fp8_e4m3 and not [c for c in L.DECODE.declared("sm_80") if c.values.get("Mma8") == 1]
+    with pytest.raises(ValueError, match="not a declared config"):
+        with L.DECODE.forced(fp8_e4m3[0], "sm_80"):
+            pass
+    with L.DECODE.forced(fp8_e4m3[0], "sm_89"):
+        assert L.DECODE.select(("fp8", 1, fp8_e4m3[0].Rows), "sm_89") is fp8_e4m3[0]
+        with pytest.raises(ValueError, match="does not serve"):
+            L.DECODE.select(("bf16", 1, 1), "sm_89")
+    assert L.DECODE.select(("fp8", 1, 1), "sm_89").Mma8 == 0
+    with L.PREFILL.forced(L.PREFILL.select(("fp8", 1), "sm_89").replace(keys_per_cta=64), "sm_89") as cfg:
+        assert L.PREFILL.select(("fp8", 1), "sm_89").keys_per_cta == 64 == cfg.keys_per_cta
+    with pytest.raises(TypeError, match="missing"):
+        L.DECODE_KERNEL.config(KeyFp8=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# warm_up
+# --------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", ["cpu", torch.device("cpu"), "gpu0", "cuda:x"])
 def test_warm_up_rejects_non_cuda_devices(device):
     with pytest.raises(ValueError, match="device"):
-        runtime.warm_up(device)
+        cupy_dsa.warm_up(device)
 
 
 @pytest.mark.parametrize("device", [None, "cuda", "cuda:1", torch.device("cuda", 0), 0, 1])
@@ -36,13 +195,13 @@ def test_warm_up_without_a_gpu_says_so(device, monkeypatch):
     """Device strings, torch.device and ints are accepted; without a GPU the error says what is missing."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="no CUDA GPU is available"):
-        runtime.warm_up(device)
+        cupy_dsa.warm_up(device)
 
 
 @pytest.mark.parametrize("device", [1.5, True, [0]])
 def test_warm_up_rejects_other_types(device):
     with pytest.raises(TypeError, match="device"):
-        runtime.warm_up(device)
+        cupy_dsa.warm_up(device)
 
 
 @pytest.mark.gpu
@@ -50,4 +209,5 @@ def test_warm_up_rejects_other_types(device):
 def test_warm_up_accepts_every_device_form(form):
     idx = torch.cuda.current_device()
     arg = {"none": None, "str": f"cuda:{idx}", "device": torch.device("cuda", idx), "int": idx}[form]
-    assert runtime.warm_up(arg) == sum(len(v) for v in runtime.instantiations().values())
+    arch = runtime.device_arch(idx)
+    assert cupy_dsa.warm_up(arg) == sum(len(v) for v in launch.product_expressions(arch).values())

@@ -3,12 +3,14 @@
 The fp64 oracle dequantizes every input (fp8 values times their scale) and does one einsum per request;
 it shares no code with cupy_dsa.logits beyond the cache byte layout written here with plain torch.
 """
+import contextlib
 import math
 
 import pytest
 import torch
 
-from cupy_dsa import layouts
+from cupy_dsa import layouts, runtime
+from cupy_dsa import logits as L
 from cupy_dsa.logits import (mqa_logits, mqa_logits_reference, paged_mqa_logits, paged_mqa_logits_plan,
                              paged_mqa_logits_plan_reference, paged_mqa_logits_reference)
 
@@ -225,26 +227,26 @@ def test_prefill_reference(seed, kind, q_dtype):
 
 def test_sm90_config_fits_hopper():
     """The sm_90 wgmma decode configs: shared memory of the asked CTAs per SM fits an H100/H200 SM."""
-    from cupy_dsa import logits as L
-    for next_n, (stages, ctas, split) in L._SM90_CONFIG.items():
-        per_cta = L._sm90_smem_bytes(next_n)
-        assert per_cta <= 227 * 1024, (next_n, per_cta)
-        assert ctas * (per_cta + 1024) <= 228 * 1024, (next_n, per_cta, ctas)   # 1 KiB reserved per CTA
-        assert stages >= 2 and next_n % split == 0
+    sm90 = [c for c in L.DECODE.declared("sm_90") if c.kernel is L.SM90_DECODE_KERNEL]
+    assert {c.NextN for c in sm90} == {1, 2, 3, 4}
+    for cfg in sm90:
+        assert cfg.smem <= 227 * 1024, str(cfg)
+        assert cfg.MinBlocks * (cfg.smem + 1024) <= 228 * 1024, str(cfg)   # 1 KiB reserved per CTA
+        assert cfg.Stages >= 2 and cfg.NextN % cfg.Split == 0
 
 
-def test_product_instantiations_are_declared():
-    """What a server warms up is declared (compiled by the CI matrix) and is what the dispatch launches."""
-    from cupy_dsa import logits as L
-    from cupy_dsa import runtime
-    declared = set(runtime.instantiations()["mqa_logits.cu"])
+def test_product_instantiations_are_product_configs():
+    """What a server warms up is a product config of the arch (what warm_up and the CI matrix compile)."""
+    from cupy_dsa import launch
     for arch in ("sm_80", "sm_89", "sm_90", "sm_100", "sm_120"):
+        product = set(launch.product_expressions(arch)["mqa_logits.cu"])
         ex = L.product_instantiations(arch, q_fp8=(1, 0), next_ns=(1, 2, 3, 4), layouts=("bf16", "fp8"))
-        assert set(ex) <= declared, set(ex) - declared
-        assert L._PLAN_EXPR in ex
+        contiguous = {L.PREFILL.select(("contiguous", qf), arch).expr for qf in (1, 0)}  # no server launches them
+        assert set(ex) == product - contiguous, set(ex) ^ (product - contiguous)
         assert any("sm90" in e for e in ex) == (arch == "sm_90")
     one = L.product_instantiations("sm_90", q_fp8=(1,), next_ns=(1,), layouts=("bf16",))
-    assert one == [L._PLAN_EXPR, L._sm90_expr(1, 1), L._expr(0, 1, 4, 1, 4, 0, 2, 0), L._expr(0, 1, 8, 1, 8, 0, 2, 0)]
+    assert one == ["paged_mqa_logits_plan_kernel", "mqa_logits_sm90_decode_kernel<1, 1, 3, 3, 1>",
+                   "mqa_logits_sm90_prefill_kernel<1, 1, 4, 1, 2, 2>"]
 
 
 def test_references_direct(seed):
@@ -409,16 +411,35 @@ def check_untouched(buf, width, what):
     assert torch.isnan(pad).all(), f"{what}: {int((~torch.isnan(pad)).sum())} writes past column {width}"
 
 
-@pytest.fixture
-def tuning(monkeypatch):
-    """Set cupy_dsa.logits.TUNING entries for one test (restored afterwards)."""
-    from cupy_dsa import logits as L
+# The arch whose declared configs the GPU tests run (collection time: the GPU of the machine running them).
+ARCH = runtime.device_arch(torch.cuda.current_device()) if torch.cuda.is_available() else "sm_90"
 
-    def set_(**kw):
-        for k, v in kw.items():
-            assert k in L.TUNING, k
-            monkeypatch.setitem(L.TUNING, k, v)
-    return set_
+
+def configs(family, problem, kernel=None, **values):
+    """Declared configs on this GPU (product first) computing ``problem``, of ``kernel`` when given, with
+    these parameter values."""
+    return [c for c in family.candidates(problem, ARCH) if (kernel is None or c.kernel is kernel)
+            and all(c.values.get(k) == v for k, v in values.items())]
+
+
+@pytest.fixture
+def force():
+    """``force(family, config)``: the family launches ``config`` for the rest of the test."""
+    with contextlib.ExitStack() as stack:
+        yield lambda family, cfg: stack.enter_context(family.forced(cfg, ARCH))
+
+
+def _config_id(cfg):
+    return str(cfg).replace(" ", "")
+
+
+def _decode_cases():
+    return [(cfg, p) for p in L.DECODE.problems for cfg in L.DECODE.candidates(p, ARCH)]
+
+
+def _prefill_cases():
+    return [(cfg, p) for p in L.PREFILL.problems for cfg in L.PREFILL.candidates(p, ARCH)
+            if cfg.values.get("keys_per_cta", 4096) == 4096]     # other keys_per_cta: the same instantiation (bitwise test below)
 
 
 def gpu_paged_case(seed, *, B, next_n, max_pages, P, layout, q_dtype, lens_2d, shape="rows"):
@@ -429,47 +450,46 @@ def gpu_paged_case(seed, *, B, next_n, max_pages, P, layout, q_dtype, lens_2d, s
 
 
 @gpu
-@pytest.mark.parametrize("layout", ["bf16", "fp8"])
-@pytest.mark.parametrize("q_dtype", [FP8, torch.bfloat16], ids=["qfp8", "qbf16"])
-@pytest.mark.parametrize("next_n", [1, 2, 3, 4])
+@pytest.mark.parametrize("cfg,problem", _decode_cases(), ids=lambda v: _config_id(v) if isinstance(v, L.launch.Config)
+                         else "-".join(map(str, v)))
 @pytest.mark.parametrize("lens_2d", [False, True], ids=["lens1d", "lens2d"])
-@pytest.mark.parametrize("prefetch", [0, 1], ids=["occ", "prefetch"])
-@pytest.mark.parametrize("mma8", [0, 2], ids=["f16mma", "e4m3mma"])
-def test_gpu_paged(seed, tuning, layout, q_dtype, next_n, lens_2d, prefetch, mma8):
-    if prefetch and layout == "fp8":
-        pytest.skip("register double-buffering is a bf16-key variant")
-    if mma8 and (layout != "fp8" or q_dtype != FP8 or prefetch):
-        pytest.skip("the e4m3 mma is an fp8-key x fp8-q variant")
-    # fp8_mma=2: the m16n8k32 e4m3 fragment layout on every sm_89+ GPU (emulated by ptxas on sm_90 / sm_100,
-    # which accumulates in fp32: the 1e-5 tolerance applies)
-    tuning(decode_prefetch=prefetch, fp8_mma=mma8)
+def test_gpu_paged(seed, cfg, problem, lens_2d):
+    """Every declared decode config of this GPU (product and experimental: on sm_90 the wgmma and the
+    mma.sync kernel for next_n 1-4) vs the fp64 oracle. The e4m3 mma (Mma8=1) is checked at 1e-5 where ptxas
+    emulates it in fp32 (sm_90 / sm_100) and at 2e-3 where fp8 tensor cores add with ~13-bit precision."""
+    layout, q_fp8, next_n = problem
+    native_fp8 = cfg.values.get("Mma8") == 1 and ARCH not in ("sm_90", "sm_100")
     q, cache, deq, w, ctx, bt = gpu_paged_case(seed, B=5, next_n=next_n, max_pages=37, P=200, layout=layout,
-                                               q_dtype=q_dtype, lens_2d=lens_2d,
+                                               q_dtype=FP8 if q_fp8 else torch.bfloat16, lens_2d=lens_2d,
                                                shape="rows" if next_n % 2 else "typed")
-    for width in (37 * PS, 37 * PS - 45, 10 * PS + 3):
-        want = oracle_paged(q, deq, w, ctx, bt, width)
-        for clean in (True, False):
-            buf, out = poisoned(5 * next_n, width, pad=8)
-            got = paged_mqa_logits(q, cache, w, ctx, bt, width, clean_logits=clean, out=out)
-            assert got.data_ptr() == out.data_ptr()
-            what = f"paged {layout} q={q_dtype} next_n={next_n} mma8={mma8} width={width} clean={clean} seed={seed}"
-            check_close(got, want, clean=clean, what=what)
-            check_untouched(buf, width, what)
+    with L.DECODE.forced(cfg, ARCH):
+        for width in (37 * PS, 37 * PS - 45, 10 * PS + 3):
+            want = oracle_paged(q, deq, w, ctx, bt, width)
+            for clean in (True, False):
+                buf, out = poisoned(5 * next_n, width, pad=8)
+                got = paged_mqa_logits(q, cache, w, ctx, bt, width, clean_logits=clean, out=out)
+                assert got.data_ptr() == out.data_ptr()
+                what = f"paged {cfg} {problem} width={width} clean={clean} seed={seed}"
+                check_close(got, want, clean=clean, what=what, tol=2e-3 if native_fp8 else 1e-5)
+                check_untouched(buf, width, what)
 
 
 @gpu
 @pytest.mark.parametrize("layout", ["bf16", "fp8"])
 @pytest.mark.parametrize("kernel", ["wgmma", "mma"])
-def test_gpu_paged_long(seed, tuning, layout, kernel):
+def test_gpu_paged_long(seed, layout, kernel):
     """Many pages per request, short and full lengths (sm_90: the wgmma and the mma.sync kernel)."""
-    tuning(sm90_wgmma=int(kernel == "wgmma"))
+    cfg = configs(L.DECODE, (layout, 1, 2), L.SM90_DECODE_KERNEL if kernel == "wgmma" else L.DECODE_KERNEL)
+    if not cfg:
+        pytest.skip(f"no {kernel} decode kernel for {layout} keys on {ARCH}")
     q, cache, deq, w, ctx, bt = gpu_paged_case(seed, B=16, next_n=2, max_pages=211, P=3500, layout=layout,
                                                q_dtype=FP8, lens_2d=False)
     ctx[2] = 211 * PS                                               # a full-length row
     width = 211 * PS
     want = oracle_paged(q, deq, w, ctx, bt, width)
-    got = paged_mqa_logits(q, cache, w, ctx, bt, width, clean_logits=True)
-    check_close(got, want, clean=True, what=f"paged long {layout} {kernel} seed={seed}")
+    with L.DECODE.forced(cfg[0], ARCH):
+        got = paged_mqa_logits(q, cache, w, ctx, bt, width, clean_logits=True)
+    check_close(got, want, clean=True, what=f"paged long {layout} {cfg[0]} seed={seed}")
     assert got.stride(0) % 4 == 0
 
 
@@ -503,21 +523,17 @@ def gpu_prefill_case(seed, kind, q_dtype, T, S_pages):
 
 
 @gpu
-@pytest.mark.parametrize("kind", ["contiguous", "bf16", "fp8"])
-@pytest.mark.parametrize("q_dtype", [FP8, torch.bfloat16], ids=["qfp8", "qbf16"])
-@pytest.mark.parametrize("variant", ["wgmma", "wgmma-1part", "rows8", "rows8-prefetch", "rows4", "rows8-e4m3mma",
-                                     "rows4-e4m3mma"])
-def test_gpu_prefill(seed, tuning, kind, q_dtype, variant):
-    """Both prefill kernels (on sm_90 the wgmma kernel serves bf16 keys from 8 rows on; the rows* variants are
-    the mma.sync kernel everywhere) against the fp64 oracle, on NaN-poisoned outputs."""
-    mma8 = 2 if variant.endswith("e4m3mma") else 0
-    if mma8 and (kind != "fp8" or q_dtype != FP8):
-        pytest.skip("the e4m3 mma is an fp8-key x fp8-q variant")
-    if variant.startswith("wgmma"):
-        tuning(sm90_wgmma=1, sm90_prefill_parts=1 if variant == "wgmma-1part" else 0)
-    else:
-        tuning(sm90_wgmma=0, prefill_rows=4 if variant.startswith("rows4") else 8,
-               prefill_prefetch=int(variant == "rows8-prefetch"), prefill_keys_per_cta=1024, fp8_mma=mma8)
+@pytest.mark.parametrize("cfg,problem", _prefill_cases(), ids=lambda v: _config_id(v)
+                         if isinstance(v, L.launch.Config) else "-".join(map(str, v)))
+def test_gpu_prefill(seed, cfg, problem):
+    """Every declared prefill config of this GPU vs the fp64 oracle (1024 keys per CTA: several CTAs share a
+    row tile)."""
+    kind, q_fp8 = problem
+    q_dtype = FP8 if q_fp8 else torch.bfloat16
+    native_fp8 = cfg.values.get("Mma8") == 1 and ARCH not in ("sm_90", "sm_100")
+    variant = str(cfg)
+    if "keys_per_cta" in cfg.values:
+        cfg = cfg.replace(keys_per_cta=1024)
     T, S_pages = 203, 45
     q, kv, bt, keys, valid, w, ks, ke = gpu_prefill_case(seed, kind, q_dtype, T, S_pages)
     S = keys.shape[0]
@@ -528,16 +544,17 @@ def test_gpu_prefill(seed, tuning, kind, q_dtype, variant):
         width = msk if msk else S
         want = oracle_prefill(q, keys, valid, w, ks, ke, start, end, msk)
         buf, out = poisoned(end - start, width, pad=4)
-        got = mqa_logits(q, kv, w, ks, ke, block_table=bt, max_seqlen_k=msk, clean_logits=clean, rows=rows,
-                         out=out)
+        with L.PREFILL.forced(cfg, ARCH):
+            got = mqa_logits(q, kv, w, ks, ke, block_table=bt, max_seqlen_k=msk, clean_logits=clean, rows=rows,
+                             out=out)
         what = f"prefill {kind} q={q_dtype} {variant} rows={rows} max_seqlen_k={msk} clean={clean} seed={seed}"
-        check_close(got, want, clean=clean, what=what)
+        check_close(got, want, clean=clean, what=what, tol=2e-3 if native_fp8 else 1e-5)
         check_untouched(buf, width, what)
 
 
 @gpu
-def test_gpu_prefill_causal_large(seed, tuning):
-    """Causal prefill with the shipped tuning: T=1024 rows, S=8192 contiguous keys."""
+def test_gpu_prefill_causal_large(seed):
+    """Causal prefill with the product config: T=1024 rows, S=8192 contiguous keys."""
     torch.manual_seed(seed)
     T, S = 1024, 8192
     kv = torch.randn(S, D, device="cuda").to(torch.bfloat16)
@@ -551,19 +568,22 @@ def test_gpu_prefill_causal_large(seed, tuning):
 
 
 @gpu
-def test_gpu_variants_bitwise_equal(seed, tuning):
-    """Tuning variants change scheduling, never the arithmetic order: results must be bitwise equal."""
-    q, cache, _, w, ctx, bt = gpu_paged_case(seed, B=7, next_n=2, max_pages=50, P=400, layout="bf16",
-                                             q_dtype=torch.bfloat16, lens_2d=False)
-    for wgmma in (1, 0):        # sm_90: the wgmma kernel, then the mma.sync kernel (elsewhere: mma.sync twice)
-        outs = []
-        for pf, cps in [(0, 0), (1, 0), (0, 1)]:   # sm90_ctas_per_sm=1: a smaller grid, other segment cuts
-            tuning(sm90_wgmma=wgmma, decode_prefetch=pf, sm90_ctas_per_sm=cps)
-            outs.append(paged_mqa_logits(q, cache, w, ctx, bt, 50 * PS, clean_logits=True))
-        for i, o in enumerate(outs[1:], 1):
-            assert torch.equal(o, outs[0]), \
-                f"paged variant {i} (wgmma={wgmma}) differs: {int((o != outs[0]).sum())} entries"
-    tuning(sm90_wgmma=1, sm90_ctas_per_sm=0)
+def test_gpu_variants_bitwise_equal(seed):
+    """Variants of one kernel that change scheduling (Prefetch, L2Hint, MinBlocks, CTAs per SM, keys per CTA),
+    never the arithmetic order, give bitwise equal results; Mma8 = 1 changes the arithmetic (left out)."""
+    for layout, q_fp8 in (("bf16", 0), ("bf16", 1), ("fp8", 1)):
+        q, cache, _, w, ctx, bt = gpu_paged_case(seed, B=7, next_n=1, max_pages=50, P=400, layout=layout,
+                                                 q_dtype=FP8 if q_fp8 else torch.bfloat16, lens_2d=False)
+        for kernel in (L.SM90_DECODE_KERNEL, L.DECODE_KERNEL):
+            outs = []
+            for cfg in configs(L.DECODE, (layout, q_fp8, 1), kernel):
+                if cfg.values.get("Mma8"):
+                    continue
+                with L.DECODE.forced(cfg, ARCH):
+                    outs.append((cfg, paged_mqa_logits(q, cache, w, ctx, bt, 50 * PS, clean_logits=True)))
+            for cfg, o in outs[1:]:
+                assert torch.equal(o, outs[0][1]), \
+                    f"{cfg} differs from {outs[0][0]}: {int((o != outs[0][1]).sum())} entries"
     T = 77
     q2 = make_q((T, H, D), FP8, "cuda")
     w2 = torch.randn(T, H, device="cuda")
@@ -571,75 +591,42 @@ def test_gpu_variants_bitwise_equal(seed, tuning):
     ke = torch.randint(0, 3000, (T,), dtype=torch.int32, device="cuda")
     ks = (ke - 900).clamp_min(0)
     outs = []
-    tuning(sm90_wgmma=0)
-    for rows, pf, chunk in [(8, 0, 4096), (8, 1, 1024), (4, 0, 64), (4, 0, 2048)]:
-        tuning(prefill_rows=rows, prefill_prefetch=pf, prefill_keys_per_cta=chunk)
-        outs.append(mqa_logits(q2, kv, w2, ks, ke))
-    for i, o in enumerate(outs[1:], 1):
-        assert torch.equal(o, outs[0]), f"prefill variant {i} differs: {int((o != outs[0]).sum())} entries"
+    for cfg in configs(L.PREFILL, ("contiguous", 1), Mma8=0):
+        for keys_per_cta in (cfg.keys_per_cta, 64):
+            with L.PREFILL.forced(cfg.replace(keys_per_cta=keys_per_cta), ARCH):
+                outs.append((f"{cfg} keys_per_cta={keys_per_cta}", mqa_logits(q2, kv, w2, ks, ke)))
+    assert len(outs) > 2
+    for what, o in outs[1:]:
+        assert torch.equal(o, outs[0][1]), f"prefill {what} differs: {int((o != outs[0][1]).sum())} entries"
     outs = []
-    tuning(sm90_wgmma=1)
-    for parts in (0, 1, 3, 40):  # sm_90 wgmma kernel: other cuts of a tile's key blocks over CTAs
-        tuning(sm90_prefill_parts=parts)
-        outs.append(mqa_logits(q2, kv, w2, ks, ke))
-    for i, o in enumerate(outs[1:], 1):
-        assert torch.equal(o, outs[0]), f"wgmma prefill parts variant {i} differs: {int((o != outs[0]).sum())}"
+    for cfg in configs(L.PREFILL, ("contiguous", 1), L.SM90_PREFILL_KERNEL)[:1]:  # sm_90: the product wgmma one
+        for parts in (0, 1, 3, 40):       # other cuts of a tile's key blocks over CTAs
+            with L.PREFILL.forced(cfg.replace(parts=parts), ARCH):
+                outs.append((f"{cfg} parts={parts}", mqa_logits(q2, kv, w2, ks, ke)))
+    for what, o in outs[1:]:
+        assert torch.equal(o, outs[0][1]), f"prefill {what} differs: {int((o != outs[0][1]).sum())} entries"
+
+
+def test_forcing_an_undeclared_config_fails():
+    """An undeclared combination is an error, never a silent fallback to another instantiation."""
+    undeclared = L.DECODE_KERNEL.config(KeyFp8=0, QFp8=1, Rows=2, Prefetch=0, L2Hint=0, Mma8=0, MinBlocks=4)
+    with pytest.raises(ValueError, match="not a declared config"):
+        with L.DECODE.forced(undeclared, "sm_90"):
+            pass
 
 
 @gpu
-@pytest.mark.parametrize("layout", ["bf16", "fp8"])
-def test_gpu_l2_hint_variants_bitwise_equal(seed, tuning, layout):
-    """The L2 prefetch-size hint of the key loads (declared for decode next_n=1, fp8 q) changes no result;
-    a hint asked where no such variant exists falls back to the default loads."""
-    q, cache, deq, w, ctx, bt = gpu_paged_case(seed, B=6, next_n=1, max_pages=40, P=300, layout=layout,
-                                               q_dtype=FP8, lens_2d=False)
-    outs = []
-    for hint in (2, 1, 0):
-        tuning(decode_l2_hint=hint)
-        outs.append(paged_mqa_logits(q, cache, w, ctx, bt, 40 * PS, clean_logits=True))
-    check_close(outs[0], oracle_paged(q, deq, w, ctx, bt, 40 * PS), clean=True, what=f"l2 hint {layout}")
-    for hint, o in zip((1, 0), outs[1:]):
-        assert torch.equal(o, outs[0]), f"{layout} L2 hint {hint} differs: {int((o != outs[0]).sum())} entries"
-    q2, cache2, deq2, w2, ctx2, bt2 = gpu_paged_case(seed, B=3, next_n=2, max_pages=10, P=40, layout=layout,
-                                                     q_dtype=FP8, lens_2d=False)
-    got = paged_mqa_logits(q2, cache2, w2, ctx2, bt2, 10 * PS, clean_logits=True)   # hint 0 undeclared here
-    check_close(got, oracle_paged(q2, deq2, w2, ctx2, bt2, 10 * PS), clean=True, what=f"l2 fallback {layout}")
-
-
-@gpu
-def test_gpu_fp8_mma_native(seed, tuning):
-    """fp8_mma=1: e4m3 tensor cores where native (sm_89, sm_120+), else exactly the f16-mma path.
-    Native Ada-class fp8 mma adds products with ~13-bit precision: checked at rel L2 2e-3 there and the
-    measured error is in the message."""
-    q, cache, deq, w, ctx, bt = gpu_paged_case(seed, B=5, next_n=2, max_pages=37, P=200, layout="fp8",
-                                               q_dtype=FP8, lens_2d=False)
-    want = oracle_paged(q, deq, w, ctx, bt, 37 * PS)
-    tuning(fp8_mma=0)
-    ref = paged_mqa_logits(q, cache, w, ctx, bt, 37 * PS, clean_logits=True)
-    tuning(fp8_mma=1)
-    got = paged_mqa_logits(q, cache, w, ctx, bt, 37 * PS, clean_logits=True)
-    cc = torch.cuda.get_device_capability()
-    if cc == (8, 9) or cc[0] >= 12:
-        vis = torch.isfinite(want)
-        err = float((got.double()[vis] - want[vis]).norm() / want[vis].norm())
-        check_close(got, want, clean=True, what=f"native e4m3 mma (rel L2 {err:.3g}) seed={seed}", tol=2e-3)
-    else:
-        assert torch.equal(got, ref), f"fp8_mma=1 on sm_{cc[0]}{cc[1]} must be the f16 path: " \
-                                      f"{int((got != ref).sum())} entries differ"
-
-
-@gpu
-def test_gpu_deterministic(seed, tuning):
-    for layout, mma8 in (("bf16", 0), ("fp8", 0), ("fp8", 1), ("fp8", 2)):
-        tuning(fp8_mma=mma8)
+def test_gpu_deterministic(seed):
+    """Ten reruns of every fp8-key decode config and of the product prefill are bitwise equal."""
+    for layout in ("bf16", "fp8"):
         q, cache, _, w, ctx, bt = gpu_paged_case(seed, B=9, next_n=3, max_pages=40, P=300, layout=layout,
                                                  q_dtype=FP8, lens_2d=True)
-        first = paged_mqa_logits(q, cache, w, ctx, bt, 40 * PS, clean_logits=True)
-        for i in range(10):
-            again = paged_mqa_logits(q, cache, w, ctx, bt, 40 * PS, clean_logits=True)
-            assert torch.equal(again, first), \
-                f"{layout} fp8_mma={mma8} rerun {i}: {int((again != first).sum())} entries differ"
-    tuning(fp8_mma=0)
+        for cfg in configs(L.DECODE, (layout, 1, 3)):
+            with L.DECODE.forced(cfg, ARCH):
+                first = paged_mqa_logits(q, cache, w, ctx, bt, 40 * PS, clean_logits=True)
+                for i in range(10):
+                    again = paged_mqa_logits(q, cache, w, ctx, bt, 40 * PS, clean_logits=True)
+                    assert torch.equal(again, first), f"{cfg} rerun {i}: {int((again != first).sum())} entries differ"
     for kind in ("fp8", "bf16", "contiguous"):  # on sm_90 the bf16 kinds take the wgmma kernel
         q, kv, bt, _, _, w, ks, ke = gpu_prefill_case(seed, kind, FP8, 150, 30)
         first = mqa_logits(q, kv, w, ks, ke, block_table=bt)
@@ -727,11 +714,14 @@ def test_gpu_plan(seed):
 @pytest.mark.parametrize("layout,kernel", [("bf16", "wgmma"), ("bf16", "mma"), ("fp8", "mma")])
 @pytest.mark.parametrize("next_n", [1, 2, 3, 4])
 @pytest.mark.parametrize("lens_2d", [False, True], ids=["lens1d", "lens2d"])
-def test_gpu_paged_mixed(seed, tuning, layout, kernel, next_n, lens_2d):
+def test_gpu_paged_mixed(seed, force, layout, kernel, next_n, lens_2d):
     """Balanced schedule on mixed lengths: every column vs the fp64 oracle (clean on: exact -inf masks;
     off: visible columns), NaN-poisoned outputs, nothing written past the width, bitwise reruns, plan
     given or built inside."""
-    tuning(sm90_wgmma=int(kernel == "wgmma"))
+    cfg = configs(L.DECODE, (layout, next_n % 2, next_n), L.SM90_DECODE_KERNEL if kernel == "wgmma" else L.DECODE_KERNEL)
+    if not cfg:
+        pytest.skip(f"no {kernel} decode kernel for {layout} keys on {ARCH}")
+    force(L.DECODE, cfg[0])
     B, max_pages, P = 23, 260, 300
     q, cache, deq, w, ctx, bt = mixed_case(B, next_n, max_pages, P, layout, FP8 if next_n % 2 else torch.bfloat16,
                                            lens_2d)
@@ -803,77 +793,3 @@ def test_gpu_bad_input():
         paged_mqa_logits(q, cache, w.cpu(), ctx, bt, 128)
     with pytest.raises(ValueError, match="out"):
         paged_mqa_logits(q, cache, w, ctx, bt, 128, out=torch.empty(2, 128))
-
-
-# --------------------------------------------------------------------------------------------------
-# Variant benchmark (not a test): python tests/test_logits.py [--quick]
-# Times every tuning variant of cupy_dsa.logits.TUNING on the current GPU and prints one line per run.
-# --------------------------------------------------------------------------------------------------
-
-def _bench_variants(quick=False):
-    import itertools
-
-    from cupy_dsa import logits as L
-    from cupy_dsa.bench.timing import time_calls
-
-    dev = "cuda"
-    reps = 10 if quick else 30
-
-    def timed(fn):
-        # device time of one call in us: the bench's CUDA-graph timer over a graph of 5 calls
-        return time_calls([fn] * 5, torch.device(dev), reps=reps).seconds * 1e6
-
-    base = dict(L.TUNING)
-    print("device:", torch.cuda.get_device_name(), "| defaults:", base)
-    decode_cases = [(1, 8192, 1), (64, 32768, 1), (128, 16384, 1), (4, 262144, 1), (64, 32768, 2), (64, 32768, 4)]
-    if quick:
-        decode_cases = decode_cases[:2]
-    for layout, (B, ctx_len, next_n) in itertools.product(("bf16", "fp8"), decode_cases):
-        pages = ctx_len // PS
-        P = B * pages
-        cache = layouts.empty_cache(P, layout, device=dev)
-        cache.random_(0, 120)
-        q = make_q((B, next_n, H, D), FP8, dev)
-        w = torch.randn(B * next_n, H, device=dev)
-        ctx = torch.full((B,), ctx_len, dtype=torch.int32, device=dev)
-        bt = torch.randperm(P, device=dev).to(torch.int32).view(B, pages)
-        key_bytes = B * ctx_len * (256 if layout == "bf16" else 132)
-        nbytes = key_bytes + q.numel() * q.element_size() + w.numel() * 4 + B * next_n * ctx_len * 4
-        variants = [dict(decode_prefetch=pf, sm90_wgmma=wg)
-                    for pf, wg in itertools.product((0, 1) if layout == "bf16" else (0,), (1, 0))]
-        if layout == "fp8":      # e4m3 mma.sync: 1 = where native (sm_89/sm_120+), 2 = forced (sm_90: emulated)
-            variants += [dict(fp8_mma=m) for m in (1, 2)]
-        if (B, ctx_len, next_n) == (64, 32768, 1):   # L2 prefetch-size hint of the key loads (default 256 B)
-            # (declared for prefetch 0, fp8_mma 0 only; anything else falls back to 256 B)
-            variants += [dict(decode_l2_hint=h, sm90_wgmma=0) for h in (1, 0)]
-        for var in variants:
-            L.TUNING.update(base, **var)
-            us = timed(lambda: paged_mqa_logits(q, cache, w, ctx, bt, ctx_len))
-            t = L.TUNING
-            print(f"decode {layout:4s} B={B:3d} ctx={ctx_len:6d} next_n={next_n} prefetch={t['decode_prefetch']} "
-                  f"wgmma={t['sm90_wgmma']} l2hint={t['decode_l2_hint']} fp8_mma={t['fp8_mma']}: "
-                  f"{us:8.1f} us {nbytes / us / 1e3:7.0f} GB/s {B * ctx_len * next_n / us / 1e3:6.1f} G pairs/s")
-        del cache
-    T, S = (2048, 16384) if quick else (4096, 65536)
-    kv = torch.randn(S, D, device=dev).to(torch.bfloat16)
-    for q_dtype in (FP8, torch.bfloat16):
-        q = make_q((T, H, D), q_dtype, dev)
-        w = torch.randn(T, H, device=dev)
-        ke = (torch.arange(T, device=dev) + S - T + 1).to(torch.int32)   # causal, query i at key S-T+i
-        ks = torch.zeros(T, dtype=torch.int32, device=dev)
-        pairs = float(ke.double().sum())
-        out = torch.empty(T, S, device=dev)
-        for rows, pf, kpc in itertools.product((8, 4), (0, 1), (2048, 4096, 8192)):
-            if pf and rows == 4:
-                continue
-            L.TUNING.update(base, prefill_rows=rows, prefill_prefetch=pf, prefill_keys_per_cta=kpc)
-            us = timed(lambda: mqa_logits(q, kv, w, ks, ke, clean_logits=False, out=out))
-            print(f"prefill q={str(q_dtype)[6:]:13s} T={T} S={S} rows={rows} prefetch={pf} keys/CTA={kpc}: "
-                  f"{us:9.1f} us {2 * H * D * pairs / us / 1e6:6.1f} TFLOP/s")
-    L.TUNING.update(base)
-
-
-if __name__ == "__main__":
-    import sys
-
-    _bench_variants(quick="--quick" in sys.argv)

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 
+from cupy_dsa import layouts
 from cupy_dsa.sglang import core
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -272,27 +273,25 @@ def test_startup_refused_is_not_an_exception():
 # --------------------------------------------------------------------------------------------------
 
 def _fake_logits_product(calls):
-    from cupy_dsa import runtime
-
-    declared = runtime.instantiations()[core.LOGITS_SOURCE]
+    from cupy_dsa import launch
 
     def product_instantiations(arch, *, q_fp8, next_ns, layouts):
         calls.append((arch, q_fp8, next_ns, layouts))
-        return declared[: len(next_ns)]
+        return launch.product_expressions(arch)[core.LOGITS_SOURCE][: len(next_ns)]
 
     return product_instantiations
 
 
 def test_warm_expressions_selects_the_server_variants(monkeypatch):
     import cupy_dsa.logits
-    from cupy_dsa import runtime, store
+    from cupy_dsa import launch, store
 
     calls = []
     monkeypatch.setattr(cupy_dsa.logits, "product_instantiations", _fake_logits_product(calls))
     exprs = core.warm_expressions("sm_90", mode="bf16", next_ns=(2, 1, 2))
     assert calls == [("sm_90", (1,), (1, 2), ("bf16",))]
     assert set(exprs) == {core.STORE_SOURCE, core.LOGITS_SOURCE}
-    declared = runtime.instantiations()
+    declared = launch.product_expressions("sm_90")
     # store: bf16 layout, exact numerics, V4 keys with Hadamard, bf16 kv, decode and prefill plan rows only
     assert exprs[core.STORE_SOURCE] == ["store_index_k<0, 0, 0, true, __nv_bfloat16, 1>",
                                         "store_index_k<0, 0, 0, true, __nv_bfloat16, 2>"]
@@ -306,16 +305,16 @@ def test_warm_expressions_selects_the_server_variants(monkeypatch):
 
 def test_warm_expressions_with_logits_product():
     """cupy_dsa.logits.product_instantiations itself: the plan kernel, one decode kernel per next_n for the
-    arch, the paged prefill tiles; a small part of the declared set."""
-    from cupy_dsa import logits, runtime
+    arch, the paged prefill tile; a small part of the product set."""
+    from cupy_dsa import launch, logits
 
     if not hasattr(logits, "product_instantiations"):
         pytest.skip("cupy_dsa.logits.product_instantiations not in this checkout")
-    declared = runtime.instantiations()[core.LOGITS_SOURCE]
     for arch in ("sm_80", "sm_90", "sm_120"):
+        product = launch.product_expressions(arch)[core.LOGITS_SOURCE]
         one = core.warm_expressions(arch, mode="bf16")[core.LOGITS_SOURCE]
         two = core.warm_expressions(arch, mode="bf16", next_ns=(1, 2))[core.LOGITS_SOURCE]
-        assert set(one) < set(two) <= set(declared) and len(two) < len(declared) // 4, (arch, two)
+        assert set(one) < set(two) <= set(product) and len(two) < len(product) // 3, (arch, two)
         assert two == logits.product_instantiations(arch, q_fp8=(1,), next_ns=(1, 2), layouts=("bf16",))
 
 
@@ -411,18 +410,24 @@ def test_warm_up_expressions_compiles_one_program_per_file(monkeypatch):
     monkeypatch.setattr(runtime, "cupy_module", lambda: fake_cp)
     monkeypatch.setattr(runtime, "device_arch", lambda idx: "sm_90")
     monkeypatch.setattr(runtime, "_FUNCTIONS", {})
-    store_exprs = runtime.instantiations()["store_index_k.cu"][:3]
+    from cupy_dsa import launch
+
+    declared = launch.product_expressions("sm_90")["store_index_k.cu"]
+    store_exprs = declared[:3]
     assert runtime.warm_up_expressions(7, {"store_index_k.cu": store_exprs}) == 3
     assert modules == [store_exprs]
     assert runtime.warm_up_expressions(7, {"store_index_k.cu": store_exprs[:2] + store_exprs[:1]}) == 2
     assert len(modules) == 1, "already-loaded expressions were compiled again"
     assert all((7, "store_index_k.cu", e) in runtime._FUNCTIONS for e in store_exprs)
-    # a later first use of another declared expression compiles the rest, keeping the loaded kernels
+    # a first use through the launch layer loads the source's other product configs in one program,
+    # keeping the loaded kernels
     loaded = {e: runtime._FUNCTIONS[(7, "store_index_k.cu", e)] for e in store_exprs}
-    declared = runtime.instantiations()["store_index_k.cu"]
-    runtime.get_function("store_index_k.cu", declared[-1], 7)
-    assert modules[-1] == declared
+    monkeypatch.setattr(launch, "_LOADED", {})
+    launch._load_source(7, "store_index_k.cu")
+    assert modules[-1] == declared[3:]
     assert all(runtime._FUNCTIONS[(7, "store_index_k.cu", e)] is f for e, f in loaded.items())
+    runtime.get_function("store_index_k.cu", declared[-1], 7)
+    assert len(modules) == 2, "a loaded expression was compiled again"
 
 
 def test_decode_plans_built_once_per_forward(monkeypatch):
@@ -439,7 +444,7 @@ def test_decode_plans_built_once_per_forward(monkeypatch):
     md = types.SimpleNamespace(compressed_seq_lens=torch.tensor([300, 64, 900], dtype=torch.int32))
     q = torch.randn(3, 64, 128).to(torch.float8_e4m3fn)
     w, pt = torch.rand(3, 64), torch.arange(45, dtype=torch.int32).view(3, 15)
-    cache = torch.zeros(48, core.BF16_PAGE_BYTES, dtype=torch.uint8)
+    cache = torch.zeros(48, layouts.BF16_PAGE_BYTES, dtype=torch.uint8)
     seen = []
     real_logits = cupy_dsa.paged_mqa_logits
     monkeypatch.setattr(cupy_dsa, "paged_mqa_logits", lambda *a, **k: seen.append(k.get("plan")) or real_logits(*a, **k))
@@ -547,7 +552,7 @@ def test_gpu_plugin_path_eager_and_graph(seed):
     n_pages, topk, max_pos = 48, 512, 16384
     n_slots = n_pages * 64
     # SGLang's buffers: page rows uint8 [P, 16384] (zeros), complex64 rope table, fp32 norm weight
-    cache_cpu = torch.zeros(n_pages, core.BF16_PAGE_BYTES, dtype=torch.uint8)
+    cache_cpu = torch.zeros(n_pages, layouts.BF16_PAGE_BYTES, dtype=torch.uint8)
     ang = torch.rand(max_pos, 32) * 6.2831853
     freq_cis = torch.polar(torch.ones_like(ang), ang)
     norm_w = torch.rand(128) + 0.5

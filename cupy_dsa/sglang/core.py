@@ -16,17 +16,14 @@ import threading
 
 import torch
 
+from cupy_dsa.layouts import BF16_PAGE_BYTES, PAGE_SLOTS
+
 logger = logging.getLogger(__name__)
 
 ENV_NAME = "SGLANG_CUPY_DSA_INDEX_K"
 CLI_FLAG = "--cupy-dsa-index-k-dtype"
 MODES = ("fp8", "bf16", "bf16-fp4sim")
 DEFAULT_MODE = "fp8"
-
-INDEX_HEAD_DIM = 128
-PAGE_SLOTS = 64
-BF16_BYTES_PER_TOKEN = 2 * INDEX_HEAD_DIM        # 256
-BF16_PAGE_BYTES = PAGE_SLOTS * BF16_BYTES_PER_TOKEN  # 16384
 
 # Without SGLang's row-chunk plan (SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1 builds none) an eager call still
 # bounds one fp32 logits block to this many bytes; graph-captured calls are never split (fixed shapes).
@@ -112,9 +109,9 @@ def warm_expressions(arch: str, *, mode: str, next_ns=(1,), kv_dtypes=(torch.bfl
     layout, fp8 q, the given ``next_ns`` (1, plus the MTP draft count), the mode's store numerics on
     SGLang's decode and prefill plan rows for the model's kv dtype. Everything else compiles on first use.
     The logits expressions are ``cupy_dsa.logits.product_instantiations``."""
-    from cupy_dsa import logits, runtime, store
+    from cupy_dsa import launch, logits, store
 
-    declared = runtime.instantiations()
+    product = launch.product_expressions(arch)
     kv_dtypes = tuple(d for d in kv_dtypes if d in (torch.float32, torch.bfloat16)) or (torch.bfloat16,)
     out = {STORE_SOURCE: store.product_instantiations(
         layouts=("bf16",), numerics=(numerics_of(mode),), key_styles=("v4",), hadamard=(True,),
@@ -122,9 +119,9 @@ def warm_expressions(arch: str, *, mode: str, next_ns=(1,), kv_dtypes=(torch.bfl
     out[LOGITS_SOURCE] = logits.product_instantiations(arch, q_fp8=SGLANG_Q_FP8,
                                                        next_ns=tuple(sorted(set(next_ns))), layouts=("bf16",))
     for filename, exprs in out.items():
-        unknown = [e for e in exprs if e not in declared.get(filename, ())]
+        unknown = [e for e in exprs if e not in product.get(filename, ())]
         if unknown:
-            raise RuntimeError(f"cupy_dsa warm-up: {filename} does not declare {unknown}")
+            raise RuntimeError(f"cupy_dsa warm-up: {filename} does not declare {unknown} as product configs on {arch}")
     return out
 
 

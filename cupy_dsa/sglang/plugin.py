@@ -53,6 +53,7 @@ import pkgutil
 
 import torch
 
+from .. import layouts
 from . import core
 from .core import CLI_FLAG, ENV_NAME, MODES, StartupRefused, index_k_mode
 
@@ -438,8 +439,8 @@ def _unrecognised_store_call(kv, plan, args, kwargs) -> list[str]:
     bad = []
     if args:
         bad.append(f"{len(args)} extra positional argument(s)")
-    if not isinstance(kv, torch.Tensor) or kv.dim() != 2 or kv.shape[-1] != core.INDEX_HEAD_DIM:
-        bad.append(f"kv of shape {tuple(getattr(kv, 'shape', ()))} (expected [N, {core.INDEX_HEAD_DIM}])")
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 2 or kv.shape[-1] != layouts.HEAD_DIM:
+        bad.append(f"kv of shape {tuple(getattr(kv, 'shape', ()))} (expected [N, {layouts.HEAD_DIM}])")
     if not hasattr(plan, "is_decode") or not hasattr(plan, "compress_ratio"):
         bad.append(f"plan of type {type(plan).__name__} (expected a CompressorDecodePlan / CompressorPrefillPlan)")
     for name in _STORE_REQUIRED:
@@ -449,8 +450,8 @@ def _unrecognised_store_call(kv, plan, args, kwargs) -> list[str]:
         if name in _STORE_REQUIRED:
             continue
         if name == "page_size":
-            if value != core.PAGE_SLOTS:
-                bad.append(f"page_size={value!r} (expected {core.PAGE_SLOTS})")
+            if value != layouts.PAGE_SLOTS:
+                bad.append(f"page_size={value!r} (expected {layouts.PAGE_SLOTS})")
         elif name == "layout":
             if str(getattr(value, "value", value)).lower() != "v4":
                 bad.append(f"layout={value!r} (expected KVLayout.V4)")
@@ -474,7 +475,7 @@ def _store_hook(original, kv, plan, *args, **kwargs):
     if bad:
         raise RuntimeError(
             f"cupy_dsa store: compress_norm_rope_store was called on a bf16 index cache (uint8 "
-            f"[P, {core.BF16_PAGE_BYTES}]) with a call it does not recognise: {'; '.join(bad)}. Refusing to "
+            f"[P, {layouts.BF16_PAGE_BYTES}]) with a call it does not recognise: {'; '.join(bad)}. Refusing to "
             f"let SGLang's fp8 store write into bf16 pages.")
     _require_supported_platform()
     core.store_index_k_bf16(
@@ -616,7 +617,7 @@ def forward_c4_indexer_bf16(self, *, x, q_lora, c4_indexer, forward_batch, alt_s
     if not core.is_bf16_index_cache(kvcache):
         raise RuntimeError(
             f"cupy_dsa ({ENV_NAME}={index_k_mode()}): the C4 index cache of layer {c4_indexer.layer_id} has "
-            f"{tuple(kvcache.shape)} {kvcache.dtype} page rows, expected uint8 [P, {core.BF16_PAGE_BYTES}]. "
+            f"{tuple(kvcache.shape)} {kvcache.dtype} page rows, expected uint8 [P, {layouts.BF16_PAGE_BYTES}]. "
             f"The pool was sized with the switch off: set {ENV_NAME} before SGLang starts (every scheduler "
             f"process must see it) and check that SGLANG_PLUGINS, if set, lists cupy_dsa.")
 
@@ -684,7 +685,7 @@ def _hicache_regions_hook(result, *args, **kwargs):
         return None
     out = []
     for region in result:
-        if (str(region.name) == _INDEXER_POOL_NAME and region.item_bytes == core.BF16_PAGE_BYTES
+        if (str(region.name) == _INDEXER_POOL_NAME and region.item_bytes == layouts.BF16_PAGE_BYTES
                 and not region.page_aligned_only):
             # the token-granular host copy hard-codes the 584-byte C4 KV row split; bf16 pages move whole
             region = dataclasses.replace(region, page_aligned_only=True)
