@@ -149,7 +149,8 @@ def test_fuzz_store():
         N, P, max_pos = rng.randint(0, 40), rng.randint(1, 4), rng.randint(1, 300)
         kv = torch.randn(N, D).to(rng.choice([torch.float32, torch.bfloat16]))
         kw = dict(positions=torch.randint(-3, max_pos + 5, (N,), dtype=rng.choice([torch.int32, torch.int64])),
-                  out_loc=torch.randint(-70, P * PS + 70, (N,)), norm_weight=torch.rand(D),
+                  # distinct slots (two tokens of one call never share a slot), some < 0, some past the end
+                  out_loc=torch.randperm(P * PS + 140)[:N] - 70, norm_weight=torch.rand(D),
                   freqs_cis=torch.randn(max_pos, 64), norm_bias=torch.randn(D) if style == "v32" else None,
                   numerics=numerics, key_style=style, hadamard=rng.random() < 0.8)
         poison = torch.randint(0, 256, (P + 2, layouts.page_bytes(layout)), dtype=torch.uint8)
