@@ -1,7 +1,8 @@
 """Indexer logits: ``logits[r, n] = sum_{h<64} relu(q[r,h,:] . k[n,:]) * w[r,h]`` (fp32 accumulate).
 
 Two entry points, both dispatching CPU tensors to the torch reference (the CPU backend and the test oracle)
-and CUDA tensors to one templated kernel in ``kernels/mqa_logits.cu``:
+and CUDA tensors to the kernels of ``kernels/mqa_logits.cu`` (``mma.sync`` templates everywhere; on sm_90 the
+wgmma decode and prefill kernels of ``kernels/mqa_logits_sm90.cuh`` for bf16 keys):
 
 * :func:`paged_mqa_logits` -- decode / MTP verify: ``q [B, next_n, 64, 128]`` against each request's
   paged keys (DeepGEMM ``fp8_paged_mqa_logits`` contract, either cache layout);
