@@ -30,7 +30,7 @@
 // Decode schedule: one wave of CTAs over the batch's plan (common.cuh): CTA c runs the request segments of
 // its even share of all computed pages (run_pages per segment), so the time depends on the pages in all, not
 // on the mix of lengths. Masking as in mqa_logits.cu (decode): row r sees keys [0, hi_r), hi_r = lens[b] -
-// (next_n-1-r) (1-D lens) or lens[b*next_n + r] (2-D), clipped to [0, width); a page is read only when its
+// (next_n-1-r) (1-D lens) or lens[b*next_n + r] (2-D), clipped to [0, width]; a page is read only when its
 // block-table index is < bt_width, its entry is in [0, P) and some row sees one of its keys; every column of a
 // computed page below `width` is written (value or -inf); with `clean`, the pages no row sees are written
 // -inf by fill_uncomputed_pages.
