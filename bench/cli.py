@@ -306,8 +306,10 @@ def _run(ctx: click.Context, sections, o: dict) -> dict:
                 doc["notes"]["store"] = [sweeps.STORE_COUNTED]
             if "logits" in sections:
                 doc["logits"] = (sweeps.decode_rows(dev, quick, seed, doc["ceilings"], progress)
-                                 + sweeps.prefill_rows(dev, quick, seed, doc["ceilings"], progress))
-                doc["notes"]["logits"] = [sweeps.LOGITS_COUNTED]
+                                 + sweeps.prefill_rows(dev, quick, seed, doc["ceilings"], progress)
+                                 + sweeps.verify_rows(dev, quick, seed, doc["ceilings"], progress)
+                                 + sweeps.extend_rows(dev, quick, seed, doc["ceilings"], progress))
+                doc["notes"]["logits"] = [sweeps.LOGITS_COUNTED, sweeps.VERIFY_EXTEND_COUNTED]
             if "recall" in sections:
                 from . import recall
 

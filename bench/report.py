@@ -218,6 +218,28 @@ def prefill_table(doc) -> Table:
     return t
 
 
+def verify_extend_table(doc) -> Table:
+    t = Table(title="MTP verify and multi-request extend: SGLang's rows vs grouped / varlen launches")
+    for col in ("case", "n", "route", "time", "% read", "% roofline", "TFLOP/s", "% matmul", "DG rows",
+                "ours/DG rows", "DG grouped", "target", "result"):
+        t.add_column(col, justify="right")
+    for r in doc["logits"]:
+        if r.get("mode") not in ("verify", "extend"):
+            continue
+        head = (f"{r['mode']} {r['batch_name']}", str(r["next_n"]), r.get("route", "—"))
+        if r.get("error"):
+            t.add_row(*head, f"[red]{r['error'][:60]}[/]", *[""] * 9)
+            continue
+        tgt = f"<= {r['target_vs_deepgemm_rows']:.2f}x" if r.get("target_vs_deepgemm_rows") else "—"
+        if r.get("target_pct_matmul"):
+            tgt += f", {_target_pct(r['target_pct_matmul'])}"
+        t.add_row(*head, f"{r['time_us']:.1f} us", _pct(r.get("pct_read")), _pct(r.get("pct_roofline")),
+                  _num(r.get("tflops"), 1) if r.get("tflops") else "—", _pct(r.get("pct_matmul")),
+                  _f(r.get("deepgemm_rows_us"), "{:.1f} us"), _f(r.get("vs_deepgemm_rows"), "{:.2f}x"),
+                  _f(r.get("deepgemm_grouped_us"), "{:.1f} us"), tgt, _verdict(r))
+    return t
+
+
 def _margin(m):
     return "—" if m is None else f"{100 * m:.3g}%"
 
@@ -326,6 +348,7 @@ def print_all(console, doc, sections) -> None:
     if "logits" in sections and doc["logits"]:
         console.print(decode_table(doc))
         console.print(prefill_table(doc))
+        console.print(verify_extend_table(doc))
         for n in doc["notes"]["logits"]:
             console.print(f"  [dim]- {n}[/]")
     if "recall" in sections and doc["recall"] and not _recall_rows(doc):
@@ -374,6 +397,17 @@ def markdown_headline(doc: dict) -> str:
                      f"{_target_pct(r.get('target_pct_copy'))} | {_md_verdict(r)} |")
     for r in doc["logits"]:
         if r.get("error"):
+            continue
+        if r["mode"] in ("verify", "extend"):
+            dg = (f"; DeepGEMM rows {r['deepgemm_rows_us']:.1f} us, ours {r['vs_deepgemm_rows']:.2f}x"
+                  if r.get("vs_deepgemm_rows") else "")
+            ratio = (f"{_pct(r.get('pct_read'))} of read, {_pct(r.get('pct_roofline'))} of roofline"
+                     if r["mode"] == "verify" else f"{_pct(r.get('pct_matmul'))} of matmul")
+            tgt = f"<= {r['target_vs_deepgemm_rows']:.2f}x DG rows" if r.get("target_vs_deepgemm_rows") else "—"
+            if r.get("target_pct_matmul"):
+                tgt += f", {_target_pct(r['target_pct_matmul'])} of matmul"
+            lines.append(f"| {r['mode']} {r['batch_name']}, n {r['next_n']}, {r['route']} | {r['time_us']:.1f} us{dg} | "
+                         f"{ratio} | {tgt} | {_md_verdict(r)} |")
             continue
         if r["mode"] == "decode":
             if r["q_dtype"] != "fp8":

@@ -45,11 +45,21 @@ def _quantiles(samples: Sequence[float]) -> tuple[float, float, float]:
     return statistics.median(s), s[max(0, int(0.1 * (n - 1)))], s[min(n - 1, int(math.ceil(0.9 * (n - 1))))]
 
 
+# A replay of at least this long (the calls repeated back to back inside the graph) keeps the graph launch
+# and the first kernel's launch latency out of the per-call time; the warm-up runs replays for at least this
+# long so the SM clock has ramped up from idle (H200: 345 MHz idle, 1980 MHz under load) before timing.
+MIN_REPLAY_S = 1e-3
+MIN_WARMUP_S = 0.05
+MAX_REPEATS = 64
+
+
 def time_calls(calls: Sequence[Callable[[], object]], device: torch.device, *, reps: int = 25,
-               warmup: int = 3, use_graph: bool = True) -> Timing:
-    """Median time of one call. One repetition runs every callable of ``calls`` once (each on its own
-    input buffers); on CUDA the repetition is captured in a CUDA graph and each replay is timed with
-    events; the per-call time is the replay time divided by ``len(calls)``."""
+               warmup: int = 3, use_graph: bool = True, min_replay_s: float = MIN_REPLAY_S,
+               min_warmup_s: float = MIN_WARMUP_S) -> Timing:
+    """Median time of one call. One repetition runs every callable of ``calls`` (each on its own input
+    buffers) ``k`` times back to back, ``k`` chosen so that it lasts at least ``min_replay_s``; on CUDA the
+    repetition is captured in a CUDA graph and each replay is timed with events, after replays for at least
+    ``min_warmup_s`` (and ``warmup`` of them); the per-call time is the replay time / (``len(calls)`` * k)."""
     n = len(calls)
     if device.type != "cuda":
         for f in calls[:1]:
@@ -67,6 +77,12 @@ def time_calls(calls: Sequence[Callable[[], object]], device: torch.device, *, r
         for f in calls:  # eager warm-up: compiles kernels, allocates
             f()
         torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for f in calls:  # one eager pass: how many passes make a replay of min_replay_s
+            f()
+        torch.cuda.synchronize()
+        t_pass = max(time.perf_counter() - t0, 1e-6)
+        k = max(1, min(MAX_REPEATS, math.ceil(min_replay_s / t_pass))) if min_replay_s > 0 else 1
         run = None
         method = "cuda-events"
         if use_graph:
@@ -80,8 +96,9 @@ def time_calls(calls: Sequence[Callable[[], object]], device: torch.device, *, r
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    for f in calls:
-                        f()
+                    for _ in range(k):
+                        for f in calls:
+                            f()
                 torch.cuda.synchronize()
                 run = graph.replay
                 method = "cuda-graph"
@@ -90,10 +107,16 @@ def time_calls(calls: Sequence[Callable[[], object]], device: torch.device, *, r
                 run = None
         if run is None:
             def run():
-                for f in calls:
-                    f()
-        for _ in range(warmup):
+                for _ in range(k):
+                    for f in calls:
+                        f()
+        t0 = time.perf_counter()
+        done = 0
+        while done < warmup or (time.perf_counter() - t0 < min_warmup_s and done < 10000):
             run()
+            done += 1
+            if done % 8 == 0:
+                torch.cuda.synchronize()
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         for i in range(reps):
@@ -101,10 +124,10 @@ def time_calls(calls: Sequence[Callable[[], object]], device: torch.device, *, r
             run()
             ends[i].record()
         torch.cuda.synchronize()
-        samples = [s.elapsed_time(e) * 1e-3 / n for s, e in zip(starts, ends)]
+        samples = [s.elapsed_time(e) * 1e-3 / (n * k) for s, e in zip(starts, ends)]
         del run
     med, lo, hi = _quantiles(samples)
-    return Timing(med, lo, hi, reps, n, method)
+    return Timing(med, lo, hi, reps, n * k, method)
 
 
 def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int | None:

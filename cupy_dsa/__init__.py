@@ -4,8 +4,9 @@ Public API:
 
 * :func:`store_index_k` / :func:`store_index_k_from_plan` -- fused RMSNorm/LayerNorm -> RoPE ->
   Hadamard -> paged store of index keys (bf16 256 B/token, or SGLang's fp8 132 B/token);
-* :func:`paged_mqa_logits` (decode, MTP rows) and :func:`mqa_logits` (prefill) -- indexer logits
-  ``sum_h relu(q_h . k) * w_h`` from those keys;
+* :func:`paged_mqa_logits` (decode, MTP verify as next_n rows per request) and :func:`mqa_logits` (prefill
+  of one request, or of several in one launch with ``cu_rows``) -- indexer logits ``sum_h relu(q_h . k) * w_h``
+  from those keys; :func:`paged_mqa_logits_plan` / :func:`mqa_logits_plan` build their schedules once per forward;
 * :func:`to_cupy` / :func:`to_torch` -- zero-copy views for users who want CuPy arrays;
 * :func:`warm_up` -- compile every product kernel config before CUDA-graph capture;
 * :func:`store_index_k_reference`, :func:`paged_mqa_logits_reference`, :func:`mqa_logits_reference` -- the
@@ -17,7 +18,7 @@ Every op accepts CPU tensors too and then runs the torch reference (the test ora
 
 from .layouts import (BF16_BYTES_PER_TOKEN, BF16_PAGE_BYTES, FP4_BYTES_PER_TOKEN, FP8_BYTES_PER_TOKEN,
                       FP8_PAGE_BYTES, HEAD_DIM, PAGE_SLOTS, empty_cache)
-from .logits import (mqa_logits, mqa_logits_reference, paged_mqa_logits, paged_mqa_logits_plan,
+from .logits import (mqa_logits, mqa_logits_plan, mqa_logits_reference, paged_mqa_logits, paged_mqa_logits_plan,
                      paged_mqa_logits_reference)
 from .launch import warm_up
 from .runtime import to_cupy, to_torch
@@ -27,7 +28,8 @@ from .store import (fp4sim_reference, rotate_index_k_reference, store_index_k, s
 __version__ = "0.1.0"
 
 __all__ = [
-    "store_index_k", "store_index_k_from_plan", "paged_mqa_logits", "paged_mqa_logits_plan", "mqa_logits", "to_cupy", "to_torch",
+    "store_index_k", "store_index_k_from_plan", "paged_mqa_logits", "paged_mqa_logits_plan", "mqa_logits",
+    "mqa_logits_plan", "to_cupy", "to_torch",
     "warm_up", "store_index_k_reference", "paged_mqa_logits_reference", "mqa_logits_reference",
     "rotate_index_k_reference", "fp4sim_reference", "empty_cache", "PAGE_SLOTS", "HEAD_DIM", "BF16_BYTES_PER_TOKEN", "FP8_BYTES_PER_TOKEN",
     "FP4_BYTES_PER_TOKEN", "BF16_PAGE_BYTES", "FP8_PAGE_BYTES",

@@ -65,10 +65,14 @@ def _row_tile_threads(cfg) -> int:
     return 32 * (8 if cfg.Rows > 4 else 4)  # dsa::logits::kWarps<Rows>
 
 
+# Varlen prefill (several requests per launch): the plan of mqa_logits_plan, the requests' row offsets, their count.
+_VARLEN_ARGS = (("tile_plan", PTR), ("cu_rows", PTR), ("batch", I32))
+_VARLEN_TILE_ROWS = 4   # dsa::kVarlenTileRows: rows per tile of a varlen launch (both prefill kernels)
+
 PREFILL_KERNEL = launch.Kernel(
     _SRC, "mqa_logits_kernel", params=("KeyFp8", "QFp8", "Rows", "Paged", "Prefetch", "L2Hint", "Mma8"),
     host={"keys_per_cta": 4096},   # CTAs per row tile = ceil(keys / keys_per_cta)
-    args=_ROW_TILE_ARGS, threads=_row_tile_threads, smem=_row_tile_smem,
+    args=_ROW_TILE_ARGS + _VARLEN_ARGS, threads=_row_tile_threads, smem=_row_tile_smem,
     smem_check="dsa::logits::kRowTileSmemBytes<{Rows}>")
 DECODE_KERNEL = launch.Kernel(
     _SRC, "mqa_logits_decode_kernel", params=("KeyFp8", "QFp8", "Rows", "Prefetch", "L2Hint", "Mma8", "MinBlocks"),
@@ -91,6 +95,10 @@ SM90_DECODE_KERNEL = launch.Kernel(
 PLAN_KERNEL = launch.Kernel(
     _SRC, "paged_mqa_logits_plan_kernel",
     args=(("lens", PTR), ("lens_2d", I32), ("batch", I32), ("next_n", I32), ("plan", PTR)), threads=lambda cfg: 1024)
+VARLEN_PLAN_KERNEL = launch.Kernel(
+    _SRC, "mqa_logits_plan_kernel",
+    args=(("cu_rows", PTR), ("batch", I32), ("row_start", I32), ("row_end", I32), ("plan", PTR)),
+    threads=lambda cfg: 1024)
 
 _ARCHS_WITH_FP8_MMA = ("sm_89", "sm_90", "sm_100", "sm_103", "sm_110", "sm_120", "sm_121")  # m16n8k32 e4m3 compiles
 _LAYOUT_KEY_FP8 = {"bf16": 0, "fp8": 1, "contiguous": 0}
@@ -178,6 +186,9 @@ DECODE = launch.register(launch.Family(
 PLAN = launch.register(launch.Family(
     "paged_mqa_logits_plan", problems=[()], select=lambda problem, arch: PLAN_KERNEL.config(),
     serves=lambda cfg, problem: True))
+VARLEN_PLAN = launch.register(launch.Family(
+    "mqa_logits_plan", problems=[()], select=lambda problem, arch: VARLEN_PLAN_KERNEL.config(),
+    serves=lambda cfg, problem: True))
 
 
 # sm_90 prefill with bf16 keys (contiguous or paged): the wgmma kernel of kernels/mqa_logits_sm90.cuh, 4 query
@@ -201,9 +212,9 @@ def _sm90_prefill_smem(cfg) -> int:
 SM90_PREFILL_KERNEL = launch.Kernel(
     _SRC, "mqa_logits_sm90_prefill_kernel", params=("QFp8", "Paged", "Stages", "Split", "WGs", "Sched"),
     host={"parts": 0},             # CTAs per 4-row tile (0: enough to fill a few waves)
-    args=(("q", PTR), ("weights", PTR), ("kv", PTR), ("kv_pages", I64), ("block_table", PTR), ("bt_width", I32),
-          ("ks", PTR), ("ke", PTR), ("row_start", I32), ("row_end", I32), ("num_keys", I32), ("out", PTR),
-          ("out_stride", I64), ("width", I32), ("compressed", I32), ("clean", I32)),
+    args=(("q", PTR), ("weights", PTR), ("kv", PTR), ("kv_pages", I64), ("block_table", PTR), ("bt_stride", I64),
+          ("bt_width", I32), ("ks", PTR), ("ke", PTR), ("row_start", I32), ("row_end", I32), ("num_keys", I32),
+          ("out", PTR), ("out_stride", I64), ("width", I32), ("compressed", I32), ("clean", I32)) + _VARLEN_ARGS,
     threads=lambda cfg: 128 * cfg.WGs, smem=_sm90_prefill_smem, smem_check="dsa::sm90::PrefillSmem<{Stages}>::kBytes")
 
 
@@ -221,25 +232,27 @@ def _prefill(layout: str, q_fp8: int, *, rows: int = 4, prefetch: int = 0, mma8:
 
 
 def _select_prefill(problem, arch):
-    layout, q_fp8 = problem
+    layout, q_fp8, _varlen = problem
     if layout != "fp8" and arch == "sm_90":
         return _sm90_prefill(layout, q_fp8)
     return _prefill(layout, q_fp8)
 
 
 def _prefill_serves(cfg, problem) -> bool:
-    layout, q_fp8 = problem
+    layout, q_fp8, varlen = problem
     if cfg.kernel is SM90_PREFILL_KERNEL:
         return layout != "fp8" and cfg.QFp8 == q_fp8 and cfg.Paged == int(layout != "contiguous")
     return (cfg.KeyFp8 == _LAYOUT_KEY_FP8[layout] and cfg.QFp8 == q_fp8
-            and cfg.Paged == int(layout != "contiguous"))
+            and cfg.Paged == int(layout != "contiguous") and (not varlen or cfg.Rows == _VARLEN_TILE_ROWS))
 
 
 _SM90_PREFILL_EXPERIMENTAL = ((4, 1, 4, 2), (4, 1, 4, 0), (4, 2, 2, 2), (3, 1, 2, 2))
 
 
 def _prefill_experimental(arch):
-    for layout, q_fp8 in PREFILL.problems:
+    for layout, q_fp8, varlen in PREFILL.problems:
+        if varlen:
+            continue  # the same configs as the single-request problem (4-row tiles)
         if layout != "fp8" and arch == "sm_90":
             for config in _SM90_PREFILL_EXPERIMENTAL:
                 yield _sm90_prefill(layout, q_fp8, config)
@@ -253,8 +266,10 @@ def _prefill_experimental(arch):
                 yield _prefill(layout, q_fp8, rows=rows, mma8=1)
 
 
+# Problems: (key layout, q fp8, varlen); varlen = several requests' rows in one launch (paged caches only).
 PREFILL = launch.register(launch.Family(
-    "mqa_logits", problems=[(layout, q_fp8) for layout in ("contiguous", "bf16", "fp8") for q_fp8 in (1, 0)],
+    "mqa_logits", problems=[(layout, q_fp8, varlen) for layout in ("contiguous", "bf16", "fp8") for q_fp8 in (1, 0)
+                            for varlen in (0, 1) if not (varlen and layout == "contiguous")],
     select=_select_prefill, serves=_prefill_serves, experimental=_prefill_experimental))
 
 
@@ -262,11 +277,12 @@ def product_instantiations(arch: str, *, q_fp8=(1,), next_ns=(1,), layouts=("bf1
     """The name expressions (of ``mqa_logits.cu``) that decode and paged prefill launch on ``arch`` for these q
     dtypes (1 = fp8, 0 = bf16), next_n values and cache layouts: what a server warms up (the rest compiles on
     first use)."""
-    ex = [PLAN.select((), arch).expr]
+    ex = [PLAN.select((), arch).expr, VARLEN_PLAN.select((), arch).expr]
     for layout in layouts:
         for qf in q_fp8:
             ex += [DECODE.select((layout, qf, nn), arch).expr for nn in next_ns]
-            ex.append(PREFILL.select((layout, qf), arch).expr)
+            ex += [PREFILL.select((layout, qf, varlen), arch).expr
+                   for varlen in ((0,) if layout == "contiguous" else (0, 1))]
     return list(dict.fromkeys(ex))
 
 
@@ -379,7 +395,9 @@ def _check_plan_args(context_lens, next_n, out):
     return B, next_n
 
 
-def _check_prefill(q, kv, weights, ks, ke, block_table, max_seqlen_k, rows):
+def _check_prefill(q, kv, weights, ks, ke, block_table, max_seqlen_k, rows, cu_rows=None):
+    """Host checks of a prefill call; returns (layout, block table, num_keys, width, start, end, cu_rows): the
+    block table is 1-D for one request, 2-D [batch, max_pages] with ``cu_rows`` (varlen)."""
     check_dtype("q", q, _Q_DTYPES)
     if q.dim() != 3 or q.shape[1] != N_HEADS or q.shape[2] != HEAD_DIM:
         raise ValueError(f"q: expected shape [T, {N_HEADS}, {HEAD_DIM}], got {tuple(q.shape)}")
@@ -389,6 +407,8 @@ def _check_prefill(q, kv, weights, ks, ke, block_table, max_seqlen_k, rows):
     if not isinstance(kv, torch.Tensor):
         raise TypeError(f"kv: expected a torch.Tensor, got {type(kv).__name__}")
     if block_table is None:
+        if cu_rows is not None:
+            raise ValueError("cu_rows: several requests need a paged cache and its block_table [batch, max_pages]")
         if kv.dtype != torch.bfloat16:
             raise TypeError(f"kv: expected contiguous bfloat16 keys [S, {HEAD_DIM}] (or a paged cache with "
                             f"block_table=), got dtype {kv.dtype}")
@@ -405,17 +425,28 @@ def _check_prefill(q, kv, weights, ks, ke, block_table, max_seqlen_k, rows):
         check_device("kv", kv, device, "q")
         check_contiguous("kv", kv)
         check_dtype("block_table", block_table, (torch.int32,))
-        if block_table.dim() == 2 and block_table.shape[0] == 1:
-            bt = block_table[0]
-        elif block_table.dim() == 1:
+        if cu_rows is not None:
+            cu_rows = _check_cu_rows(cu_rows, T, device)
+            B = cu_rows.shape[0] - 1
+            if block_table.dim() != 2 or block_table.shape[0] < B:
+                raise ValueError(f"block_table: expected shape [{B}, max_pages] (one row per request of cu_rows), "
+                                 f"got {tuple(block_table.shape)}")
             bt = block_table
+            if bt.shape[1] > 0 and bt.stride(1) != 1:
+                raise ValueError(f"block_table: expected stride(1) == 1, got strides {block_table.stride()}")
+            num_keys = bt.shape[1] * PAGE_SLOTS
         else:
-            raise ValueError(f"block_table: expected shape [num_pages] or [1, num_pages] (one request), "
-                             f"got {tuple(block_table.shape)}")
-        if bt.shape[0] > 0 and bt.stride(0) != 1:
-            raise ValueError(f"block_table: expected unit stride along pages, got strides {block_table.stride()}")
+            if block_table.dim() == 2 and block_table.shape[0] == 1:
+                bt = block_table[0]
+            elif block_table.dim() == 1:
+                bt = block_table
+            else:
+                raise ValueError(f"block_table: expected shape [num_pages] or [1, num_pages] (one request; several "
+                                 f"requests take cu_rows=), got {tuple(block_table.shape)}")
+            if bt.shape[0] > 0 and bt.stride(0) != 1:
+                raise ValueError(f"block_table: expected unit stride along pages, got strides {block_table.stride()}")
+            num_keys = bt.shape[0] * PAGE_SLOTS
         check_device("block_table", block_table, device, "q")
-        num_keys = bt.shape[0] * PAGE_SLOTS
     check_dtype("weights", weights, (torch.float32,))
     if tuple(weights.shape) != (T, N_HEADS):
         raise ValueError(f"weights: expected shape {(T, N_HEADS)}, got {tuple(weights.shape)}")
@@ -428,17 +459,48 @@ def _check_prefill(q, kv, weights, ks, ke, block_table, max_seqlen_k, rows):
         check_device(name, t, device, "q")
         check_contiguous(name, t)
     max_seqlen_k = check_int("max_seqlen_k", max_seqlen_k)
-    if rows is None:
-        start, end = 0, T
-    else:
-        try:
-            start, end = (int(v) for v in rows)
-        except (TypeError, ValueError):
-            raise TypeError(f"rows: expected a (start, end) pair of ints, got {rows!r}") from None
-        if not 0 <= start <= end <= T:
-            raise ValueError(f"rows: expected 0 <= start <= end <= {T}, got {rows!r}")
+    start, end = _check_rows(rows, T)
     width = max_seqlen_k if max_seqlen_k > 0 else num_keys
-    return layout, bt, num_keys, width, start, end
+    return layout, bt, num_keys, width, start, end, cu_rows
+
+
+def _check_rows(rows, T):
+    if rows is None:
+        return 0, T
+    try:
+        start, end = (int(v) for v in rows)
+    except (TypeError, ValueError):
+        raise TypeError(f"rows: expected a (start, end) pair of ints, got {rows!r}") from None
+    if not 0 <= start <= end <= T:
+        raise ValueError(f"rows: expected 0 <= start <= end <= {T}, got {rows!r}")
+    return start, end
+
+
+def _check_cu_rows(cu_rows, T, device):
+    """cu_rows: int32 [batch + 1] row offsets (request b owns rows [cu_rows[b], cu_rows[b + 1])). Values are
+    checked when they are on the host (a CPU tensor for a CUDA call is then copied to q's device); a device
+    tensor is taken as it is (a check would sync) and the kernels clip every request to the launch's rows."""
+    if not isinstance(cu_rows, torch.Tensor):
+        raise TypeError(f"cu_rows: expected an int32 torch.Tensor [batch + 1], got {type(cu_rows).__name__}")
+    check_dtype("cu_rows", cu_rows, (torch.int32,))
+    if cu_rows.dim() != 1 or cu_rows.shape[0] < 1:
+        raise ValueError(f"cu_rows: expected shape [batch + 1] (row offsets, batch >= 0), got {tuple(cu_rows.shape)}")
+    check_contiguous("cu_rows", cu_rows)
+    if cu_rows.device.type == "cpu":
+        v = cu_rows.to(torch.int64)
+        if cu_rows.shape[0] > 1 and bool((v[1:] < v[:-1]).any()):
+            raise ValueError(f"cu_rows: expected non-decreasing row offsets, got {cu_rows.tolist()[:16]}")
+        if int(v[0]) < 0 or int(v[-1]) > T:
+            raise ValueError(f"cu_rows: expected offsets within [0, {T}] (the rows of q), got first {int(v[0])}, "
+                             f"last {int(v[-1])}")
+        if device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                raise ValueError("cu_rows: a host tensor cannot be copied during CUDA-graph capture; pass it on "
+                                 "q's device")
+            cu_rows = cu_rows.to(device)
+    else:
+        check_device("cu_rows", cu_rows, device, "q")
+    return cu_rows
 
 
 # --------------------------------------------------------------------------------------------------
@@ -515,11 +577,14 @@ def paged_mqa_logits_reference(q, kv_cache, weights, context_lens, block_table, 
     return out
 
 
-def mqa_logits_reference(q, kv, weights, ks, ke, *, block_table=None, max_seqlen_k=0, clean_logits=True,
-                         rows=None, out=None):
-    """Torch reference of :func:`mqa_logits` (any device; writes -inf to every masked column)."""
-    layout, bt, num_keys, width, start, end = _check_prefill(q, kv, weights, ks, ke, block_table,
-                                                            max_seqlen_k, rows)
+def mqa_logits_reference(q, kv, weights, ks, ke, *, block_table=None, cu_rows=None, plan=None, max_seqlen_k=0,
+                         clean_logits=True, rows=None, out=None):
+    """Torch reference of :func:`mqa_logits` (any device; writes -inf to every masked column, and to the rows
+    of no request of ``cu_rows``; a ``plan`` is checked, not needed)."""
+    layout, bt, num_keys, width, start, end, cu_rows = _check_prefill(q, kv, weights, ks, ke, block_table,
+                                                                      max_seqlen_k, rows, cu_rows)
+    if plan is not None:
+        _check_varlen_plan(plan, cu_rows, q.device)
     out = _alloc_out(out, end - start, width, q.device)
     out.fill_(_NEG_INF)
     if width == 0 or end == start:
@@ -529,42 +594,54 @@ def mqa_logits_reference(q, kv, weights, ks, ke, *, block_table=None, max_seqlen
     ke_l = ke.long().cpu()
     if layout != "contiguous":
         values, scales = _key_source(layout, kv)
-    for r0 in range(start, end, _REF_ROW_CHUNK):
-        r1 = min(end, r0 + _REF_ROW_CHUNK)
-        lo = ks_l[r0:r1].clamp(0, num_keys)
-        hi = torch.minimum(ke_l[r0:r1], torch.tensor(num_keys)).clamp_min(0)
-        nonempty = hi > lo
-        if not bool(nonempty.any()):
-            continue
-        k_lo = int(lo[nonempty].min())
-        k_hi = int(hi[nonempty].max())
-        qf = q[r0:r1].float()
-        wf = weights[r0:r1]
-        lo_d, hi_d = lo.to(q.device), hi.to(q.device)
-        for c0 in range(k_lo - k_lo % PAGE_SLOTS, k_hi, _REF_KEY_CHUNK):
-            c1 = min(k_hi, c0 + _REF_KEY_CHUNK)
-            if layout == "contiguous":
-                k = kv[c0:c1].float()
-                s = torch.ones(c1 - c0, dtype=torch.float32, device=q.device)
-                valid = torch.ones(c1 - c0, dtype=torch.bool, device=q.device)
-            else:
-                p0, p1 = c0 // PAGE_SLOTS, _ceil_div(c1, PAGE_SLOTS)
-                k, s, valid = _gather_pages(values, scales, bt[p0:p1], kv.shape[0])
-                k, s, valid = k[: c1 - c0], s[: c1 - c0], valid[: c1 - c0]
-            vals = _head_sum(qf, wf, k, s)                                       # [rows, c1-c0]
-            pos = torch.arange(c0, c1, device=q.device)
-            vis = (pos[None, :] >= lo_d[:, None]) & (pos[None, :] < hi_d[:, None]) & valid[None, :]
-            vals = torch.where(vis, vals, torch.full_like(vals, _NEG_INF))
-            if not compressed:
-                out[r0 - start:r1 - start, c0:c1] = vals
+
+    def fill(bt, lo_row, hi_row):
+        """Rows [lo_row, hi_row) of one request (block table ``bt``) into out."""
+        for r0 in range(lo_row, hi_row, _REF_ROW_CHUNK):
+            r1 = min(hi_row, r0 + _REF_ROW_CHUNK)
+            lo = ks_l[r0:r1].clamp(0, num_keys)
+            hi = torch.minimum(ke_l[r0:r1], torch.tensor(num_keys)).clamp_min(0)
+            nonempty = hi > lo
+            if not bool(nonempty.any()):
                 continue
-            for i in range(r1 - r0):                  # column c of row i holds key ks[i] + c
-                if not bool(nonempty[i]):
+            k_lo = int(lo[nonempty].min())
+            k_hi = int(hi[nonempty].max())
+            qf = q[r0:r1].float()
+            wf = weights[r0:r1]
+            lo_d, hi_d = lo.to(q.device), hi.to(q.device)
+            for c0 in range(k_lo - k_lo % PAGE_SLOTS, k_hi, _REF_KEY_CHUNK):
+                c1 = min(k_hi, c0 + _REF_KEY_CHUNK)
+                if layout == "contiguous":
+                    k = kv[c0:c1].float()
+                    s = torch.ones(c1 - c0, dtype=torch.float32, device=q.device)
+                    valid = torch.ones(c1 - c0, dtype=torch.bool, device=q.device)
+                else:
+                    p0, p1 = c0 // PAGE_SLOTS, _ceil_div(c1, PAGE_SLOTS)
+                    k, s, valid = _gather_pages(values, scales, bt[p0:p1], kv.shape[0])
+                    k, s, valid = k[: c1 - c0], s[: c1 - c0], valid[: c1 - c0]
+                vals = _head_sum(qf, wf, k, s)                                       # [rows, c1-c0]
+                pos = torch.arange(c0, c1, device=q.device)
+                vis = (pos[None, :] >= lo_d[:, None]) & (pos[None, :] < hi_d[:, None]) & valid[None, :]
+                vals = torch.where(vis, vals, torch.full_like(vals, _NEG_INF))
+                if not compressed:
+                    out[r0 - start:r1 - start, c0:c1] = vals
                     continue
-                off = int(ks_l[r0 + i])
-                a, b_ = max(c0, int(lo[i])), min(c1, int(hi[i]), off + width)
-                if b_ > a:
-                    out[r0 - start + i, a - off:b_ - off] = vals[i, a - c0:b_ - c0]
+                for i in range(r1 - r0):                  # column c of row i holds key ks[i] + c
+                    if not bool(nonempty[i]):
+                        continue
+                    off = int(ks_l[r0 + i])
+                    a, b_ = max(c0, int(lo[i])), min(c1, int(hi[i]), off + width)
+                    if b_ > a:
+                        out[r0 - start + i, a - off:b_ - off] = vals[i, a - c0:b_ - c0]
+
+    if cu_rows is None:
+        fill(bt, start, end)
+        return out
+    offsets = cu_rows.tolist()
+    for b in range(len(offsets) - 1):
+        lo_row, hi_row = max(offsets[b], start), min(offsets[b + 1], end)
+        if hi_row > lo_row:
+            fill(bt[b], lo_row, hi_row)
     return out
 
 
@@ -655,26 +732,96 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_contex
     return out
 
 
-def mqa_logits(q, kv, weights, ks, ke, *, block_table=None, max_seqlen_k=0, clean_logits=True, rows=None,
-               out=None):
-    """Prefill logits of one request: row ``i`` sees key columns ``j in [ks[i], ke[i])``.
+def mqa_logits_plan(cu_rows, *, rows=None, out=None):
+    """The tile plan of a varlen :func:`mqa_logits` call: int64 ``[batch + 1]``, entry ``b`` = the 4-row tiles of
+    the requests before ``b``, request ``b`` owning rows ``[cu_rows[b], cu_rows[b + 1])`` clipped to ``rows``.
 
-    q: fp8 e4m3 or bf16 ``[T, 64, 128]``. kv: contiguous bf16 keys ``[S, 128]``, or a paged cache (either
-    layout) with ``block_table`` int32 ``[num_pages]`` / ``[1, num_pages]`` of this request (S = num_pages*64).
-    weights: fp32 ``[T, 64]``; ks, ke: int32 ``[T]``.
+    cu_rows: int32 ``[batch + 1]`` on the device of the call. One small kernel (no host sync, capturable); build
+    it once per forward (and row chunk: pass the chunk's ``rows``, the same as the logits call's) and reuse it
+    for every layer. ``out`` reuses a plan buffer.
+    """
+    start, end = (0, 2**31 - 1) if rows is None else _check_rows(rows, 2**31 - 1)
+    _check_plan_cu_rows(cu_rows)
+    B = cu_rows.shape[0] - 1
+    if out is not None:
+        _check_varlen_plan(out, cu_rows, cu_rows.device)
+    if not cu_rows.is_cuda:
+        return mqa_logits_plan_reference(cu_rows, rows=rows, out=out)
+    if out is None:
+        out = torch.empty(B + 1, dtype=torch.int64, device=cu_rows.device)
+    cfg = VARLEN_PLAN.select((), runtime.device_arch(cu_rows.device.index))
+    cfg.launch(cu_rows.device, (1, 1, 1), cu_rows=cu_rows, batch=B, row_start=start, row_end=end, plan=out)
+    return out
+
+
+def mqa_logits_plan_reference(cu_rows, *, rows=None, out=None):
+    """Torch reference of :func:`mqa_logits_plan` (any device)."""
+    start, end = (0, 2**31 - 1) if rows is None else _check_rows(rows, 2**31 - 1)
+    _check_plan_cu_rows(cu_rows)
+    v = cu_rows.to(torch.int64)
+    lo = v[:-1].clamp_min(start)
+    hi = torch.maximum(lo, v[1:].clamp_max(end))
+    tiles = (hi - lo + _VARLEN_TILE_ROWS - 1) // _VARLEN_TILE_ROWS
+    if out is None:
+        out = torch.empty(cu_rows.shape[0], dtype=torch.int64, device=cu_rows.device)
+    out[0] = 0
+    torch.cumsum(tiles, 0, out=out[1:])
+    return out
+
+
+def _check_plan_cu_rows(cu_rows):
+    if not isinstance(cu_rows, torch.Tensor):
+        raise TypeError(f"cu_rows: expected an int32 torch.Tensor [batch + 1], got {type(cu_rows).__name__}")
+    check_dtype("cu_rows", cu_rows, (torch.int32,))
+    if cu_rows.dim() != 1 or cu_rows.shape[0] < 1:
+        raise ValueError(f"cu_rows: expected shape [batch + 1] (row offsets, batch >= 0), got {tuple(cu_rows.shape)}")
+    check_contiguous("cu_rows", cu_rows)
+
+
+def _check_varlen_plan(plan, cu_rows, device):
+    if cu_rows is None:
+        raise ValueError("plan: a plan (mqa_logits_plan) goes with cu_rows= (several requests)")
+    B = cu_rows.shape[0] - 1
+    if not isinstance(plan, torch.Tensor):
+        raise TypeError(f"plan: expected the torch.Tensor of mqa_logits_plan, got {type(plan).__name__}")
+    if plan.dtype != torch.int64 or tuple(plan.shape) != (B + 1,):
+        raise ValueError(f"plan: expected int64 shape ({B + 1},) from mqa_logits_plan(cu_rows, rows=...), "
+                         f"got {plan.dtype} {tuple(plan.shape)}")
+    check_device("plan", plan, device, "q")
+    check_contiguous("plan", plan)
+
+
+def mqa_logits(q, kv, weights, ks, ke, *, block_table=None, cu_rows=None, plan=None, max_seqlen_k=0,
+               clean_logits=True, rows=None, out=None):
+    """Prefill logits: row ``i`` sees key columns ``j in [ks[i], ke[i])`` of its request's keys.
+
+    q: fp8 e4m3 or bf16 ``[T, 64, 128]``. weights: fp32 ``[T, 64]``; ks, ke: int32 ``[T]``.
+    One request: kv is contiguous bf16 keys ``[S, 128]``, or a paged cache (either layout) with ``block_table``
+    int32 ``[num_pages]`` / ``[1, num_pages]`` (S = num_pages*64).
+    Several requests in one launch (varlen, a multi-request extend): kv is a paged cache, ``cu_rows`` int32
+    ``[batch + 1]`` gives request ``b`` the rows ``[cu_rows[b], cu_rows[b + 1])`` (non-decreasing, within
+    ``[0, T]``), ``block_table`` int32 ``[batch, max_pages]`` holds its pages (S = max_pages*64, key ``j`` of
+    row ``i`` is key ``j`` of its request). Row tiles never hold two requests' rows. ``plan``: the call's
+    :func:`mqa_logits_plan` (built here when None; build it once per forward and reuse it across layers).
+    Rows of no request are not written.
 
     Returns fp32 ``[end-start, S]``, or ``[end-start, max_seqlen_k]`` when ``max_seqlen_k > 0`` (compressed:
     column ``c`` of row ``i`` holds key ``ks[i] + c``). ``rows=(start, end)`` computes query rows
-    ``start..end-1`` only. ``clean_logits``: columns outside ``[ks, ke)`` are -inf (else unspecified).
+    ``start..end-1`` only (a row chunk). ``clean_logits``: columns outside ``[ks, ke)`` are -inf (else
+    unspecified). No host sync (a CPU ``cu_rows`` is checked on the host and copied, outside graph capture).
     """
     if not q.is_cuda:
-        return mqa_logits_reference(q, kv, weights, ks, ke, block_table=block_table, max_seqlen_k=max_seqlen_k,
-                                    clean_logits=clean_logits, rows=rows, out=out)
-    layout, bt, num_keys, width, start, end = _check_prefill(q, kv, weights, ks, ke, block_table,
-                                                            max_seqlen_k, rows)
+        return mqa_logits_reference(q, kv, weights, ks, ke, block_table=block_table, cu_rows=cu_rows, plan=plan,
+                                    max_seqlen_k=max_seqlen_k, clean_logits=clean_logits, rows=rows, out=out)
+    layout, bt, num_keys, width, start, end, cu_rows = _check_prefill(q, kv, weights, ks, ke, block_table,
+                                                                      max_seqlen_k, rows, cu_rows)
+    varlen = cu_rows is not None
+    if plan is not None:
+        _check_varlen_plan(plan, cu_rows, q.device)
     out = _alloc_out(out, end - start, width, q.device)
     n_rows = end - start
-    if n_rows == 0 or width == 0:
+    batch = cu_rows.shape[0] - 1 if varlen else 1
+    if n_rows == 0 or width == 0 or batch == 0:
         return out
     compressed = max_seqlen_k > 0
     if compressed and clean_logits:
@@ -685,30 +832,40 @@ def mqa_logits(q, kv, weights, ks, ke, *, block_table=None, max_seqlen_k=0, clea
         return out
     check_aligned("q", q)
     check_aligned("kv", kv)
-    problem = (layout, int(q.dtype == _FP8))
+    problem = (layout, int(q.dtype == _FP8), int(varlen))
     arch = runtime.device_arch(q.device.index)
     cfg = PREFILL.select(problem, arch)
     n_sms, optin = _device_info(q.device.index)
     if cfg.smem > optin:
         raise ValueError(f"mqa_logits: {cfg} needs {cfg.smem} B of shared memory, the device has {optin} B")
     paged = layout != "contiguous"
+    bt_stride = bt.stride(0) if (varlen and bt.shape[1] > 0) else 0
+    bt_width = (bt.shape[1] if varlen else bt.shape[0]) if paged else 0
+    if varlen and plan is None:
+        plan = mqa_logits_plan(cu_rows, rows=(start, end))
+    varlen_args = dict(tile_plan=plan if varlen else None, cu_rows=cu_rows, batch=batch if varlen else 0)
+    # row tiles: a request adds at most one partial tile (the grid is an upper bound; extra CTAs exit)
+    tiles = _ceil_div(n_rows, _VARLEN_TILE_ROWS) + (batch if varlen else 0)
     if cfg.kernel is SM90_PREFILL_KERNEL:
         # one CTA per 4-row tile and part of its key blocks; parts fill a few waves when the rows are few
-        tiles = _ceil_div(n_rows, _SM90_PREFILL_ROWS)
+        if not varlen:
+            tiles = _ceil_div(n_rows, _SM90_PREFILL_ROWS)
         parts = cfg.parts or max(1, min(_ceil_div(3 * n_sms, tiles), _ceil_div(num_keys, 16 * PAGE_SLOTS)))
         cfg.launch(q.device, (tiles, min(parts, _MAX_GRID_Y), 1), q=q, weights=weights, kv=kv,
-                   kv_pages=kv.shape[0] if paged else 0, block_table=bt if paged else None,
-                   bt_width=bt.shape[0] if paged else 0, ks=ks, ke=ke, row_start=start, row_end=end,
-                   num_keys=num_keys, out=out, out_stride=out.stride(0), width=width, compressed=int(compressed),
-                   clean=int(clean_logits and not compressed))
+                   kv_pages=kv.shape[0] if paged else 0, block_table=bt if paged else None, bt_stride=bt_stride,
+                   bt_width=bt_width, ks=ks, ke=ke, row_start=start, row_end=end, num_keys=num_keys, out=out,
+                   out_stride=out.stride(0), width=width, compressed=int(compressed),
+                   clean=int(clean_logits and not compressed), **varlen_args)
         return out
     warps = cfg.block[0] // 32
-    tiles = _ceil_div(num_keys, _TILE_KEYS)
+    if not varlen:
+        tiles = _ceil_div(n_rows, cfg.Rows)
+    key_tiles = _ceil_div(num_keys, _TILE_KEYS)
     per_tile = _ceil_div(num_keys, max(_TILE_KEYS, cfg.keys_per_cta))
-    grid = (_ceil_div(n_rows, cfg.Rows), max(1, min(_ceil_div(tiles, warps), per_tile, _MAX_GRID_Y)), 1)
+    grid = (tiles, max(1, min(_ceil_div(key_tiles, warps), per_tile, _MAX_GRID_Y)), 1)
     cfg.launch(q.device, grid, q=q, weights=weights, kv=kv, kv_pages=kv.shape[0] if paged else 0,
-               block_table=bt if paged else None, bt_tile_stride=0, bt_width=bt.shape[0] if paged else 0, lens0=ks,
+               block_table=bt if paged else None, bt_tile_stride=bt_stride, bt_width=bt_width, lens0=ks,
                lens1=ke, mode=_MODE_KS_KE, row_start=start, row_end=end, num_keys=num_keys, out=out,
                out_stride=out.stride(0), width=width, compressed=int(compressed),
-               clean=int(clean_logits and not compressed))
+               clean=int(clean_logits and not compressed), **varlen_args)
     return out

@@ -164,6 +164,47 @@ __device__ __forceinline__ void fill_uncomputed_pages(const i64* __restrict__ pl
   }
 }
 
+// ---- prefill of several requests in one launch (varlen) ------------------------------------------
+// Request b owns the query rows [cu_rows[b], cu_rows[b + 1]) clipped to the launch's [row_start, row_end); they
+// are cut into tiles of kVarlenTileRows rows from the request's first row, so no tile holds two requests' rows
+// (each tile reads its own request's pages only). The plan (mqa_logits_plan) is int64 [batch + 1]: plan[b] =
+// the tiles of the requests before b. Row offsets are clipped, never trusted: a request that ends before it
+// starts is empty, and no row outside [row_start, row_end) is read or written, whatever cu_rows holds.
+constexpr int kVarlenTileRows = 4;
+
+__device__ __forceinline__ void varlen_request_rows(const int* __restrict__ cu_rows, int b, int row_start,
+                                                    int row_end, int& lo, int& hi) {
+  lo = max(cu_rows[b], row_start);
+  hi = max(lo, min(cu_rows[b + 1], row_end));
+}
+
+__device__ __forceinline__ i64 varlen_tiles(const int* __restrict__ cu_rows, int b, int row_start, int row_end) {
+  int lo, hi;
+  varlen_request_rows(cu_rows, b, row_start, row_end, lo, hi);
+  return (hi - lo + kVarlenTileRows - 1) / kVarlenTileRows;
+}
+
+// Tile x of a varlen launch: its request b and its rows [row0, rend) (at most kVarlenTileRows). False
+// (CTA-uniform) when x is past the plan's last tile. Called by every thread of the CTA: b = the requests
+// whose tiles end at or before x, one block-wide count per blockDim.x requests (the plan is non-decreasing).
+__device__ __forceinline__ bool varlen_tile(const i64* __restrict__ plan, const int* __restrict__ cu_rows,
+                                            int batch, int row_start, int row_end, i64 x, int& b, int& row0,
+                                            int& rend) {
+  if (batch <= 0 || x >= plan[batch]) return false;
+  int count = 0;
+  for (int base = 0; base < batch; base += blockDim.x) {
+    const int i = base + static_cast<int>(threadIdx.x) + 1;
+    count += __syncthreads_count(i <= batch && plan[min(i, batch)] <= x);
+  }
+  b = min(count, batch - 1);
+  int lo, hi;
+  varlen_request_rows(cu_rows, b, row_start, row_end, lo, hi);
+  const i64 k = x - plan[b];  // tile of request b
+  row0 = (k >= 0 && k * kVarlenTileRows < hi - lo) ? lo + static_cast<int>(k) * kVarlenTileRows : hi;
+  rend = hi;
+  return true;
+}
+
 // ---- mma helpers ----
 // Tensor-core tile D += A * B for mma.sync m16n8k16 with fp32 accumulate (sm_80+). Fragments (PTX ISA,
 // gid = lane / 4, t = lane % 4): A row-major {a0a1, a2a3, a4a5, a6a7} = rows {gid, gid+8, gid, gid+8},

@@ -285,12 +285,13 @@ struct Problem {
   int clean;
 };
 
-// Row tile `tile` (rows row_start + tile*Rows + i) against its key tiles in [t_lo, t_hi) (32 keys each): CTA
-// part `part` of `parts` takes every parts-th group of kWarps<Rows> tiles. Called by every thread of the CTA; uses
+// Rows row0 + i (i < Rows, row < rend) against their key tiles in [t_lo, t_hi) (32 keys each); `tile` picks the
+// block-table row (block_table + tile * bt_tile_stride) and, for 1-D causal lengths, lens0[tile]. CTA part
+// `part` of `parts` takes every parts-th group of kWarps<Rows> tiles. Called by every thread of the CTA; uses
 // the dynamic shared memory for q, so a second call needs a barrier first.
 template <int KeyFp8, int QFp8, int Rows, int Paged, int Prefetch, int L2Hint, int Mma8>
-__device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int t_lo, int t_hi, int part,
-                                                int parts) {
+__device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int row0, int rend, int t_lo, int t_hi,
+                                                int part, int parts) {
   const unsigned char* __restrict__ q = P.q;
   const float* __restrict__ weights = P.weights;
   const unsigned char* __restrict__ kv = P.kv;
@@ -300,7 +301,7 @@ __device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int 
   const int bt_width = P.bt_width;
   const int* __restrict__ lens0 = P.lens0;
   const int* __restrict__ lens1 = P.lens1;
-  const int mode = P.mode, row_start = P.row_start, row_end = P.row_end, num_keys = P.num_keys;
+  const int mode = P.mode, row_start = P.row_start, row_end = rend, num_keys = P.num_keys;
   float* __restrict__ out = P.out;
   const i64 out_stride = P.out_stride;
   const int width = P.width, compressed = P.compressed, clean = P.clean;
@@ -325,7 +326,6 @@ __device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int 
   __shared__ int s_lo[kMaxRows], s_hi[kMaxRows], s_off[kMaxRows];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int row0 = row_start + tile * Rows;
 
   // ---- per-row key ranges (every thread: a few cached loads) ----
   unsigned nonempty = 0;  // bit r: row r sees at least one key
@@ -544,11 +544,24 @@ __device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int 
 // (2: 256 B, 1: 128 B, 0: none). Mma8: fp8 keys x fp8 q on the e4m3 mma (1, sm_89+ targets) or
 // not (0), see the header. Warps: kWarps<Rows>; dynamic shared memory: kRowTileSmemBytes<Rows>.
 // Grid: x = row tile (the last first: causal prefill runs its heaviest tiles first), y = CTAs sharing its keys.
+// Varlen (tile_plan != null, Paged, Rows == kVarlenTileRows): the rows of `batch` requests (cu_rows, see
+// common.cuh), tile x of the plan holding rows of request x's request b only, its block-table row at
+// block_table + b * bt_tile_stride; grid x is an upper bound of the tiles (the ones past the plan exit).
 template <int KeyFp8, int QFp8, int Rows, int Paged, int Prefetch, int L2Hint, int Mma8>
 __global__ void __launch_bounds__(dsa::logits::kWarps<Rows> * 32, (dsa::logits::Config<Rows, Prefetch>::MinBlocks))
-    mqa_logits_kernel(DSA_LOGITS_ARGS) {
+    mqa_logits_kernel(DSA_LOGITS_ARGS, const long long* __restrict__ tile_plan, const int* __restrict__ cu_rows,
+                      int batch) {
+  const int x = gridDim.x - 1 - blockIdx.x;
+  int b = 0, row0 = row_start + x * Rows, rend = row_end;  // one request: tile x of [row_start, row_end)
+  if (tile_plan != nullptr) {
+    if constexpr (Paged && Rows == dsa::kVarlenTileRows) {
+      if (!dsa::varlen_tile(tile_plan, cu_rows, batch, row_start, row_end, x, b, row0, rend)) return;
+    } else {
+      __trap();  // the host launches varlen only on paged 4-row configs
+    }
+  }
   dsa::logits::logits_row_tile<KeyFp8, QFp8, Rows, Paged, Prefetch, L2Hint, Mma8>(
-      DSA_LOGITS_PROBLEM, gridDim.x - 1 - blockIdx.x, 0, 0x7fffffff, blockIdx.y, gridDim.y);
+      DSA_LOGITS_PROBLEM, b, row0, rend, 0, 0x7fffffff, blockIdx.y, gridDim.y);
 }
 
 // Paged decode with the balanced schedule: grid (C) = one wave, 4 warps, row tile = request b with its
@@ -563,23 +576,23 @@ __global__ void __launch_bounds__(128, MinBlocks)
   const dsa::logits::Problem P = DSA_LOGITS_PROBLEM;
   dsa::for_each_decode_segment(plan, batch, [&](int b, int p_begin, int p_end) {
     dsa::logits::logits_row_tile<KeyFp8, QFp8, Rows, 1, Prefetch, L2Hint, Mma8>(
-        P, b, 2 * p_begin, 2 * p_end, 0, 1);
+        P, b, b * Rows, P.row_end, 2 * p_begin, 2 * p_end, 0, 1);
   });
   if (clean) dsa::fill_uncomputed_pages(plan, batch, Rows, width, out, out_stride);
 }
 
-// The plan of a decode batch (common.cuh): plan[0] = 0, plan[b + 1] = plan[b] + decode_pages(b). One CTA of
-// 1024 threads, a block-wide inclusive scan per 1024 requests; lens as for the decode kernels.
-__global__ void __launch_bounds__(1024) paged_mqa_logits_plan_kernel(const int* __restrict__ lens, int lens_2d,
-                                                                     int batch, int next_n,
-                                                                     long long* __restrict__ plan) {
+namespace dsa {
+// plan[0] = 0, plan[b + 1] = plan[b] + count(b): one CTA of 1024 threads, a block-wide inclusive scan per 1024
+// requests (the plans of decode and varlen prefill).
+template <class Count>
+__device__ __forceinline__ void block_scan_plan(int batch, Count count, long long* __restrict__ plan) {
   __shared__ long long s_warp[32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid == 0) plan[0] = 0;
   long long carry = 0;
   for (int base = 0; base < batch; base += 1024) {
     const int b = base + tid;
-    long long x = b < batch ? dsa::decode_pages(lens, lens_2d, next_n, b) : 0;
+    long long x = b < batch ? count(b) : 0;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       const long long y = __shfl_up_sync(0xffffffffu, x, o);
@@ -601,6 +614,23 @@ __global__ void __launch_bounds__(1024) paged_mqa_logits_plan_kernel(const int* 
     carry += s_warp[31];
     __syncthreads();
   }
+}
+}  // namespace dsa
+
+// The plan of a decode batch (common.cuh): plan[b + 1] = plan[b] + decode_pages(b); lens as for the decode kernels.
+__global__ void __launch_bounds__(1024) paged_mqa_logits_plan_kernel(const int* __restrict__ lens, int lens_2d,
+                                                                     int batch, int next_n,
+                                                                     long long* __restrict__ plan) {
+  dsa::block_scan_plan(batch, [&](int b) -> long long { return dsa::decode_pages(lens, lens_2d, next_n, b); }, plan);
+}
+
+// The plan of a varlen prefill launch (common.cuh): plan[b + 1] = plan[b] + the 4-row tiles of request b's rows
+// within [row_start, row_end).
+__global__ void __launch_bounds__(1024) mqa_logits_plan_kernel(const int* __restrict__ cu_rows, int batch,
+                                                               int row_start, int row_end,
+                                                               long long* __restrict__ plan) {
+  dsa::block_scan_plan(batch, [&](int b) -> long long { return dsa::varlen_tiles(cu_rows, b, row_start, row_end); },
+                       plan);
 }
 #undef DSA_LOGITS_PROBLEM
 #undef DSA_LOGITS_ARGS

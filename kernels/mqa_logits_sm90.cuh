@@ -435,7 +435,8 @@ struct PrefillArgs {
   const float* weights;          // [T, 64]
   const unsigned char* kv;       // Paged: bf16 cache pages [kv_pages, 16384]; else keys [num_keys, 128] bf16
   long long kv_pages;
-  const int* block_table;        // Paged: [bt_width] (num_keys = 64 * bt_width)
+  const int* block_table;        // Paged: [bt_width] (num_keys = 64 * bt_width); varlen: [batch, bt_stride]
+  long long bt_stride;           // varlen: block-table row stride of a request
   int bt_width;
   const int* ks;                 // [T]: row i sees keys [ks[i], ke[i])
   const int* ke;
@@ -447,6 +448,9 @@ struct PrefillArgs {
   int width;                     // columns: num_keys, or max_seqlen_k when compressed
   int compressed;                // column = key - ks[row]
   int clean;                     // full width: -inf in every column a row does not see
+  const long long* tile_plan;    // varlen (non-null): the tiles of `batch` requests (common.cuh)
+  const int* cu_rows;            // varlen: request b owns rows [cu_rows[b], cu_rows[b + 1])
+  int batch;
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -488,26 +492,25 @@ __device__ __forceinline__ float row_pair_logit(const float* x0, const float* x1
   return v;
 }
 
-// Row tile `tile` (rows row_start + 4 tile + r), part `part` of `parts` of its key blocks. Called by all
-// 128 WGs threads of the CTA. Key group kg (= warpgroup / (WGs / 2)) takes the blocks p_begin + kg + 2 i; its
+// The row tile of rows row0 + r (r < 4, row < rend) against the paged keys of block-table row `bt` (or the
+// contiguous keys), part `part` of `parts` of its key blocks. Called by all 128 WGs threads of the CTA. Key group kg (= warpgroup / (WGs / 2)) takes the blocks p_begin + kg + 2 i; its
 // WGs / 2 warpgroups share them and split the rows. Sched 2: the key groups take turns issuing their wgmma
 // (named barriers 3 + kg), so one's epilogue runs under the other's tensor-core work.
 template <int QFp8, int Paged, int Stages, int Split, int WGs, int Sched>
-__device__ __forceinline__ void prefill_row_tile(const PrefillArgs& A, int tile, int part, int parts,
-                                                 unsigned char* smem_raw) {
+__device__ __forceinline__ void prefill_row_tile(const PrefillArgs& A, const int* __restrict__ bt, int row0,
+                                                 int rend, int part, int parts, unsigned char* smem_raw) {
   constexpr int R = kPrefillRows, N = R * kHeads;
   constexpr int kRowGroups = WGs / kPrefillKeyGroups;      // warpgroups per key group
   constexpr int RW = R / kRowGroups, NW = RW * kHeads;     // rows and B pairs per warpgroup
   constexpr int kGroupThreads = 128 * kRowGroups;
   static_assert((WGs == 2 || WGs == 4) && Stages >= 2 && RW % Split == 0 && (RW / Split) % 2 == 0, "config");
   constexpr int NC = NW / Split, RC = NC / 2, RPC = RW / Split;  // pairs, registers and rows per chunk
-  const int num_keys = A.num_keys, width = A.width, row_start = A.row_start, row_end = A.row_end;
+  const int num_keys = A.num_keys, width = A.width, row_start = A.row_start, row_end = rend;
   float* __restrict__ out = A.out;
   const i64 out_stride = A.out_stride;
   const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, warp = (tid >> 5) & 3;
   const int kg = wg / kRowGroups, rg = wg % kRowGroups, gtid = tid % kGroupThreads;
   const int t = lane & 3, gid = lane >> 2;
-  const int row0 = row_start + tile * R;
   const int valid_rows = min(R, row_end - row0);
   const float kNegInf = __int_as_float(0xff800000);
 
@@ -572,7 +575,7 @@ __device__ __forceinline__ void prefill_row_tile(const PrefillArgs& A, int tile,
   auto entry_of = [&](int j) -> int {
     if (!Paged) return j;
     if (j >= A.bt_width) return -1;
-    const int e = __ldg(A.block_table + j);
+    const int e = __ldg(bt + j);
     return (e >= 0 && static_cast<i64>(e) < A.kv_pages) ? e : -1;
   };
   // Issue this thread's share of block i's copies (if it exists and may be read) into its stage; always one
@@ -700,21 +703,32 @@ __global__ void __launch_bounds__(128, MinBlocks)
 #undef DSA_SM90_ARGS
 
 // Prefill of one request's query rows against its bf16 keys (contiguous [S, 128] or the paged cache through
-// its block table): grid (ceil(rows / 4), parts), block 256, shared memory PrefillSmem<Stages>::kBytes.
+// its block table): grid (ceil(rows / 4), parts), block 128 WGs, shared memory PrefillSmem<Stages>::kBytes.
+// Varlen (tile_plan != null, Paged): the rows of `batch` requests (cu_rows, common.cuh), tile x of the plan
+// holding rows of one request b only, read against its block-table row block_table + b * bt_stride; grid x
+// is an upper bound of the tiles (the ones past the plan exit).
 template <int QFp8, int Paged, int Stages, int Split, int WGs, int Sched>
 __global__ void __launch_bounds__(128 * WGs, 1)
     mqa_logits_sm90_prefill_kernel(const unsigned char* __restrict__ q, const float* __restrict__ weights,
                                    const unsigned char* __restrict__ kv, long long kv_pages,
-                                   const int* __restrict__ block_table, int bt_width, const int* __restrict__ ks,
-                                   const int* __restrict__ ke, int row_start, int row_end, int num_keys,
-                                   float* __restrict__ out, long long out_stride, int width, int compressed,
-                                   int clean) {
+                                   const int* __restrict__ block_table, long long bt_stride, int bt_width,
+                                   const int* __restrict__ ks, const int* __restrict__ ke, int row_start,
+                                   int row_end, int num_keys, float* __restrict__ out, long long out_stride,
+                                   int width, int compressed, int clean, const long long* __restrict__ tile_plan,
+                                   const int* __restrict__ cu_rows, int batch) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
-  const dsa::sm90::PrefillArgs A{q,        weights,  kv,  kv_pages,   block_table, bt_width, ks,         ke,
-                                 row_start, row_end, num_keys, out, out_stride, width,    compressed, clean};
-  dsa::sm90::prefill_row_tile<QFp8, Paged, Stages, Split, WGs, Sched>(A, gridDim.x - 1 - blockIdx.x, blockIdx.y, gridDim.y,
-                                                           smem_raw);
+  const dsa::sm90::PrefillArgs A{q,      weights,    kv,    kv_pages,  block_table, bt_stride, bt_width,
+                                 ks,     ke,         row_start, row_end, num_keys, out,     out_stride,
+                                 width,  compressed, clean, tile_plan, cu_rows,     batch};
+  const int x = gridDim.x - 1 - blockIdx.x;
+  static_assert(dsa::sm90::kPrefillRows == dsa::kVarlenTileRows, "varlen tiles are prefill row tiles");
+  int b = 0, row0 = row_start + x * dsa::sm90::kPrefillRows, rend = row_end;  // one request: tile x
+  if (tile_plan != nullptr &&
+      (!Paged || !dsa::varlen_tile(tile_plan, cu_rows, batch, row_start, row_end, x, b, row0, rend)))
+    return;
+  dsa::sm90::prefill_row_tile<QFp8, Paged, Stages, Split, WGs, Sched>(
+      A, block_table + static_cast<long long>(b) * bt_stride, row0, rend, blockIdx.y, gridDim.y, smem_raw);
 #else
   __trap();
 #endif

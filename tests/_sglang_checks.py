@@ -432,7 +432,9 @@ def _strictness_checks(plugin):
 # forward_c4_indexer: SGLang's own (fp8) vs hooked (bf16)
 # --------------------------------------------------------------------------------------------------
 
-def _indexer_setup(lens=(2000, 1500, 2560), topk=512, seed=None, one_request=False):
+def _indexer_setup(lens=(2000, 1500, 2560), topk=512, seed=None, one_request=False, groups=None):
+    """groups: rows per request (consecutive rows of a request share its page table), as SGLang lays out an
+    extend or a verify batch; one_request = one group of every row."""
     if seed is None:
         seed = int(os.environ.get("CUPY_DSA_SEED", "0"))
     from sglang.srt.layers.attention.dsa.dsa_topk_backend import DSATopKBackend
@@ -457,8 +459,13 @@ def _indexer_setup(lens=(2000, 1500, 2560), topk=512, seed=None, one_request=Fal
     q = torch.randn(rows, 64, 128, generator=g).to(torch.float8_e4m3fn)
     w = torch.rand(rows, 64, generator=g)
     page_table = torch.stack([torch.randperm(n_pages, generator=g) for _ in range(rows)]).to(torch.int32)
-    if one_request:  # prefill rows of one request share its page table
-        page_table = page_table[:1].expand(rows, -1).contiguous()
+    if one_request:
+        groups = (rows,)
+    if groups is not None:  # rows of one request share its page table
+        assert sum(groups) == rows
+        first = torch.repeat_interleave(torch.tensor([sum(groups[:i]) for i in range(len(groups))]),
+                                        torch.tensor(groups))
+        page_table = page_table[first].contiguous()
     seq_lens = torch.tensor(lens, dtype=torch.int32)
 
     # the reference: top-k of fp32-key logits over each row's pages
@@ -490,6 +497,10 @@ def _indexer_setup(lens=(2000, 1500, 2560), topk=512, seed=None, one_request=Fal
             self.forward_metadata = types.SimpleNamespace(indexer_metadata=im, core_metadata=cm)
             self.forward_batch = types.SimpleNamespace(forward_mode=mode_, batch_size=batch,
                                                        _original_forward_mode=None, tbo_parent_token_range=None)
+            if groups is not None:
+                self.forward_batch.extend_seq_lens = torch.tensor(groups, dtype=torch.int32)
+                self.forward_batch.extend_seq_lens_cpu = list(groups)
+                self.speculative_num_draft_tokens = groups[0]
 
         def _forward_prepare_normal(self, **kw):
             return q, w[:, :, None]
@@ -529,19 +540,22 @@ def _indexer_checks(plugin):
         exp = torch.where(raw >= 0, page_table.long().gather(1, (raw.clamp(min=0) // 64)) * 64 + raw % 64, -1)
         assert torch.equal(bf16_md.c4_sparse_page_indices.long(), exp)
 
-    @check
-    def indexer_prefill_kernel_path():
+    def _route_run(mode_, batch, **setup):
+        """Run the hooked forward in mode_ with spies on the three logits routes; (metadata, routes taken, the
+        top-k of the same rows through the one-row-per-token route)."""
         from sglang.srt.layers.attention.dsv4 import indexer as ix
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-        run, ref_sets, bf16_pool, _, lens = _indexer_setup(one_request=True)
-        paged_md, _ = run(bf16_pool)
-        calls = []
-        real_prefill = plugin.core.prefill_logits
+        run, _, bf16_pool, _, _ = _indexer_setup(**setup)
+        rows_md, _ = run(bf16_pool)  # DECODE: every row its own request (SGLang's paged path as it calls it)
+        taken = []
+        real = {name: getattr(plugin.core, name) for name in ("paged_logits", "verify_logits", "extend_logits")}
 
-        def spy(*a, **k):
-            calls.append(a[-1])
-            return real_prefill(*a, **k)
+        def spy(name):
+            def f(*a, **k):
+                taken.append(name)
+                return real[name](*a, **k)
+            return f
 
         def nonpaged_reader(*a, **k):
             raise AssertionError("SGLang's fp8 non-paged reader was consulted with bf16 keys")
@@ -549,24 +563,48 @@ def _indexer_checks(plugin):
         orig_gp = ix.get_parallel
         mixin = ix.C4IndexerBackendMixin
         orig_np = mixin._can_use_nonpaged_indexer, mixin._get_nonpaged_indexer_plan
-        plugin.core.prefill_logits = spy
+        for name in real:
+            setattr(plugin.core, name, spy(name))
         ix.get_parallel = lambda: types.SimpleNamespace(attn_cp_size=1)
         mixin._can_use_nonpaged_indexer = mixin._get_nonpaged_indexer_plan = nonpaged_reader
-        # SGLANG_OPT_DSV4_NONPAGED_INDEXER is unset (SGLang's default: on): the plugin does not need to turn
-        # it off, because only SGLang's own forward_c4_indexer body reaches the non-paged reader
-        assert "SGLANG_OPT_DSV4_NONPAGED_INDEXER" not in os.environ
-        os.environ["SGLANG_OPT_DSV4_NONPAGED_INDEXER_MIN_QUERY_TOKENS"] = "2"
         try:
-            md, _ = run(bf16_pool, ForwardMode.EXTEND, 1)
+            md, _ = run(bf16_pool, mode_, batch)
         finally:
-            plugin.core.prefill_logits = real_prefill
+            for name, f in real.items():
+                setattr(plugin.core, name, f)
             ix.get_parallel = orig_gp
             mixin._can_use_nonpaged_indexer, mixin._get_nonpaged_indexer_plan = orig_np
-            del os.environ["SGLANG_OPT_DSV4_NONPAGED_INDEXER_MIN_QUERY_TOKENS"]
-        assert calls, "single-request extend did not take the mqa_logits path"
         got = [set(r.tolist()) - {-1} for r in md.c4_sparse_raw_indices]
-        exp = [set(r.tolist()) - {-1} for r in paged_md.c4_sparse_raw_indices]
-        assert got == exp, "prefill-kernel top-k differs from the paged-kernel top-k"
+        exp = [set(r.tolist()) - {-1} for r in rows_md.c4_sparse_raw_indices]
+        return got, exp, taken
+
+    @check
+    def indexer_extend_varlen_path():
+        # a multi-request extend (3 requests, one of one row) runs as one varlen mqa_logits launch; a single
+        # request above SGLang's non-paged threshold too (the fp8 non-paged reader is never consulted)
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        assert "SGLANG_OPT_DSV4_NONPAGED_INDEXER" not in os.environ
+        lens = (900, 901, 1300, 600, 601, 602, 2000)
+        got, exp, taken = _route_run(ForwardMode.EXTEND, 3, lens=lens, groups=(2, 4, 1))
+        assert taken == ["extend_logits"], taken
+        assert got == exp, "varlen top-k differs from the one-row-per-token top-k"
+        got, exp, taken = _route_run(ForwardMode.EXTEND, 1, lens=(700, 701, 702, 703, 1500), one_request=True)
+        assert taken == ["extend_logits"] and got == exp, taken
+
+    @check
+    def indexer_verify_grouped_path():
+        # uniform target verify (n draft rows per request, one page-table row each) runs as next_n = n requests
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        for n in (2, 4):
+            lens = tuple(1000 + 300 * b + (r + 1) // 2 for b in range(3) for r in range(n))
+            got, exp, taken = _route_run(ForwardMode.TARGET_VERIFY, 3, lens=lens, groups=(n,) * 3)
+            assert taken == ["verify_logits"], (n, taken)
+            assert got == exp, f"grouped verify (n={n}) top-k differs from the one-row-per-token top-k"
+        # rows that are not whole requests of n: the one-row-per-token route
+        got, exp, taken = _route_run(ForwardMode.TARGET_VERIFY, 2, lens=(900, 901, 902), groups=(2, 1))
+        assert taken == ["paged_logits"] and got == exp, taken
 
     @check
     def indexer_small_rows_and_padding():

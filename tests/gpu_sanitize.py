@@ -103,6 +103,16 @@ def run_prefill():
             cupy_dsa.mqa_logits(q, cache, w, ks, ke.clamp(max=4 * 64), block_table=bt, max_seqlen_k=100,
                                 clean_logits=False, rows=(3, 30))
             n += 2
+            # varlen: 4 requests (one empty, one row), invalid entries, the plan built inside and given,
+            # offsets past the rows (a device tensor is clipped, never trusted), a row chunk
+            bt2 = torch.randint(-1, P + 1, (4, 4), dtype=torch.int32, device=dev)
+            cu = torch.tensor([0, 9, 9, 10, 37], dtype=torch.int32, device=dev)
+            cupy_dsa.mqa_logits(q, cache, w, ks, ke, block_table=bt2, cu_rows=cu, clean_logits=True)
+            cupy_dsa.mqa_logits(q, cache, w, ks, ke, block_table=bt2, cu_rows=cu, clean_logits=False, rows=(5, 30),
+                                plan=cupy_dsa.mqa_logits_plan(cu, rows=(5, 30)))
+            bad = torch.tensor([0, 30, 12, 99, 40], dtype=torch.int32, device=dev)
+            cupy_dsa.mqa_logits(q, cache, w, ks, ke, block_table=bt2, cu_rows=bad, clean_logits=False)
+            n += 3
             if layout == "bf16":
                 S = 201                                         # not a multiple of 64: no read past S
                 kv = torch.randn(S, 128, device=dev).to(torch.bfloat16)

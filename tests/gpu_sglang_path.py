@@ -24,9 +24,10 @@ that needs a CUDA package or JIT this machine does not have:
   test-only stub (``tests/_sglang_env.py``) whose functions raise if anything calls them.
 
 Phases, each on both devices with the same inputs: the prompt's index keys stored through an extend plan;
-an extend batch of three requests of mixed lengths (paged kernel); a one-request extend (prefill kernel);
-decode; next_n 2 target verify; then decode in one ``torch.cuda.graph`` capture (two C4 layers sharing the
-batch's balanced schedule) replayed twice with new lengths and inputs. Checked: cache bytes (<= 1 bf16 ulp,
+an extend batch of three requests with different prefixes (one none) and new-token counts (one varlen
+launch); a one-request extend (varlen); decode (rows); target verify with next_n 2 and 4 (grouped); decode in
+one ``torch.cuda.graph`` capture (two C4 layers sharing the batch's balanced schedule) replayed twice with new
+lengths and inputs; then next_n 4 target verify captured once and replayed twice with new lengths. Checked: cache bytes (<= 1 bf16 ulp,
 same slots written), logits (valid columns), top-k overlap (>= 0.99 per row), page indices = the slot
 transform of the raw indices. Last line: ``SGLANG GPU PATH: PASS ...`` or ``FAIL ...``.
 """
@@ -48,7 +49,6 @@ os.environ.update({
     "SGLANG_PLUGINS": "cupy_dsa",
     "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1",              # PagedIndexerMetadata without DeepGEMM
     "SGLANG_OPT_USE_TOPK_V2": "0",                         # the v2 top-k plan is a JIT kernel
-    "SGLANG_OPT_DSV4_NONPAGED_INDEXER_MIN_QUERY_TOKENS": "16",  # the one-request extend takes the prefill kernel
 })
 
 import _sglang_env  # noqa: E402
@@ -63,7 +63,7 @@ TOPK = 512
 N_PAGES = 96          # C4 index pages of the pool (64 compressed tokens each)
 PAGES_PER_REQ = 24    # page-table width (max compressed length 1536)
 PROMPTS = (701, 2103, 4101)   # tokens per request: compressed 175 (<= top-k), 525, 1025
-EXTEND = (40, 100, 60)        # the last tokens of each prompt as one extend batch
+EXTEND = (701, 100, 60)       # the last tokens of each prompt as one extend batch (request 0: no prefix)
 MAX_POS = 8192
 PLAN_INVALID = 0xFFFFFFFF
 
@@ -217,7 +217,7 @@ class World:
                                                                           device=rows.device))
 
     # forward_c4_indexer (hooked), SGLang's torch top-k
-    def indexer_backend(self, q, w, lens, page_table, mode, batch_size):
+    def indexer_backend(self, q, w, lens, page_table, mode, batch_size, extend_lens=None, draft=None):
         sg, world = self.sg, self
         rows = q.shape[0]
 
@@ -242,6 +242,11 @@ class World:
                 self.forward_metadata = types.SimpleNamespace(indexer_metadata=im, core_metadata=cm)
                 self.forward_batch = types.SimpleNamespace(forward_mode=mode, batch_size=batch_size,
                                                            _original_forward_mode=None, tbo_parent_token_range=None)
+                if extend_lens is not None:  # an extend: the requests' rows, consecutive (SGLang's layout)
+                    self.forward_batch.extend_seq_lens = torch.tensor(extend_lens, dtype=torch.int32,
+                                                                      device=world.device)
+                    self.forward_batch.extend_seq_lens_cpu = list(extend_lens)
+                self.speculative_num_draft_tokens = draft  # target verify: draft rows per request
 
             def _forward_prepare_normal(self, **kw):
                 return q, w[:, :, None]
@@ -307,8 +312,10 @@ def compare_topk(name, dev_md, ref_md, page_table, lens):
         sg, sr = set(raw_g[r].tolist()) - {-1}, set(raw_r[r].tolist()) - {-1}
         check(len(sg) == min(int(lens[r]), TOPK), f"{name}: row {r} selected {len(sg)} keys, expected "
               f"{min(int(lens[r]), TOPK)}")
-        rec.append(len(sg & sr) / max(len(sr), 1))
-    check(min(rec) >= 0.99, f"{name}: top-{TOPK} overlap with the CPU path per row {['%.3f' % x for x in rec]}")
+        rec.append(len(sg & sr) / len(sr) if sr else float(not sg))  # a row that sees nothing selects nothing
+    low = [(r, round(x, 3)) for r, x in enumerate(rec) if x < 0.99]
+    check(not low, f"{name}: top-{TOPK} overlap with the CPU path below 0.99 in {len(low)} rows (row, overlap): "
+          f"{low[:8]}")
     pt = page_table.cpu().long()
     exp = torch.where(raw_g >= 0, pt.gather(1, raw_g.clamp(min=0) // 64) * 64 + raw_g % 64, -1)
     check(torch.equal(dev_md.c4_sparse_page_indices.cpu().long(), exp),
@@ -320,43 +327,52 @@ def compare_topk(name, dev_md, ref_md, page_table, lens):
 # Phases
 # --------------------------------------------------------------------------------------------------
 
+ROUTES = {"paged_logits": "rows", "verify_logits": "grouped", "extend_logits": "varlen"}
+
+
 class LogitsSpy:
-    """Records what the hook's logits calls return (eager phases only)."""
+    """Records what the hook's logits routes return (eager phases only)."""
 
     def __init__(self, core):
         self.core, self.out = core, []
-        self.paged, self.prefill = core.paged_logits, core.prefill_logits
+        self.real = {name: getattr(core, name) for name in ROUTES}
 
     def __enter__(self):
-        def paged(*a, **k):
-            r = self.paged(*a, **k)
-            self.out.append(("paged", r.clone()))
-            return r
+        def spy(name):
+            def f(*a, **k):
+                r = self.real[name](*a, **k)
+                self.out.append((ROUTES[name], r.clone()))
+                return r
+            return f
 
-        def prefill(*a, **k):
-            r = self.prefill(*a, **k)
-            self.out.append(("prefill", r.clone()))
-            return r
-
-        self.core.paged_logits, self.core.prefill_logits = paged, prefill
+        for name in ROUTES:
+            setattr(self.core, name, spy(name))
         return self
 
     def __exit__(self, *exc):
-        self.core.paged_logits, self.core.prefill_logits = self.paged, self.prefill
+        for name, f in self.real.items():
+            setattr(self.core, name, f)
 
 
-def indexer_phase(name, sg, worlds, batch, tokens, mode, batch_size, g, expect_kind="paged"):
+def indexer_phase(name, sg, worlds, batch, tokens, mode, batch_size, g, expect_kind="rows", extend_lens=None,
+                  draft=None):
     from cupy_dsa.sglang import core
 
     lens, pt = batch.rows_of(tokens)
     q = torch.randn(len(tokens), 64, 128, generator=g).to(torch.float8_e4m3fn)
     w = torch.rand(len(tokens), 64, generator=g)
     mds, spies = [], []
-    for world in worlds:
-        b = world.indexer_backend(world.to(q), world.to(w), world.to(lens), world.to(pt), mode, batch_size)
-        with LogitsSpy(core) as spy:
-            mds.append(world.run_indexer(b))
-        spies.append(spy.out)
+    orig = sg.ix.get_parallel
+    sg.ix.get_parallel = lambda: types.SimpleNamespace(attn_cp_size=1)
+    try:
+        for world in worlds:
+            b = world.indexer_backend(world.to(q), world.to(w), world.to(lens), world.to(pt), mode, batch_size,
+                                      extend_lens=extend_lens, draft=draft)
+            with LogitsSpy(core) as spy:
+                mds.append(world.run_indexer(b))
+            spies.append(spy.out)
+    finally:
+        sg.ix.get_parallel = orig
     kinds = [k for k, _ in spies[0]]
     check(kinds and all(k == expect_kind for k in kinds), f"{name}: logits came from {kinds}, expected {expect_kind}")
     got = torch.cat([t.cpu() for _, t in spies[0]])
@@ -365,6 +381,77 @@ def indexer_phase(name, sg, worlds, batch, tokens, mode, batch_size, g, expect_k
     worst = compare_logits(name, got, ref, lens)
     rec = compare_topk(name, mds[0], mds[1], pt, lens)
     log(f"  {name}: {len(tokens)} rows ({expect_kind}), logits worst {worst:.2f}x tol, min top-k overlap {rec:.4f}")
+
+
+def graph_verify_phase(sg, worlds, batch, g, capture, n=4):
+    """Target verify (n draft rows per request, grouped) captured once, replayed with new lengths; the draft
+    tokens' keys are stored eagerly before each replay on both sides."""
+    B = len(PROMPTS)
+    R = B * n
+    state = []
+    orig = sg.ix.get_parallel
+    sg.ix.get_parallel = lambda: types.SimpleNamespace(attn_cp_size=1)
+    try:
+        for world in worlds:
+            bufs = types.SimpleNamespace(
+                q=torch.zeros(R, 64, 128, device=world.device).to(torch.float8_e4m3fn),
+                w=torch.zeros(R, 64, device=world.device), lens=torch.ones(R, dtype=torch.int32, device=world.device),
+                pt=world.to(batch.page_table.repeat_interleave(n, 0)))
+            backend = world.indexer_backend(bufs.q, bufs.w, bufs.lens, bufs.pt, sg.ForwardMode.TARGET_VERIFY, B,
+                                            draft=n)
+            state.append((world, bufs, backend, lambda world=world, backend=backend: world.run_indexer(
+                backend, layers=(0, 1))))
+
+        def new_inputs():
+            tokens = [(b, batch.lens[b] + i) for b in range(B) for i in range(n)]
+            rows, loc = batch.store_plan(tokens)
+            kv = torch.randn(rows.shape[0], 128, generator=g).bfloat16()
+            for world, _, _, _ in state:
+                world.store(world.prefill_plan, world.to(rows), world.to(kv), world.to(loc))
+            lens, _ = batch.rows_of(tokens)
+            inp = dict(q=torch.randn(R, 64, 128, generator=g).to(torch.float8_e4m3fn), w=torch.rand(R, 64, generator=g),
+                       lens=lens)
+            for _, bufs, _, _ in state:
+                for k, v in inp.items():
+                    getattr(bufs, k).copy_(v.to(getattr(bufs, k).device))
+            return lens
+
+        lens = new_inputs()
+        dev_world, _, dev_backend, dev_step = state[0]
+        graph = None
+        if capture:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(2):
+                    dev_step()
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                dev_step()
+            torch.cuda.synchronize()
+            log(f"  target verify (next_n {n}, 2 C4 layers) captured in one CUDA graph")
+        else:
+            dev_step()
+        state[1][3]()
+        compare_topk("verify graph warm-up", dev_backend.forward_metadata.core_metadata,
+                     state[1][2].forward_metadata.core_metadata, batch.page_table.repeat_interleave(n, 0), lens)
+        for replay, jump in enumerate(((57, 3, 200), (130, 66, 9))):
+            batch.lens = [m + j for m, j in zip(batch.lens, jump)]
+            lens = new_inputs()
+            if graph is not None:
+                graph.replay()
+                torch.cuda.synchronize()
+            else:
+                dev_step()
+            state[1][3]()
+            name = f"verify graph replay {replay + 1} (lens {lens.tolist()})"
+            compare_caches(name, dev_world, state[1][0])
+            compare_topk(name, dev_backend.forward_metadata.core_metadata, state[1][2].forward_metadata.core_metadata,
+                         batch.page_table.repeat_interleave(n, 0), lens)
+            log(f"  {name}: ok" if not PROBLEMS else f"  {name}: {len(PROBLEMS)} problems so far")
+    finally:
+        sg.ix.get_parallel = orig
 
 
 def graph_phase(sg, worlds, batch, g, capture):
@@ -483,20 +570,16 @@ def run(device, seed):
         compare_caches("prompt store (extend plan)", worlds[0], worlds[1])
 
     def extend_batch():
+        # 3 requests, different prefixes and new-token counts, request 0 with no prefix: one varlen launch
         tokens = [(b, p) for b, (n, e) in enumerate(zip(PROMPTS, EXTEND)) for p in range(n - e, n)]
-        indexer_phase("extend, 3 requests", sg, worlds, batch, tokens, sg.ForwardMode.EXTEND, 3, g)
+        indexer_phase("extend, 3 requests", sg, worlds, batch, tokens, sg.ForwardMode.EXTEND, 3, g,
+                      expect_kind="varlen", extend_lens=EXTEND)
 
     def extend_one():
         b, n = 2, PROMPTS[2]
-        tokens = [(b, p) for p in range(n - 64, n)]
-        orig = sg.ix.get_parallel
-        sg.ix.get_parallel = lambda: types.SimpleNamespace(attn_cp_size=1)
-        try:
-            # one request: every row shares its page table (the prefill kernel reads page_table[0])
-            indexer_phase("extend, 1 request", sg, worlds, batch, tokens, sg.ForwardMode.EXTEND, 1, g,
-                          expect_kind="prefill")
-        finally:
-            sg.ix.get_parallel = orig
+        tokens = [(b, p) for p in range(n - 67, n)]
+        indexer_phase("extend, 1 request", sg, worlds, batch, tokens, sg.ForwardMode.EXTEND, 1, g,
+                      expect_kind="varlen", extend_lens=(67,))
 
     def decode():
         rows, loc = batch.decode_plan()
@@ -509,14 +592,15 @@ def run(device, seed):
         indexer_phase("decode", sg, worlds, batch, tokens, sg.ForwardMode.DECODE, len(PROMPTS), g)
 
     def verify():
-        tokens = [(b, n + i) for b, n in enumerate(batch.lens) for i in range(2)]
-        rows, loc = batch.store_plan(tokens)
-        kv = torch.randn(rows.shape[0], 128, generator=g).bfloat16()  # the model dtype
-        for world in worlds:
-            world.store(world.prefill_plan, world.to(rows), world.to(kv), world.to(loc))
-        compare_caches("verify store (next_n 2)", worlds[0], worlds[1])
-        indexer_phase("target verify, next_n 2", sg, worlds, batch, tokens, sg.ForwardMode.TARGET_VERIFY,
-                      len(PROMPTS), g)
+        for n in (2, 4):
+            tokens = [(b, m + i) for b, m in enumerate(batch.lens) for i in range(n)]
+            rows, loc = batch.store_plan(tokens)
+            kv = torch.randn(rows.shape[0], 128, generator=g).bfloat16()  # the model dtype
+            for world in worlds:
+                world.store(world.prefill_plan, world.to(rows), world.to(kv), world.to(loc))
+            compare_caches(f"verify store (next_n {n})", worlds[0], worlds[1])
+            indexer_phase(f"target verify, next_n {n}", sg, worlds, batch, tokens, sg.ForwardMode.TARGET_VERIFY,
+                          len(PROMPTS), g, expect_kind="grouped", draft=n)
         # the drafts were rejected: the requests go on from their decode lengths (the slots get rewritten)
 
     phase("prompt store", prompt_store)
@@ -526,6 +610,8 @@ def run(device, seed):
     phase("verify", verify)
     phase("cuda graph" if device != "cpu" else "graph step (eager on cpu)",
           lambda: graph_phase(sg, worlds, batch, g, capture=device != "cpu"))
+    phase("verify cuda graph" if device != "cpu" else "verify graph step (eager on cpu)",
+          lambda: graph_verify_phase(sg, worlds, batch, g, capture=device != "cpu"))
     return phases, time.time() - t0
 
 

@@ -57,11 +57,31 @@ torch.cuda.init(); t = time.perf_counter(); core.ensure_warm(torch.device('cuda'
 print('start-up compile ($kind CuPy cache): %.1f s' % (time.perf_counter() - t))" 2>&1 | tail -1 | tee -a "$OUT/startup.txt"
 done
 rm -rf "$WARM_CACHE"
+# The bench's timing method on one batch (64 x 32K bf16, next_n 1): one call per replay after 3 warm-up replays
+# (the method before), the same after 50 ms of warm-up, 1 ms replays without the long warm-up, and both (now).
+python3 - <<'PY' 2>&1 | tee "$OUT/timing_method.txt"
+import torch, cupy_dsa
+from cupy_dsa.bench import sweeps
+from cupy_dsa.bench.timing import time_calls
+dev = torch.device("cuda"); g = torch.Generator(device=dev); g.manual_seed(0)
+b = sweeps.DecodeBatch("64 x 32K", [32 * 1024] * 64, 32 * 1024)
+cache, tables, q, w, lens = sweeps._decode_inputs(dev, b, 1, "bf16", "fp8", 1, g)
+plan = cupy_dsa.paged_mqa_logits_plan(lens, 1)
+call = lambda: cupy_dsa.paged_mqa_logits(q, cache, w, lens, tables[0], b.width, plan=plan)
+for name, kw in (("1 call/replay, 3 warm-up replays (before)", dict(min_replay_s=0, min_warmup_s=0)),
+                 ("1 call/replay, 50 ms warm-up", dict(min_replay_s=0)),
+                 ("1 ms replays, 3 warm-up replays", dict(min_warmup_s=0)),
+                 ("1 ms replays, 50 ms warm-up (now)", {})):
+    for trial in range(2):
+        torch.cuda.synchronize(); import time; time.sleep(0.5)   # idle first, as between bench cases
+        t = time_calls([call], dev, reps=30, **kw)
+        print(f"timing method: {name}, trial {trial}: {t.seconds * 1e6:.1f} us (p10 {t.p10 * 1e6:.1f}, p90 {t.p90 * 1e6:.1f}, {t.calls} calls/replay)")
+PY
 if [ -z "${SKIP_BENCH:-}" ]; then
-  python3 -m cupy_dsa bench all --backend cuda --json "$OUT/h200.json" --plot "$OUT/h200.png" \
+  python3 -m cupy_dsa bench ${BENCH:-all} --backend cuda --json "$OUT/h200.json" --plot "$OUT/h200.png" \
       --markdown "$OUT/headline.md" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
-if [ -z "${SKIP_BENCH:-}" ]; then
+if [ -z "${SKIP_BENCH:-}${SKIP_VARIANTS:-}" ]; then
   python3 -m cupy_dsa bench variants --json "$OUT/variants.json" 2>&1 | tee "$OUT/variants.log" | tail -80
 fi
 echo "================ SUMMARY ($(($(date +%s) - T0)) s) ================"
@@ -73,5 +93,6 @@ echo "compute-sanitizer memcheck (rc=$SAN_RC): $SAN_LINE"
 cat "$OUT/sanitizers.txt"
 echo "SGLang path: $SGL_LINE"
 cat "$OUT/startup.txt"
+grep "timing method" "$OUT/timing_method.txt"
 [ -f "$OUT/headline.md" ] && cat "$OUT/headline.md"
 exit 0

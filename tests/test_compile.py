@@ -27,7 +27,8 @@ def test_every_source_declares_configs():
         product, declared = launch.product_expressions(arch), launch.declared_expressions(arch)
         assert set(product) == set(declared) == set(SOURCES)
         assert all(set(product[f]) <= set(declared[f]) for f in SOURCES)
-    assert set(launch.families()) == {"store_index_k", "paged_mqa_logits", "paged_mqa_logits_plan", "mqa_logits"}
+    assert set(launch.families()) == {"store_index_k", "paged_mqa_logits", "paged_mqa_logits_plan", "mqa_logits",
+                                     "mqa_logits_plan"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -174,8 +175,8 @@ def test_forced_config_must_be_declared_and_serve():
         with pytest.raises(ValueError, match="does not serve"):
             L.DECODE.select(("bf16", 1, 1), "sm_89")
     assert L.DECODE.select(("fp8", 1, 1), "sm_89").Mma8 == 0
-    with L.PREFILL.forced(L.PREFILL.select(("fp8", 1), "sm_89").replace(keys_per_cta=64), "sm_89") as cfg:
-        assert L.PREFILL.select(("fp8", 1), "sm_89").keys_per_cta == 64 == cfg.keys_per_cta
+    with L.PREFILL.forced(L.PREFILL.select(("fp8", 1, 0), "sm_89").replace(keys_per_cta=64), "sm_89") as cfg:
+        assert L.PREFILL.select(("fp8", 1, 0), "sm_89").keys_per_cta == 64 == cfg.keys_per_cta
     with pytest.raises(TypeError, match="missing"):
         L.DECODE_KERNEL.config(KeyFp8=0)
 

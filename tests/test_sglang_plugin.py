@@ -36,8 +36,8 @@ ENV = core.ENV_NAME
 CHECKS = {
     "on": [
         "hooks_applied", "env_field", "bytes_per_token_on", "pool_pages_on", "store_decode_plan",
-        "store_prefill_plan", "store_via_sglang_call_site", "store_fp4sim", "indexer_recall_bf16_vs_fp8", "indexer_prefill_kernel_path",
-        "indexer_small_rows_and_padding", "indexer_hisparse_and_capturer", "pd_layout_mismatch_refused",
+        "store_prefill_plan", "store_via_sglang_call_site", "store_fp4sim", "indexer_recall_bf16_vs_fp8",
+        "indexer_extend_varlen_path", "indexer_verify_grouped_path", "indexer_small_rows_and_padding", "indexer_hisparse_and_capturer", "pd_layout_mismatch_refused",
         "hicache_guards", "resolution_accepts_without_env_writes", "resolution_refuses_fp4_indexer",
         "resolution_refuses_megakernel", "resolution_refuses_npu_xpu", "resolution_refuses_hip_and_hooks_raise_on_hip",
         "resolution_refuses_invalid_value", "resolution_checks_version_when_flag_turns_switch_on",
@@ -211,7 +211,7 @@ def test_gpu_sglang_path_dry_mode():
     rc, out, err = _background("gpu_script_dry")
     last = out.strip().splitlines()[-1] if out.strip() else ""
     assert rc == 0 and last.startswith("SGLANG GPU PATH: PASS"), f"{out[-4000:]}\n{err[-3000:]}"
-    assert "6 phases" in last, last
+    assert "7 phases" in last, last
 
 
 # --------------------------------------------------------------------------------------------------
@@ -430,7 +430,7 @@ def test_warm_up_expressions_compiles_one_program_per_file(monkeypatch):
     assert len(modules) == 2, "a loaded expression was compiled again"
 
 
-def test_decode_plans_built_once_per_forward(monkeypatch):
+def test_forward_plans_built_once_per_forward(monkeypatch):
     import cupy_dsa
 
     calls = []
@@ -449,22 +449,60 @@ def test_decode_plans_built_once_per_forward(monkeypatch):
     real_logits = cupy_dsa.paged_mqa_logits
     monkeypatch.setattr(cupy_dsa, "paged_mqa_logits", lambda *a, **k: seen.append(k.get("plan")) or real_logits(*a, **k))
     for layer in (1, 3, 5):  # one forward: the first C4 layer builds the schedules, the others reuse them
-        plans = core.DecodePlans.for_layer(md, md.compressed_seq_lens, layer)
+        plans = core.ForwardPlans.for_layer(md, md.compressed_seq_lens, layer)
         for r in core.row_chunks(3, 2, 960, False):
             core.paged_logits(q, w, md.compressed_seq_lens, pt, cache, 960, r, plans)
     assert len(calls) == 2 and [c[0].tolist() for c in calls] == [[300, 64], [900]]
     assert len(seen) == 6 and seen[0] is seen[2] is seen[4] and seen[1] is seen[3] is seen[5]
     assert seen[0].tolist() == [0, 5, 6]  # pages per request, cumulated (int64 [B + 1])
-    core.DecodePlans.for_layer(md, md.compressed_seq_lens, 1)  # layer 1 again: a new pass (forward, capture)
-    plans = core.DecodePlans.for_layer(md, md.compressed_seq_lens, 1)
-    plans.get(slice(0, 3), md.compressed_seq_lens)
+    core.ForwardPlans.for_layer(md, md.compressed_seq_lens, 1)  # layer 1 again: a new pass (forward, capture)
+    plans = core.ForwardPlans.for_layer(md, md.compressed_seq_lens, 1)
+    core.paged_logits(q, w, md.compressed_seq_lens, pt, cache, 960, slice(0, 3), plans)
     assert len(calls) == 3
     md.compressed_seq_lens.add_(1)  # written in place (graph replay buffers): rebuilt
-    plans = core.DecodePlans.for_layer(md, md.compressed_seq_lens, 2)
-    plans.get(slice(0, 3), md.compressed_seq_lens)
+    plans = core.ForwardPlans.for_layer(md, md.compressed_seq_lens, 2)
+    core.paged_logits(q, w, md.compressed_seq_lens, pt, cache, 960, slice(0, 3), plans)
     assert len(calls) == 4 and calls[-1][0].tolist() == [301, 65, 901]
-    monkeypatch.delattr(cupy_dsa, "paged_mqa_logits_plan")
-    assert core.DecodePlans.for_layer(types.SimpleNamespace(), md.compressed_seq_lens, 1) is None
+    assert core.ForwardPlans.for_layer(types.SimpleNamespace(), md.compressed_seq_lens, 1) is not None
+    assert core.ForwardPlans.for_layer(object(), md.compressed_seq_lens, 1) is None  # nowhere to keep them
+
+
+def test_verify_and_extend_plans(monkeypatch):
+    """The grouped verify plan is next_n-wide 2-D lengths (one per request); the varlen plan one per chunk."""
+    import cupy_dsa
+
+    n, B = 2, 3
+    lens = torch.tensor([300, 301, 64, 64, 899, 900], dtype=torch.int32)
+    md = types.SimpleNamespace(compressed_seq_lens=lens)
+    q = torch.randn(B * n, 64, 128).to(torch.float8_e4m3fn)
+    w = torch.rand(B * n, 64)
+    pt = torch.arange(45, dtype=torch.int32).view(3, 15).repeat_interleave(n, 0)
+    cache = torch.zeros(48, layouts.BF16_PAGE_BYTES, dtype=torch.uint8)
+    seen = []
+    real_logits = cupy_dsa.paged_mqa_logits
+
+    def spy(q_, kv, w_, lens_, bt, width, **k):
+        seen.append((tuple(q_.shape), lens_.tolist(), bt.tolist(), k["plan"].tolist()))
+        return real_logits(q_, kv, w_, lens_, bt, width, **k)
+
+    monkeypatch.setattr(cupy_dsa, "paged_mqa_logits", spy)
+    plans = core.ForwardPlans.for_layer(md, lens, 1)
+    out = core.verify_logits(q, w, lens, pt, cache, 960, n, slice(0, B * n), plans)
+    assert out.shape == (B * n, 960)
+    assert seen == [((B, n, 64, 128), [[300, 301], [64, 64], [899, 900]], pt[::n].tolist(), [0, 5, 6, 21])]
+    with pytest.raises(ValueError, match="whole requests"):
+        core.verify_logits(q, w, lens, pt, cache, 960, n, slice(0, 3), plans)
+    # extend: requests from extend_seq_lens, each its first row's page-table row; the plan once per chunk
+    cu_rows, bt = core.extend_requests(torch.tensor([2, 3, 1], dtype=torch.int32), pt, 6)
+    assert cu_rows.tolist() == [0, 2, 5, 6] and bt.tolist() == [pt[0].tolist(), pt[2].tolist(), pt[5].tolist()]
+    built = []
+    real_plan = cupy_dsa.mqa_logits_plan
+    monkeypatch.setattr(cupy_dsa, "mqa_logits_plan", lambda c, rows: built.append(rows) or real_plan(c, rows=rows))
+    ks, ke = torch.zeros(6, dtype=torch.int32), lens
+    for _ in range(2):
+        for r in core.row_chunks(6, 4, 960, False):
+            core.extend_logits(q, w, ks, ke, cu_rows, bt, cache, r, plans)
+    assert built == [(0, 4), (4, 6)]
 
 
 def test_rope_table_is_a_view():
@@ -484,6 +522,8 @@ def test_row_chunks():
     chunks = core.row_chunks(3 * rows, None, width, False)
     assert len(chunks) == 3 and all(c.stop - c.start == rows for c in chunks)
     assert core.row_chunks(3 * rows, None, width, True) == [slice(0, 3 * rows)]  # never split a capture
+    chunks = core.row_chunks(3 * rows, None, width, False, multiple=3)  # whole verify requests of 3 rows
+    assert all((c.stop - c.start) % 3 == 0 for c in chunks) and chunks[-1].stop == 3 * rows
 
 
 def test_topk_page_indices(seed):

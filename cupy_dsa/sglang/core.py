@@ -220,10 +220,10 @@ def _as_i32(t: torch.Tensor) -> torch.Tensor:
 
 
 def paged_logits(q: torch.Tensor, weights: torch.Tensor, lens: torch.Tensor, page_table: torch.Tensor,
-                 kvcache: torch.Tensor, max_len: int, rows: slice, plans: "DecodePlans | None" = None) -> torch.Tensor:
-    """Decode / verify / small-extend rows: ``q`` fp8 ``[R, 64, 128]``, ``weights`` fp32 ``[R, 64]``,
-    ``lens`` (compressed lengths) ``[R]``, ``page_table`` int32 ``[R, max_pages]``; returns fp32
-    ``[len(rows), max_len]``. ``plans`` holds the forward's balanced schedules (one per row chunk)."""
+                 kvcache: torch.Tensor, max_len: int, rows: slice, plans: "ForwardPlans | None" = None) -> torch.Tensor:
+    """SGLang's rows as requests of one row each (decode; any batch): ``q`` fp8 ``[R, 64, 128]``, ``weights``
+    fp32 ``[R, 64]``, ``lens`` (compressed lengths) ``[R]``, ``page_table`` int32 ``[R, max_pages]``; returns
+    fp32 ``[len(rows), max_len]``. ``plans`` keeps the forward's schedules (one per row chunk)."""
     import cupy_dsa
 
     if q.is_cuda:
@@ -231,34 +231,84 @@ def paged_logits(q: torch.Tensor, weights: torch.Tensor, lens: torch.Tensor, pag
     lens_r = _as_i32(lens[rows]).contiguous()
     kw = {}
     if plans is not None:
-        kw["plan"] = plans.get(rows, lens_r)
+        kw["plan"] = plans.get(("rows", rows.start, rows.stop), lambda: cupy_dsa.paged_mqa_logits_plan(lens_r, 1))
     return cupy_dsa.paged_mqa_logits(
         q[rows].unsqueeze(1).contiguous(), kvcache, weights[rows].contiguous(), lens_r,
         _as_i32(page_table[rows]), int(max_len), clean_logits=False, **kw)
 
 
-class DecodePlans:
-    """The balanced decode schedules (``cupy_dsa.paged_mqa_logits_plan``) of one forward batch, built by
-    its first C4 layer and reused by the others (every layer sees the same lengths).
+def verify_logits(q: torch.Tensor, weights: torch.Tensor, lens: torch.Tensor, page_table: torch.Tensor,
+                  kvcache: torch.Tensor, max_len: int, next_n: int, rows: slice,
+                  plans: "ForwardPlans | None" = None) -> torch.Tensor:
+    """MTP target-verify rows grouped by request: rows ``[b*n, b*n + n)`` of a chunk are request b's ``n`` draft
+    rows (SGLang's uniform verify layout: the same page-table row, each row its own causal length), launched as
+    one request of next_n = n (2-D lengths), so its pages are read once. Output rows keep SGLang's order."""
+    import cupy_dsa
+
+    if q.is_cuda:
+        ensure_warm(q.device)
+    count = rows.stop - rows.start
+    if count % next_n:
+        raise ValueError(f"verify_logits: rows {rows} are not whole requests of {next_n} rows")
+    B = count // next_n
+    lens_2d = _as_i32(lens[rows]).contiguous().view(B, next_n)
+    kw = {}
+    if plans is not None:
+        kw["plan"] = plans.get(("verify", rows.start, rows.stop, next_n),
+                               lambda: cupy_dsa.paged_mqa_logits_plan(lens_2d, next_n))
+    block_table = _as_i32(page_table[rows])[::next_n]  # one row per request (a strided view, no copy)
+    return cupy_dsa.paged_mqa_logits(
+        q[rows].contiguous().view(B, next_n, *q.shape[1:]), kvcache, weights[rows].contiguous(), lens_2d,
+        block_table, int(max_len), clean_logits=False, **kw)
+
+
+def extend_requests(extend_seq_lens: torch.Tensor, page_table: torch.Tensor, num_rows: int):
+    """(cu_rows int32 [B + 1], block_table int32 [B, max_pages]) of an extend whose requests own consecutive rows
+    (``extend_seq_lens`` [B], on the rows' device): each request's block-table row is the page-table row of its
+    first row. Torch ops only (no host sync, capturable)."""
+    lens = _as_i32(extend_seq_lens)
+    cu_rows = torch.nn.functional.pad(torch.cumsum(lens, 0, dtype=torch.int32), (1, 0))
+    first = cu_rows[:-1].clamp(0, max(num_rows - 1, 0)).long()
+    return cu_rows, _as_i32(page_table[first]).contiguous()
+
+
+def extend_logits(q: torch.Tensor, weights: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor,
+                  cu_rows: torch.Tensor, block_table: torch.Tensor, kvcache: torch.Tensor, rows: slice,
+                  plans: "ForwardPlans | None" = None) -> torch.Tensor:
+    """A multi-request extend in one launch (``cupy_dsa.mqa_logits`` varlen): row ``i`` sees keys
+    ``[ks[i], ke[i])`` of its request's pages; returns fp32 ``[len(rows), block_table.shape[1] * 64]``."""
+    import cupy_dsa
+
+    if q.is_cuda:
+        ensure_warm(q.device)
+    span = (rows.start, rows.stop)
+    kw = {}
+    if plans is not None:
+        kw["plan"] = plans.get(("varlen", rows.start, rows.stop), lambda: cupy_dsa.mqa_logits_plan(cu_rows, rows=span))
+    return cupy_dsa.mqa_logits(q.contiguous(), kvcache, weights.contiguous(), _as_i32(ks).contiguous(),
+                               _as_i32(ke).contiguous(), block_table=block_table, cu_rows=cu_rows,
+                               clean_logits=False, rows=span, **kw)
+
+
+class ForwardPlans:
+    """What one forward batch's C4 layers share, built by its first C4 layer and reused by the others (every
+    layer sees the same rows and lengths): the schedules (``paged_mqa_logits_plan``, ``mqa_logits_plan``, one
+    per route and row chunk) and an extend's request table.
 
     Kept on SGLang's per-forward ``PagedIndexerMetadata``. A pass over the layers starts again at a layer id
     not above the last one seen (a new forward, a warm-up rerun, a CUDA-graph capture of the same batch):
-    the schedules are then rebuilt, so a capture records the plan kernel and each replay reruns it on the
+    everything is then rebuilt, so a capture records the plan kernels and each replay reruns them on the
     new lengths. They are rebuilt too when the lengths tensor is another one or was written in place."""
 
-    ATTR = "_cupy_dsa_decode_plans"
+    ATTR = "_cupy_dsa_forward_plans"
 
     def __init__(self, source: torch.Tensor):
         self.key = (id(source), source._version)
         self.last_layer = None
-        self.plans: dict[tuple, torch.Tensor] = {}
+        self.items: dict[tuple, object] = {}
 
     @classmethod
-    def for_layer(cls, holder, source: torch.Tensor, layer_id: int) -> "DecodePlans | None":
-        import cupy_dsa
-
-        if not hasattr(cupy_dsa, "paged_mqa_logits_plan"):
-            return None
+    def for_layer(cls, holder, source: torch.Tensor, layer_id: int) -> "ForwardPlans | None":
         state = getattr(holder, cls.ATTR, None)
         if (state is None or state.key != (id(source), source._version)
                 or (state.last_layer is not None and layer_id <= state.last_layer)):
@@ -266,40 +316,24 @@ class DecodePlans:
             try:
                 setattr(holder, cls.ATTR, state)
             except (AttributeError, TypeError):
-                return None  # no place to keep them: paged_mqa_logits builds one per call
+                return None  # no place to keep them: every call builds its own
         state.last_layer = layer_id
         return state
 
-    def get(self, rows: slice, lens: torch.Tensor) -> torch.Tensor:
-        import cupy_dsa
-
-        key = (rows.start, rows.stop, lens.shape[0])
-        plan = self.plans.get(key)
-        if plan is None:
-            plan = self.plans[key] = cupy_dsa.paged_mqa_logits_plan(lens, 1)
-        return plan
+    def get(self, key: tuple, build):
+        item = self.items.get(key)
+        if item is None:
+            item = self.items[key] = build()
+        return item
 
 
-def prefill_logits(q: torch.Tensor, weights: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor,
-                   block_table: torch.Tensor, kvcache: torch.Tensor, rows: slice) -> torch.Tensor:
-    """One request's prefill rows against its paged keys: row ``i`` sees keys ``[ks[i], ke[i])``;
-    returns fp32 ``[len(rows), block_table.numel()*64]`` (column = key position)."""
-    import cupy_dsa
-
-    if q.is_cuda:
-        ensure_warm(q.device)
-    return cupy_dsa.mqa_logits(
-        q.contiguous(), kvcache, weights.contiguous(), _as_i32(ks).contiguous(), _as_i32(ke).contiguous(),
-        block_table=_as_i32(block_table.reshape(-1)).contiguous(), max_seqlen_k=0, clean_logits=False,
-        rows=(rows.start, rows.stop))
-
-
-def row_chunks(num_rows: int, rows_per_chunk: int | None, width: int, capturing: bool):
-    """Row slices: SGLang's ``rows_per_chunk`` when it planned one, else at most
-    ``MAX_EAGER_LOGITS_BYTES`` of logits per chunk (never split while capturing a graph)."""
+def row_chunks(num_rows: int, rows_per_chunk: int | None, width: int, capturing: bool, multiple: int = 1):
+    """Row slices: SGLang's ``rows_per_chunk`` when it planned one, else at most ``MAX_EAGER_LOGITS_BYTES`` of
+    logits per chunk, a multiple of ``multiple`` rows (a verify request's draft rows stay together); never
+    split while capturing a graph."""
     if rows_per_chunk is None and not capturing and width > 0:
         row_bytes = ((width + 3) // 4 * 4) * 4
-        cap = max(1, MAX_EAGER_LOGITS_BYTES // row_bytes)
+        cap = max(multiple, MAX_EAGER_LOGITS_BYTES // row_bytes // multiple * multiple)
         if cap < num_rows:
             rows_per_chunk = cap
     if rows_per_chunk is None or rows_per_chunk >= num_rows:

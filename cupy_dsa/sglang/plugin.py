@@ -83,6 +83,7 @@ SUPPORTED_SGLANG = ("0.5.23",)
 
 _IX = "sglang.srt.layers.attention.dsv4.indexer."
 _HR = "sglang.srt.plugins.hook_registry."
+_BE = "sglang.srt.layers.attention.deepseek_v4_backend."
 # SGLang 0.5.23: (signature, sha256[:16] of the source) of every function the plugin replaces, wraps, copies
 # the logic of or drives by private API; (signature, None) for functions it only calls. Regenerate with
 # ``python tests/_sglang_checks.py fingerprint`` after reviewing the hooks against a new SGLang.
@@ -518,24 +519,53 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _use_prefill_kernel(ix, self, forward_batch, indexer_metadata, rows: int, device) -> bool:
-    """Where SGLang 0.5.23 would run its non-paged prefill reader (one request, plain eager extend, enough
-    rows); the bf16 equivalent is cupy_dsa.mqa_logits over that request's pages."""
-    envs = ix.envs
-    if rows < envs.SGLANG_OPT_DSV4_NONPAGED_INDEXER_MIN_QUERY_TOKENS.get():
-        return False
-    if (forward_batch.forward_mode != ix.ForwardMode.EXTEND
+ROUTE_ROWS, ROUTE_GROUPED, ROUTE_VARLEN = "rows", "grouped", "varlen"
+
+
+def logits_route(ix, self, forward_batch, rows: int) -> tuple[str, int]:
+    """How this forward's rows are launched, ``(route, next_n)``:
+
+    * ``grouped`` (MTP target verify with SGLang's uniform layout: every request n consecutive rows built from
+      one repeated page-table row, ``make_forward_metadata_from_raw_verify`` / ``expand_extend_with_same_length``):
+      one request of next_n = n per request, its pages read once;
+    * ``varlen`` (EXTEND / MIXED: requests own consecutive rows, ``forward_batch.extend_seq_lens``): one
+      ``mqa_logits`` launch over all requests, 4-row tiles inside each request;
+    * ``rows`` otherwise (decode; ragged verify, context parallel, two-batch overlap, late-layer tails, a
+      rewritten batch): SGLang's one row per token, as its own paged path runs them."""
+    mode = forward_batch.forward_mode
+    if not (mode.is_target_verify() or mode == ix.ForwardMode.EXTEND or mode == ix.ForwardMode.MIXED):
+        return ROUTE_ROWS, 1
+    if (getattr(forward_batch, "tbo_parent_token_range", None) is not None
             or getattr(forward_batch, "_original_forward_mode", None) is not None
-            or getattr(forward_batch, "tbo_parent_token_range", None) is not None
-            or forward_batch.batch_size != 1
-            or indexer_metadata.use_prefill_cuda_graph
-            or getattr(self, "hisparse_coordinator", None) is not None):
-        return False
-    if ix.get_parallel().attn_cp_size != 1:
-        return False
-    if ix.is_in_tc_piecewise_cuda_graph() or ix.is_in_breakable_cuda_graph() or _capturing(device):
-        return False
-    return True
+            or ix.get_parallel().attn_cp_size != 1):
+        return ROUTE_ROWS, 1
+    if mode.is_target_verify():
+        n = _uniform_verify_rows(self, forward_batch, rows)
+        return (ROUTE_GROUPED, n) if n > 1 else (ROUTE_ROWS, 1)
+    if mode == ix.ForwardMode.EXTEND or mode == ix.ForwardMode.MIXED:
+        if getattr(self.forward_metadata, "late_layer_tail", None) is not None:
+            return ROUTE_ROWS, 1
+        lens = getattr(forward_batch, "extend_seq_lens", None)
+        lens_cpu = getattr(forward_batch, "extend_seq_lens_cpu", None)
+        if (isinstance(lens, torch.Tensor) and lens.dim() == 1 and lens.shape[0] > 0 and lens_cpu is not None
+                and len(lens_cpu) == lens.shape[0] and 0 < sum(int(n) for n in lens_cpu) <= rows):
+            return ROUTE_VARLEN, 1
+    return ROUTE_ROWS, 1
+
+
+def _uniform_verify_rows(self, forward_batch, rows: int) -> int:
+    """n when this target-verify batch has SGLang's uniform layout (n = speculative_num_draft_tokens rows per
+    request, 2 <= n <= 4, rows = bs * n), else 0 (ragged verify, the DSpark draft runner, other shapes)."""
+    from sglang.srt.speculative.ragged_verify import (RaggedVerifyMode, read_ragged_verify_mode,
+                                                      resolve_ragged_verify_layout)
+
+    n = getattr(self, "speculative_num_draft_tokens", None)
+    if not isinstance(n, int) or not 2 <= n <= 4 or rows % n or getattr(self, "is_dspark_draft", False):
+        return 0
+    if (resolve_ragged_verify_layout(forward_batch) is not None
+            and read_ragged_verify_mode() is RaggedVerifyMode.COMPACT):
+        return 0
+    return n
 
 
 def forward_c4_indexer_bf16(self, *, x, q_lora, c4_indexer, forward_batch, alt_streams=None,
@@ -580,7 +610,7 @@ def forward_c4_indexer_bf16(self, *, x, q_lora, c4_indexer, forward_batch, alt_s
     lens = _match_rows(indexer_metadata.compressed_seq_lens, rows, 1)
     page_table = _match_rows(indexer_metadata.page_table, rows, 0)
     page_indices = _match_rows(core_metadata.c4_sparse_page_indices, rows, -1)
-    use_prefill = _use_prefill_kernel(ix, self, forward_batch, indexer_metadata, rows, q.device)
+    route, next_n = logits_route(ix, self, forward_batch, rows)
     if self.debug_use_external_c4_sparse_indices:
         return
 
@@ -623,35 +653,34 @@ def forward_c4_indexer_bf16(self, *, x, q_lora, c4_indexer, forward_batch, alt_s
 
     width = indexer_metadata.max_compressed_seq_len
     capturing = _capturing(q.device)
-    if use_prefill:
+    rows_per_chunk = indexer_metadata.rows_per_chunk
+    if route == ROUTE_GROUPED and rows_per_chunk is not None and rows_per_chunk < rows and rows_per_chunk % next_n:
+        route, next_n = ROUTE_ROWS, 1  # SGLang's chunks would split a request's draft rows
+    chunks = core.row_chunks(rows, rows_per_chunk, width, capturing, multiple=next_n)
+    topk_plans = indexer_metadata.topk_metadata_chunks
+    if (topk_plans is None or rows_per_chunk is None or len(topk_plans) != len(chunks)
+            or rows != indexer_metadata.compressed_seq_lens.shape[0]
+            or any(c.stop - c.start != min(rows_per_chunk, rows - c.start) for c in chunks)):
+        topk_plans = None
+    plans = core.ForwardPlans.for_layer(indexer_metadata, indexer_metadata.compressed_seq_lens, c4_indexer.layer_id)
+    if route == ROUTE_VARLEN:
+        def build_requests():
+            return core.extend_requests(forward_batch.extend_seq_lens, page_table, rows)
+        cu_rows, block_table = plans.get(("requests",), build_requests) if plans else build_requests()
         ks = torch.zeros_like(lens, dtype=torch.int32)
         ke = lens.to(torch.int32)
         if backend.is_sgl_kernel():
             # sgl-kernel top-k fills rows with len <= topk without reading logits: skip their keys
             ke = torch.where(ke > c4_indexer.index_topk, ke, ks)
-        rows_per_chunk = None
-        if indexer_metadata.mqa_logits_budget_bytes is not None:
-            from sglang.srt.layers.attention.mqa_logits_utils import mqa_logits_row_bytes, mqa_logits_rows_per_chunk
-
-            rows_per_chunk = mqa_logits_rows_per_chunk(num_rows=rows, row_bytes=mqa_logits_row_bytes(width),
-                                                       budget_bytes=indexer_metadata.mqa_logits_budget_bytes)
-        for r in core.row_chunks(rows, rows_per_chunk, width, capturing):
-            logits = core.prefill_logits(q, weights, ks, ke, page_table[0], kvcache, r)
-            run_topk(r, logits)
-            del logits
-    else:
-        rows_per_chunk = indexer_metadata.rows_per_chunk
-        chunks = core.row_chunks(rows, rows_per_chunk, width, capturing)
-        plans = indexer_metadata.topk_metadata_chunks
-        if (plans is None or rows_per_chunk is None or len(plans) != len(chunks)
-                or rows != indexer_metadata.compressed_seq_lens.shape[0]):
-            plans = None
-        decode_plans = core.DecodePlans.for_layer(indexer_metadata, indexer_metadata.compressed_seq_lens,
-                                                  c4_indexer.layer_id)
-        for i, r in enumerate(chunks):
-            logits = core.paged_logits(q, weights, lens, page_table, kvcache, width, r, decode_plans)
-            run_topk(r, logits, plans[i] if plans is not None else None)
-            del logits
+    for i, r in enumerate(chunks):
+        if route == ROUTE_VARLEN:
+            logits = core.extend_logits(q, weights, ks, ke, cu_rows, block_table, kvcache, r, plans)
+        elif route == ROUTE_GROUPED:
+            logits = core.verify_logits(q, weights, lens, page_table, kvcache, width, next_n, r, plans)
+        else:
+            logits = core.paged_logits(q, weights, lens, page_table, kvcache, width, r, plans)
+        run_topk(r, logits, topk_plans[i] if topk_plans is not None else None)
+        del logits
 
     if hisparse is not None:
         compress_layer_id = pool.layer_mapping[c4_indexer.layer_id].compress_layer_id
@@ -720,8 +749,13 @@ def _warm_up_hook(self, *args, **kwargs):
 # Wrapped, replaced or logic copied: signature and source hash.
 _FINGERPRINT_SOURCE = (
     T_BYTES, T_STORE, T_INDEXER, T_PD_LAYOUT, T_HICACHE_REGIONS, T_HICACHE_L3, T_WARM_UP,
-    _IX + "C4IndexerBackendMixin._can_use_nonpaged_indexer",      # _use_prefill_kernel copies its conditions
-    _IX + "C4IndexerBackendMixin._get_nonpaged_indexer_plan",     # ... and its row threshold
+    # the row layouts logits_route relies on: uniform verify (one repeated page-table row per request, n rows)
+    # and extend (each request's rows consecutive, in extend_seq_lens order)
+    _BE + "DeepseekV4AttnBackend.make_forward_metadata_from_raw_verify",
+    _BE + "DeepseekV4AttnBackend.expand_extend_with_same_length",
+    _BE + "DeepseekV4AttnBackend.init_forward_metadata_prefill",
+    _BE + "DeepseekV4AttnBackend._resolve_verify_layout",
+    "sglang.srt.speculative.ragged_verify.resolve_ragged_verify_layout",
     _HR + "HookRegistry._apply_target", _HR + "_propagate_patch",  # private registry API used by _install
     "sglang.srt.plugins.load_plugins",                            # swallows Exception, not SystemExit
 )
@@ -730,9 +764,7 @@ _FINGERPRINT_SIGNATURE = (
     T_CLI_ADD, T_CLI_FROM, "sglang.srt.arg_groups.resolution_hooks.register_resolution_hook",
     _IX + "C4IndexerBackendMixin._forward_prepare_normal", _IX + "C4IndexerBackendMixin._forward_prepare_multi_stream",
     _IX + "topk_transform_pytorch_vectorized", _IX + "topk_transform_paged", _IX + "topk_transform_paged_v2",
-    _IX + "plan_topk_v2",
-    "sglang.srt.layers.attention.mqa_logits_utils.mqa_logits_rows_per_chunk",
-    "sglang.srt.layers.attention.mqa_logits_utils.mqa_logits_row_bytes",
+    _IX + "plan_topk_v2", "sglang.srt.speculative.ragged_verify.read_ragged_verify_mode",
     "sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool.get_index_k_with_scale_buffer",
 )
 
@@ -744,8 +776,11 @@ FINGERPRINT.update({
     T_HICACHE_REGIONS: ("(kvcache: 'Any', page_size: 'int') -> 'list[_IndexerRegion]'", '9d380448dc5f8f14'),
     T_HICACHE_L3: ('(self)', '3c204a687fedc894'),
     T_WARM_UP: ("(self, capture_decode_cuda_graph: 'bool' = True)", '2aa82ac4d99b47a5'),
-    _IX + 'C4IndexerBackendMixin._can_use_nonpaged_indexer': ("(self, *, c4_indexer: 'C4Indexer', forward_batch: 'ForwardBatch', indexer_metadata: 'PagedIndexerMetadata') -> 'bool'", '1058c8269e1573e2'),
-    _IX + 'C4IndexerBackendMixin._get_nonpaged_indexer_plan': ("(self, *, c4_indexer: 'C4Indexer', forward_batch: 'ForwardBatch', indexer_metadata: 'PagedIndexerMetadata', page_table: 'torch.Tensor', c4_seq_lens: 'torch.Tensor', query_rows: 'int') -> 'Optional[NonPagedIndexerPlan]'", '875b1d3bf933f84b'),
+    _BE + 'DeepseekV4AttnBackend.make_forward_metadata_from_raw_verify': ("(self, raw_metadata: 'DSV4RawVerifyMetadata', online_c128_state_slot_offset: 'int' = 0, graph_backed: 'bool' = False) -> 'DSV4Metadata'", '019d1f789b7441d9'),
+    _BE + 'DeepseekV4AttnBackend.expand_extend_with_same_length': ("(self, *, bs: 'int', qo_len: 'int', seq_lens: 'torch.Tensor', req_pool_indices: 'torch.Tensor')", '4ab4cdffb324c069'),
+    _BE + 'DeepseekV4AttnBackend.init_forward_metadata_prefill': ("(self, max_seq_len: 'int', req_pool_indices: 'torch.Tensor', seq_lens: 'torch.Tensor', seq_lens_cpu: 'List[int]', out_cache_loc: 'torch.Tensor', num_tokens: 'int', extend_seq_lens: 'torch.Tensor', extend_seq_lens_cpu: 'List[int]', extend_start_loc: 'Optional[torch.Tensor]' = None, need_compress: 'bool' = True, use_prefill_cuda_graph: 'bool' = False, online_c128_state_slot_offset: 'int' = 0, dspark_block_size: 'Optional[int]' = None, forward_batch: 'Optional[ForwardBatch]' = None, swa_replay_start: 'Optional[torch.Tensor]' = None, cp_metadata: 'Optional[InterleaveContextParallelMetadata]' = None, dspark_swa_buffers: 'Optional[Tuple[torch.Tensor, torch.Tensor]]' = None) -> 'DSV4Metadata'", 'ed953a0de307a40a'),
+    _BE + 'DeepseekV4AttnBackend._resolve_verify_layout': ("(self, forward_batch: 'ForwardBatch', bs: 'int') -> 'Optional[RaggedVerifyLayout]'", '9878aac3c0b26708'),
+    'sglang.srt.speculative.ragged_verify.resolve_ragged_verify_layout': ("(forward_batch) -> 'Optional[RaggedVerifyLayout]'", '2de71b0625fe553b'),
     _HR + 'HookRegistry._apply_target': ('(cls, target: str, hooks: list)', 'e5b36a334656349f'),
     _HR + '_propagate_patch': ('(original: object, wrapped: object, source_module: object) -> int', '49c03f76266054fb'),
     'sglang.srt.plugins.load_plugins': ('()', 'cd2a423a31293f61'),
@@ -758,8 +793,7 @@ FINGERPRINT.update({
     _IX + 'topk_transform_paged': ("(scores: 'torch.Tensor', seq_lens: 'torch.Tensor', page_tables: 'torch.Tensor', out_page_indices: 'torch.Tensor', page_size: 'int', out_raw_indices: 'Optional[torch.Tensor]' = None) -> 'None'", None),
     _IX + 'topk_transform_paged_v2': ("(scores: 'torch.Tensor', seq_lens: 'torch.Tensor', page_tables: 'Optional[torch.Tensor]', out_page_indices: 'torch.Tensor', page_size: 'int', metadata: 'torch.Tensor', out_raw_indices: 'Optional[torch.Tensor]' = None) -> 'None'", None),
     _IX + 'plan_topk_v2': ("(seq_lens: 'torch.Tensor', static_threshold: 'int' = -1, *, out: 'Optional[torch.Tensor]' = None) -> 'torch.Tensor'", None),
-    'sglang.srt.layers.attention.mqa_logits_utils.mqa_logits_rows_per_chunk': ("(*, num_rows: 'int', row_bytes: 'int', budget_bytes: 'int') -> 'Optional[int]'", None),
-    'sglang.srt.layers.attention.mqa_logits_utils.mqa_logits_row_bytes': ("(num_cols: 'int') -> 'int'", None),
+    'sglang.srt.speculative.ragged_verify.read_ragged_verify_mode': ("() -> 'RaggedVerifyMode'", None),
     'sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool.get_index_k_with_scale_buffer': ("(self, layer_id: 'int') -> 'torch.Tensor'", None),
 })
 
