@@ -21,7 +21,7 @@ if [ -f .anchors/build_deepgemm.sh ]; then
 fi
 K=${1:-}
 if [ -z "${SKIP_PYTEST:-}" ]; then
-python3 -m pytest -q -m gpu tests ${K:+-k "$K"} -p no:cacheprovider -x 2>&1 | tail -40 | tee "$OUT/pytest_gpu.log"
+python3 -m pytest -q -m gpu tests ${K:+-k "$K"} -p no:cacheprovider --maxfail=5 2>&1 | tail -40 | tee "$OUT/pytest_gpu.log"
 fi
 touch "$OUT/pytest_gpu.log"
 PYTEST_LINE=$(tail -1 "$OUT/pytest_gpu.log")
