@@ -68,7 +68,7 @@ def prefill_rows(device, quick: bool, seed: int) -> list[dict]:
         ks = torch.zeros(T, dtype=torch.int32, device=device)
         out = torch.empty(T, S, device=device)
         flops = 2 * HEADS * DIM * float(ke.double().sum())
-        for row in _rows_for(logits.PREFILL, ("contiguous", q_fp8), arch,
+        for row in _rows_for(logits.PREFILL, ("contiguous", q_fp8, 0), arch,
                              lambda: logits.mqa_logits(q, kv, w, ks, ke, clean_logits=False, out=out), device,
                              10 if quick else 30, dict(op="prefill", layout="contiguous", q="fp8" if q_fp8 else "bf16",
                                                        T=T, S=S)):

@@ -639,16 +639,27 @@ def test_gpu_plugin_path_eager_and_graph(seed):
     rec = [_recall(got_raw[r].cpu(), ref_raw[r]) for r in range(R)]
     assert min(rec) >= 0.99, f"paged top-{topk} overlap with the CPU path per row: {rec}"
 
-    # 3. prefill rows of one request (ks = 0, ke = causal compressed length), SGLang's mqa_logits route
+    # 3. a multi-request extend (ks = 0, ke = causal compressed length), the plugin's varlen route: 3 requests
+    # of 30 / 1 / 33 rows with their page-table rows, in row chunks of 24 (one straddles two requests)
     T = 64
     ke = torch.linspace(600, max_pages * 64, T).to(torch.int32)
     ks = torch.zeros(T, dtype=torch.int32)
     qp = torch.randn(T, 64, 128).to(torch.float8_e4m3fn)
     wp = torch.rand(T, 64)
-    refp = torch.cat([core.prefill_logits(qp, wp, ks, ke, pt[0], cache_cpu, r) for r in core.row_chunks(T, 24, width, False)])
-    gotp = torch.cat([core.prefill_logits(qp.to(dev), wp.to(dev), ks.to(dev), ke.to(dev), gpt[0], cache_gpu, r)
+    row_pt = pt[torch.tensor([0] * 30 + [1] + [2] * 33)]
+    cu, bt = core.extend_requests(torch.tensor([30, 1, 33], dtype=torch.int32), row_pt, T)
+    gcu, gbt = core.extend_requests(torch.tensor([30, 1, 33], dtype=torch.int32, device=dev), row_pt.to(dev), T)
+    refp = torch.cat([core.extend_logits(qp, wp, ks, ke, cu, bt, cache_cpu, r) for r in core.row_chunks(T, 24, width, False)])
+    gotp = torch.cat([core.extend_logits(qp.to(dev), wp.to(dev), ks.to(dev), ke.to(dev), gcu, gbt, cache_gpu, r)
                       for r in core.row_chunks(T, 24, width, False)])
-    _cmp_logits("prefill", gotp, refp, ke)
+    _cmp_logits("extend (varlen)", gotp, refp, ke)
+    # 3b. target verify, 3 requests x 2 draft rows grouped as next_n 2 (one page-table row per request)
+    vl = torch.tensor([900, 901, 64, 64, 2500, 2501], dtype=torch.int32)
+    vpt = pt[torch.tensor([0, 0, 1, 1, 2, 2])]
+    qv, wv = torch.randn(6, 64, 128).to(torch.float8_e4m3fn), torch.rand(6, 64)
+    refv = core.verify_logits(qv, wv, vl, vpt, cache_cpu, width, 2, slice(0, 6))
+    gotv = core.verify_logits(qv.to(dev), wv.to(dev), vl.to(dev), vpt.to(dev), cache_gpu, width, 2, slice(0, 6))
+    _cmp_logits("verify (grouped)", gotv, refv, vl)
 
     # 4. CUDA graph: decode store + paged logits + top-k captured, replayed on new inputs
     B = R
