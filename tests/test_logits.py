@@ -965,7 +965,7 @@ def test_gpu_varlen_deterministic_and_graph(seed, layout):
     first = mqa_logits(**t, clean_logits=True)[:covered]
     for _ in range(5):
         assert torch.equal(mqa_logits(**t, clean_logits=True)[:covered], first)
-    out = torch.empty_like(first)
+    out = torch.empty(T, width, device="cuda")
     plan = torch.empty(t["cu_rows"].shape[0], dtype=torch.int64, device="cuda")
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
