@@ -87,6 +87,16 @@ _SCENARIO_RESULTS: dict = {}
 _BACKGROUND: dict = {}  # name -> (Popen, its result once collected): started with the scenarios, in parallel
 _REFUSAL = "Refusing to start"
 _STUB_PRELUDE = "import sys; sys.path.insert(0, 'tests'); import _sglang_env; _sglang_env.install(); "
+# SGLang without one of its dependencies: every torchvision import fails as it does where none is installed
+_NO_TORCHVISION = (
+    "import importlib.abc, sys\n"
+    "class NoTorchvision(importlib.abc.MetaPathFinder):\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name.split('.')[0] == 'torchvision':\n"
+    "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+    "sys.meta_path.insert(0, NoTorchvision())\n"
+    "from sglang.srt.plugins import load_plugins\n"
+    "load_plugins()\n")
 
 
 def _background_commands():
@@ -97,6 +107,7 @@ def _background_commands():
         "launcher_invalid": ([sys.executable, "-c", launcher], {ENV: "bf8"}),
         # tests/gpu_sglang_path.py in its CPU dry mode
         "gpu_script_dry": ([sys.executable, str(ROOT / "tests" / "gpu_sglang_path.py"), "--device", "cpu"], {}),
+        "missing_dependency": ([sys.executable, "-c", _NO_TORCHVISION], {ENV: "bf16", "SGLANG_PLUGINS": "cupy_dsa"}),
     }
 
 
@@ -174,6 +185,21 @@ def test_launcher_refuses_invalid_value():
     assert rc == 1, (rc, err[-3000:])
     assert f"{ENV}='bf8'" in err and _REFUSAL in err, err[-3000:]
     assert "Failed to execute general plugin" not in err
+
+
+@pytest.mark.sglang
+def test_missing_dependency_of_sglang_is_named():
+    """SGLang without torchvision, switch on: the refusal names the import that failed and what to install,
+    not a fallback AttributeError of the module path nor "its code differs"."""
+    _require_sglang()
+    rc, _, err = _background("missing_dependency")
+    lines = [ln for ln in err.splitlines() if ln.startswith(("cupy_dsa", "  - ", "Nothing"))]
+    msg = "\n".join(lines)
+    assert rc == 1 and _REFUSAL.lower() in msg, (rc, err[-3000:])
+    assert "No module named 'torchvision'" in msg and "pip install torchvision" in msg, msg
+    assert "raised while importing sglang.srt.mem_cache.deepseek_v4_memory_pool" in msg, msg
+    assert "do not import in this environment" in msg and "Nothing was patched" in msg, msg
+    assert "AttributeError" not in msg and "code differs" not in msg and "Install a supported SGLang" not in msg, msg
 
 
 @pytest.mark.sglang
