@@ -45,10 +45,12 @@ CHECKS = {
         "indexer_off_calls_sglang_original", "switch_read_once_per_process",
     ],
     "off": ["entry_point_loaded", "sglang_unchanged", "resolution_off_is_noop", "cli_flag_sets_switch",
+            "cli_flag_disagreeing_with_env_refused", "refusal_after_cli_flag_names_the_hooks_in_place",
             "yaml_config_sets_switch"],
     "excluded": ["allow_list_respected"],
     "refusals": ["refuses_other_version", "refuses_source_fingerprint_mismatch", "refuses_signature_mismatch",
-                 "hook_failure_undoes_applied_hooks", "resolution_hook_failure_undoes_hooks",
+                 "hook_failure_undoes_applied_hooks", "hook_failing_after_its_patch_counts_only_earlier_hooks",
+                 "resolution_hook_failure_undoes_hooks",
                  "invalid_value_direct_load_plugins", "invalid_value_engine", "invalid_value_ray_worker_hook",
                  "switch_off_hook_failure_leaves_sglang_unchanged", "registers_after_refusals"],
 }

@@ -50,6 +50,7 @@ import hashlib
 import importlib
 import inspect
 import logging
+import os
 
 import torch
 
@@ -358,12 +359,15 @@ def _install(entries, *, resolution: bool) -> None:
             register_resolution_hook(RESOLUTION_STEP)(validate_config)
             _resolution_installed = True
     except Exception as e:  # noqa: BLE001 - any failure undoes everything
-        if pending is not None and _current(*pending[1:3]) is not pending[3]:
+        applied_before = len(done)
+        partly = pending is not None and _current(*pending[1:3]) is not pending[3]
+        if partly:
             done.append(pending + (_current(*pending[1:3]),))  # failed after it was set
         for entry in reversed(done):
             _uninstall(*entry)
-        raise HookInstallError(f"the hook on {target} failed to apply ({type(e).__name__}: {e}); the {len(done)} "
-                               "hook(s) applied before it were undone") from e
+        raise HookInstallError(f"the hook on {target} failed to apply ({type(e).__name__}: {e}); the "
+                               f"{applied_before} hook(s) applied before it were undone"
+                               + (", and so was its own partial patch" if partly else "")) from e
     _installed.extend(done)
 
 
@@ -493,8 +497,25 @@ def _from_cli_args_hook(result, *args, **kwargs):
     ns = kwargs.get("args", args[-1] if args else None)
     value = getattr(ns, CLI_FLAG.lstrip("-").replace("-", "_"), None)
     if value is not None:
+        _refuse_flag_env_disagreement(value)
         core.set_mode(value)  # the environment (for the schedulers) and this process's cached switch
     return None
+
+
+def _refuse_flag_env_disagreement(flag_value: str) -> None:
+    """The flag (or YAML key) and the variable both set, to different modes: refuse rather than let one win
+    silently (the operator meant one of them)."""
+    env_value = os.environ.get(ENV_NAME)
+    if env_value is None or not env_value.strip():
+        return
+    try:
+        same = core.parse_mode(env_value) == core.parse_mode(flag_value)
+    except ValueError:
+        same = False
+    if not same:
+        raise StartupRefused(
+            f"cupy_dsa: {CLI_FLAG} {flag_value} (or the {CLI_FLAG[2:]} --config key) and {ENV_NAME}={env_value!r} "
+            f"in the environment disagree. Refusing to start: set only one of them, or both to the same value.")
 
 
 # --------------------------------------------------------------------------------------------------
