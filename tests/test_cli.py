@@ -246,6 +246,20 @@ def test_cpu_tables_print_no_ratios(runs):
         assert "%" not in "".join(ln for ln in out.splitlines() if "│" in ln and ("bf16" in ln or "fp8" in ln)), out
 
 
+def test_cpu_runs_evaluate_no_targets(runs):
+    """CPU timings are not performance figures: no row carries a target or a verdict, and the headline says
+    neither pass nor miss (the paged / contiguous prefill ratio used to flip between runs)."""
+    from cupy_dsa.bench import report
+
+    target_keys = ("target_pct_copy", "target_pct_read", "target_us", "target_pct_matmul", "target_vs_contiguous")
+    for sub in ("store", "logits"):
+        doc = runs[sub][1]
+        for r in doc[sub]:
+            assert r.get("verdict") is None and not any(r.get(k) for k in target_keys), r
+        md = report.markdown_headline(doc)
+        assert "pass" not in md and "miss" not in md, md
+
+
 def test_notes_cite_no_documents(runs):
     """The bench's footnotes state facts; they cite no document (none outside the repository, in particular)."""
     import re
