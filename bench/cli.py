@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import platform
 import re
 import time
@@ -134,7 +135,7 @@ def variants_cmd(device, quick, seed, json_path):
     the tests). Needs a CUDA GPU."""
     from rich.table import Table
 
-    from . import variants
+    from . import report, variants
 
     dev, _ = _resolve_device("cuda", device)
     rows = variants.decode_rows(dev, quick, seed) + variants.prefill_rows(dev, quick, seed)
@@ -146,7 +147,7 @@ def variants_cmd(device, quick, seed, json_path):
                 else f"q={r['q']} T={r['T']} S={r['S']} ({r['tflops']:.0f} TFLOP/s)")
         table.add_row(r["op"], case, ("* " if r["product"] else "  ") + r["config"], f"{r['us']:.1f}",
                       f"{r['vs_product']:.3f}")
-    _console().print(table)
+    report.print_fitted(_console(), table, keys=2)
     if json_path:
         Path(json_path).write_text(json.dumps({"device": _device_name(dev), "rows": rows}, indent=1))
 
@@ -180,7 +181,7 @@ def report_cmd(json_file, markdown_path, plot_path):
     if doc.get("schema") not in report.READABLE_SCHEMAS:
         raise click.BadParameter(f"expected schema {report.SCHEMA!r}, got {doc.get('schema')!r}",
                                  param_hint="JSON_FILE")
-    report.print_all(_console(), doc, [s for s in SECTIONS_ALL if doc.get(s)])
+    report.print_all(_console(stderr=markdown_path == "-"), doc, [s for s in SECTIONS_ALL if doc.get(s)])
     if markdown_path:
         _write_markdown(report.markdown_headline(doc), markdown_path)
     if plot_path:
@@ -238,12 +239,17 @@ def _device_name(dev) -> str:
     return f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def _console():
-    """stdout console; wide when not a terminal (logs, pipes) so tables are not truncated."""
+PIPE_WIDTH = 200  # piped output (logs) without COLUMNS: wide, so rows stay whole
+
+
+def _console(stderr: bool = False):
+    """The console the tables go to (stdout, or stderr when stdout carries the markdown): the terminal's width,
+    ``COLUMNS`` when set (rich reads it), else :data:`PIPE_WIDTH` for a pipe. Tables fit it
+    (``report.fitted``)."""
     from rich.console import Console
 
-    c = Console()
-    return c if c.is_terminal else Console(width=200)
+    c = Console(stderr=stderr)
+    return c if c.is_terminal or os.environ.get("COLUMNS", "").isdigit() else Console(stderr=stderr, width=PIPE_WIDTH)
 
 
 def _progress(console):
@@ -260,7 +266,7 @@ def _run(ctx: click.Context, sections, o: dict) -> dict:
     from . import bytes as bytes_mod
     from . import report
 
-    out = _console()
+    out = _console(stderr=o["markdown_path"] == "-")  # '-': stdout carries only the markdown
     err = Console(stderr=True)
     needs_device = any(s in sections for s in ("store", "logits", "recall"))
     if needs_device:

@@ -1,7 +1,9 @@
 """`cupy-dsa bench` on the CPU backend (CI): every subcommand with --quick, the JSON schema, the PNG and
 markdown outputs, click's errors for bad options, and the torch baseline / fp4 helper the bench relies on."""
+import io
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -258,6 +260,68 @@ def test_cpu_runs_evaluate_no_targets(runs):
             assert r.get("verdict") is None and not any(r.get(k) for k in target_keys), r
         md = report.markdown_headline(doc)
         assert "pass" not in md and "miss" not in md, md
+
+
+def _bench_piped(args, columns=None):
+    """``python -m cupy_dsa <args>`` with stdout and stderr piped (as in a log), COLUMNS as given."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    if columns is not None:
+        env["COLUMNS"] = str(columns)
+    r = subprocess.run([sys.executable, "-m", "cupy_dsa", *args], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+@pytest.mark.parametrize("columns", [80, 120, None])
+def test_tables_fit_the_width(columns):
+    """Piped output honours COLUMNS (else the pipe width); the decode table is split, keeping the row's
+    identity in every part, and every column is either shown or named as empty in every row."""
+    from cupy_dsa.bench import cli, report
+
+    r = _bench_piped(["bench", "logits", "--backend", "cpu"], columns)
+    width = columns or cli.PIPE_WIDTH
+    assert max(len(ln) for ln in r.stdout.splitlines()) <= width, r.stdout
+    text = " ".join(r.stdout.split())
+    headers = [str(c.header) for c in report.decode_table(report.new_document(
+        backend="cpu", device_name="x", quick=True, seed=0, gpu_mem_gb=1.0)).columns]
+    assert all(h in text for h in headers), [h for h in headers if h not in text]
+    assert "not shown (empty in every row): % read, target, result, DeepGEMM" in text
+    if columns == 80:
+        assert "(1/2)" in text and "(2/2)" in text, r.stdout
+    else:
+        assert "(1/2)" not in text
+
+
+def test_fitted_drops_empty_columns_and_repeats_the_keys():
+    from rich.console import Console
+    from rich.table import Table
+
+    from cupy_dsa.bench import report
+
+    t = Table(title="t")
+    for h in ("case", "a", "empty", "b", "c"):
+        t.add_column(h)
+    for i in range(3):
+        t.add_row(f"case {i}", "x" * 12, "—", "y" * 12, "z" * 12)
+    console = Console(width=40, file=io.StringIO())
+    parts = report.fitted(console, t, keys=1)
+    assert [[str(c.header) for c in p.columns] for p in parts] == [["case", "a", "b"], ["case", "c"]]
+    assert parts[-1].caption == "not shown (empty in every row): empty" and parts[0].caption is None
+    assert [list(p.columns[0].cells) for p in parts] == [[f"case {i}" for i in range(3)]] * 2
+    wide = report.fitted(Console(width=200, file=io.StringIO()), t, keys=1)
+    assert len(wide) == 1 and [str(c.header) for c in wide[0].columns] == ["case", "a", "b", "c"]
+
+
+def test_markdown_dash_keeps_stdout_markdown_only(runs, tmp_path):
+    """``--markdown -``: stdout is the markdown alone (to paste or redirect); the tables go to stderr."""
+    j = tmp_path / "logits.json"
+    j.write_text(json.dumps(runs["logits"][1]))
+    for args in (["bench", "logits", "--backend", "cpu", "--markdown", "-"], ["bench", "report", str(j), "--markdown", "-"]):
+        r = _bench_piped(args)
+        lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
+        assert lines[0].startswith("cupy-dsa bench —") and all(ln.startswith("|") for ln in lines[1:]), r.stdout
+        assert "paged_mqa_logits, decode" in r.stderr, r.stderr[-2000:]
 
 
 def test_notes_cite_no_documents(runs):
