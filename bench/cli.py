@@ -281,7 +281,7 @@ def _run(ctx: click.Context, sections, o: dict) -> dict:
                               quick=quick, seed=seed, gpu_mem_gb=float(o["gpu_mem_gb"]))
     doc["sections"] = list(sections)
     if not doc["git_commit"]:
-        doc["notes"].setdefault("general", []).append(report.NO_COMMIT)
+        doc["notes"].setdefault("general", []).append(doc["commit_note"])
     if backend == "cpu":
         doc["notes"].setdefault("general", []).insert(0, "CPU backend: the torch reference at small sizes; its "
                                                       "timings show that the pipeline runs, they are not "

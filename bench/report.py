@@ -22,29 +22,59 @@ SECTIONS = ("bytes", "store", "logits", "recall")
 # document
 # --------------------------------------------------------------------------------------------------
 
+def _git(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True, timeout=5)
+
+
+def _running_from_checkout() -> bool:
+    """Whether this code is a git checkout's own files (the clone, or an editable install of it): this file
+    must be tracked where it is. An installed copy that merely sits inside some repository (a virtual
+    environment in the clone) is not, and the repository's HEAD says nothing about what was installed."""
+    here = Path(__file__).resolve()
+    try:
+        return _git(here.parent, "ls-files", "--error-unmatch", here.name).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
 def git_commit() -> str | None:
-    """Commit of the code that ran: CUPY_DSA_COMMIT (set when the tree was copied without .git), else git."""
+    """Commit of the code that ran: CUPY_DSA_COMMIT (set when the tree was copied without .git), else the
+    checkout's HEAD when the code runs from a checkout, with ``-dirty`` when tracked files differ from it;
+    None otherwise (:func:`no_commit_reason` says why)."""
     if os.environ.get("CUPY_DSA_COMMIT"):
         return os.environ["CUPY_DSA_COMMIT"]
-    try:
-        root = Path(__file__).resolve().parents[1]
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                             text=True, timeout=5)
-        if out.returncode != 0:
-            return None
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "")
-    except Exception:
+    if not _running_from_checkout():
         return None
+    root = Path(__file__).resolve().parent
+    try:
+        head = _git(root, "rev-parse", "--short=12", "HEAD")
+        if head.returncode != 0:
+            return None
+        dirty = _git(root, "status", "--porcelain", "--untracked-files=no").stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
 NO_COMMIT = "no commit recorded (not run from a git checkout; set CUPY_DSA_COMMIT to record one)"
+INSTALLED_COPY = ("installed copy, commit unknown (a non-editable install keeps no git metadata; set "
+                  "CUPY_DSA_COMMIT to record one, or run from an editable install: pip install -e .)")
 
 
-def commit_text(doc: dict) -> str:
-    """``commit `abc...` `` or a sentence saying that the run recorded none."""
-    return f"commit `{doc['git_commit']}`" if doc.get("git_commit") else NO_COMMIT
+def no_commit_reason() -> str:
+    """Why :func:`git_commit` found none: an installed copy (``bench/`` inside the ``cupy_dsa`` package, as pip
+    lays it out) or a tree without git metadata."""
+    return INSTALLED_COPY if Path(__file__).resolve().parents[1].name == "cupy_dsa" else NO_COMMIT
+
+
+def commit_text(doc: dict, code=True) -> str:
+    """``commit `abc...` `` (saying when the checkout had uncommitted changes) or a sentence saying that the
+    run recorded none and why."""
+    c = doc.get("git_commit")
+    if not c:
+        return doc.get("commit_note") or NO_COMMIT
+    text = f"commit `{c}`" if code else f"commit {c}"
+    return text + (" (the checkout had uncommitted changes)" if c.endswith("-dirty") else "")
 
 
 def new_document(*, backend: str, device_name: str, quick: bool, seed: int, gpu_mem_gb: float) -> dict:
@@ -52,10 +82,12 @@ def new_document(*, backend: str, device_name: str, quick: bool, seed: int, gpu_
 
     import cupy_dsa
 
+    commit = git_commit()
     return {
         "schema": SCHEMA,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": git_commit(),
+        "git_commit": commit,
+        "commit_note": None if commit else no_commit_reason(),
         "cupy_dsa_version": getattr(cupy_dsa, "__version__", None),
         "torch_version": torch.__version__,
         "device": device_name,
@@ -606,8 +638,7 @@ def plot(doc: dict, path: str) -> None:
         else:
             ax.text(0.5, 0.5, "no data", ha="center")
             ax.axis("off")
-    commit = f"commit {doc['git_commit']}" if doc.get("git_commit") else "no commit recorded (not a git checkout)"
-    fig.suptitle(f"cupy-dsa bench — {doc['device']} — {doc['date'][:10]} — {commit}", fontsize=9)
+    fig.suptitle(f"cupy-dsa bench — {doc['device']} — {doc['date'][:10]} — {commit_text(doc, code=False)}", fontsize=9)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, format="png")

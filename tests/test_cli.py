@@ -4,6 +4,7 @@ import io
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -239,6 +240,52 @@ def test_commit_less_run_says_so(runs, tmp_path, monkeypatch):
     assert res.exit_code == 0 and report.NO_COMMIT in res.output
     saved = json.loads(j.read_text())
     assert saved["git_commit"] is None and report.NO_COMMIT in saved["notes"]["general"]
+
+
+def _git(cwd, *args):
+    subprocess.run(["git", "-C", str(cwd), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                   capture_output=True)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_commit_of_an_installed_copy_is_unknown(tmp_path, monkeypatch):
+    """``pip install .`` into a virtual environment inside the clone: the clone's HEAD says nothing about the
+    installed copy (the clone may have moved on), so no commit is recorded and the note says why."""
+    from cupy_dsa.bench import report
+
+    monkeypatch.delenv("CUPY_DSA_COMMIT", raising=False)
+    _git(tmp_path, "init", "-q")
+    (tmp_path / ".gitignore").write_text(".venv/\n")
+    _git(tmp_path, "add", ".gitignore")
+    _git(tmp_path, "commit", "-qm", "x")
+    installed = tmp_path / ".venv" / "lib" / "site-packages" / "cupy_dsa" / "bench" / "report.py"
+    installed.parent.mkdir(parents=True)
+    installed.write_text("")
+    monkeypatch.setattr(report, "__file__", str(installed))
+    assert report.git_commit() is None
+    assert report.no_commit_reason() == report.INSTALLED_COPY and "installed copy, commit unknown" in report.INSTALLED_COPY
+    doc = report.new_document(backend="none", device_name="x", quick=False, seed=0, gpu_mem_gb=1.0)
+    assert doc["git_commit"] is None and report.commit_text(doc) == report.INSTALLED_COPY
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_commit_of_a_checkout_says_when_it_is_dirty(tmp_path, monkeypatch):
+    """Running from a checkout (an editable install): its HEAD, marked dirty while tracked files differ."""
+    from cupy_dsa.bench import report
+
+    monkeypatch.delenv("CUPY_DSA_COMMIT", raising=False)
+    checkout = tmp_path / "clone"
+    (checkout / "bench").mkdir(parents=True)
+    (checkout / "bench" / "report.py").write_text("# v1\n")
+    _git(checkout, "init", "-q")
+    _git(checkout, "add", "bench/report.py")
+    _git(checkout, "commit", "-qm", "x")
+    monkeypatch.setattr(report, "__file__", str(checkout / "bench" / "report.py"))
+    clean = report.git_commit()
+    assert clean and len(clean) == 12 and not clean.endswith("-dirty")
+    (checkout / "bench" / "report.py").write_text("# v2\n")
+    assert report.git_commit() == clean + "-dirty"
+    assert "uncommitted changes" in report.commit_text({"git_commit": clean + "-dirty"})
 
 
 def test_cpu_tables_print_no_ratios(runs):
