@@ -137,7 +137,7 @@ def variants_cmd(device, quick, seed, json_path):
 
     from . import report, variants
 
-    dev, _ = _resolve_device("cuda", device)
+    dev, _ = _resolve_device("cuda", device, has_backend_option=False)
     rows = variants.decode_rows(dev, quick, seed) + variants.prefill_rows(dev, quick, seed)
     table = Table(title=f"variants on {_device_name(dev)}")
     for col in ("op", "case", "config", "us", "vs product"):
@@ -152,8 +152,34 @@ def variants_cmd(device, quick, seed, json_path):
         Path(json_path).write_text(json.dumps({"device": _device_name(dev), "rows": rows}, indent=1))
 
 
+def _archs_option(ctx, param, values):
+    """--arch: ``sm_NN`` of sm_80 or newer that this NVRTC compiles for (checked here: a bad arch would end
+    in thousands of lines of NVRTC errors)."""
+    from cupy_dsa import runtime
+
+    archs = []
+    for value in values:
+        m = re.fullmatch(r"sm_(\d+)", value.strip().lower())
+        if not m:
+            raise click.BadParameter(f"expected an arch such as sm_90 (sm_{runtime.MIN_ARCH} or newer), got {value!r}")
+        cc = int(m.group(1))
+        if cc < runtime.MIN_ARCH:
+            raise click.BadParameter(f"{value}: the kernels need sm_{runtime.MIN_ARCH} or newer (bf16 tensor-core "
+                                     "mma and cp.async)")
+        try:
+            supported = runtime.cupy_module().cuda.nvrtc.getSupportedArchs()
+        except Exception:  # noqa: BLE001 - no CuPy / NVRTC here: the compile says so itself
+            supported = None
+        if supported and cc not in supported:
+            known = ", ".join(f"sm_{a}" for a in supported if a >= runtime.MIN_ARCH)
+            raise click.BadParameter(f"{value}: this NVRTC does not compile for it (it does for {known})")
+        archs.append(f"sm_{cc}")
+    return tuple(archs)
+
+
 @bench.command(name="resources")
-@click.option("--arch", "archs", multiple=True, help="target arch (repeatable). [sm_80 sm_89 sm_90 sm_100 sm_120]")
+@click.option("--arch", "archs", multiple=True, callback=_archs_option,
+              help="target arch, sm_80 or newer (repeatable). [sm_80 sm_89 sm_90 sm_100 sm_120]")
 def resources_cmd(archs):
     """ptxas's registers / spills / shared memory of every product kernel config per target arch (NVRTC, no
     GPU), as the README's markdown table."""
@@ -201,25 +227,39 @@ def _write_markdown(md: str, path: str) -> None:
 # running
 # --------------------------------------------------------------------------------------------------
 
-def _resolve_device(backend: str, device: str | None):
-    """(torch.device, backend name); click errors for impossible combinations."""
+def _resolve_device(backend: str, device: str | None, *, has_backend_option: bool = True):
+    """(torch.device, backend name); click errors for impossible combinations, naming the option that asked
+    for what cannot be had (``--device`` or ``--backend``; a command without ``--backend`` needs CUDA
+    itself)."""
     import torch
 
     dev = None
+    asked_for_cuda = "'--backend'" if backend == "cuda" and has_backend_option else None
     if device is not None:
         if not re.fullmatch(r"cpu|cuda(:\d+)?|\d+", device.strip()):
             raise click.BadParameter(f"expected 'cpu', 'cuda', 'cuda:N' or N, got {device!r}", param_hint="'--device'")
         dev = torch.device(f"cuda:{device}" if device.isdigit() else device.strip())
+        if not has_backend_option and dev.type != "cuda":
+            raise click.BadParameter(f"expected a CUDA device (the command times CUDA kernels), got {device!r}",
+                                     param_hint="'--device'")
         if backend == "auto":
             backend = dev.type
         elif backend != dev.type:
             raise click.BadParameter(f"device {device!r} does not match --backend {backend}", param_hint="'--device'")
+        if dev.type == "cuda":
+            asked_for_cuda = "'--device'"
     if backend == "auto":
         backend = "cuda" if torch.cuda.is_available() else "cpu"
     if backend == "cuda":
         if not torch.cuda.is_available():
-            raise click.BadParameter("no CUDA device is available (torch.cuda.is_available() is False); "
-                                     "use --backend cpu or auto", param_hint="'--backend'")
+            none = "no CUDA device is available (torch.cuda.is_available() is False)"
+            if asked_for_cuda == "'--device'":
+                raise click.BadParameter(f"{device!r}: {none}", param_hint="'--device'")
+            if asked_for_cuda == "'--backend'":
+                raise click.BadParameter(f"{none}; use --backend cpu or auto", param_hint="'--backend'")
+            ctx = click.get_current_context(silent=True)
+            raise click.UsageError(f"{ctx.command_path if ctx else 'this command'} times CUDA kernels and needs a "
+                                   f"GPU: {none}")
         if dev is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         elif dev.index is None:

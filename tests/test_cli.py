@@ -490,6 +490,39 @@ def test_variants_needs_a_gpu(monkeypatch):
     assert res.exit_code == 2 and "no CUDA device" in res.output, res.output
 
 
+@pytest.mark.parametrize("args, option", [
+    (["bench", "variants", "--quick"], None),
+    (["bench", "variants", "--device", "cuda:1"], "'--device'"),
+    (["bench", "variants", "--device", "cpu"], "'--device'"),
+    (["bench", "store", "--device", "cuda:1"], "'--device'"),
+    (["bench", "store", "--backend", "cuda"], "'--backend'"),
+])
+def test_no_gpu_errors_name_the_option_given(args, option, monkeypatch):
+    """Without a GPU the error names the option that asked for one; `variants` has no --backend to blame."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    if option is None:
+        assert "cupy-dsa bench variants times CUDA kernels and needs a GPU" in res.output, res.output
+    else:
+        assert f"Invalid value for {option}" in res.output, res.output
+    if option != "'--backend'":
+        assert "--backend" not in res.output, res.output
+
+
+@pytest.mark.parametrize("arch, message", [
+    ("sm_75", "sm_75: the kernels need sm_80 or newer"),
+    ("sm_70", "the kernels need sm_80 or newer"),
+    ("foo", "expected an arch such as sm_90"),
+    ("90", "expected an arch such as sm_90"),
+])
+def test_resources_refuses_bad_archs_in_one_line(arch, message):
+    """Before any compile: no NVRTC log (sm_75 used to print 7,459 lines), no traceback."""
+    res = CliRunner().invoke(main, ["bench", "resources", "--arch", "sm_80", "--arch", arch])
+    assert res.exit_code == 2 and "Invalid value for '--arch'" in res.output and message in res.output, res.output
+    assert len(res.output.splitlines()) <= 4 and "NVRTC failed" not in res.output, res.output
+
+
 @pytest.mark.gpu
 def test_variants_gpu_quick(tmp_path):
     """Every row of a case is a declared config of this GPU, the product one first."""
