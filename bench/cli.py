@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import re
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,6 +29,39 @@ def _png_path(ctx, param, value):
     return value
 
 
+def _probe_writable(path: Path) -> None:
+    """Raise the OSError that writing ``path`` later would raise (the file is created and removed again, or
+    for a missing directory, one is made and removed where the writer would create it)."""
+    if path.exists():
+        with open(path, "ab"):
+            return
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if parent == path.parent:
+        with open(path, "xb"):
+            pass
+        path.unlink()
+    else:
+        os.rmdir(tempfile.mkdtemp(dir=parent))
+
+
+def _writable_output(ctx, param, value):
+    """--json / --plot / --markdown: checked while the options are parsed, so a run that takes minutes does not
+    fail at its end on a path it cannot write ('-' is stdout)."""
+    if value is None or value == "-":
+        return value
+    try:
+        _probe_writable(Path(value))
+    except OSError as e:
+        raise click.BadParameter(f"cannot write {value!r} ({type(e).__name__}: {e.strerror or e})") from None
+    return value
+
+
+def _png_output(ctx, param, value):
+    return _writable_output(ctx, param, _png_path(ctx, param, value))
+
+
 MARKDOWN_HELP = "write the compact markdown headline table (what the README quotes) here; '-' prints it to stdout."
 QUICK_HELP = ("smaller sizes. GPU: every section (ceilings, store, logits, recall: 3 contexts x 8 needles). "
               "CPU backend: recall runs 2 contexts x 4 needles instead of 4 x 8 (up to 64K tokens); store and logits always run "
@@ -43,11 +77,11 @@ def common_options(f):
                      help="torch device for the GPU backend, e.g. cuda:1 (default: the current device)."),
         click.option("--quick", is_flag=True, default=False, help=QUICK_HELP),
         click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
-                     help="write the results as JSON (schema cupy-dsa-bench/2)."),
+                     callback=_writable_output, help="write the results as JSON (schema cupy-dsa-bench/2)."),
         click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
-                     callback=_png_path, help="write a PNG plot (matplotlib); the name must end in .png."),
+                     callback=_png_output, help="write a PNG plot (matplotlib); the name must end in .png."),
         click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
-                     default=None, help=MARKDOWN_HELP),
+                     default=None, callback=_writable_output, help=MARKDOWN_HELP),
         click.option("--seed", type=click.IntRange(min=0), default=None, help="random seed. [0]"),
         click.option("--gpu-mem-gb", type=click.FloatRange(min=0, min_open=True), default=None,
                      help="KV memory budget for `bytes` (GB = 1e9 B). [100]"),
@@ -128,7 +162,7 @@ _subcommand("all", SECTIONS_ALL, "Run bytes, store, logits and recall (the defau
 @click.option("--quick", is_flag=True, default=False, help="two decode cases and a smaller prefill.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="random seed.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
-              help="write the rows as JSON.")
+              callback=_writable_output, help="write the rows as JSON.")
 def variants_cmd(device, quick, seed, json_path):
     """Time every declared config (product and experimental) of the decode and prefill logits on this GPU,
     on the same inputs; the product config of each case first (experimental configs run only here and in
@@ -191,9 +225,9 @@ def resources_cmd(archs):
 @bench.command(name="report")
 @click.argument("json_file", type=click.Path(exists=True, dir_okay=False))
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
-              default=None, help=MARKDOWN_HELP)
+              default=None, callback=_writable_output, help=MARKDOWN_HELP)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
-              callback=_png_path, help="re-draw the PNG plot from the JSON; the name must end in .png.")
+              callback=_png_output, help="re-draw the PNG plot from the JSON; the name must end in .png.")
 def report_cmd(json_file, markdown_path, plot_path):
     """Re-print the tables of a saved JSON result (and its markdown headline / plot)."""
     from rich.console import Console

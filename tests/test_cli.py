@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -410,6 +411,37 @@ def test_bad_options_are_usage_errors(args, message):
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
     assert message in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("sub, option, name", [
+    (["bench", "store", "--backend", "cpu"], "--json", "x.json"),
+    (["bench", "store", "--backend", "cpu"], "--plot", "x.png"),
+    (["bench", "store", "--backend", "cpu"], "--markdown", "x.md"),
+    (["bench", "report", "JSON"], "--plot", "x.png"),
+    (["bench", "report", "JSON"], "--markdown", "x.md"),
+    (["bench", "variants"], "--json", "x.json"),
+])
+def test_unwritable_outputs_are_refused_before_the_work(option, name, sub, tmp_path, monkeypatch, runs):
+    """An output path that cannot be written is a usage error naming the option, before anything runs (the
+    bench used to run to its end, then fail with a traceback)."""
+    from cupy_dsa.bench import cli, report
+
+    ran = []
+    monkeypatch.setattr(cli, "_run", lambda *a: ran.append(a))
+    monkeypatch.setattr(report, "print_all", lambda *a: ran.append(a))
+    (tmp_path / "b.json").write_text(json.dumps(runs["bytes"][1]))
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    paths = [not_a_dir / name, not_a_dir / "sub" / name] + ([Path("/proc/sys") / name] if Path("/proc/sys").is_dir() else [])
+    for path in paths:
+        args = [a if a != "JSON" else str(tmp_path / "b.json") for a in sub] + [option, str(path)]
+        res = CliRunner().invoke(main, args)
+        assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
+        assert f"Invalid value for '{option}'" in res.output and "cannot write" in res.output, res.output
+        assert "Traceback" not in res.output and not ran, res.output
+    ok = tmp_path / "new" / "dir" / name  # a missing directory is fine (the writer creates it); nothing is left
+    assert CliRunner().invoke(main, ["bench", "bytes", option, str(ok)]).exit_code == 0
+    assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
