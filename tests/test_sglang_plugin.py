@@ -1,6 +1,6 @@
 """The SGLang 0.5.23 plugin (cupy_dsa.sglang).
 
-CPU (CI): fresh processes, one per scenario, started together, run ``tests/_sglang_checks.py`` against SGLang's real
+CPU (CI): fresh processes, one per scenario, started together, run ``scripts/_sglang_checks.py`` against SGLang's real
 classes (each hook-installing scenario needs its own process: SGLang's HookRegistry cannot be undone) and
 report one result per check; every check is one test here. Needs sglang 0.5.23 installed with ``--no-deps``
 plus tests/requirements-cpu.txt: skipped without it, failed without it when ``CI`` is set.
@@ -28,11 +28,11 @@ from cupy_dsa import layouts
 from cupy_dsa.sglang import core
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKS_SCRIPT = ROOT / "tests" / "_sglang_checks.py"
+CHECKS_SCRIPT = ROOT / "scripts" / "_sglang_checks.py"
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 ENV = core.ENV_NAME
 
-# Every check each scenario of tests/_sglang_checks.py reports (test_every_check_is_listed keeps this honest).
+# Every check each scenario of scripts/_sglang_checks.py reports (test_every_check_is_listed keeps this honest).
 CHECKS = {
     "on": [
         "hooks_applied", "env_field", "bytes_per_token_on", "pool_pages_on", "store_decode_plan",
@@ -88,7 +88,7 @@ def _child_env(extra, seed):
 _SCENARIO_RESULTS: dict = {}
 _BACKGROUND: dict = {}  # name -> (Popen, its result once collected): started with the scenarios, in parallel
 _REFUSAL = "Refusing to start"
-_STUB_PRELUDE = "import sys; sys.path.insert(0, 'tests'); import _sglang_env; _sglang_env.install(); "
+_STUB_PRELUDE = "import sys; sys.path.insert(0, 'scripts'); import _sglang_env; _sglang_env.install(); "
 # SGLang without one of its dependencies: every torchvision import fails as it does where none is installed
 _NO_TORCHVISION = (
     "import importlib.abc, sys\n"
@@ -107,8 +107,8 @@ def _background_commands():
     return {
         # python -m sglang.launch_server with an invalid switch
         "launcher_invalid": ([sys.executable, "-c", launcher], {ENV: "bf8"}),
-        # tests/gpu_sglang_path.py in its CPU dry mode
-        "gpu_script_dry": ([sys.executable, str(ROOT / "tests" / "gpu_sglang_path.py"), "--device", "cpu"], {}),
+        # scripts/gpu_sglang_path.py in its CPU dry mode
+        "gpu_script_dry": ([sys.executable, str(ROOT / "scripts" / "gpu_sglang_path.py"), "--device", "cpu"], {}),
         "missing_dependency": ([sys.executable, "-c", _NO_TORCHVISION], {ENV: "bf16", "SGLANG_PLUGINS": "cupy_dsa"}),
     }
 
@@ -233,7 +233,7 @@ def test_other_sglang_version_refuses_cleanly(tmp_path):
 
 @pytest.mark.sglang
 def test_gpu_sglang_path_dry_mode():
-    """tests/gpu_sglang_path.py (SGLang's pool, plans, metadata, store call site and forward_c4_indexer with
+    """scripts/gpu_sglang_path.py (SGLang's pool, plans, metadata, store call site and forward_c4_indexer with
     cupy_dsa's ops) in its CPU dry mode: the code the H200 runs, with the CPU backends on both sides."""
     _require_sglang()
     rc, out, err = _background("gpu_script_dry")

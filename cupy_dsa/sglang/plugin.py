@@ -86,7 +86,7 @@ _IX = "sglang.srt.layers.attention.dsv4.indexer."
 _HR = "sglang.srt.plugins.hook_registry."
 # SGLang 0.5.23: (signature, sha256[:16] of the source) of every function the plugin replaces, wraps, copies
 # the logic of or drives by private API; (signature, None) for functions it only calls. Regenerate with
-# ``python tests/_sglang_checks.py fingerprint`` after reviewing the hooks against a new SGLang.
+# ``python scripts/_sglang_checks.py fingerprint`` after reviewing the hooks against a new SGLang.
 FINGERPRINT: dict[str, tuple[str, str | None]] = {}  # filled below
 
 _installed: list[tuple] = []       # (target, owner, attr, raw before, raw after), in install order
@@ -875,7 +875,7 @@ FINGERPRINT.update({
 
 
 def fingerprint_table() -> dict[str, tuple[str, str | None]]:
-    """The installed SGLang's fingerprint in :data:`FINGERPRINT`'s form (``tests/_sglang_checks.py
+    """The installed SGLang's fingerprint in :data:`FINGERPRINT`'s form (``scripts/_sglang_checks.py
     fingerprint`` prints it, to review and paste after checking the hooks against a new SGLang)."""
     return {path: fingerprint_of(path, path in _FINGERPRINT_SOURCE)
             for path in _FINGERPRINT_SOURCE + _FINGERPRINT_SIGNATURE}

@@ -1,6 +1,6 @@
 """Plugin checks against SGLang 0.5.23's real classes, run in a fresh process per scenario.
 
-``python tests/_sglang_checks.py <scenario>`` loads plugins the way SGLang's processes do
+``python scripts/_sglang_checks.py <scenario>`` loads plugins the way SGLang's processes do
 (``sglang.srt.plugins.load_plugins()``), runs every check of the scenario (each isolated: one failing
 check does not hide the others) and prints one ``RESULTS_JSON:`` line. SGLang's hook registry cannot be
 undone, hence one process per scenario; tests/test_sglang_plugin.py runs the scenarios and asserts.
