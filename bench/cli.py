@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import platform
 import re
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +29,39 @@ def _png_path(ctx, param, value):
     return value
 
 
+def _probe_writable(path: Path) -> None:
+    """Raise the OSError that writing ``path`` later would raise (the file is created and removed again, or
+    for a missing directory, one is made and removed where the writer would create it)."""
+    if path.exists():
+        with open(path, "ab"):
+            return
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if parent == path.parent:
+        with open(path, "xb"):
+            pass
+        path.unlink()
+    else:
+        os.rmdir(tempfile.mkdtemp(dir=parent))
+
+
+def _writable_output(ctx, param, value):
+    """--json / --plot / --markdown: checked while the options are parsed, so a run that takes minutes does not
+    fail at its end on a path it cannot write ('-' is stdout)."""
+    if value is None or value == "-":
+        return value
+    try:
+        _probe_writable(Path(value))
+    except OSError as e:
+        raise click.BadParameter(f"cannot write {value!r} ({type(e).__name__}: {e.strerror or e})") from None
+    return value
+
+
+def _png_output(ctx, param, value):
+    return _writable_output(ctx, param, _png_path(ctx, param, value))
+
+
 MARKDOWN_HELP = "write the compact markdown headline table (what the README quotes) here; '-' prints it to stdout."
 QUICK_HELP = ("smaller sizes. GPU: every section (ceilings, store, logits, recall: 3 contexts x 8 needles). "
               "CPU backend: recall runs 2 contexts x 4 needles instead of 4 x 8 (up to 64K tokens); store and logits always run "
@@ -42,11 +77,11 @@ def common_options(f):
                      help="torch device for the GPU backend, e.g. cuda:1 (default: the current device)."),
         click.option("--quick", is_flag=True, default=False, help=QUICK_HELP),
         click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
-                     help="write the results as JSON (schema cupy-dsa-bench/2)."),
+                     callback=_writable_output, help="write the results as JSON (schema cupy-dsa-bench/2)."),
         click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
-                     callback=_png_path, help="write a PNG plot (matplotlib); the name must end in .png."),
+                     callback=_png_output, help="write a PNG plot (matplotlib); the name must end in .png."),
         click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
-                     default=None, help=MARKDOWN_HELP),
+                     default=None, callback=_writable_output, help=MARKDOWN_HELP),
         click.option("--seed", type=click.IntRange(min=0), default=None, help="random seed. [0]"),
         click.option("--gpu-mem-gb", type=click.FloatRange(min=0, min_open=True), default=None,
                      help="KV memory budget for `bytes` (GB = 1e9 B). [100]"),
@@ -127,16 +162,16 @@ _subcommand("all", SECTIONS_ALL, "Run bytes, store, logits and recall (the defau
 @click.option("--quick", is_flag=True, default=False, help="two decode cases and a smaller prefill.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="random seed.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
-              help="write the rows as JSON.")
+              callback=_writable_output, help="write the rows as JSON.")
 def variants_cmd(device, quick, seed, json_path):
     """Time every declared config (product and experimental) of the decode and prefill logits on this GPU,
     on the same inputs; the product config of each case first (experimental configs run only here and in
     the tests). Needs a CUDA GPU."""
     from rich.table import Table
 
-    from . import variants
+    from . import report, variants
 
-    dev, _ = _resolve_device("cuda", device)
+    dev, _ = _resolve_device("cuda", device, has_backend_option=False)
     rows = variants.decode_rows(dev, quick, seed) + variants.prefill_rows(dev, quick, seed)
     table = Table(title=f"variants on {_device_name(dev)}")
     for col in ("op", "case", "config", "us", "vs product"):
@@ -146,13 +181,39 @@ def variants_cmd(device, quick, seed, json_path):
                 else f"q={r['q']} T={r['T']} S={r['S']} ({r['tflops']:.0f} TFLOP/s)")
         table.add_row(r["op"], case, ("* " if r["product"] else "  ") + r["config"], f"{r['us']:.1f}",
                       f"{r['vs_product']:.3f}")
-    _console().print(table)
+    report.print_fitted(_console(), table, keys=2)
     if json_path:
         Path(json_path).write_text(json.dumps({"device": _device_name(dev), "rows": rows}, indent=1))
 
 
+def _archs_option(ctx, param, values):
+    """--arch: ``sm_NN`` of sm_80 or newer that this NVRTC compiles for (checked here: a bad arch would end
+    in thousands of lines of NVRTC errors)."""
+    from cupy_dsa import runtime
+
+    archs = []
+    for value in values:
+        m = re.fullmatch(r"sm_(\d+)", value.strip().lower())
+        if not m:
+            raise click.BadParameter(f"expected an arch such as sm_90 (sm_{runtime.MIN_ARCH} or newer), got {value!r}")
+        cc = int(m.group(1))
+        if cc < runtime.MIN_ARCH:
+            raise click.BadParameter(f"{value}: the kernels need sm_{runtime.MIN_ARCH} or newer (bf16 tensor-core "
+                                     "mma and cp.async)")
+        try:
+            supported = runtime.cupy_module().cuda.nvrtc.getSupportedArchs()
+        except Exception:  # noqa: BLE001 - no CuPy / NVRTC here: the compile says so itself
+            supported = None
+        if supported and cc not in supported:
+            known = ", ".join(f"sm_{a}" for a in supported if a >= runtime.MIN_ARCH)
+            raise click.BadParameter(f"{value}: this NVRTC does not compile for it (it does for {known})")
+        archs.append(f"sm_{cc}")
+    return tuple(archs)
+
+
 @bench.command(name="resources")
-@click.option("--arch", "archs", multiple=True, help="target arch (repeatable). [sm_80 sm_89 sm_90 sm_100 sm_120]")
+@click.option("--arch", "archs", multiple=True, callback=_archs_option,
+              help="target arch, sm_80 or newer (repeatable). [sm_80 sm_89 sm_90 sm_100 sm_120]")
 def resources_cmd(archs):
     """ptxas's registers / spills / shared memory of every product kernel config per target arch (NVRTC, no
     GPU), as the README's markdown table."""
@@ -164,9 +225,9 @@ def resources_cmd(archs):
 @bench.command(name="report")
 @click.argument("json_file", type=click.Path(exists=True, dir_okay=False))
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
-              default=None, help=MARKDOWN_HELP)
+              default=None, callback=_writable_output, help=MARKDOWN_HELP)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
-              callback=_png_path, help="re-draw the PNG plot from the JSON; the name must end in .png.")
+              callback=_png_output, help="re-draw the PNG plot from the JSON; the name must end in .png.")
 def report_cmd(json_file, markdown_path, plot_path):
     """Re-print the tables of a saved JSON result (and its markdown headline / plot)."""
     from rich.console import Console
@@ -180,7 +241,7 @@ def report_cmd(json_file, markdown_path, plot_path):
     if doc.get("schema") not in report.READABLE_SCHEMAS:
         raise click.BadParameter(f"expected schema {report.SCHEMA!r}, got {doc.get('schema')!r}",
                                  param_hint="JSON_FILE")
-    report.print_all(_console(), doc, [s for s in SECTIONS_ALL if doc.get(s)])
+    report.print_all(_console(stderr=markdown_path == "-"), doc, [s for s in SECTIONS_ALL if doc.get(s)])
     if markdown_path:
         _write_markdown(report.markdown_headline(doc), markdown_path)
     if plot_path:
@@ -200,25 +261,39 @@ def _write_markdown(md: str, path: str) -> None:
 # running
 # --------------------------------------------------------------------------------------------------
 
-def _resolve_device(backend: str, device: str | None):
-    """(torch.device, backend name); click errors for impossible combinations."""
+def _resolve_device(backend: str, device: str | None, *, has_backend_option: bool = True):
+    """(torch.device, backend name); click errors for impossible combinations, naming the option that asked
+    for what cannot be had (``--device`` or ``--backend``; a command without ``--backend`` needs CUDA
+    itself)."""
     import torch
 
     dev = None
+    asked_for_cuda = "'--backend'" if backend == "cuda" and has_backend_option else None
     if device is not None:
         if not re.fullmatch(r"cpu|cuda(:\d+)?|\d+", device.strip()):
             raise click.BadParameter(f"expected 'cpu', 'cuda', 'cuda:N' or N, got {device!r}", param_hint="'--device'")
         dev = torch.device(f"cuda:{device}" if device.isdigit() else device.strip())
+        if not has_backend_option and dev.type != "cuda":
+            raise click.BadParameter(f"expected a CUDA device (the command times CUDA kernels), got {device!r}",
+                                     param_hint="'--device'")
         if backend == "auto":
             backend = dev.type
         elif backend != dev.type:
             raise click.BadParameter(f"device {device!r} does not match --backend {backend}", param_hint="'--device'")
+        if dev.type == "cuda":
+            asked_for_cuda = "'--device'"
     if backend == "auto":
         backend = "cuda" if torch.cuda.is_available() else "cpu"
     if backend == "cuda":
         if not torch.cuda.is_available():
-            raise click.BadParameter("no CUDA device is available (torch.cuda.is_available() is False); "
-                                     "use --backend cpu or auto", param_hint="'--backend'")
+            none = "no CUDA device is available (torch.cuda.is_available() is False)"
+            if asked_for_cuda == "'--device'":
+                raise click.BadParameter(f"{device!r}: {none}", param_hint="'--device'")
+            if asked_for_cuda == "'--backend'":
+                raise click.BadParameter(f"{none}; use --backend cpu or auto", param_hint="'--backend'")
+            ctx = click.get_current_context(silent=True)
+            raise click.UsageError(f"{ctx.command_path if ctx else 'this command'} times CUDA kernels and needs a "
+                                   f"GPU: {none}")
         if dev is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         elif dev.index is None:
@@ -238,12 +313,17 @@ def _device_name(dev) -> str:
     return f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def _console():
-    """stdout console; wide when not a terminal (logs, pipes) so tables are not truncated."""
+PIPE_WIDTH = 200  # piped output (logs) without COLUMNS: wide, so rows stay whole
+
+
+def _console(stderr: bool = False):
+    """The console the tables go to (stdout, or stderr when stdout carries the markdown): the terminal's width,
+    ``COLUMNS`` when set (rich reads it), else :data:`PIPE_WIDTH` for a pipe. Tables fit it
+    (``report.fitted``)."""
     from rich.console import Console
 
-    c = Console()
-    return c if c.is_terminal else Console(width=200)
+    c = Console(stderr=stderr)
+    return c if c.is_terminal or os.environ.get("COLUMNS", "").isdigit() else Console(stderr=stderr, width=PIPE_WIDTH)
 
 
 def _progress(console):
@@ -260,7 +340,7 @@ def _run(ctx: click.Context, sections, o: dict) -> dict:
     from . import bytes as bytes_mod
     from . import report
 
-    out = _console()
+    out = _console(stderr=o["markdown_path"] == "-")  # '-': stdout carries only the markdown
     err = Console(stderr=True)
     needs_device = any(s in sections for s in ("store", "logits", "recall"))
     if needs_device:
@@ -275,7 +355,7 @@ def _run(ctx: click.Context, sections, o: dict) -> dict:
                               quick=quick, seed=seed, gpu_mem_gb=float(o["gpu_mem_gb"]))
     doc["sections"] = list(sections)
     if not doc["git_commit"]:
-        doc["notes"].setdefault("general", []).append(report.NO_COMMIT)
+        doc["notes"].setdefault("general", []).append(doc["commit_note"])
     if backend == "cpu":
         doc["notes"].setdefault("general", []).insert(0, "CPU backend: the torch reference at small sizes; its "
                                                       "timings show that the pipeline runs, they are not "

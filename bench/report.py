@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 from rich.table import Table
+from rich.text import Text
 
 # /2: recall rows carry the margin sweep (needle_rate per margin, resolution, ref_overlap); `bench report`
 # still re-prints /1 documents (without their recall rows, which had no margins).
@@ -21,29 +22,59 @@ SECTIONS = ("bytes", "store", "logits", "recall")
 # document
 # --------------------------------------------------------------------------------------------------
 
+def _git(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True, timeout=5)
+
+
+def _running_from_checkout() -> bool:
+    """Whether this code is a git checkout's own files (the clone, or an editable install of it): this file
+    must be tracked where it is. An installed copy that merely sits inside some repository (a virtual
+    environment in the clone) is not, and the repository's HEAD says nothing about what was installed."""
+    here = Path(__file__).resolve()
+    try:
+        return _git(here.parent, "ls-files", "--error-unmatch", here.name).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
 def git_commit() -> str | None:
-    """Commit of the code that ran: CUPY_DSA_COMMIT (set when the tree was copied without .git), else git."""
+    """Commit of the code that ran: CUPY_DSA_COMMIT (set when the tree was copied without .git), else the
+    checkout's HEAD when the code runs from a checkout, with ``-dirty`` when tracked files differ from it;
+    None otherwise (:func:`no_commit_reason` says why)."""
     if os.environ.get("CUPY_DSA_COMMIT"):
         return os.environ["CUPY_DSA_COMMIT"]
-    try:
-        root = Path(__file__).resolve().parents[1]
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                             text=True, timeout=5)
-        if out.returncode != 0:
-            return None
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "")
-    except Exception:
+    if not _running_from_checkout():
         return None
+    root = Path(__file__).resolve().parent
+    try:
+        head = _git(root, "rev-parse", "--short=12", "HEAD")
+        if head.returncode != 0:
+            return None
+        dirty = _git(root, "status", "--porcelain", "--untracked-files=no").stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
 NO_COMMIT = "no commit recorded (not run from a git checkout; set CUPY_DSA_COMMIT to record one)"
+INSTALLED_COPY = ("installed copy, commit unknown (a non-editable install keeps no git metadata; set "
+                  "CUPY_DSA_COMMIT to record one, or run from an editable install: pip install -e .)")
 
 
-def commit_text(doc: dict) -> str:
-    """``commit `abc...` `` or a sentence saying that the run recorded none."""
-    return f"commit `{doc['git_commit']}`" if doc.get("git_commit") else NO_COMMIT
+def no_commit_reason() -> str:
+    """Why :func:`git_commit` found none: an installed copy (``bench/`` inside the ``cupy_dsa`` package, as pip
+    lays it out) or a tree without git metadata."""
+    return INSTALLED_COPY if Path(__file__).resolve().parents[1].name == "cupy_dsa" else NO_COMMIT
+
+
+def commit_text(doc: dict, code=True) -> str:
+    """``commit `abc...` `` (saying when the checkout had uncommitted changes) or a sentence saying that the
+    run recorded none and why."""
+    c = doc.get("git_commit")
+    if not c:
+        return doc.get("commit_note") or NO_COMMIT
+    text = f"commit `{c}`" if code else f"commit {c}"
+    return text + (" (the checkout had uncommitted changes)" if c.endswith("-dirty") else "")
 
 
 def new_document(*, backend: str, device_name: str, quick: bool, seed: int, gpu_mem_gb: float) -> dict:
@@ -51,10 +82,12 @@ def new_document(*, backend: str, device_name: str, quick: bool, seed: int, gpu_
 
     import cupy_dsa
 
+    commit = git_commit()
     return {
         "schema": SCHEMA,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": git_commit(),
+        "git_commit": commit,
+        "commit_note": None if commit else no_commit_reason(),
         "cupy_dsa_version": getattr(cupy_dsa, "__version__", None),
         "torch_version": torch.__version__,
         "device": device_name,
@@ -115,6 +148,60 @@ def _target_pct(t):
 
 
 # --------------------------------------------------------------------------------------------------
+# fitting a table to the console
+# --------------------------------------------------------------------------------------------------
+
+EMPTY_CELLS = ("", "—")
+
+
+def _plain(cell) -> str:
+    return Text.from_markup(cell).plain.strip() if isinstance(cell, str) else str(cell)
+
+
+def _table_of(table: Table, columns, title, caption=None) -> Table:
+    """A table of some of ``table``'s columns, with its rows and section breaks."""
+    t = Table(title=title, caption=caption)
+    for c in columns:
+        t.add_column(c.header, justify=c.justify)
+    cells = [list(c.cells) for c in columns]
+    for i, row in enumerate(table.rows):
+        t.add_row(*(col[i] for col in cells), end_section=row.end_section)
+    return t
+
+
+def fitted(console, table: Table, keys: int = 1) -> list[Table]:
+    """``table`` as it fits ``console``'s width: the columns empty in every row are dropped (the caption names
+    them); if it is still wider than the console, it is split into parts that each repeat the first ``keys``
+    columns (what identifies a row), the others in their order, so the first part holds the most telling."""
+    columns = list(table.columns)
+    if not table.rows:
+        return [table]
+    shown = [c for i, c in enumerate(columns) if i < keys or any(_plain(x) not in EMPTY_CELLS for x in c.cells)]
+    hidden = [str(c.header) for c in columns if c not in shown]
+    caption = f"not shown (empty in every row): {', '.join(hidden)}" if hidden else None
+    unbounded = console.options.update(max_width=1 << 20)
+
+    def fits(t):
+        return console.measure(t, options=unbounded).maximum <= console.width
+
+    whole = _table_of(table, shown, table.title, caption)
+    if len(shown) <= keys + 1 or fits(whole):
+        return [whole]
+    key_columns, parts = shown[:keys], [[]]
+    for c in shown[keys:]:
+        if parts[-1] and not fits(_table_of(table, key_columns + parts[-1] + [c], table.title)):
+            parts.append([])
+        parts[-1].append(c)
+    return [_table_of(table, key_columns + part, f"{table.title} ({i + 1}/{len(parts)})",
+                      caption if i == len(parts) - 1 else None) for i, part in enumerate(parts)]
+
+
+def print_fitted(console, table: Table, keys: int = 1) -> None:
+    for t in fitted(console, table, keys):
+        console.print(t)
+
+
+# --------------------------------------------------------------------------------------------------
 # rich tables
 # --------------------------------------------------------------------------------------------------
 
@@ -172,34 +259,40 @@ def store_table(doc) -> Table:
     return t
 
 
+DECODE_KEYS = 4  # batch, next_n, layout, q: what identifies a decode row
+
+
 def decode_table(doc) -> Table:
     t = Table(title="paged_mqa_logits, decode (index entries per request; width = max_context_len)")
-    for col in ("batch", "entries", "next_n", "layout", "q", "time", "plan", "key GB/s", "% read", "vs fp8",
-                "DeepGEMM", "ours/DG", "DG rel L2", "torch", "speed-up", "mem ours", "target", "result"):
+    for col in ("batch", "next_n", "layout", "q", "time", "% read", "target", "result", "DeepGEMM", "ours/DG",
+                "vs fp8", "entries", "key GB/s", "plan", "DG rel L2", "torch", "speed-up", "mem ours"):
         t.add_column(col, justify="right")
     for r in doc["logits"]:
         if r.get("mode") != "decode":
             continue
-        head = (r.get("batch_name", f"{r['batch']} x {_si(r['context'])}"), _si(r.get("entries", 0)),
-                str(r["next_n"]), r["layout"], r["q_dtype"])
+        head = (r.get("batch_name", f"{r['batch']} x {_si(r['context'])}"), str(r["next_n"]), r["layout"],
+                r["q_dtype"])
         if r.get("error"):
-            t.add_row(*head, f"[red]{r['error'][:60]}[/]", *[""] * 12)
+            t.add_row(*head, f"[red]{r['error'][:60]}[/]", *[""] * 13)
             continue
         target = _target_pct(r.get("target_pct_read")) if r.get("target_pct_read") else (
             f"<={r['target_us']:g} us" if r.get("target_us") else "—")
-        t.add_row(*head, f"{r['time_us']:.1f} us", _f(r.get("plan_us"), "{:.1f} us"),
-                  _num(r.get("key_gbps")), _pct(r.get("pct_read")), _f(r.get("time_vs_fp8"), "{:.2f}x"),
+        t.add_row(*head, f"{r['time_us']:.1f} us", _pct(r.get("pct_read")), target, _verdict(r),
                   _f(r.get("deepgemm_us"), "{:.1f} us"), _f(r.get("vs_deepgemm"), "{:.2f}x"),
-                  _f(r.get("deepgemm_rel_l2"), "{:.1e}"), _f(r.get("torch_time_us"), "{:.0f} us"),
-                  _f(r.get("speedup_vs_torch"), "{:.1f}x"), _f(r.get("peak_extra_mb"), "{:.1f} MB"),
-                  target, _verdict(r))
+                  _f(r.get("time_vs_fp8"), "{:.2f}x"), _si(r.get("entries", 0)), _num(r.get("key_gbps")),
+                  _f(r.get("plan_us"), "{:.1f} us"), _f(r.get("deepgemm_rel_l2"), "{:.1e}"),
+                  _f(r.get("torch_time_us"), "{:.0f} us"), _f(r.get("speedup_vs_torch"), "{:.1f}x"),
+                  _f(r.get("peak_extra_mb"), "{:.1f} MB"))
     return t
+
+
+PREFILL_KEYS = 3  # T x S, kv, layout
 
 
 def prefill_table(doc) -> Table:
     t = Table(title="mqa_logits, prefill (causal: ks = 0, ke = S - T + i + 1; ragged: several extend requests)")
-    for col in ("T x S", "kv", "layout", "time", "TFLOP/s", "% matmul", "vs contig", "DeepGEMM fp8", "ours/DG",
-                "mem ours", "target", "result"):
+    for col in ("T x S", "kv", "layout", "time", "% matmul", "target", "result", "DeepGEMM fp8", "ours/DG",
+                "vs contig", "TFLOP/s", "mem ours"):
         t.add_column(col, justify="right")
     for r in doc["logits"]:
         if r.get("mode") != "prefill":
@@ -212,9 +305,9 @@ def prefill_table(doc) -> Table:
               else ("—" if r["kv"] == "paged" else (r.get("deepgemm_note") or "—")[:30]))
         target = (_target_pct(r.get("target_pct_matmul")) if r.get("target_pct_matmul")
                   else (f"<= {r['target_vs_contiguous']:.2f}x" if r.get("target_vs_contiguous") else "—"))
-        t.add_row(shape, r["kv"], r["layout"], f"{r['time_us'] / 1e3:.3f} ms", _num(r["tflops"], 1),
-                  _pct(r["pct_matmul"]), _f(r.get("vs_contiguous"), "{:.3f}x"), dg, _f(r.get("vs_deepgemm"), "{:.2f}x"),
-                  _f(r.get("peak_extra_mb"), "{:.0f} MB"), target, _verdict(r))
+        t.add_row(shape, r["kv"], r["layout"], f"{r['time_us'] / 1e3:.3f} ms", _pct(r["pct_matmul"]), target,
+                  _verdict(r), dg, _f(r.get("vs_deepgemm"), "{:.2f}x"), _f(r.get("vs_contiguous"), "{:.3f}x"),
+                  _num(r["tflops"], 1), _f(r.get("peak_extra_mb"), "{:.0f} MB"))
     return t
 
 
@@ -331,35 +424,36 @@ def recall_table(doc) -> Table:
 
 
 def print_all(console, doc, sections) -> None:
+    """Every table of ``sections``, each fitted to the console's width (:func:`fitted`)."""
     for n in doc["notes"].get("general", []):
         console.print(f"[yellow]{n}[/]")
     if any(s in sections for s in ("store", "logits")):
-        console.print(ceilings_table(doc))
+        print_fitted(console, ceilings_table(doc))
         if doc.get("backend") == "cpu" and not doc["ceilings"].get("copy_gbps"):
             console.print(f"  [dim]- {CPU_NO_RATIOS}[/]")
     if "bytes" in sections and doc["bytes"]:
-        console.print(bytes_table(doc))
+        print_fitted(console, bytes_table(doc), keys=2)
         for n in doc["notes"]["bytes"]:
             console.print(f"  [dim]- {n}[/]")
     if "store" in sections and doc["store"]:
-        console.print(store_table(doc))
+        print_fitted(console, store_table(doc), keys=4)
         for n in doc["notes"]["store"]:
             console.print(f"  [dim]- {n}[/]")
     if "logits" in sections and doc["logits"]:
-        console.print(decode_table(doc))
-        console.print(prefill_table(doc))
-        console.print(verify_extend_table(doc))
+        print_fitted(console, decode_table(doc), keys=DECODE_KEYS)
+        print_fitted(console, prefill_table(doc), keys=PREFILL_KEYS)
+        print_fitted(console, verify_extend_table(doc), keys=3)
         for n in doc["notes"]["logits"]:
             console.print(f"  [dim]- {n}[/]")
     if "recall" in sections and doc["recall"] and not _recall_rows(doc):
         console.print("[yellow]recall: rows of an older bench version (no margin sweep); re-run `cupy-dsa bench "
                       "recall` for the current tables.[/]")
     if "recall" in sections and _recall_rows(doc):
-        console.print(resolution_table(doc))
+        print_fitted(console, resolution_table(doc), keys=2)
         nm = needle_margin_table(doc)
         if nm is not None:
-            console.print(nm)
-        console.print(recall_table(doc))
+            print_fitted(console, nm, keys=3)
+        print_fitted(console, recall_table(doc), keys=2)
         for n in doc["notes"]["recall"]:
             console.print(f"  [dim]- {n}[/]")
     errors = [r for s in ("store", "logits", "recall") for r in doc[s] if r.get("error")]
@@ -578,8 +672,7 @@ def plot(doc: dict, path: str) -> None:
         else:
             ax.text(0.5, 0.5, "no data", ha="center")
             ax.axis("off")
-    commit = f"commit {doc['git_commit']}" if doc.get("git_commit") else "no commit recorded (not a git checkout)"
-    fig.suptitle(f"cupy-dsa bench — {doc['device']} — {doc['date'][:10]} — {commit}", fontsize=9)
+    fig.suptitle(f"cupy-dsa bench — {doc['device']} — {doc['date'][:10]} — {commit_text(doc, code=False)}", fontsize=9)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, format="png")

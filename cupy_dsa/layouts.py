@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .contracts import check_int
+
 PAGE_SLOTS = 64
 HEAD_DIM = 128
 ROPE_DIM = 64
@@ -39,9 +41,28 @@ def page_bytes(layout: str) -> int:
     return PAGE_BYTES[layout]
 
 
+def _cache_device(device) -> torch.device | None:
+    """``device`` as a torch.device that can hold a tensor here, or a ValueError naming ``device``."""
+    if device is None:
+        return None  # torch's default device
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device: expected a torch device such as 'cpu', 'cuda' or 'cuda:0', got {device!r}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r} needs a CUDA GPU and none is available "
+                             "(torch.cuda.is_available() is False); use device='cpu' for the torch reference")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device: {dev} does not exist ({torch.cuda.device_count()} CUDA device(s))")
+    return dev
+
+
 def empty_cache(num_pages: int, layout: str, device="cpu") -> torch.Tensor:
     """A zeroed ``uint8 [num_pages, page_bytes]`` cache, as SGLang allocates it."""
-    return torch.zeros(num_pages, page_bytes(layout), dtype=torch.uint8, device=device)
+    num_pages = check_int("num_pages", num_pages)
+    nbytes = page_bytes(layout)
+    return torch.zeros(num_pages, nbytes, dtype=torch.uint8, device=_cache_device(device))
 
 
 def layout_of(cache: torch.Tensor, name: str = "kv_cache") -> str:

@@ -29,6 +29,8 @@ import torch
 # Options shared by run-time compiles and the GPU-free compile matrix. CuPy itself appends
 # -ftz=true and --device-as-default-execution-space; the matrix adds the same two.
 _BASE_OPTIONS = ("-std=c++17",)
+# The oldest arch the kernels compile for: bf16 tensor-core mma and cp.async arrived with sm_80 (Ampere).
+MIN_ARCH = 80
 
 _FUNCTIONS: dict[tuple, object] = {}
 _STREAMS: dict[int, object] = {}

@@ -146,7 +146,7 @@ def _check_direct(kv, positions, out_loc):
     check_shape("positions", positions, f"[{n}] (N of kv)", tuple(positions.shape) == (n,))
     check_contiguous("positions", positions)
     _check_device("positions", positions, kv.device)
-    check_dtype("out_loc", out_loc, (torch.int64,))
+    check_dtype("out_loc", out_loc, (torch.int32, torch.int64))
     check_shape("out_loc", out_loc, f"[{n}] (N of kv)", tuple(out_loc.shape) == (n,))
     check_contiguous("out_loc", out_loc)
     _check_device("out_loc", out_loc, kv.device)
@@ -182,7 +182,7 @@ def store_index_k(kv, cache, *, positions, out_loc, norm_weight, freqs_cis, norm
     """Normalize, rotate and store index keys ``kv`` (float32/bfloat16 ``[N, 128]``) into ``cache``.
 
     ``positions`` int32/int64 ``[N]`` (RoPE row of ``freqs_cis`` float32 ``[max_pos, 64]``), ``out_loc``
-    int64 ``[N]`` (``page*64 + slot``). Rows with ``out_loc < 0``, ``out_loc >> 6 >= num_pages`` or a
+    int32/int64 ``[N]`` (``page*64 + slot``). Rows with ``out_loc < 0``, ``out_loc >> 6 >= num_pages`` or a
     position outside ``[0, max_pos)`` are skipped; nothing else in the cache changes.
     """
     layout = _check_common(kv, cache, norm_weight, norm_bias, freqs_cis, eps, numerics, key_style, hadamard)
@@ -194,6 +194,9 @@ def store_index_k(kv, cache, *, positions, out_loc, norm_weight, freqs_cis, norm
     n = kv.shape[0]
     if n == 0:
         return
+    if out_loc.dtype == torch.int32:
+        # the direct kernel's one run-time index width is that of positions; out_loc is read as int64
+        out_loc = out_loc.to(torch.int64)
     _launch((layout, numerics, key_style, hadamard, kv.dtype, "direct"), kv, as_page_rows(cache), positions, out_loc,
             norm_weight, norm_bias, freqs_cis, n, eps, 0, positions.dtype == torch.int64)
 

@@ -1,9 +1,13 @@
 """`cupy-dsa bench` on the CPU backend (CI): every subcommand with --quick, the JSON schema, the PNG and
 markdown outputs, click's errors for bad options, and the torch baseline / fp4 helper the bench relies on."""
+import io
 import json
 import math
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -239,11 +243,133 @@ def test_commit_less_run_says_so(runs, tmp_path, monkeypatch):
     assert saved["git_commit"] is None and report.NO_COMMIT in saved["notes"]["general"]
 
 
+def _git(cwd, *args):
+    subprocess.run(["git", "-C", str(cwd), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                   capture_output=True)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_commit_of_an_installed_copy_is_unknown(tmp_path, monkeypatch):
+    """``pip install .`` into a virtual environment inside the clone: the clone's HEAD says nothing about the
+    installed copy (the clone may have moved on), so no commit is recorded and the note says why."""
+    from cupy_dsa.bench import report
+
+    monkeypatch.delenv("CUPY_DSA_COMMIT", raising=False)
+    _git(tmp_path, "init", "-q")
+    (tmp_path / ".gitignore").write_text(".venv/\n")
+    _git(tmp_path, "add", ".gitignore")
+    _git(tmp_path, "commit", "-qm", "x")
+    installed = tmp_path / ".venv" / "lib" / "site-packages" / "cupy_dsa" / "bench" / "report.py"
+    installed.parent.mkdir(parents=True)
+    installed.write_text("")
+    monkeypatch.setattr(report, "__file__", str(installed))
+    assert report.git_commit() is None
+    assert report.no_commit_reason() == report.INSTALLED_COPY and "installed copy, commit unknown" in report.INSTALLED_COPY
+    doc = report.new_document(backend="none", device_name="x", quick=False, seed=0, gpu_mem_gb=1.0)
+    assert doc["git_commit"] is None and report.commit_text(doc) == report.INSTALLED_COPY
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_commit_of_a_checkout_says_when_it_is_dirty(tmp_path, monkeypatch):
+    """Running from a checkout (an editable install): its HEAD, marked dirty while tracked files differ."""
+    from cupy_dsa.bench import report
+
+    monkeypatch.delenv("CUPY_DSA_COMMIT", raising=False)
+    checkout = tmp_path / "clone"
+    (checkout / "bench").mkdir(parents=True)
+    (checkout / "bench" / "report.py").write_text("# v1\n")
+    _git(checkout, "init", "-q")
+    _git(checkout, "add", "bench/report.py")
+    _git(checkout, "commit", "-qm", "x")
+    monkeypatch.setattr(report, "__file__", str(checkout / "bench" / "report.py"))
+    clean = report.git_commit()
+    assert clean and len(clean) == 12 and not clean.endswith("-dirty")
+    (checkout / "bench" / "report.py").write_text("# v2\n")
+    assert report.git_commit() == clean + "-dirty"
+    assert "uncommitted changes" in report.commit_text({"git_commit": clean + "-dirty"})
+
+
 def test_cpu_tables_print_no_ratios(runs):
     for sub in ("store", "logits"):
         out = runs[sub][0].output
         assert "not measured on the CPU backend" in out and "no ratios" in out
         assert "%" not in "".join(ln for ln in out.splitlines() if "│" in ln and ("bf16" in ln or "fp8" in ln)), out
+
+
+def test_cpu_runs_evaluate_no_targets(runs):
+    """CPU timings are not performance figures: no row carries a target or a verdict, and the headline says
+    neither pass nor miss (the paged / contiguous prefill ratio used to flip between runs)."""
+    from cupy_dsa.bench import report
+
+    target_keys = ("target_pct_copy", "target_pct_read", "target_us", "target_pct_matmul", "target_vs_contiguous")
+    for sub in ("store", "logits"):
+        doc = runs[sub][1]
+        for r in doc[sub]:
+            assert r.get("verdict") is None and not any(r.get(k) for k in target_keys), r
+        md = report.markdown_headline(doc)
+        assert "pass" not in md and "miss" not in md, md
+
+
+def _bench_piped(args, columns=None):
+    """``python -m cupy_dsa <args>`` with stdout and stderr piped (as in a log), COLUMNS as given."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    if columns is not None:
+        env["COLUMNS"] = str(columns)
+    r = subprocess.run([sys.executable, "-m", "cupy_dsa", *args], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+@pytest.mark.parametrize("columns", [80, 120, None])
+def test_tables_fit_the_width(columns):
+    """Piped output honours COLUMNS (else the pipe width); the decode table is split, keeping the row's
+    identity in every part, and every column is either shown or named as empty in every row."""
+    from cupy_dsa.bench import cli, report
+
+    r = _bench_piped(["bench", "logits", "--backend", "cpu"], columns)
+    width = columns or cli.PIPE_WIDTH
+    assert max(len(ln) for ln in r.stdout.splitlines()) <= width, r.stdout
+    text = " ".join(r.stdout.split())
+    headers = [str(c.header) for c in report.decode_table(report.new_document(
+        backend="cpu", device_name="x", quick=True, seed=0, gpu_mem_gb=1.0)).columns]
+    assert all(h in text for h in headers), [h for h in headers if h not in text]
+    assert "not shown (empty in every row): % read, target, result, DeepGEMM" in text
+    if columns == 80:
+        assert "(1/2)" in text and "(2/2)" in text, r.stdout
+    else:
+        assert "(1/2)" not in text
+
+
+def test_fitted_drops_empty_columns_and_repeats_the_keys():
+    from rich.console import Console
+    from rich.table import Table
+
+    from cupy_dsa.bench import report
+
+    t = Table(title="t")
+    for h in ("case", "a", "empty", "b", "c"):
+        t.add_column(h)
+    for i in range(3):
+        t.add_row(f"case {i}", "x" * 12, "—", "y" * 12, "z" * 12)
+    console = Console(width=40, file=io.StringIO())
+    parts = report.fitted(console, t, keys=1)
+    assert [[str(c.header) for c in p.columns] for p in parts] == [["case", "a", "b"], ["case", "c"]]
+    assert parts[-1].caption == "not shown (empty in every row): empty" and parts[0].caption is None
+    assert [list(p.columns[0].cells) for p in parts] == [[f"case {i}" for i in range(3)]] * 2
+    wide = report.fitted(Console(width=200, file=io.StringIO()), t, keys=1)
+    assert len(wide) == 1 and [str(c.header) for c in wide[0].columns] == ["case", "a", "b", "c"]
+
+
+def test_markdown_dash_keeps_stdout_markdown_only(runs, tmp_path):
+    """``--markdown -``: stdout is the markdown alone (to paste or redirect); the tables go to stderr."""
+    j = tmp_path / "logits.json"
+    j.write_text(json.dumps(runs["logits"][1]))
+    for args in (["bench", "logits", "--backend", "cpu", "--markdown", "-"], ["bench", "report", str(j), "--markdown", "-"]):
+        r = _bench_piped(args)
+        lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
+        assert lines[0].startswith("cupy-dsa bench —") and all(ln.startswith("|") for ln in lines[1:]), r.stdout
+        assert "paged_mqa_logits, decode" in r.stderr, r.stderr[-2000:]
 
 
 def test_notes_cite_no_documents(runs):
@@ -285,6 +411,37 @@ def test_bad_options_are_usage_errors(args, message):
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
     assert message in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("sub, option, name", [
+    (["bench", "store", "--backend", "cpu"], "--json", "x.json"),
+    (["bench", "store", "--backend", "cpu"], "--plot", "x.png"),
+    (["bench", "store", "--backend", "cpu"], "--markdown", "x.md"),
+    (["bench", "report", "JSON"], "--plot", "x.png"),
+    (["bench", "report", "JSON"], "--markdown", "x.md"),
+    (["bench", "variants"], "--json", "x.json"),
+])
+def test_unwritable_outputs_are_refused_before_the_work(option, name, sub, tmp_path, monkeypatch, runs):
+    """An output path that cannot be written is a usage error naming the option, before anything runs (the
+    bench used to run to its end, then fail with a traceback)."""
+    from cupy_dsa.bench import cli, report
+
+    ran = []
+    monkeypatch.setattr(cli, "_run", lambda *a: ran.append(a))
+    monkeypatch.setattr(report, "print_all", lambda *a: ran.append(a))
+    (tmp_path / "b.json").write_text(json.dumps(runs["bytes"][1]))
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    paths = [not_a_dir / name, not_a_dir / "sub" / name] + ([Path("/proc/sys") / name] if Path("/proc/sys").is_dir() else [])
+    for path in paths:
+        args = [a if a != "JSON" else str(tmp_path / "b.json") for a in sub] + [option, str(path)]
+        res = CliRunner().invoke(main, args)
+        assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
+        assert f"Invalid value for '{option}'" in res.output and "cannot write" in res.output, res.output
+        assert "Traceback" not in res.output and not ran, res.output
+    ok = tmp_path / "new" / "dir" / name  # a missing directory is fine (the writer creates it); nothing is left
+    assert CliRunner().invoke(main, ["bench", "bytes", option, str(ok)]).exit_code == 0
+    assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
@@ -363,6 +520,39 @@ def test_variants_needs_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     res = _invoke(["bench", "variants", "--quick"])
     assert res.exit_code == 2 and "no CUDA device" in res.output, res.output
+
+
+@pytest.mark.parametrize("args, option", [
+    (["bench", "variants", "--quick"], None),
+    (["bench", "variants", "--device", "cuda:1"], "'--device'"),
+    (["bench", "variants", "--device", "cpu"], "'--device'"),
+    (["bench", "store", "--device", "cuda:1"], "'--device'"),
+    (["bench", "store", "--backend", "cuda"], "'--backend'"),
+])
+def test_no_gpu_errors_name_the_option_given(args, option, monkeypatch):
+    """Without a GPU the error names the option that asked for one; `variants` has no --backend to blame."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    if option is None:
+        assert "cupy-dsa bench variants times CUDA kernels and needs a GPU" in res.output, res.output
+    else:
+        assert f"Invalid value for {option}" in res.output, res.output
+    if option != "'--backend'":
+        assert "--backend" not in res.output, res.output
+
+
+@pytest.mark.parametrize("arch, message", [
+    ("sm_75", "sm_75: the kernels need sm_80 or newer"),
+    ("sm_70", "the kernels need sm_80 or newer"),
+    ("foo", "expected an arch such as sm_90"),
+    ("90", "expected an arch such as sm_90"),
+])
+def test_resources_refuses_bad_archs_in_one_line(arch, message):
+    """Before any compile: no NVRTC log (sm_75 used to print 7,459 lines), no traceback."""
+    res = CliRunner().invoke(main, ["bench", "resources", "--arch", "sm_80", "--arch", arch])
+    assert res.exit_code == 2 and "Invalid value for '--arch'" in res.output and message in res.output, res.output
+    assert len(res.output.splitlines()) <= 4 and "NVRTC failed" not in res.output, res.output
 
 
 @pytest.mark.gpu

@@ -150,7 +150,8 @@ def test_fuzz_store():
         kv = torch.randn(N, D).to(rng.choice([torch.float32, torch.bfloat16]))
         kw = dict(positions=torch.randint(-3, max_pos + 5, (N,), dtype=rng.choice([torch.int32, torch.int64])),
                   # distinct slots (two tokens of one call never share a slot), some < 0, some past the end
-                  out_loc=torch.randperm(P * PS + 140)[:N] - 70, norm_weight=torch.rand(D),
+                  out_loc=(torch.randperm(P * PS + 140)[:N] - 70).to(rng.choice([torch.int32, torch.int64])),
+                  norm_weight=torch.rand(D),
                   freqs_cis=torch.randn(max_pos, 64), norm_bias=torch.randn(D) if style == "v32" else None,
                   numerics=numerics, key_style=style, hadamard=rng.random() < 0.8)
         poison = torch.randint(0, 256, (P + 2, layouts.page_bytes(layout)), dtype=torch.uint8)
@@ -160,7 +161,7 @@ def test_fuzz_store():
         if rng.random() < 0.2:
             bad = rng.choice(["positions", "out_loc", "norm_weight", "numerics"])
             bad_kw = dict(kw, **{bad: {"positions": kw["positions"][:-1] if N else torch.zeros(1, dtype=torch.int32),
-                                       "out_loc": kw["out_loc"].int(), "norm_weight": torch.rand(D + 1),
+                                       "out_loc": kw["out_loc"].short(), "norm_weight": torch.rand(D + 1),
                                        "numerics": "fp5"}[bad]})
             expect_error(lambda: cupy_dsa.store_index_k(kv.to(DEV), got[1:P + 1], **_to(bad_kw, DEV)), bad)
             assert torch.equal(got.cpu(), poison), "a rejected call wrote the cache"

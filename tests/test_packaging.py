@@ -69,3 +69,22 @@ def test_readme_installs_from_a_checkout_or_wheel():
     """cupy-dsa is not on a package registry: the README never tells users to install it by name."""
     text = (ROOT / "README.md").read_text()
     assert not re.search(r"pip install \"?'?cupy-dsa\[", text), "README installs cupy-dsa from a registry"
+
+
+def test_readme_lists_what_the_install_adds():
+    """The Set up section names every requirement of the install and of the CUDA extras, as setup.cfg pins it,
+    and the CPU-only install without an extra."""
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    text = (ROOT / "README.md").read_text()
+    setup = text[text.index("## Set up"):text.index("\n## ", text.index("## Set up") + 1)]
+    reqs = [r.strip() for r in cfg["options"]["install_requires"].splitlines() if r.strip()]
+    for extra in ("cu12", "cu13"):
+        reqs += [r.strip() for r in cfg["options.extras_require"][extra].splitlines() if r.strip()]
+    cu13 = [r.strip() for r in cfg["options.extras_require"]["cu13"].splitlines() if r.strip()]
+    for r in reqs:
+        name = re.split(r"[<>=\[]", r)[0]
+        assert f"`{name}" in setup, f"README's Set up section does not name {name}"
+    for r in list(cfg["options"]["install_requires"].split()) + cu13:
+        assert f"`{r}" in setup, f"README's Set up section does not give {r} as setup.cfg pins it"
+    assert "`pip install -e .`" in setup and "needs no CUDA extra" in setup

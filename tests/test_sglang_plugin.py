@@ -1,6 +1,6 @@
 """The SGLang 0.5.23 plugin (cupy_dsa.sglang).
 
-CPU (CI): fresh processes, one per scenario, started together, run ``tests/_sglang_checks.py`` against SGLang's real
+CPU (CI): fresh processes, one per scenario, started together, run ``scripts/_sglang_checks.py`` against SGLang's real
 classes (each hook-installing scenario needs its own process: SGLang's HookRegistry cannot be undone) and
 report one result per check; every check is one test here. Needs sglang 0.5.23 installed with ``--no-deps``
 plus tests/requirements-cpu.txt: skipped without it, failed without it when ``CI`` is set.
@@ -28,11 +28,11 @@ from cupy_dsa import layouts
 from cupy_dsa.sglang import core
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKS_SCRIPT = ROOT / "tests" / "_sglang_checks.py"
+CHECKS_SCRIPT = ROOT / "scripts" / "_sglang_checks.py"
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 ENV = core.ENV_NAME
 
-# Every check each scenario of tests/_sglang_checks.py reports (test_every_check_is_listed keeps this honest).
+# Every check each scenario of scripts/_sglang_checks.py reports (test_every_check_is_listed keeps this honest).
 CHECKS = {
     "on": [
         "hooks_applied", "env_field", "bytes_per_token_on", "pool_pages_on", "store_decode_plan",
@@ -45,10 +45,12 @@ CHECKS = {
         "indexer_off_calls_sglang_original", "switch_read_once_per_process",
     ],
     "off": ["entry_point_loaded", "sglang_unchanged", "resolution_off_is_noop", "cli_flag_sets_switch",
+            "cli_flag_disagreeing_with_env_refused", "refusal_after_cli_flag_names_the_hooks_in_place",
             "yaml_config_sets_switch"],
     "excluded": ["allow_list_respected"],
     "refusals": ["refuses_other_version", "refuses_source_fingerprint_mismatch", "refuses_signature_mismatch",
-                 "hook_failure_undoes_applied_hooks", "resolution_hook_failure_undoes_hooks",
+                 "hook_failure_undoes_applied_hooks", "hook_failing_after_its_patch_counts_only_earlier_hooks",
+                 "resolution_hook_failure_undoes_hooks",
                  "invalid_value_direct_load_plugins", "invalid_value_engine", "invalid_value_ray_worker_hook",
                  "switch_off_hook_failure_leaves_sglang_unchanged", "registers_after_refusals"],
 }
@@ -86,7 +88,17 @@ def _child_env(extra, seed):
 _SCENARIO_RESULTS: dict = {}
 _BACKGROUND: dict = {}  # name -> (Popen, its result once collected): started with the scenarios, in parallel
 _REFUSAL = "Refusing to start"
-_STUB_PRELUDE = "import sys; sys.path.insert(0, 'tests'); import _sglang_env; _sglang_env.install(); "
+_STUB_PRELUDE = "import sys; sys.path.insert(0, 'scripts'); import _sglang_env; _sglang_env.install(); "
+# SGLang without one of its dependencies: every torchvision import fails as it does where none is installed
+_NO_TORCHVISION = (
+    "import importlib.abc, sys\n"
+    "class NoTorchvision(importlib.abc.MetaPathFinder):\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name.split('.')[0] == 'torchvision':\n"
+    "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+    "sys.meta_path.insert(0, NoTorchvision())\n"
+    "from sglang.srt.plugins import load_plugins\n"
+    "load_plugins()\n")
 
 
 def _background_commands():
@@ -95,8 +107,9 @@ def _background_commands():
     return {
         # python -m sglang.launch_server with an invalid switch
         "launcher_invalid": ([sys.executable, "-c", launcher], {ENV: "bf8"}),
-        # tests/gpu_sglang_path.py in its CPU dry mode
-        "gpu_script_dry": ([sys.executable, str(ROOT / "tests" / "gpu_sglang_path.py"), "--device", "cpu"], {}),
+        # scripts/gpu_sglang_path.py in its CPU dry mode
+        "gpu_script_dry": ([sys.executable, str(ROOT / "scripts" / "gpu_sglang_path.py"), "--device", "cpu"], {}),
+        "missing_dependency": ([sys.executable, "-c", _NO_TORCHVISION], {ENV: "bf16", "SGLANG_PLUGINS": "cupy_dsa"}),
     }
 
 
@@ -177,6 +190,21 @@ def test_launcher_refuses_invalid_value():
 
 
 @pytest.mark.sglang
+def test_missing_dependency_of_sglang_is_named():
+    """SGLang without torchvision, switch on: the refusal names the import that failed and what to install,
+    not a fallback AttributeError of the module path nor "its code differs"."""
+    _require_sglang()
+    rc, _, err = _background("missing_dependency")
+    lines = [ln for ln in err.splitlines() if ln.startswith(("cupy_dsa", "  - ", "Nothing"))]
+    msg = "\n".join(lines)
+    assert rc == 1 and _REFUSAL.lower() in msg, (rc, err[-3000:])
+    assert "No module named 'torchvision'" in msg and "pip install torchvision" in msg, msg
+    assert "raised while importing sglang.srt.mem_cache.deepseek_v4_memory_pool" in msg, msg
+    assert "do not import in this environment" in msg and "Nothing was patched" in msg, msg
+    assert "AttributeError" not in msg and "code differs" not in msg and "Install a supported SGLang" not in msg, msg
+
+
+@pytest.mark.sglang
 @pytest.mark.slow
 def test_other_sglang_version_refuses_cleanly(tmp_path):
     """A real SGLang 0.5.22 (``pip install --no-deps --target``, layered before the installed 0.5.23):
@@ -205,7 +233,7 @@ def test_other_sglang_version_refuses_cleanly(tmp_path):
 
 @pytest.mark.sglang
 def test_gpu_sglang_path_dry_mode():
-    """tests/gpu_sglang_path.py (SGLang's pool, plans, metadata, store call site and forward_c4_indexer with
+    """scripts/gpu_sglang_path.py (SGLang's pool, plans, metadata, store call site and forward_c4_indexer with
     cupy_dsa's ops) in its CPU dry mode: the code the H200 runs, with the CPU backends on both sides."""
     _require_sglang()
     rc, out, err = _background("gpu_script_dry")

@@ -372,7 +372,8 @@ BAD = [
     ("cache", lambda g: torch.zeros(16384, 4, dtype=torch.uint8).t(), ValueError),
     ("positions", lambda g: g["positions"].float(), TypeError),
     ("positions", lambda g: g["positions"][:3], ValueError),
-    ("out_loc", lambda g: g["out_loc"].int(), TypeError),
+    ("out_loc", lambda g: g["out_loc"].short(), TypeError),
+    ("out_loc", lambda g: g["out_loc"].float(), TypeError),
     ("out_loc", lambda g: g["out_loc"][:5], ValueError),
     ("out_loc", lambda g: torch.stack((g["out_loc"], g["out_loc"]), 1)[:, 0], ValueError),
     ("norm_weight", lambda g: g["norm_weight"].bfloat16(), TypeError),
@@ -390,6 +391,41 @@ def test_bad_input(name, bad, exc):
     kv, cache = g.pop("kv"), g.pop("cache")
     with pytest.raises(exc, match=name):
         store.store_index_k(kv, cache, **g)
+
+
+def test_out_loc_int32_and_int64_store_the_same(seed):
+    """Both entries take int32 and int64 out_loc (SGLang hands either around)."""
+    g = _good()
+    kv, wide = g.pop("kv"), g.pop("cache")
+    store.store_index_k(kv, wide, **g)
+    narrow = layouts.empty_cache(2, "bf16")
+    store.store_index_k(kv, narrow, **dict(g, out_loc=g["out_loc"].int()))
+    assert torch.equal(narrow, wide) and wide.any()
+    ref = layouts.empty_cache(2, "bf16")
+    store.store_index_k_reference(kv, ref, **dict(g, out_loc=g["out_loc"].int()))
+    assert torch.equal(ref, wide)
+
+
+@pytest.mark.parametrize("args, kwargs, exc, message", [
+    ((4.5, "bf16"), {}, TypeError, "num_pages: expected an int, got float"),
+    ((True, "bf16"), {}, TypeError, "num_pages: expected an int, got bool"),
+    ((-1, "bf16"), {}, ValueError, "num_pages: expected an int in [0,"),
+    ((4, "bf8"), {}, ValueError, "layout: expected one of"),
+    ((4, "bf16"), {"device": "gpu"}, ValueError, "device: expected a torch device"),
+    ((4, "bf16"), {"device": "cuda:99"}, ValueError, "device: "),
+])
+def test_empty_cache_errors_name_the_argument(args, kwargs, exc, message):
+    with pytest.raises(exc) as e:
+        layouts.empty_cache(*args, **kwargs)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_empty_cache_without_a_gpu_names_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", "cuda:0", torch.device("cuda", 1)):
+        with pytest.raises(ValueError, match=r"^device: .* needs a CUDA GPU and none is available"):
+            layouts.empty_cache(4, "bf16", device=device)
+    assert layouts.empty_cache(0, "fp8").shape == (0, layouts.FP8_PAGE_BYTES)
 
 
 def test_bad_cache_error_names_the_argument_once():
@@ -601,7 +637,8 @@ def test_gpu_every_variant(seed, device_rsqrt, layout, numerics, key_style, hada
     seq = torch.randint(4, max_pos, (n,), device=dev)
     if source == "direct":
         pos, dloc = inp["positions"].to(idx_dtype), loc
-        run = lambda c: store.store_index_k(inp["kv"], c, positions=pos, out_loc=dloc, **common)  # noqa: E731
+        run = lambda c: store.store_index_k(inp["kv"], c, positions=pos, out_loc=dloc.to(idx_dtype),  # noqa: E731
+                                            **common)
     elif source == "decode":
         plan = _decode_plan([int(s) for s in seq.cpu()]).to(dev)
         pos = seq - 4

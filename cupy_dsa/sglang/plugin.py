@@ -47,9 +47,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import inspect
 import logging
-import pkgutil
+import os
 
 import torch
 
@@ -86,7 +87,7 @@ _HR = "sglang.srt.plugins.hook_registry."
 _BE = "sglang.srt.layers.attention.deepseek_v4_backend."
 # SGLang 0.5.23: (signature, sha256[:16] of the source) of every function the plugin replaces, wraps, copies
 # the logic of or drives by private API; (signature, None) for functions it only calls. Regenerate with
-# ``python tests/_sglang_checks.py fingerprint`` after reviewing the hooks against a new SGLang.
+# ``python scripts/_sglang_checks.py fingerprint`` after reviewing the hooks against a new SGLang.
 FINGERPRINT: dict[str, tuple[str, str | None]] = {}  # filled below
 
 _installed: list[tuple] = []       # (target, owner, attr, raw before, raw after), in install order
@@ -106,10 +107,54 @@ def sglang_version() -> str:
     return str(__version__)
 
 
+class TargetImportError(ImportError):
+    """A module on a hook target's path raised while being imported: ``module`` is that module, ``cause`` the
+    innermost import error (for a missing dependency, the ``ModuleNotFoundError`` naming it)."""
+
+    def __init__(self, module: str, cause: BaseException):
+        super().__init__(f"{module} does not import ({type(cause).__name__}: {cause})")
+        self.module = module
+        self.cause = cause
+
+
+def _innermost_import_error(e: BaseException) -> BaseException:
+    """The deepest ImportError in ``e``'s chain (a module that catches an ImportError and raises its own
+    error keeps the original as ``__cause__`` / ``__context__``)."""
+    found, seen = e, set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, ImportError):
+            found = e
+        e = e.__cause__ or e.__context__
+    return found
+
+
+def _import_target_module(path: str):
+    """(module, attribute names) of a dotted target path: its longest prefix that is a module, imported
+    explicitly. ``pkgutil.resolve_name`` treats any ImportError as "not a module" and falls back to
+    ``getattr``, which turns a missing dependency of SGLang into an AttributeError that names neither."""
+    parts = path.split(".")
+    module = importlib.import_module(parts[0])
+    for i in range(1, len(parts)):
+        name = ".".join(parts[: i + 1])
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:  # no module of that name: the rest of the path are attributes
+                return module, parts[i:]
+            raise TargetImportError(name, _innermost_import_error(e)) from e
+        except Exception as e:  # noqa: BLE001 - any error while a module's top level runs
+            raise TargetImportError(name, _innermost_import_error(e)) from e
+    raise ValueError(f"{path}: expected a function or class attribute path, got a module")
+
+
 def _resolve(path: str):
     """(owner, attr, raw attribute, plain function) of a dotted target path."""
-    parent, attr = path.rsplit(".", 1)
-    owner = pkgutil.resolve_name(parent)
+    module, attrs = _import_target_module(path)
+    owner = module
+    for name in attrs[:-1]:
+        owner = getattr(owner, name)
+    attr = attrs[-1]
     raw = owner.__dict__[attr] if isinstance(owner, type) and attr in owner.__dict__ else getattr(owner, attr)
     fn = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
     return owner, attr, raw, inspect.unwrap(fn)
@@ -121,26 +166,53 @@ def fingerprint_of(path: str, with_source: bool = True) -> tuple[str, str | None
     return str(inspect.signature(fn)), digest
 
 
+def _import_problem(cause: BaseException, modules: dict[str, list[str]]) -> str:
+    """One problem line per distinct import error: the error, the SGLang modules it stops and, for a missing
+    module, what to install."""
+    count = sum(len(paths) for paths in modules.values())
+    text = (f"{type(cause).__name__}: {cause}, raised while importing {', '.join(modules)} (where {count} of the "
+            f"functions the hooks wrap or call live)")
+    missing = getattr(cause, "name", None)
+    if isinstance(cause, ModuleNotFoundError) and missing:
+        top = missing.split(".")[0]
+        text += (f". SGLang imports {top!r}, which is not installed here: pip install {top} (or the package that "
+                 f"provides the module {top!r}); `pip check` lists every missing requirement of SGLang")
+    return text
+
+
 def compatibility_problems() -> list[str]:
     """Why the installed SGLang is not one the hooks were written for (empty if it is). A version outside
     ``SUPPORTED_SGLANG`` is reported alone (nothing of it is imported); a supported version is checked
-    against :data:`FINGERPRINT`."""
+    against :data:`FINGERPRINT`. A module that does not import (a missing dependency of SGLang, typically) is
+    reported once, with the import that failed, for all the targets it holds."""
     version = sglang_version()
     if version not in SUPPORTED_SGLANG:
         return [f"found SGLang {version}"]
-    problems = []
+    differs, not_importable = [], {}
     for path, (sig, digest) in FINGERPRINT.items():
         try:
             got_sig, got_digest = fingerprint_of(path, digest is not None)
-        except Exception as e:  # noqa: BLE001 - an import or attribute error is a mismatch too
-            problems.append(f"{path}: not importable ({type(e).__name__}: {e})")
+        except TargetImportError as e:
+            key = (type(e.cause).__name__, str(e.cause))
+            cause, modules = not_importable.setdefault(key, (e.cause, {}))
+            modules.setdefault(e.module, []).append(path)
+            continue
+        except Exception as e:  # noqa: BLE001 - a missing attribute is a mismatch too
+            differs.append(f"{path}: not found ({type(e).__name__}: {e})")
             continue
         if got_sig != sig:
-            problems.append(f"{path}: signature {got_sig}, the hooks expect {sig}")
+            differs.append(f"{path}: signature {got_sig}, the hooks expect {sig}")
         elif digest is not None and got_digest != digest:
-            problems.append(f"{path}: source differs from SGLang {SUPPORTED_SGLANG[0]}'s (sha256 {got_digest}, "
-                            f"expected {digest})")
-    if problems:
+            differs.append(f"{path}: source differs from SGLang {SUPPORTED_SGLANG[0]}'s (sha256 {got_digest}, "
+                           f"expected {digest})")
+    problems = [_import_problem(cause, modules) for cause, modules in not_importable.values()]
+    problems += differs
+    if differs and not_importable:
+        problems.insert(0, f"found SGLang {version}, but some of its modules do not import here and its code "
+                           "differs from the release the hooks were written for")
+    elif not_importable:
+        problems.insert(0, f"found SGLang {version}, but some of its modules do not import in this environment")
+    elif differs:
         problems.insert(0, f"found SGLang {version}, but its code differs from the release the hooks were "
                            "written for")
     return problems
@@ -153,10 +225,28 @@ def _off_hint() -> str:
 
 def refusal_message(mode: str, problems: list[str]) -> str:
     supported = ", ".join(SUPPORTED_SGLANG)
+    if "do not import" in problems[0] and "differs" not in problems[0]:
+        remedy = "Make SGLang importable (the errors above) before turning the switch on. "
+    else:
+        remedy = f"Install a supported SGLang: pip install sglang=={SUPPORTED_SGLANG[-1]}. "
     return (f"cupy_dsa ({ENV_NAME}={mode}): refusing to start. The bf16 index-key hooks were written for "
             f"SGLang {supported}; " + problems[0] + "." + "".join(f"\n  - {p}" for p in problems[1:])
-            + f"\nNothing was patched. Install a supported SGLang: pip install sglang=={SUPPORTED_SGLANG[-1]}. "
-            + _off_hint())
+            + f"\n{_patched_so_far()} " + remedy + _off_hint())
+
+
+def _patched_so_far() -> str:
+    """What of cupy_dsa is in SGLang when start-up is refused: nothing at ``register()``; in the launcher's
+    check (the CLI flag turned the switch on) the flag hooks and that check itself."""
+    targets = installed_targets()
+    if not targets and not _resolution_installed:
+        return "Nothing was patched."
+    names = [".".join(t.rsplit(".", 2)[-2:]) for t in targets]
+    if _resolution_installed:
+        names.append(f"the resolution step {RESOLUTION_STEP}")
+    if any(t in SWITCHED_TARGETS for t in targets):
+        return f"In place in this process: cupy_dsa's hooks on {', '.join(names)}."
+    return (f"No index-key hook was applied; in place are only the hooks that add {CLI_FLAG} and run this check "
+            f"({', '.join(names)}).")
 
 
 def require_compatible_sglang(mode: str) -> None:
@@ -270,12 +360,15 @@ def _install(entries, *, resolution: bool) -> None:
             register_resolution_hook(RESOLUTION_STEP)(validate_config)
             _resolution_installed = True
     except Exception as e:  # noqa: BLE001 - any failure undoes everything
-        if pending is not None and _current(*pending[1:3]) is not pending[3]:
+        applied_before = len(done)
+        partly = pending is not None and _current(*pending[1:3]) is not pending[3]
+        if partly:
             done.append(pending + (_current(*pending[1:3]),))  # failed after it was set
         for entry in reversed(done):
             _uninstall(*entry)
-        raise HookInstallError(f"the hook on {target} failed to apply ({type(e).__name__}: {e}); the {len(done)} "
-                               "hook(s) applied before it were undone") from e
+        raise HookInstallError(f"the hook on {target} failed to apply ({type(e).__name__}: {e}); the "
+                               f"{applied_before} hook(s) applied before it were undone"
+                               + (", and so was its own partial patch" if partly else "")) from e
     _installed.extend(done)
 
 
@@ -405,8 +498,25 @@ def _from_cli_args_hook(result, *args, **kwargs):
     ns = kwargs.get("args", args[-1] if args else None)
     value = getattr(ns, CLI_FLAG.lstrip("-").replace("-", "_"), None)
     if value is not None:
+        _refuse_flag_env_disagreement(value)
         core.set_mode(value)  # the environment (for the schedulers) and this process's cached switch
     return None
+
+
+def _refuse_flag_env_disagreement(flag_value: str) -> None:
+    """The flag (or YAML key) and the variable both set, to different modes: refuse rather than let one win
+    silently (the operator meant one of them)."""
+    env_value = os.environ.get(ENV_NAME)
+    if env_value is None or not env_value.strip():
+        return
+    try:
+        same = core.parse_mode(env_value) == core.parse_mode(flag_value)
+    except ValueError:
+        same = False
+    if not same:
+        raise StartupRefused(
+            f"cupy_dsa: {CLI_FLAG} {flag_value} (or the {CLI_FLAG[2:]} --config key) and {ENV_NAME}={env_value!r} "
+            f"in the environment disagree. Refusing to start: set only one of them, or both to the same value.")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -799,7 +909,7 @@ FINGERPRINT.update({
 
 
 def fingerprint_table() -> dict[str, tuple[str, str | None]]:
-    """The installed SGLang's fingerprint in :data:`FINGERPRINT`'s form (``tests/_sglang_checks.py
+    """The installed SGLang's fingerprint in :data:`FINGERPRINT`'s form (``scripts/_sglang_checks.py
     fingerprint`` prints it, to review and paste after checking the hooks against a new SGLang)."""
     return {path: fingerprint_of(path, path in _FINGERPRINT_SOURCE)
             for path in _FINGERPRINT_SOURCE + _FINGERPRINT_SIGNATURE}

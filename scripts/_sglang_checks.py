@@ -1,6 +1,6 @@
 """Plugin checks against SGLang 0.5.23's real classes, run in a fresh process per scenario.
 
-``python tests/_sglang_checks.py <scenario>`` loads plugins the way SGLang's processes do
+``python scripts/_sglang_checks.py <scenario>`` loads plugins the way SGLang's processes do
 (``sglang.srt.plugins.load_plugins()``), runs every check of the scenario (each isolated: one failing
 check does not hide the others) and prints one ``RESULTS_JSON:`` line. SGLang's hook registry cannot be
 undone, hence one process per scenario; tests/test_sglang_plugin.py runs the scenarios and asserts.
@@ -889,6 +889,54 @@ def scenario_off():
                 raise AssertionError("argparse accepted an invalid choice")
 
     @check
+    def cli_flag_disagreeing_with_env_refused():
+        from sglang.srt.server_args import prepare_server_args
+
+        from cupy_dsa.sglang.core import StartupRefused
+
+        with mode_env("bf16"):
+            try:
+                prepare_server_args(["--model-path", "dummy", "--cupy-dsa-index-k-dtype", "fp8"])
+            except StartupRefused as e:
+                msg = str(e)
+                assert "--cupy-dsa-index-k-dtype fp8" in msg and f"{ENV}='bf16'" in msg, msg
+                assert "Refusing to start" in msg, msg
+            else:
+                raise AssertionError("the flag silently overrode the environment variable")
+            assert os.environ[ENV] == "bf16"
+        with mode_env("BF16"):  # the same mode in both is fine
+            prepare_server_args(["--model-path", "dummy", "--cupy-dsa-index-k-dtype", "bf16"])
+            assert os.environ[ENV] == "bf16"
+
+    @check
+    def refusal_after_cli_flag_names_the_hooks_in_place():
+        # launcher: register() ran with the switch off (CLI hooks and the check in place), then the flag turned
+        # it on and the check finds an unsupported SGLang: the message must not claim that nothing was patched
+        from sglang.srt.arg_groups.resolution_hooks import run_hook
+        from sglang.srt.server_args import prepare_server_args
+
+        from cupy_dsa.sglang.core import StartupRefused
+
+        def handle_model_specific_adjustments(server_args):
+            pass
+
+        with mode_env(None):
+            sa = prepare_server_args(["--model-path", "dummy", "--cupy-dsa-index-k-dtype", "bf16"])
+            orig = plugin.sglang_version
+            plugin.sglang_version = lambda: "0.5.22"
+            try:
+                run_hook(handle_model_specific_adjustments, sa)
+            except StartupRefused as e:
+                msg = str(e)
+            else:
+                raise AssertionError("the launcher accepted bf16 on SGLang 0.5.22")
+            finally:
+                plugin.sglang_version = orig
+        assert "found SGLang 0.5.22" in msg and "Nothing was patched" not in msg, msg
+        assert "No index-key hook was applied" in msg and "ServerArgs.add_cli_args" in msg, msg
+        assert "ServerArgs.from_cli_args" in msg and plugin.RESOLUTION_STEP in msg, msg
+
+    @check
     def yaml_config_sets_switch():
         from sglang.srt.server_args import prepare_server_args
 
@@ -1009,6 +1057,26 @@ def scenario_refusals():
         finally:
             HookRegistry._apply_target = classmethod(real)
         assert len(applied) == 8, applied
+        nothing_patched()
+
+    @check
+    def hook_failing_after_its_patch_counts_only_earlier_hooks():
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        real = HookRegistry._apply_target.__func__
+
+        def failing(cls, target, hooks):
+            out = real(cls, target, hooks)
+            if target == plugin.T_WARM_UP:  # the last hook: patched, then a failure (e.g. in propagation)
+                raise RuntimeError("propagation failed (simulated)")
+            return out
+
+        HookRegistry._apply_target = classmethod(functools.wraps(real)(failing))
+        try:
+            _load_expect_refusal(f"the hook on {plugin.T_WARM_UP} failed to apply", "simulated",
+                                 "the 8 hook(s) applied before it were undone, and so was its own partial patch")
+        finally:
+            HookRegistry._apply_target = classmethod(real)
         nothing_patched()
 
     @check

@@ -2,7 +2,7 @@
 # The whole GPU suite in one call (used on the H200): GPU tests, the fuzz test, compute-sanitizer memcheck,
 # racecheck and initcheck over every kernel family (small shapes incl. out-of-range indices), then
 # `cupy-dsa bench all` and `cupy-dsa bench variants`. Prints a short summary last.
-#   usage: bash tests/run_gpu_suite.sh [pytest -k expression]     (results under $OUT, default ./out)
+#   usage: bash scripts/run_gpu_suite.sh [pytest -k expression]     (results under $OUT, default ./out)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -33,14 +33,14 @@ if [ -z "${SKIP_FUZZ:-}" ]; then
   FUZZ_LINE=$(tail -1 "$OUT/pytest_fuzz.log")
 fi
 if [ -z "${SKIP_SANITIZE:-}" ]; then
-  compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/gpu_sanitize.py >"$OUT/sanitizer.log" 2>&1
+  compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/gpu_sanitize.py >"$OUT/sanitizer.log" 2>&1
   SAN_RC=$?
   SAN_LINE=$(grep -E "ERROR SUMMARY" "$OUT/sanitizer.log" | tail -1)
   tail -5 "$OUT/sanitizer.log"
   # racecheck (shared memory) and initcheck (reads of unwritten device memory) over the logits kernels:
   # decode, the plans, prefill and varlen prefill
   for tool in racecheck initcheck; do
-    compute-sanitizer --tool $tool --error-exitcode 9 python3 tests/gpu_sanitize.py logits >"$OUT/$tool.log" 2>&1
+    compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/gpu_sanitize.py logits >"$OUT/$tool.log" 2>&1
     echo "compute-sanitizer $tool (rc=$?): $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/$tool.log" | tail -1)" \
       | tee -a "$OUT/sanitizers.txt"
   done
@@ -49,7 +49,7 @@ fi
 # SGLang 0.5.23's own indexer code driving our kernels, when its wheels were carried in .whl_sgl
 SGL_LINE="not run (no .whl_sgl)"
 if ls .whl_sgl/sglang-0.5.23-*.whl >/dev/null 2>&1; then
-  OUT="$OUT" timeout 300 bash tests/run_sglang_gpu.sh >"$OUT/sglang_path.txt" 2>&1
+  OUT="$OUT" timeout 300 bash scripts/run_sglang_gpu.sh >"$OUT/sglang_path.txt" 2>&1
   SGL_LINE=$(grep -E "SGLANG GPU PATH" "$OUT/sglang_path.txt" | tail -1)
   tail -3 "$OUT/sglang_path.txt"
 fi

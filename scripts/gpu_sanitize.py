@@ -1,4 +1,4 @@
-"""Small launches of every kernel family for compute-sanitizer (run by tests/run_gpu_suite.sh).
+"""Small launches of every kernel family for compute-sanitizer (run by scripts/run_gpu_suite.sh).
 
 Shapes are small (the sanitizer slows kernels down 10-100x) but cover every template axis and the
 out-of-range cases: negative / past-the-end out_loc, positions past the RoPE table, block-table entries

@@ -1,5 +1,5 @@
 """Make SGLang 0.5.23 importable on a CPU-only test machine (SGLang installed with --no-deps), and on a
-GPU machine without SGLang's kernel packages (:func:`install_kernel_stubs`, for tests/gpu_sglang_path.py).
+GPU machine without SGLang's kernel packages (:func:`install_kernel_stubs`, for scripts/gpu_sglang_path.py).
 
 SGLang's model-side imports reach ``import torchvision.transforms`` (a multimodal helper), and PyPI has no
 CPU build of torchvision that loads next to CPU torch. No DeepSeek-V4 code path calls torchvision, so tests

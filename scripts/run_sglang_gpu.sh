@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# SGLang 0.5.23's own DeepSeek-V4 indexer code driving cupy_dsa's CUDA kernels (tests/gpu_sglang_path.py), on
+# SGLang 0.5.23's own DeepSeek-V4 indexer code driving cupy_dsa's CUDA kernels (scripts/gpu_sglang_path.py), on
 # a GPU machine without SGLang: installs the wheels of .whl_sgl/ (Python 3.12, --no-deps; how to download
 # them: README, "SGLang's own code on a GPU machine without SGLang") into a throwaway --target directory put first on
 # PYTHONPATH, then runs the script. Last line: "SGLANG GPU PATH: PASS ..." or "FAIL ...".
-#   usage: bash tests/run_sglang_gpu.sh [--device cuda|cpu] [--seed N]
+#   usage: bash scripts/run_sglang_gpu.sh [--device cuda|cpu] [--seed N]
 #   (log under $OUT, default ./out; SGLANG_WHEELS / SGLANG_SITE override .whl_sgl and /tmp/site)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,5 +18,5 @@ if [ ! -f "$SITE/sglang/version.py" ]; then
   python3 -m pip install -q --no-index --no-deps --target "$SITE" "$WHEELS"/*.whl >"$OUT/sglang_wheels.log" 2>&1 \
     || { tail -5 "$OUT/sglang_wheels.log"; echo "SGLANG GPU PATH: FAIL (wheel install into $SITE)"; exit 1; }
 fi
-PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 tests/gpu_sglang_path.py "$@" 2>&1 | tee "$OUT/sglang_gpu_path.log"
+PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 scripts/gpu_sglang_path.py "$@" 2>&1 | tee "$OUT/sglang_gpu_path.log"
 exit "${PIPESTATUS[0]}"

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """SGLang 0.5.23's own DeepSeek-V4 indexer code driving cupy_dsa's CUDA kernels, checked against the CPU path.
 
-A standalone script (not collected by pytest): ``bash tests/run_sglang_gpu.sh`` installs SGLang's wheels from
-``.whl_sgl/`` into a ``--target`` directory and runs it; ``python tests/gpu_sglang_path.py --device cpu`` is
+A standalone script (not collected by pytest): ``bash scripts/run_sglang_gpu.sh`` installs SGLang's wheels from
+``.whl_sgl/`` into a ``--target`` directory and runs it; ``python scripts/gpu_sglang_path.py --device cpu`` is
 the dry mode (the same code with the CPU backends on both sides), which CI-style machines can run.
 
 What runs is SGLang's: the plugin loaded by ``load_plugins()`` (the hooks applied to SGLang's functions),
@@ -21,7 +21,7 @@ that needs a CUDA package or JIT this machine does not have:
   sgl-kernel's; ``PagedIndexerMetadata`` without DeepGEMM's schedule (``SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1``);
 * ``get_parallel()`` answers ``attn_cp_size=1`` (no distributed state in one process);
 * imports of ``sgl_kernel`` / ``deep_gemm`` / ``flash_mla`` / ``flashinfer``, when not installed, are served by a
-  test-only stub (``tests/_sglang_env.py``) whose functions raise if anything calls them.
+  test-only stub (``scripts/_sglang_env.py``) whose functions raise if anything calls them.
 
 Phases, each on both devices with the same inputs: the prompt's index keys stored through an extend plan;
 an extend batch of three requests with different prefixes (one none) and new-token counts (one varlen
