@@ -122,7 +122,7 @@ def _sm90_decode(q_fp8: int, next_n: int, ctas_per_sm: int | None = None):
 
 # (key_fp8, rows) of the mma.sync decode that need more than 168 registers (MinBlocks 2), by arch family
 # (ptxas, CUDA 13: sm_100 / sm_120 spill ~100 B at 168 registers for one bf16 row).
-_DECODE_WIDE_TILES = {"sm_10": ((0, 1), (1, 2), (1, 4)), "sm_12": ((0, 1), (1, 4))}
+_DECODE_WIDE_TILES = {"sm_10": ((0, 1), (1, 2), (1, 4)), "sm_12": ((0, 1), (1, 2), (1, 4))}
 
 
 def _decode_min_blocks(key_fp8: int, rows: int, prefetch: int, arch: str) -> int:
