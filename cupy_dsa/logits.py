@@ -480,12 +480,7 @@ def _check_cu_rows(cu_rows, T, device):
     """cu_rows: int32 [batch + 1] row offsets (request b owns rows [cu_rows[b], cu_rows[b + 1])). Values are
     checked when they are on the host (a CPU tensor for a CUDA call is then copied to q's device); a device
     tensor is taken as it is (a check would sync) and the kernels clip every request to the launch's rows."""
-    if not isinstance(cu_rows, torch.Tensor):
-        raise TypeError(f"cu_rows: expected an int32 torch.Tensor [batch + 1], got {type(cu_rows).__name__}")
-    check_dtype("cu_rows", cu_rows, (torch.int32,))
-    if cu_rows.dim() != 1 or cu_rows.shape[0] < 1:
-        raise ValueError(f"cu_rows: expected shape [batch + 1] (row offsets, batch >= 0), got {tuple(cu_rows.shape)}")
-    check_contiguous("cu_rows", cu_rows)
+    _check_plan_cu_rows(cu_rows)
     if cu_rows.device.type == "cpu":
         v = cu_rows.to(torch.int64)
         if cu_rows.shape[0] > 1 and bool((v[1:] < v[:-1]).any()):
@@ -770,6 +765,7 @@ def mqa_logits_plan_reference(cu_rows, *, rows=None, out=None):
 
 
 def _check_plan_cu_rows(cu_rows):
+    """The host-metadata contract of cu_rows (type, dtype, shape, contiguity), shared by the plan and the op."""
     if not isinstance(cu_rows, torch.Tensor):
         raise TypeError(f"cu_rows: expected an int32 torch.Tensor [batch + 1], got {type(cu_rows).__name__}")
     check_dtype("cu_rows", cu_rows, (torch.int32,))

@@ -383,6 +383,26 @@ def indexer_phase(name, sg, worlds, batch, tokens, mode, batch_size, g, expect_k
     log(f"  {name}: {len(tokens)} rows ({expect_kind}), logits worst {worst:.2f}x tol, min top-k overlap {rec:.4f}")
 
 
+def capture_or_run(step, capture, what):
+    """With ``capture``: two warm-up runs on a side stream, then one CUDA-graph capture of ``step`` (returned);
+    else one eager run (None)."""
+    if not capture:
+        step()
+        return None
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    torch.cuda.synchronize()
+    log(f"  {what} captured in one CUDA graph")
+    return graph
+
+
 def graph_verify_phase(sg, worlds, batch, g, capture, n=4):
     """Target verify (n draft rows per request, grouped) captured once, replayed with new lengths; the draft
     tokens' keys are stored eagerly before each replay on both sides."""
@@ -418,21 +438,7 @@ def graph_verify_phase(sg, worlds, batch, g, capture, n=4):
 
         lens = new_inputs()
         dev_world, _, dev_backend, dev_step = state[0]
-        graph = None
-        if capture:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    dev_step()
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                dev_step()
-            torch.cuda.synchronize()
-            log(f"  target verify (next_n {n}, 2 C4 layers) captured in one CUDA graph")
-        else:
-            dev_step()
+        graph = capture_or_run(dev_step, capture, f"target verify (next_n {n}, 2 C4 layers)")
         state[1][3]()
         compare_topk("verify graph warm-up", dev_backend.forward_metadata.core_metadata,
                      state[1][2].forward_metadata.core_metadata, batch.page_table.repeat_interleave(n, 0), lens)
@@ -490,21 +496,7 @@ def graph_phase(sg, worlds, batch, g, capture):
     for _, bufs, _, _ in state:
         fill(bufs, inp)
     dev_world, dev_bufs, dev_backend, dev_step = state[0]
-    graph = None
-    if capture:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                dev_step()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            dev_step()
-        torch.cuda.synchronize()
-        log("  decode step captured in one CUDA graph (store + 2 C4 layers)")
-    else:
-        dev_step()
+    graph = capture_or_run(dev_step, capture, "decode step (store + 2 C4 layers)")
     state[1][3]()
     compare_topk("graph warm-up", dev_backend.forward_metadata.core_metadata, state[1][2].forward_metadata.core_metadata,
                  batch.page_table, lens)
