@@ -1,4 +1,4 @@
-"""The ``cupy-dsa`` command line: ``cupy-dsa bench [bytes|store|logits|recall|all|report|variants|resources]``.
+"""The ``cupy-dsa`` command line: ``cupy-dsa bench [bytes|store|logits|recall|all|report|variants|resources|serve]``.
 
 Options can be given to ``bench`` or to a subcommand (the subcommand's value wins). ``bench`` without a
 subcommand runs ``all``.
@@ -155,6 +155,115 @@ _subcommand("recall", ("recall",), "Needle suite with a controlled margin and a 
             "the resolution (smallest margin with >= 99% kept), recall@512/1024 vs exact fp64 and top-k overlap "
             "with the reference numerics (fp4-simulated q and keys, fp32 scores).")
 _subcommand("all", SECTIONS_ALL, "Run bytes, store, logits and recall (the default).")
+
+
+def _contexts_option(ctx, param, values):
+    """--context: tokens per request, repeatable and/or comma lists; each a positive int."""
+    out = []
+    for value in values:
+        for part in str(value).split(","):
+            m = re.fullmatch(r"(\d+)([km]?)", part.strip().lower())
+            n = int(m.group(1)) * {"": 1, "k": 1024, "m": 2**20}[m.group(2)] if m else 0
+            if n <= 0:
+                raise click.BadParameter(f"expected positive token counts such as 8192,32K,128K, got {value!r}")
+            out.append(n)
+    return tuple(sorted(set(out))) or (8192, 32768, 131072)
+
+
+def _model_option(ctx, param, value):
+    from . import serve
+
+    try:
+        return serve.resolve_model(value)
+    except ValueError as exc:
+        raise click.BadParameter(f"expected {' / '.join(serve.BUILTIN)} or a DeepSeek-V4 config.json: {exc}")
+
+
+@bench.command(name="serve")
+@click.option("--model", default="v4-flash", show_default=True, callback=_model_option,
+              help="v4-flash, v4-pro (layer count assumed, see the output) or the path of an HF config.json "
+                   "(compress_ratios, num_hidden_layers, index_topk).")
+@click.option("--batch", type=click.IntRange(min=1), default=32, show_default=True, help="requests per decode step.")
+@click.option("--context", "contexts", multiple=True, callback=_contexts_option,
+              help="tokens per request (comma list or repeated; K/M suffixes). [8192,32768,131072]")
+@click.option("--next-n", type=click.IntRange(1, 4), default=1, show_default=True,
+              help="rows per request: 1 = plain decode, 2..4 = MTP verify.")
+@click.option("--chunk", type=click.IntRange(min=4), default=4096, show_default=True, help="tokens per prefill chunk.")
+@click.option("--memory-gib", type=click.FloatRange(min=0, min_open=True), default=80.0, show_default=True,
+              help="index-cache budget for the tokens-that-fit figure (GiB).")
+@click.option("--device", default=None, metavar="DEV", help="CUDA device, e.g. cuda:1 (default: the current one).")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="random seed.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True), default=None,
+              callback=_writable_output, help="write the results as JSON (schema cupy-dsa-serve/1); '-' = stdout.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
+              callback=_png_output, help="PNG: ms per decode step over context, bf16 vs fp8, and the added ms.")
+def serve_cmd(model, batch, contexts, next_n, chunk, memory_gib, device, seed, json_path, plot_path):
+    """Indexer cost of one forward of a DeepSeek-V4 server with bf16 index keys vs SGLang's fp8: ms per decode
+    (verify) step and per prefill chunk over every C4 layer, KV bytes per token and tokens that fit. Without a
+    GPU it prints the memory figures only."""
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from . import peers, serve
+
+    out, err = _console(stderr=json_path == "-"), Console(stderr=True)
+    case_list = serve.cases(batch, contexts, next_n, chunk)
+    doc = {"schema": serve.SCHEMA, "model": {"name": model.name, "n_layers": model.n_layers, "index_layers": model.n_c4,
+                                             "index_topk": model.index_topk, "source": model.source,
+                                             "assumed": model.assumed},
+           "batch": batch, "contexts": list(contexts), "next_n": next_n, "chunk": chunk,
+           "memory": serve.memory_rows(model, memory_gib), "timings": [], "device": None,
+           "measured": False, "not_measured": None, "deepgemm": None, "notes": [serve.COUNTED]}
+    if model.assumed:
+        err.print(f"[yellow]{model.name}: {model.assumed}[/]")
+    mem = Table(title=f"{model.name}: index cache, {model.n_c4} C4 layers of {model.n_layers}")
+    for col in ("layout", "B/entry", "B per token (all C4 layers)", f"tokens in {memory_gib:g} GiB"):
+        mem.add_column(col, justify="right")
+    for r in doc["memory"]:
+        mem.add_row(r["layout"], str(r["bytes_per_entry"]), f"{r['index_bytes_per_token']:.1f}", f"{r['tokens_fit']:,}")
+    out.print(mem)
+    if not torch.cuda.is_available() and device is None:
+        doc["not_measured"] = "no CUDA GPU: the ms per step / chunk need one and are not reported"
+        out.print(f"[yellow]Not measured: {doc['not_measured']}.[/]")
+    else:
+        dev, _ = _resolve_device("cuda", device, has_backend_option=False)
+        torch.cuda.set_device(dev)
+        doc["device"] = _device_name(dev)
+        dg, reason = peers.deepgemm()
+        doc["deepgemm"] = reason or "live"
+        if dg is None:
+            err.print(f"[yellow]fp8 not measured: {reason}[/]")
+        with _progress(err) as progress:
+            task = progress.add_task("serve", total=len(case_list))
+            for c in case_list:
+                doc["timings"].append(serve.measure(c, model, dev, dg, seed, reps=10))
+                progress.advance(task)
+        doc["measured"] = True
+        t = Table(title=f"indexer ms per forward (all {model.n_c4} C4 layers), {doc['device']}; top-k excluded")
+        for col in ("phase", "batch", "context", "next_n", "chunk", "bf16 ms", "fp8 ms", "added ms", "ratio", "error"):
+            t.add_column(col, justify="right")
+        f = lambda v, p=3: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+        for r in doc["timings"]:
+            t.add_row(r["phase"], str(r["batch"]), str(r["context"]), str(r["next_n"]), str(r["chunk"] or "-"),
+                      f(r["bf16_ms"]), f(r["fp8_ms"]), f(r["added_ms"]), f(r["ratio"], 2), r["error"] or "")
+        out.print(t)
+        for c, n in {k: v for r in doc["timings"] for k, v in r["layer_caches"].items()}.items():
+            if n < model.n_c4:
+                doc["notes"].append(f"{c}: only {n} distinct layer caches fit; the {model.n_c4} layers cycle them")
+    for note in doc["notes"]:
+        out.print(f"[dim]{note}[/]")
+    if json_path:
+        text = json.dumps(doc, indent=1)
+        if json_path == "-":
+            click.echo(text)
+        else:
+            Path(json_path).write_text(text)
+    if plot_path:
+        if doc["measured"]:
+            serve.plot(doc, plot_path)
+        else:
+            err.print("[yellow]--plot: nothing measured (no GPU), no plot written[/]")
 
 
 @bench.command(name="variants")

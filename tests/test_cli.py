@@ -565,3 +565,70 @@ def test_variants_gpu_quick(tmp_path):
     assert {r["op"] for r in rows} == {"decode", "prefill"}
     assert sum(r["product"] for r in rows) == len({(r["op"], r["layout"], r.get("B"), r.get("ctx"), r.get("next_n"),
                                                      r.get("q")) for r in rows})
+
+
+# --------------------------------------------------------------------------------------------------
+# bench serve (CPU: the memory figures; the timings need a GPU)
+# --------------------------------------------------------------------------------------------------
+
+def _serve(*args):
+    return CliRunner().invoke(main, ["bench", "serve", *args])
+
+
+def _v4_config(tmp_path, **fields):
+    cfg = {"num_hidden_layers": 7, "compress_ratios": [0, 0, 4, 128, 4, 128, 0, 4], "index_topk": 512,
+           "index_n_heads": 64, "index_head_dim": 128}
+    cfg.update(fields)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_serve_cpu_json_memory_figures(tmp_path):
+    res = _serve("--model", _v4_config(tmp_path), "--memory-gib", "2", "--json", "-")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output[res.output.index("{"):])
+    assert doc["schema"] == "cupy-dsa-serve/1" and doc["measured"] is False and doc["timings"] == []
+    assert "no CUDA GPU" in doc["not_measured"]
+    assert doc["model"]["index_layers"] == 2  # the ratio-4 layer past num_hidden_layers (MTP) is not counted
+    by = {r["layout"]: r for r in doc["memory"]}
+    assert by["bf16"]["index_bytes_per_token"] == 2 * 256 / 4
+    assert by["fp8"]["index_bytes_per_token"] == 2 * 132 / 4
+    assert by["bf16"]["tokens_fit"] == 2 * 2**30 // 128 and by["fp8"]["tokens_fit"] == 2 * 2**30 // 66
+
+
+def test_serve_builtin_models():
+    res = _serve("--model", "v4-flash", "--json", "-")
+    doc = json.loads(res.output[res.output.index("{"):])
+    assert doc["model"]["n_layers"] == 43 and doc["model"]["index_layers"] == 20 and doc["model"]["assumed"] is None
+    res = _serve("--model", "v4-pro")
+    assert res.exit_code == 0 and "ASSUMED" in res.output
+
+
+def test_serve_case_list():
+    from cupy_dsa.bench import serve
+
+    cs = serve.cases(8, (4096, 65536), 3, 2048)
+    assert [(c.phase, c.context) for c in cs] == [("verify", 4096), ("verify", 65536),
+                                                  ("prefill", 4096), ("prefill", 65536)]
+    assert cs[0].new_entries == math.ceil(8 * 3 / 4) and cs[2].new_entries == 512
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--batch", "0"], "--batch"), (["--next-n", "0"], "--next-n"), (["--next-n", "5"], "--next-n"),
+    (["--context", "12x"], "--context"), (["--context", "0"], "--context"), (["--model", "/no/such.json"], "--model"),
+    (["--memory-gib", "0"], "--memory-gib"), (["--plot", "x.jpg"], "--plot"),
+])
+def test_serve_option_errors(args, needle):
+    res = _serve(*args)
+    assert res.exit_code == 2 and needle in res.output, res.output
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ({"compress_ratios": None}, "compress_ratios"), ({"compress_ratios": [0, 128] * 4}, "no ratio-4"),
+    ({"index_head_dim": 64}, "index_head_dim"), ({"index_topk": None}, "index_topk"),
+    ({"num_hidden_layers": 99}, "num_hidden_layers"),
+])
+def test_serve_config_errors(tmp_path, fields, needle):
+    res = _serve("--model", _v4_config(tmp_path, **fields))
+    assert res.exit_code == 2 and needle in res.output, res.output

@@ -1,0 +1,292 @@
+"""``cupy-dsa bench serve``: what bf16 index keys cost one forward of a DeepSeek-V4 server, next to SGLang's fp8.
+
+One forward's indexer work on every C4 layer (one cache per layer, as the server keeps them): the store of the
+forward's new index entries, the logits of the layer, and the schedule built once per forward (ForwardPlans).
+bf16 runs our ops on the plugin's routes (decode rows, grouped verify next_n = n, varlen extend for a prefill
+chunk); fp8 runs DeepGEMM's ``fp8_paged_mqa_logits`` on one row per token as SGLang calls it, with our store op
+writing the fp8 layout standing in for SGLang's fp8 store kernel. Top-k is the same in both and left out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cupy_dsa.layouts import BYTES_PER_TOKEN, HEAD_DIM, N_HEADS, PAGE_SLOTS
+
+SCHEMA = "cupy-dsa-serve/1"
+C4_RATIO = 4          # raw tokens per index entry on an indexer (CSA) layer
+GIB = 2**30
+CACHE_BUDGET_SHARE = 0.6  # share of free GPU memory the per-layer caches may take (the rest: outputs, graphs)
+
+COUNTED = ("one forward = per C4 layer: store of the forward's new index entries + logits, and the schedule once "
+           "per forward; top-k is identical for bf16 and fp8 and excluded. New entries per forward: decode/verify "
+           "ceil(batch * next_n / 4) (on average one entry per 4 tokens), prefill chunk / 4. fp8 = DeepGEMM "
+           "fp8_paged_mqa_logits on one row per token (SGLang's call) + our store op writing SGLang's fp8 layout "
+           "(standing in for SGLang's fp8 store kernel). A prefill chunk is one request of --chunk tokens after a "
+           "prefix of --context tokens.")
+
+
+@dataclass(frozen=True)
+class ServeModel:
+    name: str
+    n_layers: int
+    n_c4: int
+    index_topk: int
+    source: str
+    assumed: str | None  # why a figure is assumed, or None when every figure is read
+
+
+def _flash_pattern(n_layers: int) -> list[int]:
+    """V4-Flash's compress_ratios: 0, 0, then 4/128 alternating, 0 at the last layer."""
+    return [0, 0] + [4 if i % 2 == 0 else 128 for i in range(n_layers - 3)] + [0]
+
+
+BUILTIN = {
+    "v4-flash": ServeModel("DeepSeek-V4-Flash", 43, _flash_pattern(43).count(C4_RATIO), 512,
+                           "built-in (V4-Flash config: n_layers 43, compress_ratios [0, 0, 4, 128, ..., 4, 0])", None),
+    "v4-pro": ServeModel("DeepSeek-V4-Pro", 61, _flash_pattern(61).count(C4_RATIO), 1024,
+                         "built-in (index_topk 1024 per vLLM #40811)",
+                         "61 layers with V4-Flash's compress_ratios pattern are ASSUMED (no published V4-Pro layer "
+                         "count was at hand); pass --model <config.json> for the real figure"),
+}
+
+
+def parse_config(path: str) -> ServeModel:
+    """A DeepSeek-V4 HF ``config.json``: ``compress_ratios`` (one entry per layer; the ratio-4 layers carry the
+    indexer), the layer count from ``num_hidden_layers`` (HF) or ``n_layers`` (DeepSeek's inference config) when
+    present (ratios past it, e.g. an MTP layer's, are not counted), ``index_topk``, and ``index_n_heads`` /
+    ``index_head_dim`` which must be 64 / 128 (the kernels' shape). Raises ValueError naming the field."""
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {path!r} as JSON ({type(exc).__name__}: {exc})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path!r}: expected a JSON object, got {type(cfg).__name__}")
+    ratios = cfg.get("compress_ratios")
+    if not isinstance(ratios, list) or not ratios or not all(isinstance(r, int) for r in ratios):
+        raise ValueError(f"{path!r}: expected 'compress_ratios', a non-empty list of ints (one per layer; 4 = "
+                         f"indexer layer), got {ratios!r}")
+    n_layers = cfg.get("num_hidden_layers", cfg.get("n_layers", len(ratios)))
+    if not isinstance(n_layers, int) or not 0 < n_layers <= len(ratios):
+        raise ValueError(f"{path!r}: expected 'num_hidden_layers' (or 'n_layers') in 1..{len(ratios)} (the length "
+                         f"of compress_ratios), got {n_layers!r}")
+    for field, want in (("index_n_heads", N_HEADS), ("index_head_dim", HEAD_DIM)):
+        if cfg.get(field, want) != want:
+            raise ValueError(f"{path!r}: expected {field} = {want} (the indexer shape the kernels take), "
+                             f"got {cfg[field]!r}")
+    topk = cfg.get("index_topk")
+    if not isinstance(topk, int) or topk <= 0:
+        raise ValueError(f"{path!r}: expected 'index_topk', a positive int, got {topk!r}")
+    n_c4 = ratios[:n_layers].count(C4_RATIO)
+    if n_c4 == 0:
+        raise ValueError(f"{path!r}: compress_ratios has no ratio-4 (indexer) layer in its first {n_layers}")
+    return ServeModel(str(cfg.get("_name_or_path") or Path(path).parent.name or path), n_layers, n_c4, topk,
+                      f"config {path}", None)
+
+
+def resolve_model(value: str) -> ServeModel:
+    return BUILTIN[value] if value in BUILTIN else parse_config(value)
+
+
+def memory_rows(model: ServeModel, memory_gib: float) -> list[dict]:
+    """Index-cache bytes per raw token of all C4 layers and the tokens that fit in ``memory_gib`` (partial
+    pages ignored), per layout."""
+    out = []
+    for layout in ("bf16", "fp8"):
+        entry = BYTES_PER_TOKEN[layout]
+        per_token = model.n_c4 * entry / C4_RATIO
+        out.append({"layout": layout, "bytes_per_entry": entry, "index_layers": model.n_c4,
+                    "index_bytes_per_token": per_token, "memory_gib": memory_gib,
+                    "tokens_fit": int(memory_gib * GIB // per_token)})
+    return out
+
+
+@dataclass(frozen=True)
+class Case:
+    phase: str       # "decode" (next_n 1), "verify" (next_n 2..4) or "prefill" (one chunk)
+    batch: int
+    context: int     # raw tokens per request before this forward
+    next_n: int
+    chunk: int       # prefill tokens (0 for decode / verify)
+
+    @property
+    def new_entries(self) -> int:
+        return self.chunk // C4_RATIO if self.phase == "prefill" else math.ceil(self.batch * self.next_n / C4_RATIO)
+
+
+def cases(batch: int, contexts, next_n: int, chunk: int) -> list[Case]:
+    step = "decode" if next_n == 1 else "verify"
+    return ([Case(step, batch, c, next_n, 0) for c in contexts]
+            + [Case("prefill", 1, c, 1, chunk) for c in contexts])
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU
+# --------------------------------------------------------------------------------------------------
+
+def _cache_pages(case: Case) -> int:
+    """Pages one layer's cache needs: every request's pages after this forward, plus one spare."""
+    if case.phase == "prefill":
+        return math.ceil((case.context + case.chunk) / C4_RATIO / PAGE_SLOTS) + 1
+    per_req = math.ceil((case.context + case.next_n) / C4_RATIO / PAGE_SLOTS)
+    return case.batch * per_req + 1
+
+
+def _layer_caches(case: Case, layout: str, n_c4: int, device, g):
+    """Distinct caches, one per C4 layer, or as many as fit in CACHE_BUDGET_SHARE of free memory (cycled)."""
+    from .sweeps import _random_cache
+
+    pages = _cache_pages(case)
+    one = pages * PAGE_SLOTS * BYTES_PER_TOKEN[layout]
+    free, _ = torch.cuda.mem_get_info(device)
+    fit = max(1, min(n_c4, int(free * CACHE_BUDGET_SHARE // one)))
+    return [_random_cache(pages, layout, device, g) for _ in range(fit)], pages
+
+
+def _tables(case: Case, device):
+    """Block table [B, pages per request]: request b owns pages b*W .. b*W + W - 1 of its layer's cache."""
+    if case.phase == "prefill":
+        w = _cache_pages(case) - 1
+        return torch.arange(w, dtype=torch.int32, device=device)[None, :]
+    w = math.ceil((case.context + case.next_n) / C4_RATIO / PAGE_SLOTS)
+    return torch.arange(case.batch * w, dtype=torch.int32, device=device).view(case.batch, w)
+
+
+def _forward(case: Case, layout: str, model: ServeModel, device, g, dg):
+    """(forward callable, layers with their own cache) for one layout."""
+    import cupy_dsa
+
+    from . import peers
+    from .sweeps import make_freqs
+
+    caches, pages = _layer_caches(case, layout, model.n_c4, device, g)
+    n_new = case.new_entries
+    kv = torch.randn(n_new, HEAD_DIM, device=device, generator=g)
+    positions = torch.arange(n_new, dtype=torch.int32, device=device)
+    freqs = make_freqs(max(n_new, 1), device)
+    norm_w = 1.0 + 0.1 * torch.randn(HEAD_DIM, device=device, generator=g)
+    # the new entries go to the last pages (a decode step's entries land at the ends of the requests' pages)
+    out_loc = ((pages - 1) * PAGE_SLOTS - n_new + torch.arange(n_new, device=device)).clamp_min(0).to(torch.int64)
+    table = _tables(case, device)
+    width = table.shape[1] * PAGE_SLOTS
+
+    def store(cache):
+        cupy_dsa.store_index_k(kv, cache, positions=positions, out_loc=out_loc, norm_weight=norm_w, freqs_cis=freqs)
+
+    if case.phase == "prefill":
+        T = case.chunk
+        prefix = case.context // C4_RATIO
+        q = torch.randn(T, N_HEADS, HEAD_DIM, device=device, generator=g).to(torch.float8_e4m3fn)
+        weights = torch.rand(T, N_HEADS, device=device, generator=g) / math.sqrt(N_HEADS * HEAD_DIM)
+        lens = (prefix + (torch.arange(T, device=device) + 1) // C4_RATIO).to(torch.int32)
+        if layout == "bf16":
+            ks = torch.zeros(T, dtype=torch.int32, device=device)
+            cu_rows = torch.tensor([0, T], dtype=torch.int32, device=device)
+
+            def layer_logits(cache):
+                return cupy_dsa.mqa_logits(q, cache, weights, ks, lens, block_table=table, cu_rows=cu_rows,
+                                           plan=plan[0], clean_logits=False)
+
+            def build_plan():
+                return cupy_dsa.mqa_logits_plan(cu_rows)
+        else:
+            q_rows, row_table, lens_rows = q.view(T, 1, N_HEADS, HEAD_DIM), table.expand(T, -1).contiguous(), lens
+    else:
+        B, n = case.batch, case.next_n
+        entries = case.context // C4_RATIO
+        lens_2d = (entries + (torch.arange(n, device=device) + 1) // C4_RATIO).to(torch.int32)[None, :].repeat(B, 1)
+        q = torch.randn(B, n, N_HEADS, HEAD_DIM, device=device, generator=g).to(torch.float8_e4m3fn)
+        weights = torch.rand(B * n, N_HEADS, device=device, generator=g) / math.sqrt(N_HEADS * HEAD_DIM)
+        lens = lens_2d.reshape(-1) if n == 1 else lens_2d
+        if layout == "bf16":
+            def layer_logits(cache):
+                return cupy_dsa.paged_mqa_logits(q, cache, weights, lens, table, width, plan=plan[0])
+
+            def build_plan():
+                return cupy_dsa.paged_mqa_logits_plan(lens, n)
+        else:
+            q_rows = q.view(B * n, 1, N_HEADS, HEAD_DIM)
+            row_table, lens_rows = table.repeat_interleave(n, 0), lens_2d.reshape(-1).contiguous()
+
+    if layout == "fp8":
+        schedule, _ = peers.deepgemm_decode(dg, q_rows, caches[0], weights, lens_rows[:, None], row_table, width)
+        calls = [peers.deepgemm_decode(dg, q_rows, c, weights, lens_rows[:, None], row_table, width)[1] for c in caches]
+
+        def forward():
+            schedule()  # SGLang builds DeepGEMM's schedule once per forward
+            for i in range(model.n_c4):
+                store(caches[i % len(caches)])
+                calls[i % len(calls)]()
+    else:
+        plan = [build_plan()]
+
+        def forward():
+            plan[0] = build_plan()  # ForwardPlans: the first C4 layer builds it, the others reuse it
+            for i in range(model.n_c4):
+                store(caches[i % len(caches)])
+                layer_logits(caches[i % len(caches)])
+
+    return forward, len(caches)
+
+
+def measure(case: Case, model: ServeModel, device, dg, seed: int, reps: int) -> dict:
+    """ms of one forward for bf16 and (with DeepGEMM) fp8, for one case."""
+    from .sweeps import _gen
+    from .timing import time_calls
+
+    row = {"phase": case.phase, "batch": case.batch, "context": case.context, "next_n": case.next_n,
+           "chunk": case.chunk, "new_entries": case.new_entries, "bf16_ms": None, "fp8_ms": None,
+           "added_ms": None, "ratio": None, "layer_caches": {}, "timing": None, "error": None}
+    for layout in ("bf16", "fp8"):
+        if layout == "fp8" and dg is None:
+            continue
+        try:
+            fwd, n_caches = _forward(case, layout, model, device, _gen(device, seed), dg)
+            t = time_calls([fwd], device, reps=reps, min_replay_s=0)
+            row[f"{layout}_ms"] = t.seconds * 1e3
+            row["layer_caches"][layout] = n_caches
+            row["timing"] = t.method
+            del fwd
+        except Exception as exc:  # one case failing must not end the run
+            row["error"] = f"{layout}: {type(exc).__name__}: {str(exc)[:200]}"
+        torch.cuda.empty_cache()
+    if row["bf16_ms"] is not None and row["fp8_ms"] is not None:
+        row["added_ms"] = row["bf16_ms"] - row["fp8_ms"]
+        row["ratio"] = row["bf16_ms"] / row["fp8_ms"]
+    return row
+
+
+def plot(doc: dict, path: str) -> None:
+    """ms per decode (or verify) step over context, bf16 vs fp8, and the added ms."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in doc["timings"] if r["phase"] != "prefill" and r["bf16_ms"] is not None]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for layout, style in (("bf16", "o-"), ("fp8", "s--")):
+        pts = [(r["context"], r[f"{layout}_ms"]) for r in rows if r[f"{layout}_ms"] is not None]
+        if pts:
+            ax.plot(*zip(*pts), style, label=f"{layout} index keys")
+    added = [(r["context"], r["added_ms"]) for r in rows if r["added_ms"] is not None]
+    if added:
+        ax2.plot(*zip(*added), "o-", color="tab:red")
+    for a in (ax, ax2):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("context (tokens per request)")
+        a.grid(alpha=0.3)
+    step = "verify" if doc["next_n"] > 1 else "decode"
+    ax.set_ylabel(f"indexer ms per {step} step (all C4 layers)")
+    ax.legend()
+    ax2.set_ylabel("added ms (bf16 - fp8)")
+    fig.suptitle(f"{doc['model']['name']}, batch {doc['batch']}, next_n {doc['next_n']}, {doc['device']}")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
