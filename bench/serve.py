@@ -143,18 +143,22 @@ def _layer_caches(case: Case, layout: str, n_c4: int, device, g):
 
     pages = _cache_pages(case)
     one = pages * PAGE_SLOTS * BYTES_PER_TOKEN[layout]
-    free, _ = torch.cuda.mem_get_info(device)
-    fit = max(1, min(n_c4, int(free * CACHE_BUDGET_SHARE // one)))
+    if device.type == "cuda":
+        fit = max(1, min(n_c4, int(torch.cuda.mem_get_info(device)[0] * CACHE_BUDGET_SHARE // one)))
+    else:  # the torch reference at test sizes
+        fit = n_c4
     return [_random_cache(pages, layout, device, g) for _ in range(fit)], pages
 
 
-def _tables(case: Case, device):
-    """Block table [B, pages per request]: request b owns pages b*W .. b*W + W - 1 of its layer's cache."""
+def _tables(case: Case, device, g):
+    """Block table [B, pages per request] over the layer cache's pages, shuffled (an allocator's free list is
+    not in order); the last page stays spare."""
     if case.phase == "prefill":
         w = _cache_pages(case) - 1
-        return torch.arange(w, dtype=torch.int32, device=device)[None, :]
-    w = math.ceil((case.context + case.next_n) / C4_RATIO / PAGE_SLOTS)
-    return torch.arange(case.batch * w, dtype=torch.int32, device=device).view(case.batch, w)
+    else:
+        w = math.ceil((case.context + case.next_n) / C4_RATIO / PAGE_SLOTS)
+    perm = torch.randperm(case.batch * w, device=device, generator=g).to(torch.int32)
+    return perm.view(case.batch, w)
 
 
 def _forward(case: Case, layout: str, model: ServeModel, device, g, dg):
@@ -170,9 +174,11 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg):
     positions = torch.arange(n_new, dtype=torch.int32, device=device)
     freqs = make_freqs(max(n_new, 1), device)
     norm_w = 1.0 + 0.1 * torch.randn(HEAD_DIM, device=device, generator=g)
-    # the new entries go to the last pages (a decode step's entries land at the ends of the requests' pages)
-    out_loc = ((pages - 1) * PAGE_SLOTS - n_new + torch.arange(n_new, device=device)).clamp_min(0).to(torch.int64)
-    table = _tables(case, device)
+    table = _tables(case, device, g)
+    # new entry i belongs to request i % B (a decode step spreads them over the batch) and follows its context
+    i = torch.arange(n_new, device=device)
+    req, entry = i % case.batch, case.context // C4_RATIO + i // case.batch
+    out_loc = table[req, entry // PAGE_SLOTS].to(torch.int64) * PAGE_SLOTS + entry % PAGE_SLOTS
     width = table.shape[1] * PAGE_SLOTS
 
     def store(cache):
@@ -247,7 +253,7 @@ def measure(case: Case, model: ServeModel, device, dg, seed: int, reps: int) -> 
             continue
         try:
             fwd, n_caches = _forward(case, layout, model, device, _gen(device, seed), dg)
-            t = time_calls([fwd], device, reps=reps, min_replay_s=0)
+            t = time_calls([fwd], device, reps=reps)
             row[f"{layout}_ms"] = t.seconds * 1e3
             row["layer_caches"][layout] = n_caches
             row["timing"] = t.method

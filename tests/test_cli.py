@@ -632,3 +632,30 @@ def test_serve_option_errors(args, needle):
 def test_serve_config_errors(tmp_path, fields, needle):
     res = _serve("--model", _v4_config(tmp_path, **fields))
     assert res.exit_code == 2 and needle in res.output, res.output
+
+
+def test_serve_bf16_forward_runs_on_the_reference():
+    """The GPU path's bf16 forward (store + logits per C4 layer, the plan once) built and run on the torch
+    reference at tiny sizes: shapes, out_loc and the routes' arguments are consistent."""
+    from cupy_dsa.bench import serve
+    from cupy_dsa.layouts import bf16_view
+
+    model = serve.ServeModel("tiny", 5, 2, 512, "test", None)
+    dev = torch.device("cpu")
+    for case in serve.cases(3, (300,), 1, 16) + serve.cases(2, (260,), 3, 8):
+        g = torch.Generator().manual_seed(0)
+        forward, n_caches = serve._forward(case, "bf16", model, dev, g, None)
+        assert n_caches == 2
+        forward()
+    caches, _ = serve._layer_caches(serve.Case("decode", 2, 64, 1, 0), "bf16", 3, dev, torch.Generator())
+    assert len(caches) == 3 and all(bf16_view(c).abs().sum() > 0 for c in caches)
+
+
+def test_serve_plot_writes_png(tmp_path):
+    from cupy_dsa.bench import serve
+
+    rows = [{"phase": "decode", "context": c, "bf16_ms": 0.1 * c / 4096, "fp8_ms": 0.08 * c / 4096,
+             "added_ms": 0.02 * c / 4096} for c in (4096, 16384)]
+    doc = {"timings": rows, "next_n": 1, "batch": 8, "model": {"name": "m"}, "device": "gpu"}
+    serve.plot(doc, str(tmp_path / "s.png"))
+    assert (tmp_path / "s.png").read_bytes()[:8] == PNG_MAGIC
