@@ -243,14 +243,18 @@ def serve_cmd(model, batch, contexts, next_n, chunk, memory_gib, device, seed, j
         t = Table(title=f"indexer ms per forward (all {model.n_c4} C4 layers), {doc['device']}; top-k excluded")
         for col in ("phase", "batch", "context", "next_n", "chunk", "bf16 ms", "fp8 ms", "added ms", "ratio", "error"):
             t.add_column(col, justify="right")
-        f = lambda v, p=3: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+        def f(v, p=3):
+            return "-" if v is None else f"{v:.{p}f}"
+
         for r in doc["timings"]:
             t.add_row(r["phase"], str(r["batch"]), str(r["context"]), str(r["next_n"]), str(r["chunk"] or "-"),
                       f(r["bf16_ms"]), f(r["fp8_ms"]), f(r["added_ms"]), f(r["ratio"], 2), r["error"] or "")
         out.print(t)
-        for c, n in {k: v for r in doc["timings"] for k, v in r["layer_caches"].items()}.items():
-            if n < model.n_c4:
-                doc["notes"].append(f"{c}: only {n} distinct layer caches fit; the {model.n_c4} layers cycle them")
+        for r in doc["timings"]:
+            for layout, n in r["layer_caches"].items():
+                if n < model.n_c4:
+                    doc["notes"].append(f"{r['phase']} context {r['context']}, {layout}: only {n} distinct layer "
+                                        f"caches fit; the {model.n_c4} C4 layers cycle them")
     for note in doc["notes"]:
         out.print(f"[dim]{note}[/]")
     if json_path:

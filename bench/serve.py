@@ -194,9 +194,9 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg):
             ks = torch.zeros(T, dtype=torch.int32, device=device)
             cu_rows = torch.tensor([0, T], dtype=torch.int32, device=device)
 
-            def layer_logits(cache):
+            def layer_logits(cache, plan):
                 return cupy_dsa.mqa_logits(q, cache, weights, ks, lens, block_table=table, cu_rows=cu_rows,
-                                           plan=plan[0], clean_logits=False)
+                                           plan=plan, clean_logits=False)
 
             def build_plan():
                 return cupy_dsa.mqa_logits_plan(cu_rows)
@@ -210,8 +210,8 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg):
         weights = torch.rand(B * n, N_HEADS, device=device, generator=g) / math.sqrt(N_HEADS * HEAD_DIM)
         lens = lens_2d.reshape(-1) if n == 1 else lens_2d
         if layout == "bf16":
-            def layer_logits(cache):
-                return cupy_dsa.paged_mqa_logits(q, cache, weights, lens, table, width, plan=plan[0])
+            def layer_logits(cache, plan):
+                return cupy_dsa.paged_mqa_logits(q, cache, weights, lens, table, width, plan=plan)
 
             def build_plan():
                 return cupy_dsa.paged_mqa_logits_plan(lens, n)
@@ -229,13 +229,11 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg):
                 store(caches[i % len(caches)])
                 calls[i % len(calls)]()
     else:
-        plan = [build_plan()]
-
         def forward():
-            plan[0] = build_plan()  # ForwardPlans: the first C4 layer builds it, the others reuse it
+            plan = build_plan()  # ForwardPlans: the first C4 layer builds it, the others reuse it
             for i in range(model.n_c4):
                 store(caches[i % len(caches)])
-                layer_logits(caches[i % len(caches)])
+                layer_logits(caches[i % len(caches)], plan)
 
     return forward, len(caches)
 
@@ -259,7 +257,8 @@ def measure(case: Case, model: ServeModel, device, dg, seed: int, reps: int) -> 
             row["timing"] = t.method
             del fwd
         except Exception as exc:  # one case failing must not end the run
-            row["error"] = f"{layout}: {type(exc).__name__}: {str(exc)[:200]}"
+            failed = f"{layout}: {type(exc).__name__}: {str(exc)[:200]}"
+            row["error"] = f"{row['error']}; {failed}" if row["error"] else failed
         torch.cuda.empty_cache()
     if row["bf16_ms"] is not None and row["fp8_ms"] is not None:
         row["added_ms"] = row["bf16_ms"] - row["fp8_ms"]
