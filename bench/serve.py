@@ -42,14 +42,16 @@ class ServeModel:
 
 
 def _flash_pattern(n_layers: int) -> list[int]:
-    """V4-Flash's compress_ratios: 0, 0, then 4/128 alternating, 0 at the last layer."""
-    return [0, 0] + [4 if i % 2 == 0 else 128 for i in range(n_layers - 3)] + [0]
+    """V4-Flash's compress_ratios for ``n_layers`` layers (HF config.json): 0, 0, then 4/128 alternating from
+    layer 2 (43 layers: 21 ratio-4 + 20 ratio-128), and one more 0 for the MTP layer (44 entries)."""
+    return [0, 0] + [4 if i % 2 == 0 else 128 for i in range(n_layers - 2)] + [0]
 
 
 BUILTIN = {
-    "v4-flash": ServeModel("DeepSeek-V4-Flash", 43, _flash_pattern(43).count(C4_RATIO), 512,
-                           "built-in (V4-Flash config: n_layers 43, compress_ratios [0, 0, 4, 128, ..., 4, 0])", None),
-    "v4-pro": ServeModel("DeepSeek-V4-Pro", 61, _flash_pattern(61).count(C4_RATIO), 1024,
+    "v4-flash": ServeModel("DeepSeek-V4-Flash", 43, _flash_pattern(43)[:43].count(C4_RATIO), 512,
+                           "built-in (V4-Flash HF config.json: num_hidden_layers 43, compress_ratios "
+                           "[0, 0, 4, 128, ..., 128, 4, 0] of 44 entries, the last the MTP layer's)", None),
+    "v4-pro": ServeModel("DeepSeek-V4-Pro", 61, _flash_pattern(61)[:61].count(C4_RATIO), 1024,
                          "built-in (index_topk 1024 per vLLM #40811)",
                          "61 layers with V4-Flash's compress_ratios pattern are ASSUMED (no published V4-Pro layer "
                          "count was at hand); pass --model <config.json> for the real figure"),

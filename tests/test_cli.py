@@ -597,10 +597,16 @@ def test_serve_cpu_json_memory_figures(tmp_path):
     assert by["bf16"]["tokens_fit"] == 2 * 2**30 // 128 and by["fp8"]["tokens_fit"] == 2 * 2**30 // 66
 
 
-def test_serve_builtin_models():
+def test_serve_builtin_models(tmp_path):
     res = _serve("--model", "v4-flash", "--json", "-")
     doc = json.loads(res.output[res.output.index("{"):])
-    assert doc["model"]["n_layers"] == 43 and doc["model"]["index_layers"] == 20 and doc["model"]["assumed"] is None
+    # the published V4-Flash config: 43 layers, ratios 0, 0, then 4/128 alternating (21 ratio-4), then the MTP's 0
+    assert doc["model"]["n_layers"] == 43 and doc["model"]["index_layers"] == 21 and doc["model"]["assumed"] is None
+    flash = tmp_path / "flash.json"
+    flash.write_text(json.dumps({"num_hidden_layers": 43, "index_topk": 512,
+                                 "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0]}))
+    res = _serve("--model", str(flash), "--json", "-")
+    assert json.loads(res.output[res.output.index("{"):])["model"]["index_layers"] == 21
     res = _serve("--model", "v4-pro")
     assert res.exit_code == 0 and "ASSUMED" in res.output
 
