@@ -11,6 +11,19 @@ from dataclasses import dataclass
 
 from cupy_dsa.layouts import BYTES_PER_TOKEN, PAGE_SLOTS
 
+C4_RATIO, C128_RATIO = 4, 128   # raw tokens per entry on an indexer (CSA) layer / a heavily compressed layer
+
+
+def v4_compress_ratios(n_layers: int) -> list[int]:
+    """V4-Flash's ``compress_ratios`` for ``n_layers`` layers (HF config.json): 0, 0, then 4/128 alternating from
+    layer 2 (43 layers: 21 ratio-4 + 20 ratio-128), and one more 0 for the MTP layer (44 entries)."""
+    return [0, 0] + [C4_RATIO if i % 2 == 0 else C128_RATIO for i in range(n_layers - 2)] + [0]
+
+
+def _v4_counts(n_layers: int) -> tuple[int, int]:
+    ratios = v4_compress_ratios(n_layers)[:n_layers]
+    return ratios.count(C4_RATIO), ratios.count(C128_RATIO)
+
 # Index-key layouts side by side: bytes per index entry (one compressed token of one indexer layer).
 INDEX_LAYOUTS = ("fp8", "fp4", "bf16", "bf16-fp4sim")
 LAYOUT_NOTES = {
@@ -45,19 +58,19 @@ class ModelConfig:
 
 
 MODELS = (
-    ModelConfig("DeepSeek-V4-Flash", 43, 20, 20, 4, V4_MAIN_KV_ENTRY, False,
-                "43 layers; compress_ratios 0,0 then 4/128 alternating from layer 2, 0 at the last layer "
-                "-> 20 C4 (indexer) + 20 C128 + 3 window-only layers"),
-    ModelConfig("DeepSeek-V4-Pro", 61, 29, 29, 4, V4_MAIN_KV_ENTRY, True,
-                "ASSUMED 61 layers with the Flash pattern -> 29 C4 (indexer) + 29 C128 + 3 window-only"),
+    ModelConfig("DeepSeek-V4-Flash", 43, *_v4_counts(43), 4, V4_MAIN_KV_ENTRY, False,
+                "43 layers; compress_ratios 0,0 then 4/128 alternating from layer 2 (the 44th entry, 0, is the "
+                "MTP layer's) -> 21 C4 (indexer) + 20 C128 + 2 window-only layers"),
+    ModelConfig("DeepSeek-V4-Pro", 61, *_v4_counts(61), 4, V4_MAIN_KV_ENTRY, True,
+                "ASSUMED 61 layers with the Flash pattern -> 30 C4 (indexer) + 29 C128 + 2 window-only"),
     ModelConfig("DeepSeek-V3.2", 61, 61, 0, 1, V32_MLA_FP8_ENTRY, False,
                 "61 layers; indexer on every layer at the full token rate; fp8 MLA cache 656 B/layer"),
 )
 
 ASSUMPTIONS = (
-    "V4-Flash layer pattern (43 layers, ratios 0,0,4,128,...,0): 20 C4 + 20 C128 layers; the MTP layer is "
-    "not counted.",
-    "V4-Pro layer counts are ASSUMED (61 layers, Flash's pattern: 29 C4 + 29 C128); not read from a config.",
+    "V4-Flash layer pattern (43 layers, compress_ratios 0,0,4,128,...,128,4 and 0 for the MTP layer): 21 C4 + 20 "
+    "C128 layers; the MTP layer is not counted.",
+    "V4-Pro layer counts are ASSUMED (61 layers, Flash's pattern: 30 C4 + 29 C128); not read from a config.",
     "V4 main KV: 584 B per cached entry (SGLang's fp8 V4 KV) on C4 layers (1 entry / 4 tokens) and C128 "
     "layers (1 entry / 128 tokens); the per-request 128-token sliding-window buffers and compressor state "
     "are constant per request and excluded.",

@@ -18,8 +18,9 @@ import torch
 
 from cupy_dsa.layouts import BYTES_PER_TOKEN, HEAD_DIM, N_HEADS, PAGE_SLOTS
 
+from .bytes import C4_RATIO, v4_compress_ratios
+
 SCHEMA = "cupy-dsa-serve/1"
-C4_RATIO = 4          # raw tokens per index entry on an indexer (CSA) layer
 GIB = 2**30
 CACHE_BUDGET_SHARE = 0.6  # share of free GPU memory the per-layer caches may take (the rest: outputs, graphs)
 
@@ -41,17 +42,11 @@ class ServeModel:
     assumed: str | None  # why a figure is assumed, or None when every figure is read
 
 
-def _flash_pattern(n_layers: int) -> list[int]:
-    """V4-Flash's compress_ratios for ``n_layers`` layers (HF config.json): 0, 0, then 4/128 alternating from
-    layer 2 (43 layers: 21 ratio-4 + 20 ratio-128), and one more 0 for the MTP layer (44 entries)."""
-    return [0, 0] + [4 if i % 2 == 0 else 128 for i in range(n_layers - 2)] + [0]
-
-
 BUILTIN = {
-    "v4-flash": ServeModel("DeepSeek-V4-Flash", 43, _flash_pattern(43)[:43].count(C4_RATIO), 512,
+    "v4-flash": ServeModel("DeepSeek-V4-Flash", 43, v4_compress_ratios(43)[:43].count(C4_RATIO), 512,
                            "built-in (V4-Flash HF config.json: num_hidden_layers 43, compress_ratios "
                            "[0, 0, 4, 128, ..., 128, 4, 0] of 44 entries, the last the MTP layer's)", None),
-    "v4-pro": ServeModel("DeepSeek-V4-Pro", 61, _flash_pattern(61)[:61].count(C4_RATIO), 1024,
+    "v4-pro": ServeModel("DeepSeek-V4-Pro", 61, v4_compress_ratios(61)[:61].count(C4_RATIO), 1024,
                          "built-in (index_topk 1024 per vLLM #40811)",
                          "61 layers with V4-Flash's compress_ratios pattern are ASSUMED (no published V4-Pro layer "
                          "count was at hand); pass --model <config.json> for the real figure"),
