@@ -205,11 +205,11 @@ def serve_cmd(model, batch, contexts, next_n, chunk, memory_gib, device, seed, j
     from rich.console import Console
     from rich.table import Table
 
-    from . import peers, serve
+    from . import peers, report, serve
 
     out, err = _console(stderr=json_path == "-"), Console(stderr=True)
     case_list = serve.cases(batch, contexts, next_n, chunk)
-    doc = {"schema": serve.SCHEMA, "model": {"name": model.name, "n_layers": model.n_layers, "index_layers": model.n_c4,
+    doc = {"schema": serve.SCHEMA, **report.provenance(), "model": {"name": model.name, "n_layers": model.n_layers, "index_layers": model.n_c4,
                                              "index_topk": model.index_topk, "source": model.source,
                                              "assumed": model.assumed},
            "batch": batch, "contexts": list(contexts), "next_n": next_n, "chunk": chunk,

@@ -77,19 +77,22 @@ def commit_text(doc: dict, code=True) -> str:
     return text + (" (the checkout had uncommitted changes)" if c.endswith("-dirty") else "")
 
 
-def new_document(*, backend: str, device_name: str, quick: bool, seed: int, gpu_mem_gb: float) -> dict:
+def provenance() -> dict:
+    """When and from what a run came: date, commit (or why none), cupy_dsa and torch versions."""
     import torch
 
     import cupy_dsa
 
     commit = git_commit()
+    return {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "git_commit": commit,
+            "commit_note": None if commit else no_commit_reason(),
+            "cupy_dsa_version": getattr(cupy_dsa, "__version__", None), "torch_version": torch.__version__}
+
+
+def new_document(*, backend: str, device_name: str, quick: bool, seed: int, gpu_mem_gb: float) -> dict:
     return {
         "schema": SCHEMA,
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": commit,
-        "commit_note": None if commit else no_commit_reason(),
-        "cupy_dsa_version": getattr(cupy_dsa, "__version__", None),
-        "torch_version": torch.__version__,
+        **provenance(),
         "device": device_name,
         "backend": backend,
         "quick": quick,
