@@ -68,6 +68,11 @@ def device_arch(device_index: int) -> str:
     a = _ARCHS.get(device_index)
     if a is None:
         major, minor = torch.cuda.get_device_capability(device_index)
+        if 10 * major + minor < MIN_ARCH:
+            raise RuntimeError(
+                f"cuda:{device_index} ({torch.cuda.get_device_name(device_index)}) is sm_{major}{minor}; cupy_dsa's "
+                f"kernels need sm_{MIN_ARCH} or newer (bf16 tensor-core mma, cp.async). Run on an Ampere or newer "
+                f"NVIDIA GPU; the SGLang plugin: keep SGLang's fp8 index keys (SGLANG_CUPY_DSA_INDEX_K=fp8).")
         a = _ARCHS[device_index] = f"sm_{major}{minor}"
     return a
 

@@ -212,3 +212,14 @@ def test_warm_up_accepts_every_device_form(form):
     arg = {"none": None, "str": f"cuda:{idx}", "device": torch.device("cuda", idx), "int": idx}[form]
     arch = runtime.device_arch(idx)
     assert cupy_dsa.warm_up(arg) == sum(len(v) for v in launch.product_expressions(arch).values())
+
+
+def test_gpus_below_the_minimum_arch_are_refused_by_name(monkeypatch):
+    # a Turing GPU: refused before any compile (NVRTC would print thousands of lines)
+    monkeypatch.setattr(runtime, "_ARCHS", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "Tesla T4")
+    with pytest.raises(RuntimeError, match=r"cuda:0 \(Tesla T4\) is sm_75; cupy_dsa's kernels need sm_80 or newer"):
+        runtime.device_arch(0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (8, 0))
+    assert runtime.device_arch(0) == "sm_80"
