@@ -292,3 +292,32 @@ def plot(doc: dict, path: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def markdown(doc: dict) -> str:
+    """The run as a markdown table (the README's cost table is this, generated from the results file)."""
+    m = doc["model"]
+    head = (f"{m['name']} ({m['index_layers']} C4 layers), {doc.get('device') or 'no GPU'}, commit "
+            f"`{(doc.get('git_commit') or 'not recorded')[:12]}`: indexer ms per forward over every C4 layer "
+            f"(store + logits + the schedule; top-k excluded); fp8 = DeepGEMM as SGLang calls it.")
+    lines = [head, "", "| step | batch x context | bf16 keys | fp8 keys | added | ratio |", "|---|---|---|---|---|---|"]
+    for r in doc["timings"]:
+        step = {"decode": "decode", "verify": f"verify, next_n {r['next_n']}",
+                "prefill": f"prefill chunk of {r['chunk']:,}"}[r["phase"]]
+        ms = [f"{r[k]:.2f} ms" if r[k] is not None else "—" for k in ("bf16_ms", "fp8_ms", "added_ms")]
+        ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else "—"
+        ctx = f"{r['batch']} x {_tokens(r['context'])}" if r["phase"] != "prefill" else f"after {_tokens(r['context'])}"
+        lines.append(f"| {step} | {ctx} | {ms[0]} | {ms[1]} | {ms[2]} | {ratio} |")
+    mem = {r["layout"]: r for r in doc["memory"]}
+    if {"bf16", "fp8"} <= mem.keys():
+        b, f = mem["bf16"], mem["fp8"]
+        lines += ["", f"Index cache: {b['index_bytes_per_token']:.0f} B per token with bf16 keys, "
+                      f"{f['index_bytes_per_token']:.0f} B with fp8; {b['memory_gib']:g} GiB hold "
+                      f"{b['tokens_fit'] / 1e6:.1f}M tokens of index keys (bf16) or {f['tokens_fit'] / 1e6:.1f}M (fp8)."]
+    if not doc.get("measured"):
+        lines += ["", f"Not measured: {doc.get('not_measured')}."]
+    return "\n".join(lines) + "\n"
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 and n < 1 << 20 else f"{n:,}"
