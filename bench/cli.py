@@ -146,6 +146,8 @@ _subcommand("bytes", ("bytes",), "Bytes per index token of each layout, per C4 l
             "DeepSeek-V4-Flash, V4-Pro and V3.2; KV capacity with fp8 vs bf16 index keys. No GPU needed.")
 _subcommand("store", ("store",), "store_index_k throughput at N = 1M tokens (bf16 exact / fp4sim, fp8; kv fp32 "
             "and bf16) against the d2d copy bandwidth measured in the same run.")
+_subcommand("query", ("query",), "prepare_index_q (fp4sim bf16 and fp8 query, T = 1, 64, 4096, 16384) against "
+            "the bytes it moves and the read-only stream ceiling measured in the same run.")
 _subcommand("logits", ("logits",), "paged_mqa_logits (decode: equal, long-tail and one-long batches, next_n "
             "1-4, bf16 and fp8 keys, DeepGEMM live when importable, torch gather+bmm baseline) and mqa_logits "
             "(prefill) against the read-only stream / bf16 matmul rate measured in the same run.")
@@ -354,7 +356,7 @@ def report_cmd(json_file, markdown_path, plot_path):
     if doc.get("schema") not in report.READABLE_SCHEMAS:
         raise click.BadParameter(f"expected schema {report.SCHEMA!r}, got {doc.get('schema')!r}",
                                  param_hint="JSON_FILE")
-    report.print_all(_console(stderr=markdown_path == "-"), doc, [s for s in SECTIONS_ALL if doc.get(s)])
+    report.print_all(_console(stderr=markdown_path == "-"), doc, [s for s in report.SECTIONS if doc.get(s)])
     if markdown_path:
         _write_markdown(report.markdown_headline(doc), markdown_path)
     if plot_path:
@@ -455,7 +457,7 @@ def _run(ctx: click.Context, sections, o: dict) -> dict:
 
     out = _console(stderr=o["markdown_path"] == "-")  # '-': stdout carries only the markdown
     err = Console(stderr=True)
-    needs_device = any(s in sections for s in ("store", "logits", "recall"))
+    needs_device = any(s in sections for s in ("store", "query", "logits", "recall"))
     if needs_device:
         dev, backend = _resolve_device(o["backend"].lower(), o["device"])
     else:
@@ -485,9 +487,10 @@ def _run(ctx: click.Context, sections, o: dict) -> dict:
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         with _progress(err) as progress:
-            if ("store" in sections or "logits" in sections) and backend == "cpu":
+            timed = any(s in sections for s in ("store", "query", "logits"))
+            if timed and backend == "cpu":
                 doc["targets"] = dict(sweeps.TARGETS)  # ceilings stay None: no ratios on the CPU backend
-            elif "store" in sections or "logits" in sections:
+            elif timed:
                 task = progress.add_task("ceilings", total=1)
                 from .timing import measure_ceilings
 
@@ -497,6 +500,9 @@ def _run(ctx: click.Context, sections, o: dict) -> dict:
             if "store" in sections:
                 doc["store"] = sweeps.store_rows(dev, quick, seed, doc["ceilings"], progress)
                 doc["notes"]["store"] = [sweeps.STORE_COUNTED]
+            if "query" in sections:
+                doc["query"] = sweeps.query_rows(dev, quick, seed, doc["ceilings"], progress)
+                doc["notes"]["query"] = [sweeps.QUERY_COUNTED]
             if "logits" in sections:
                 doc["logits"] = (sweeps.decode_rows(dev, quick, seed, doc["ceilings"], progress)
                                  + sweeps.prefill_rows(dev, quick, seed, doc["ceilings"], progress)

@@ -15,7 +15,7 @@ from rich.text import Text
 # still re-prints /1 documents (without their recall rows, which had no margins).
 SCHEMA = "cupy-dsa-bench/2"
 READABLE_SCHEMAS = (SCHEMA, "cupy-dsa-bench/1")
-SECTIONS = ("bytes", "store", "logits", "recall")
+SECTIONS = ("bytes", "store", "query", "logits", "recall")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -102,7 +102,7 @@ def new_document(*, backend: str, device_name: str, quick: bool, seed: int, gpu_
                      "matmul_n": None, "l2_bytes": None},
         "targets": {},
         "notes": {s: [] for s in SECTIONS},
-        "bytes": [], "store": [], "logits": [], "recall": [],
+        "bytes": [], "store": [], "query": [], "logits": [], "recall": [],
     }
 
 
@@ -259,6 +259,18 @@ def store_table(doc) -> Table:
         t.add_row(_si(r["n_tokens"]), r["layout"], r["numerics"], r["kv_dtype"], f"{r['time_us']:.1f} us",
                   f"{_num(r['tokens_per_s'] / 1e9, 2)} G", _num(r["gbps"]), _pct(r["pct_copy"]),
                   _target_pct(r.get("target_pct_copy")), _verdict(r))
+    return t
+
+
+def query_table(doc) -> Table:
+    t = Table(title="prepare_index_q (RoPE/Hadamard/fp4sim or fp8 indexer query)")
+    for col in ("T tokens", "numerics", "time", "GB/s", "% read"):
+        t.add_column(col, justify="right")
+    for r in doc.get("query", []):
+        if r.get("error"):
+            t.add_row(_si(r["n_tokens"]), r["numerics"], f"[red]{r['error'][:60]}[/]", "", "")
+            continue
+        t.add_row(_si(r["n_tokens"]), r["numerics"], f"{r['time_us']:.1f} us", _num(r["gbps"]), _pct(r["pct_read"]))
     return t
 
 
@@ -430,7 +442,7 @@ def print_all(console, doc, sections) -> None:
     """Every table of ``sections``, each fitted to the console's width (:func:`fitted`)."""
     for n in doc["notes"].get("general", []):
         console.print(f"[yellow]{n}[/]")
-    if any(s in sections for s in ("store", "logits")):
+    if any(s in sections for s in ("store", "query", "logits")):
         print_fitted(console, ceilings_table(doc))
         if doc.get("backend") == "cpu" and not doc["ceilings"].get("copy_gbps"):
             console.print(f"  [dim]- {CPU_NO_RATIOS}[/]")
@@ -441,6 +453,10 @@ def print_all(console, doc, sections) -> None:
     if "store" in sections and doc["store"]:
         print_fitted(console, store_table(doc), keys=4)
         for n in doc["notes"]["store"]:
+            console.print(f"  [dim]- {n}[/]")
+    if "query" in sections and doc.get("query"):
+        print_fitted(console, query_table(doc), keys=2)
+        for n in doc["notes"].get("query", []):
             console.print(f"  [dim]- {n}[/]")
     if "logits" in sections and doc["logits"]:
         print_fitted(console, decode_table(doc), keys=DECODE_KEYS)
@@ -459,7 +475,7 @@ def print_all(console, doc, sections) -> None:
         print_fitted(console, recall_table(doc), keys=2)
         for n in doc["notes"]["recall"]:
             console.print(f"  [dim]- {n}[/]")
-    errors = [r for s in ("store", "logits", "recall") for r in doc[s] if r.get("error")]
+    errors = [r for s in ("store", "query", "logits", "recall") for r in doc.get(s, []) if r.get("error")]
     if errors:
         console.print(f"[red]{len(errors)} row(s) failed; see the 'error' fields.[/]")
 

@@ -204,6 +204,54 @@ STORE_COUNTED = ("store GB/s counts per token: kv read (128 x 4 B fp32 or 2 B bf
 
 
 # --------------------------------------------------------------------------------------------------
+# query prep
+# --------------------------------------------------------------------------------------------------
+
+QUERY_T = (1, 64, 4096, 16384)
+QUERY_OUT_BYTES = {"fp4sim": 2, "fp8": 1}  # per q element written
+
+
+def query_rows(device: torch.device, quick: bool, seed: int, ceilings: dict, progress=None) -> list[dict]:
+    ts = QUERY_T if device.type == "cuda" else QUERY_T[:2]  # the CPU reference: tiny sizes only
+    cases = [(t, num) for t in ts for num in QUERY_OUT_BYTES]
+    task = progress.add_task("query", total=len(cases)) if progress else None
+    reps = sizes(device, quick).reps
+    rows = []
+    for t, numerics in cases:
+        base = {"n_tokens": t, "numerics": numerics, "error": None}
+        rows.append(_run_case(base, lambda: _query_case(device, t, numerics, seed, reps, ceilings.get("read_gbps"),
+                                                        base), device, progress, task))
+    return rows
+
+
+def _query_case(device, t, numerics, seed, reps, read_gbps, base):
+    g = _gen(device, seed)
+    q = torch.randn(t, 64, DIM, device=device, generator=g).to(torch.bfloat16)
+    w = torch.randn(t, 64, device=device, generator=g).to(torch.bfloat16)
+    positions = torch.arange(t, dtype=torch.int32, device=device)
+    freqs = make_freqs(t, device)
+    out = cupy_dsa.prepare_index_q(q, w, freqs_cis=freqs, positions=positions, weight_scale=DIM ** -0.5 * 64 ** -0.5,
+                                   numerics=numerics)
+
+    def call():
+        cupy_dsa.prepare_index_q(q, w, freqs_cis=freqs, positions=positions, weight_scale=DIM ** -0.5 * 64 ** -0.5,
+                                 numerics=numerics, out=out)
+
+    tm = time_calls([call], device, reps=reps)
+    per_token = 64 * DIM * (2 + QUERY_OUT_BYTES[numerics]) + 64 * (2 + 4) + 4 + 64 * 4
+    gbps = t * per_token / tm.seconds / 1e9
+    row = dict(base)
+    row.update({"time_us": tm.seconds * 1e6, "bytes_per_token_counted": per_token, "gbps": gbps,
+                "pct_read": _pct(gbps, read_gbps), "timing": tm.method})
+    return row
+
+
+QUERY_COUNTED = ("query GB/s counts per token: q read (64 x 128 bf16 = 16 KiB) + q written (16 KiB bf16 fp4sim, "
+                 "8 KiB fp8) + weights read (64 x bf16) and written (64 x fp32) + position (int32) + one "
+                 "freqs_cis row (256 B), against the read-only stream ceiling of the same run.")
+
+
+# --------------------------------------------------------------------------------------------------
 # logits: decode (paged) and prefill
 # --------------------------------------------------------------------------------------------------
 

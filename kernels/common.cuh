@@ -82,6 +82,52 @@ __device__ __forceinline__ void hadamard128(float (&x)[4], int lane) {
   }
 }
 
+// ---- RoPE (interleaved pairs), fp4 simulation: shared by the key store and the query prep -------
+__device__ __forceinline__ float rot_re(float re, float im, float c, float s) {
+  return __fsub_rn(__fmul_rn(re, c), __fmul_rn(im, s));
+}
+__device__ __forceinline__ float rot_im(float re, float im, float c, float s) {
+  return __fadd_rn(__fmul_rn(re, s), __fmul_rn(im, c));
+}
+
+// V4: trailing 64 dims, interleaved pairs (x[64+2j], x[65+2j]).
+__device__ __forceinline__ void rope_v4(float (&x)[4], const float4& f, int lane) {
+  if (lane >= 16) {
+    const float r0 = rot_re(x[0], x[1], f.x, f.y), i0 = rot_im(x[0], x[1], f.x, f.y);
+    const float r1 = rot_re(x[2], x[3], f.z, f.w), i1 = rot_im(x[2], x[3], f.z, f.w);
+    x[0] = r0; x[1] = i0; x[2] = r1; x[3] = i1;
+  }
+}
+
+
+// DeepSeek-V4 QAT: e2m1 value times a ue8m0 scale 2^ceil(log2(max(amax, 1e-4) / 6)) per 32 elements
+// (8 lanes); ties go to the even code. Every result is exact in bf16.
+__device__ __forceinline__ float e2m1_round(float q) {
+  const float a = fabsf(q);
+  float r;
+  if (a <= 0.25f) r = 0.f;
+  else if (a < 0.75f) r = 0.5f;
+  else if (a <= 1.25f) r = 1.f;
+  else if (a < 1.75f) r = 1.5f;
+  else if (a <= 2.5f) r = 2.f;
+  else if (a < 3.5f) r = 3.f;
+  else if (a <= 5.f) r = 4.f;
+  else r = 6.f;
+  return copysignf(r, q);
+}
+
+__device__ __forceinline__ void fp4_simulate(float (&x)[4]) {
+  float amax = fmaxf(fmaxf(fabsf(x[0]), fabsf(x[1])), fmaxf(fabsf(x[2]), fabsf(x[3])));
+  amax = group_max<8>(amax);
+  const float t = fmaxf(amax, 1e-4f) / 6.f;
+  const u32 bits = __float_as_uint(t);
+  const int e = static_cast<int>((bits >> 23) & 0xFFu) - 127 + ((bits & 0x7FFFFFu) != 0u);  // ceil(log2 t)
+  const float scale = __uint_as_float(static_cast<u32>(e + 127) << 23);
+  const float inv = __uint_as_float(static_cast<u32>(127 - e) << 23);  // exact 1/scale
+#pragma unroll
+  for (int i = 0; i < 4; ++i) x[i] = __fmul_rn(e2m1_round(__fmul_rn(x[i], inv)), scale);
+}
+
 // ---- page addressing ----------------------------------------------------------------------------
 // Byte offset of a slot (out_loc = page*64 + slot) in a cache of `num_pages` rows of `PageBytes`;
 // -1 when out of range (negative out_loc or page >= num_pages): the caller then touches nothing.

@@ -62,13 +62,6 @@ __device__ __forceinline__ void layer_norm(float (&x)[4], const float* w, const 
 }
 
 // ---- RoPE -----------------------------------------------------------------------------------------
-__device__ __forceinline__ float rot_re(float re, float im, float c, float s) {
-  return __fsub_rn(__fmul_rn(re, c), __fmul_rn(im, s));
-}
-__device__ __forceinline__ float rot_im(float re, float im, float c, float s) {
-  return __fadd_rn(__fmul_rn(re, s), __fmul_rn(im, c));
-}
-
 // (cos, sin) of the pairs a lane rotates, loaded before the norm so the latency hides behind it.
 // V4: lane 16+q rotates pairs 2q, 2q+1 = one float4 of the freqs row.
 // V3.2: lanes l and l+8 (l < 8) both need pairs 4l..4l+3 = two float4.
@@ -79,15 +72,6 @@ __device__ __forceinline__ void load_freqs(const float* frow, int lane, float4& 
   } else if (lane < 16) {
     f0 = *reinterpret_cast<const float4*>(frow + 8 * (lane & 7));
     f1 = *reinterpret_cast<const float4*>(frow + 8 * (lane & 7) + 4);
-  }
-}
-
-// V4: trailing 64 dims, interleaved pairs (x[64+2j], x[65+2j]).
-__device__ __forceinline__ void rope_v4(float (&x)[4], const float4& f, int lane) {
-  if (lane >= 16) {
-    const float r0 = rot_re(x[0], x[1], f.x, f.y), i0 = rot_im(x[0], x[1], f.x, f.y);
-    const float r1 = rot_re(x[2], x[3], f.z, f.w), i1 = rot_im(x[2], x[3], f.z, f.w);
-    x[0] = r0; x[1] = i0; x[2] = r1; x[3] = i1;
   }
 }
 
@@ -106,35 +90,6 @@ __device__ __forceinline__ void rope_v32(float (&x)[4], const float4& f0, const 
       for (int i = 0; i < 4; ++i) x[i] = rot_im(o[i], x[i], c[i], s[i]);
     }
   }
-}
-
-// ---- quantizers -----------------------------------------------------------------------------------
-// DeepSeek-V4 QAT: e2m1 value times a ue8m0 scale 2^ceil(log2(max(amax, 1e-4) / 6)) per 32 elements
-// (8 lanes); ties go to the even code. Every result is exact in bf16.
-__device__ __forceinline__ float e2m1_round(float q) {
-  const float a = fabsf(q);
-  float r;
-  if (a <= 0.25f) r = 0.f;
-  else if (a < 0.75f) r = 0.5f;
-  else if (a <= 1.25f) r = 1.f;
-  else if (a < 1.75f) r = 1.5f;
-  else if (a <= 2.5f) r = 2.f;
-  else if (a < 3.5f) r = 3.f;
-  else if (a <= 5.f) r = 4.f;
-  else r = 6.f;
-  return copysignf(r, q);
-}
-
-__device__ __forceinline__ void fp4_simulate(float (&x)[4]) {
-  float amax = fmaxf(fmaxf(fabsf(x[0]), fabsf(x[1])), fmaxf(fabsf(x[2]), fabsf(x[3])));
-  amax = group_max<8>(amax);
-  const float t = fmaxf(amax, 1e-4f) / 6.f;
-  const u32 bits = __float_as_uint(t);
-  const int e = static_cast<int>((bits >> 23) & 0xFFu) - 127 + ((bits & 0x7FFFFFu) != 0u);  // ceil(log2 t)
-  const float scale = __uint_as_float(static_cast<u32>(e + 127) << 23);
-  const float inv = __uint_as_float(static_cast<u32>(127 - e) << 23);  // exact 1/scale
-#pragma unroll
-  for (int i = 0; i < 4; ++i) x[i] = __fmul_rn(e2m1_round(__fmul_rn(x[i], inv)), scale);
 }
 
 // ---- store ----------------------------------------------------------------------------------------

@@ -665,3 +665,13 @@ def test_serve_plot_writes_png(tmp_path):
     doc = {"timings": rows, "next_n": 1, "batch": 8, "model": {"name": "m"}, "device": "gpu"}
     serve.plot(doc, str(tmp_path / "s.png"))
     assert (tmp_path / "s.png").read_bytes()[:8] == PNG_MAGIC
+def test_query_section_on_cpu(tmp_path):
+    j = tmp_path / "query.json"
+    res = _invoke(["bench", "query", "--backend", "cpu", "--json", str(j)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(j.read_text())["query"]
+    assert {(r["n_tokens"], r["numerics"]) for r in rows} == {(t, n) for t in (1, 64) for n in ("fp4sim", "fp8")}
+    assert all(r["error"] is None and r["time_us"] > 0 and r["pct_read"] is None for r in rows)
+    assert "prepare_index_q" in res.output
+    rerun = _invoke(["bench", "report", str(j)])
+    assert rerun.exit_code == 0 and "prepare_index_q" in rerun.output

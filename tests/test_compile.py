@@ -11,7 +11,7 @@ import cupy_dsa
 from cupy_dsa import launch, runtime
 
 ARCHS = ["sm_80", "sm_89", "sm_90", "sm_100", "sm_120"]
-SOURCES = ["mqa_logits.cu", "store_index_k.cu"]
+SOURCES = ["mqa_logits.cu", "prepare_index_q.cu", "store_index_k.cu"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -28,7 +28,7 @@ def test_every_source_declares_configs():
         assert set(product) == set(declared) == set(SOURCES)
         assert all(set(product[f]) <= set(declared[f]) for f in SOURCES)
     assert set(launch.families()) == {"store_index_k", "paged_mqa_logits", "paged_mqa_logits_plan", "mqa_logits",
-                                     "mqa_logits_plan"}
+                                     "mqa_logits_plan", "prepare_index_q"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
