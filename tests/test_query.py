@@ -192,7 +192,8 @@ def test_bad_inputs_name_the_argument():
 def _on_gpu(numerics, t, w_dtype, pos_dtype, seed):
     torch.manual_seed(seed)
     q, w, freqs, pos = make_inputs(t, device="cuda", w_dtype=w_dtype, pos_dtype=pos_dtype)
-    out = (torch.full((t, 64, 128), 0x7F, dtype=torch.uint8, device="cuda").view(query._OUT_DTYPE[numerics]),
+    dtype = query._OUT_DTYPE[numerics]
+    out = (torch.full((t, 64, 128 * dtype.itemsize), 0x7F, dtype=torch.uint8, device="cuda").view(dtype),
            torch.full((t, 64), float("nan"), device="cuda"))
     call(numerics, q, w, freqs, pos, out=out)
     ref = query.prepare_index_q_reference(q, w, freqs_cis=freqs, positions=pos, weight_scale=WEIGHT_SCALE,
