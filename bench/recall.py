@@ -31,7 +31,7 @@ from .sweeps import DIM, HEADS, make_freqs
 TOPKS = (512, 1024)
 MARGINS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.02, 0.05, 0.1)
 RESOLUTION_RATE = 0.99           # a format "resolves" a margin when it keeps >= 99% of the needles
-FORMATS = ("fp8", "fp4", "bf16", "bf16-fp4sim", "bf16+q-bf16", "bf16-fp4sim+q-fp4")
+FORMATS = ("fp8", "fp4", "bf16", "bf16-fp4sim", "bf16+q-bf16", "bf16-reference")
 ORACLES = ("exact", "reference")
 FORMAT_NOTES = {
     "fp8": "SGLang's default: fp8 keys (132 B layout) and fp8 q, one scale per (row, head) folded into the weights",
@@ -40,8 +40,9 @@ FORMAT_NOTES = {
     "bf16": "cupy_dsa bf16 layout, exact keys, fp8 q (what the SGLang plugin serves with SGLANG_CUPY_DSA_INDEX_K=bf16)",
     "bf16-fp4sim": "cupy_dsa bf16 layout, fp4sim keys (the reference's QAT key rounding), fp8 q",
     "bf16+q-bf16": "cupy_dsa bf16 layout, exact keys, bf16 q (the q-precision floor of bf16 keys)",
-    "bf16-fp4sim+q-fp4": "the DeepSeek reference itself as cupy_dsa stores it: fp4sim keys in the bf16 layout, q "
-                         "fp4-simulated with the store's rounding (exact in bf16), fp32 accumulation in the logits op",
+    "bf16-reference": "what the plugin serves with SGLANG_CUPY_DSA_INDEX_K=bf16-reference, DeepSeek-V4's own indexer "
+                      "numerics: fp4sim keys in the bf16 layout, q fp4-simulated in bf16 as prepare_index_q rounds "
+                      "it (its RoPE and Hadamard are the bench's rotated basis), fp32 accumulation in the logits op",
     "exact": "oracle: fp64 scores of the fp32 rotated keys and fp32 q",
     "reference": "oracle: DeepSeek-V4 reference numerics (fp4-simulated q and keys, fp32 scores)",
 }
@@ -396,7 +397,7 @@ def _chunk(world, freqs, had, B, n, device, g, acc):
         "bf16": (q8, caches["bf16"], w8),
         "bf16-fp4sim": (q8, caches["fp4sim"], w8),
         "bf16+q-bf16": (q_rows.to(torch.bfloat16), caches["bf16"], w_rows),
-        "bf16-fp4sim+q-fp4": (q_ref.to(torch.bfloat16), caches["fp4sim"], w_rows),
+        "bf16-reference": (q_ref.to(torch.bfloat16), caches["fp4sim"], w_rows),
     }
     table_rows = table.repeat_interleave(M, dim=0).contiguous()
     lens = torch.full((B * M,), n, dtype=torch.int32, device=device)

@@ -22,7 +22,10 @@ logger = logging.getLogger(__name__)
 
 ENV_NAME = "SGLANG_CUPY_DSA_INDEX_K"
 CLI_FLAG = "--cupy-dsa-index-k-dtype"
-MODES = ("fp8", "bf16", "bf16-fp4sim")
+MODES = ("fp8", "bf16", "bf16-fp4sim", "bf16-reference")
+# bf16-reference: DeepSeek-V4's own indexer numerics (its reference inference code): FP4-simulated keys in bf16
+# and an FP4-simulated bf16 query (cupy_dsa.prepare_index_q), fp32 scores; the other modes keep SGLang's fp8 q
+REFERENCE_MODE = "bf16-reference"
 DEFAULT_MODE = "fp8"
 
 # Without SGLang's row-chunk plan (SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1 builds none) an eager call still
@@ -37,7 +40,7 @@ def parse_mode(value) -> str:
     v = str(value).strip().lower()
     if v not in MODES:
         raise ValueError(f"{ENV_NAME}={value!r}: expected one of {', '.join(MODES)} "
-                         f"(fp8 leaves SGLang unchanged; bf16 / bf16-fp4sim store 256-byte bf16 index keys)")
+                         f"(fp8 leaves SGLang unchanged; bf16 / bf16-fp4sim / bf16-reference store 256-byte bf16 index keys)")
     return v
 
 
@@ -87,7 +90,13 @@ def enabled() -> bool:
 
 
 def numerics_of(mode: str) -> str:
-    return "fp4sim" if mode == "bf16-fp4sim" else "exact"
+    """The store's key numerics of a mode."""
+    return "fp4sim" if mode in ("bf16-fp4sim", REFERENCE_MODE) else "exact"
+
+
+def query_is_fp8(mode: str) -> bool:
+    """Whether the mode keeps SGLang's fp8 query (every mode but bf16-reference)."""
+    return mode != REFERENCE_MODE
 
 
 def pd_layout_tag(mode: str) -> str:
@@ -101,23 +110,26 @@ def pd_layout_tag(mode: str) -> str:
 
 STORE_SOURCE = "store_index_k.cu"
 LOGITS_SOURCE = "mqa_logits.cu"
-SGLANG_Q_FP8 = (1,)  # SGLang's indexer quantizes q to fp8 e4m3 (fused_q_indexer_rope_hadamard_quant)
+QUERY_SOURCE = "prepare_index_q.cu"
 
 
 def warm_expressions(arch: str, *, mode: str, next_ns=(1,), kv_dtypes=(torch.bfloat16,)) -> dict[str, list[str]]:
     """The kernel instantiations one SGLang server launches, ``{source_file: [name expressions]}``: the bf16
     layout, fp8 q, the given ``next_ns`` (1, plus the MTP draft count), the mode's store numerics on
     SGLang's decode and prefill plan rows for the model's kv dtype. Everything else compiles on first use.
-    The logits expressions are ``cupy_dsa.logits.product_instantiations``."""
-    from cupy_dsa import launch, logits, store
+    The logits expressions are ``cupy_dsa.logits.product_instantiations``; bf16-reference adds the query prep
+    for bf16 head weights (``weights_proj``'s dtype) and takes the bf16-query logits."""
+    from cupy_dsa import launch, logits, query, store
 
     product = launch.product_expressions(arch)
     kv_dtypes = tuple(d for d in kv_dtypes if d in (torch.float32, torch.bfloat16)) or (torch.bfloat16,)
     out = {STORE_SOURCE: store.product_instantiations(
         layouts=("bf16",), numerics=(numerics_of(mode),), key_styles=("v4",), hadamard=(True,),
         in_dtypes=kv_dtypes, sources=("decode", "prefill"))}
-    out[LOGITS_SOURCE] = logits.product_instantiations(arch, q_fp8=SGLANG_Q_FP8,
+    out[LOGITS_SOURCE] = logits.product_instantiations(arch, q_fp8=(int(query_is_fp8(mode)),),
                                                        next_ns=tuple(sorted(set(next_ns))), layouts=("bf16",))
+    if not query_is_fp8(mode):
+        out[QUERY_SOURCE] = query.product_instantiations(numerics=("fp4sim",), weight_dtypes=(torch.bfloat16,))
     for filename, exprs in out.items():
         unknown = [e for e in exprs if e not in product.get(filename, ())]
         if unknown:
@@ -209,6 +221,25 @@ def store_index_k_bf16(kv: torch.Tensor, plan_rows: torch.Tensor, *, is_decode: 
         kv, plan_rows, cache=kvcache, out_loc=out_loc, norm_weight=norm_weight, freqs_cis=rope_table(freq_cis),
         is_decode=bool(is_decode), compress_ratio=int(compress_ratio), eps=float(norm_eps),
         numerics=numerics_of(mode), key_style="v4", hadamard=True)
+
+
+def reference_query(c4_indexer, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
+                    q_lora_quant=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16-reference's indexer query from the layer's own projections, in DeepSeek-V4's reference numerics:
+    ``(q bf16 [T, 64, 128] FP4-simulated, weights fp32 [T, 64, 1])`` where SGLang's ``compute_q`` makes an fp8
+    q with its scale folded into the weights. Same projections (``weights_proj``, ``wq_b`` on ``q_lora`` or
+    its fp8 group quant), same RoPE table, position and ``weight_scale`` as SGLang's fused kernel."""
+    import cupy_dsa
+
+    weights = c4_indexer.compute_weights(x, skip_scale=True)
+    q, _ = c4_indexer.wq_b(q_lora if q_lora_quant is None else q_lora_quant)
+    q = q.view(-1, c4_indexer.n_local_heads, c4_indexer.head_dim)
+    if q.is_cuda:
+        ensure_warm(q.device)
+    q_ref, w_ref = cupy_dsa.prepare_index_q(
+        q.contiguous(), weights, freqs_cis=rope_table(c4_indexer.freqs_cis), positions=positions,
+        weight_scale=float(c4_indexer.weight_scale), numerics="fp4sim")
+    return q_ref, w_ref.unsqueeze(2)
 
 
 # --------------------------------------------------------------------------------------------------
