@@ -27,7 +27,7 @@ _sglang_env.install()
 
 import torch  # noqa: E402
 
-from cupy_dsa.sglang import core  # noqa: E402  (SGLang-free)
+from cupy_dsa.sglang import core, forward, guard, hooks  # noqa: E402  (none imports SGLang)
 
 ENV = "SGLANG_CUPY_DSA_INDEX_K"
 RESULTS: dict[str, dict] = {}
@@ -80,15 +80,11 @@ def make_index_pool(layers=1, size=2560):
 
 def patched(target):
     """Whether cupy_dsa applied its hook on ``target`` in this process (it applies them itself)."""
-    from cupy_dsa.sglang import plugin
-
-    return target in plugin.installed_targets() and _is_wrapped(target)
+    return target in hooks.installed_targets() and _is_wrapped(target)
 
 
 def _is_wrapped(target):
-    from cupy_dsa.sglang import plugin
-
-    owner, attr, raw, _ = plugin._resolve(target)
+    owner, attr, raw, _ = guard.resolve_target(target)
     fn = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
     return hasattr(fn, "__wrapped__")
 
@@ -98,12 +94,10 @@ def nothing_patched():
     from sglang.srt.arg_groups.resolution_hooks import _HOOKS
     from sglang.srt.environ import Envs
 
-    from cupy_dsa.sglang import plugin
-
-    wrapped = [t for t in plugin.ALWAYS_TARGETS + plugin.SWITCHED_TARGETS if _is_wrapped(t)]
+    wrapped = [t for t in hooks.ALWAYS_TARGETS + hooks.SWITCHED_TARGETS if _is_wrapped(t)]
     assert not wrapped, f"still wrapped: {wrapped}"
-    assert not plugin.installed_targets(), plugin.installed_targets()
-    assert plugin.validate_config not in _HOOKS.get(plugin.RESOLUTION_STEP, []), "resolution hook left in"
+    assert not hooks.installed_targets(), hooks.installed_targets()
+    assert hooks.validate_config not in _HOOKS.get(guard.RESOLUTION_STEP, []), "resolution hook left in"
     assert ENV not in Envs.__dict__, "env field registered"
     from sglang.srt.mem_cache import deepseek_v4_memory_pool as mp
     from sglang.srt.model_executor import pool_configurator as pc
@@ -180,15 +174,14 @@ def _check_store(plan, kv, w, fc, out_loc, expected):
 
 def scenario_on():
     load()
-    from cupy_dsa.sglang import plugin
 
     @check
     def hooks_applied():
-        missing = [t for t in plugin.ALWAYS_TARGETS + plugin.SWITCHED_TARGETS if not patched(t)]
+        missing = [t for t in hooks.ALWAYS_TARGETS + hooks.SWITCHED_TARGETS if not patched(t)]
         assert not missing, f"not patched: {missing}"
         from sglang.srt.arg_groups.resolution_hooks import _HOOKS
 
-        assert plugin.validate_config in _HOOKS.get(plugin.RESOLUTION_STEP, []), "H5 not registered"
+        assert hooks.validate_config in _HOOKS.get(guard.RESOLUTION_STEP, []), "H5 not registered"
         import sglang.kernels.ops.attention.dsv4 as dsv4_pkg
         from sglang.kernels.ops.attention.dsv4 import compress
         from sglang.srt.layers.attention import deepseek_v4_backend
@@ -317,9 +310,9 @@ def scenario_on():
         dist = (scaled.abs()[..., None] - grid).abs().min(-1).values
         assert dist.max().item() < 1e-3, f"not on the e2m1 grid: {dist.max().item()}"
 
-    _indexer_checks(plugin)
-    _guard_checks(plugin)
-    _strictness_checks(plugin)
+    _indexer_checks()
+    _guard_checks()
+    _strictness_checks()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -345,13 +338,13 @@ def _store_call(cache, **extra):
     return kv, plan, kw
 
 
-def _strictness_checks(plugin):
+def _strictness_checks():
     @check
     def fingerprint_matches_installed():
-        assert plugin.compatibility_problems() == []
-        table = plugin.fingerprint_table()
-        diff = {k: (table.get(k), v) for k, v in plugin.FINGERPRINT.items() if table.get(k) != v}
-        assert not diff and set(table) == set(plugin.FINGERPRINT), diff
+        assert guard.compatibility_problems() == []
+        table = guard.fingerprint_table()
+        diff = {k: (table.get(k), v) for k, v in guard.FINGERPRINT.items() if table.get(k) != v}
+        assert not diff and set(table) == set(guard.FINGERPRINT), diff
 
     @check
     def store_refuses_unrecognised_calls():
@@ -382,7 +375,7 @@ def _strictness_checks(plugin):
         with mode_env("fp8"):  # switch off but a bf16 cache: still never SGLang's fp8 store
             spy = Spy()
             try:
-                plugin._store_hook(spy, kv, plan, **kw)
+                hooks._store_hook(spy, kv, plan, **kw)
             except RuntimeError as e:
                 assert f"{ENV}=fp8" in str(e), str(e)
             else:
@@ -398,7 +391,7 @@ def _strictness_checks(plugin):
             with mode_env(mode):
                 kv, plan, kw = _store_call(cache, use_fp4=False)
                 spy = Spy()
-                assert plugin._store_hook(spy, kv, plan, **kw) == "original"
+                assert hooks._store_hook(spy, kv, plan, **kw) == "original"
                 (args, kwargs), = spy.calls
                 assert args[0] is kv and args[1] is plan and kwargs == kw
 
@@ -408,11 +401,11 @@ def _strictness_checks(plugin):
             spy = Spy()
             self_ = object()
             ci = types.SimpleNamespace(use_fp4_indexer=False)
-            assert plugin._forward_c4_indexer_hook(spy, self_, 1, 2, ci, 4, enable_multi_stream=True) == "original"
+            assert hooks._forward_c4_indexer_hook(spy, self_, 1, 2, ci, 4, enable_multi_stream=True) == "original"
             assert spy.calls == [((self_, 1, 2, ci, 4), {"enable_multi_stream": True})]
         spy = Spy()  # on, but an FP4 indexer layer: SGLang's too
         ci = types.SimpleNamespace(use_fp4_indexer=True)
-        assert plugin._forward_c4_indexer_hook(spy, self_, 1, 2, ci, 4) == "original" and spy.calls
+        assert hooks._forward_c4_indexer_hook(spy, self_, 1, 2, ci, 4) == "original" and spy.calls
 
     @check
     def switch_read_once_per_process():
@@ -523,7 +516,7 @@ def _recall(raw, ref_sets):
     return out
 
 
-def _indexer_checks(plugin):
+def _indexer_checks():
 
     @check
     def indexer_recall_bf16_vs_fp8():
@@ -549,7 +542,7 @@ def _indexer_checks(plugin):
         run, _, bf16_pool, _, _ = _indexer_setup(**setup)
         rows_md, _ = run(bf16_pool)  # DECODE: every row its own request (SGLang's paged path as it calls it)
         taken = []
-        real = {name: getattr(plugin.core, name) for name in ("paged_logits", "verify_logits", "extend_logits")}
+        real = {name: getattr(hooks.core, name) for name in ("paged_logits", "verify_logits", "extend_logits")}
 
         def spy(name):
             def f(*a, **k):
@@ -564,14 +557,14 @@ def _indexer_checks(plugin):
         mixin = ix.C4IndexerBackendMixin
         orig_np = mixin._can_use_nonpaged_indexer, mixin._get_nonpaged_indexer_plan
         for name in real:
-            setattr(plugin.core, name, spy(name))
+            setattr(hooks.core, name, spy(name))
         ix.get_parallel = lambda: types.SimpleNamespace(attn_cp_size=1)
         mixin._can_use_nonpaged_indexer = mixin._get_nonpaged_indexer_plan = nonpaged_reader
         try:
             md, _ = run(bf16_pool, mode_, batch)
         finally:
             for name, f in real.items():
-                setattr(plugin.core, name, f)
+                setattr(hooks.core, name, f)
             ix.get_parallel = orig_gp
             mixin._can_use_nonpaged_indexer, mixin._get_nonpaged_indexer_plan = orig_np
         got = [set(r.tolist()) - {-1} for r in md.c4_sparse_raw_indices]
@@ -634,9 +627,8 @@ def _indexer_checks(plugin):
             def capture(self, layer, raw):
                 seen["capture"] = (layer, raw)
 
-        from cupy_dsa.sglang import plugin as p
 
-        orig_cap, orig_fwd = ix.get_global_indexer_capturer, p.forward_c4_indexer_bf16
+        orig_cap, orig_fwd = ix.get_global_indexer_capturer, forward.forward_c4_indexer_bf16
         holder = {}
 
         def with_hisparse(self, **kw):
@@ -648,11 +640,11 @@ def _indexer_checks(plugin):
             return orig_fwd(self, **kw)
 
         ix.get_global_indexer_capturer = lambda: Capturer()
-        p.forward_c4_indexer_bf16 = with_hisparse
+        forward.forward_c4_indexer_bf16 = with_hisparse
         try:
             run(bf16_pool, ForwardMode.DECODE)
         finally:
-            ix.get_global_indexer_capturer, p.forward_c4_indexer_bf16 = orig_cap, orig_fwd
+            ix.get_global_indexer_capturer, forward.forward_c4_indexer_bf16 = orig_cap, orig_fwd
         b = holder["b"]
         md = b.forward_metadata.core_metadata
         assert torch.equal(md.c4_sparse_page_indices, torch.full((2, 512), 42, dtype=torch.int32))
@@ -666,7 +658,7 @@ def _indexer_checks(plugin):
 # Guards: PD layout, HiCache, configuration refusals
 # --------------------------------------------------------------------------------------------------
 
-def _guard_checks(plugin):
+def _guard_checks():
     @check
     def pd_layout_mismatch_refused():
         from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout
@@ -814,8 +806,8 @@ def _guard_checks(plugin):
         # launcher: register() ran with the switch off, then --cupy-dsa-index-k-dtype bf16 set it
         from cupy_dsa.sglang.core import StartupRefused
 
-        orig = plugin.sglang_version
-        plugin.sglang_version = lambda: "0.5.22"
+        orig = guard.sglang_version
+        guard.sglang_version = lambda: "0.5.22"
         try:
             run_resolution()
         except StartupRefused as e:
@@ -823,7 +815,7 @@ def _guard_checks(plugin):
         else:
             raise AssertionError("the launcher accepted bf16 on SGLang 0.5.22")
         finally:
-            plugin.sglang_version = orig
+            guard.sglang_version = orig
 
 
 # ==================================================================================================
@@ -833,12 +825,11 @@ def _guard_checks(plugin):
 def scenario_off():
     assert ENV not in os.environ
     load()
-    from cupy_dsa.sglang import plugin
 
     @check
     def entry_point_loaded():
-        assert patched(plugin.T_CLI_ADD) and patched(plugin.T_CLI_FROM), "register() did not run"
-        assert not any(patched(t) for t in plugin.SWITCHED_TARGETS), "data-path hooks installed while off"
+        assert patched(guard.T_CLI_ADD) and patched(guard.T_CLI_FROM), "register() did not run"
+        assert not any(patched(t) for t in hooks.SWITCHED_TARGETS), "data-path hooks installed while off"
         from sglang.srt.environ import envs
 
         assert envs.SGLANG_CUPY_DSA_INDEX_K.get() == "fp8"
@@ -922,8 +913,8 @@ def scenario_off():
 
         with mode_env(None):
             sa = prepare_server_args(["--model-path", "dummy", "--cupy-dsa-index-k-dtype", "bf16"])
-            orig = plugin.sglang_version
-            plugin.sglang_version = lambda: "0.5.22"
+            orig = guard.sglang_version
+            guard.sglang_version = lambda: "0.5.22"
             try:
                 run_hook(handle_model_specific_adjustments, sa)
             except StartupRefused as e:
@@ -931,10 +922,10 @@ def scenario_off():
             else:
                 raise AssertionError("the launcher accepted bf16 on SGLang 0.5.22")
             finally:
-                plugin.sglang_version = orig
+                guard.sglang_version = orig
         assert "found SGLang 0.5.22" in msg and "Nothing was patched" not in msg, msg
         assert "No index-key hook was applied" in msg and "ServerArgs.add_cli_args" in msg, msg
-        assert "ServerArgs.from_cli_args" in msg and plugin.RESOLUTION_STEP in msg, msg
+        assert "ServerArgs.from_cli_args" in msg and guard.RESOLUTION_STEP in msg, msg
 
     @check
     def yaml_config_sets_switch():
@@ -963,9 +954,8 @@ def scenario_excluded():
         from sglang.srt.environ import Envs
         from sglang.srt.mem_cache import deepseek_v4_memory_pool as mp
 
-        from cupy_dsa.sglang import plugin
 
-        assert not any(patched(t) for t in plugin.ALWAYS_TARGETS + plugin.SWITCHED_TARGETS)
+        assert not any(patched(t) for t in hooks.ALWAYS_TARGETS + hooks.SWITCHED_TARGETS)
         assert ENV not in Envs.__dict__
         assert mp.get_dsv4_indexer_bytes_per_token(128, False) == 132
 
@@ -996,28 +986,27 @@ def _load_expect_refusal(*fragments, loader=None):
 
 def scenario_refusals():
     assert os.environ.get(ENV) == "bf16" and os.environ.get("SGLANG_PLUGINS") == "cupy_dsa"
-    from cupy_dsa.sglang import plugin
 
     @check
     def refuses_other_version():
-        orig = plugin.sglang_version
-        plugin.sglang_version = lambda: "0.5.22"
+        orig = guard.sglang_version
+        guard.sglang_version = lambda: "0.5.22"
         try:
             msg = _load_expect_refusal("found SGLang 0.5.22", "written for SGLang 0.5.23", f"unset {ENV}",
                                        "Nothing was patched")
         finally:
-            plugin.sglang_version = orig
+            guard.sglang_version = orig
         nothing_patched()
         INFO["refusal_version"] = msg
 
     @check
     def refuses_source_fingerprint_mismatch():
-        sig, digest = plugin.FINGERPRINT[plugin.T_STORE]
-        plugin.FINGERPRINT[plugin.T_STORE] = (sig, "0" * 16)
+        sig, digest = guard.FINGERPRINT[guard.T_STORE]
+        guard.FINGERPRINT[guard.T_STORE] = (sig, "0" * 16)
         try:
-            _load_expect_refusal("found SGLang 0.5.23, but its code differs", plugin.T_STORE + ": source differs")
+            _load_expect_refusal("found SGLang 0.5.23, but its code differs", guard.T_STORE + ": source differs")
         finally:
-            plugin.FINGERPRINT[plugin.T_STORE] = (sig, digest)
+            guard.FINGERPRINT[guard.T_STORE] = (sig, digest)
         nothing_patched()
 
     @check
@@ -1031,7 +1020,7 @@ def scenario_refusals():
 
         mp.get_dsv4_indexer_bytes_per_token = get_dsv4_indexer_bytes_per_token
         try:
-            _load_expect_refusal(plugin.T_BYTES + ": signature (index_head_dim, use_fp4_indexer, extra=0)")
+            _load_expect_refusal(guard.T_BYTES + ": signature (index_head_dim, use_fp4_indexer, extra=0)")
         finally:
             mp.get_dsv4_indexer_bytes_per_token = orig
         nothing_patched()
@@ -1043,16 +1032,16 @@ def scenario_refusals():
         real = HookRegistry._apply_target.__func__
         applied = []
 
-        def failing(cls, target, hooks):
-            if target == plugin.T_WARM_UP:  # the last hook: every other one was applied before it
+        def failing(cls, target, entries):
+            if target == guard.T_WARM_UP:  # the last hook: every other one was applied before it
                 raise ImportError("No module named 'sgl_kernel' (simulated)")
             applied.append(target)
-            return real(cls, target, hooks)
+            return real(cls, target, entries)
 
         # functools.wraps: the fingerprint check sees SGLang's function (unwrapped), as for any hook
         HookRegistry._apply_target = classmethod(functools.wraps(real)(failing))
         try:
-            _load_expect_refusal(f"the hook on {plugin.T_WARM_UP} failed to apply", "sgl_kernel",
+            _load_expect_refusal(f"the hook on {guard.T_WARM_UP} failed to apply", "sgl_kernel",
                                  f"the {len(applied) or 8} hook(s) applied before it were undone")
         finally:
             HookRegistry._apply_target = classmethod(real)
@@ -1065,15 +1054,15 @@ def scenario_refusals():
 
         real = HookRegistry._apply_target.__func__
 
-        def failing(cls, target, hooks):
-            out = real(cls, target, hooks)
-            if target == plugin.T_WARM_UP:  # the last hook: patched, then a failure (e.g. in propagation)
+        def failing(cls, target, entries):
+            out = real(cls, target, entries)
+            if target == guard.T_WARM_UP:  # the last hook: patched, then a failure (e.g. in propagation)
                 raise RuntimeError("propagation failed (simulated)")
             return out
 
         HookRegistry._apply_target = classmethod(functools.wraps(real)(failing))
         try:
-            _load_expect_refusal(f"the hook on {plugin.T_WARM_UP} failed to apply", "simulated",
+            _load_expect_refusal(f"the hook on {guard.T_WARM_UP} failed to apply", "simulated",
                                  "the 8 hook(s) applied before it were undone, and so was its own partial patch")
         finally:
             HookRegistry._apply_target = classmethod(real)
@@ -1090,7 +1079,7 @@ def scenario_refusals():
 
         resolution_hooks.register_resolution_hook = functools.wraps(orig)(broken)
         try:
-            _load_expect_refusal(f"resolution step {plugin.RESOLUTION_STEP} failed to apply")
+            _load_expect_refusal(f"resolution step {guard.RESOLUTION_STEP} failed to apply")
         finally:
             resolution_hooks.register_resolution_hook = orig
         nothing_patched()
@@ -1113,7 +1102,7 @@ def scenario_refusals():
 
     @check
     def invalid_value_ray_worker_hook():
-        invalid(plugin.ray_worker_setup)
+        invalid(hooks.ray_worker_setup)
 
     @check
     def switch_off_hook_failure_leaves_sglang_unchanged():
@@ -1122,10 +1111,10 @@ def scenario_refusals():
 
         real = HookRegistry._apply_target.__func__
 
-        def failing(cls, target, hooks):
-            if target == plugin.T_CLI_FROM:
+        def failing(cls, target, entries):
+            if target == guard.T_CLI_FROM:
                 raise AttributeError("simulated")
-            return real(cls, target, hooks)
+            return real(cls, target, entries)
 
         HookRegistry._apply_target = classmethod(functools.wraps(real)(failing))
         try:
@@ -1142,7 +1131,7 @@ def scenario_refusals():
 
         sp._plugins_loaded = False
         sp.load_plugins()
-        missing = [t for t in plugin.ALWAYS_TARGETS + plugin.SWITCHED_TARGETS if not patched(t)]
+        missing = [t for t in hooks.ALWAYS_TARGETS + hooks.SWITCHED_TARGETS if not patched(t)]
         assert not missing, missing
         from sglang.srt.mem_cache import deepseek_v4_memory_pool as mp
         from sglang.srt.model_executor import pool_configurator as pc
@@ -1152,10 +1141,8 @@ def scenario_refusals():
 
 
 def fingerprint():
-    """Print the installed SGLang's fingerprint (to review and paste into plugin.FINGERPRINT)."""
-    from cupy_dsa.sglang import plugin
-
-    for path, value in plugin.fingerprint_table().items():
+    """Print the installed SGLang's fingerprint (to review and paste into guard.FINGERPRINT)."""
+    for path, value in guard.fingerprint_table().items():
         print(f"    {path!r}: {value!r},")
 
 

@@ -83,13 +83,13 @@ def load_sglang():
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
-    from cupy_dsa.sglang import plugin
+    from cupy_dsa.sglang import guard, hooks
 
-    if plugin.T_INDEXER not in plugin.installed_targets():
+    if guard.T_INDEXER not in hooks.installed_targets():
         # cupy_dsa is not pip-installed here (no entry point): register it as load_plugins() would
-        plugin.register()
+        hooks.register()
         NOTES.append("plugin registered directly (no cupy_dsa entry point installed)")
-    missing = [t for t in plugin.ALWAYS_TARGETS + plugin.SWITCHED_TARGETS if t not in plugin.installed_targets()]
+    missing = [t for t in hooks.ALWAYS_TARGETS + hooks.SWITCHED_TARGETS if t not in hooks.installed_targets()]
     if missing:
         raise RuntimeError(f"hooks not applied: {missing}")
     import sglang
@@ -101,9 +101,9 @@ def load_sglang():
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4IndexerPool
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    log(f"sglang {plugin.sglang_version()} from {os.path.dirname(sglang.__file__)}; "
-        f"{len(plugin.installed_targets())} hooks applied; stubbed imports: {STUBBED or 'none'}")
-    return types.SimpleNamespace(plugin=plugin, compress=compress, compressor_v2=compressor_v2, ix=ix,
+    log(f"sglang {guard.sglang_version()} from {os.path.dirname(sglang.__file__)}; "
+        f"{len(hooks.installed_targets())} hooks applied; stubbed imports: {STUBBED or 'none'}")
+    return types.SimpleNamespace(compress=compress, compressor_v2=compressor_v2, ix=ix,
                                  DSATopKBackend=DSATopKBackend, PagedIndexerMetadata=PagedIndexerMetadata,
                                  DeepSeekV4IndexerPool=DeepSeekV4IndexerPool, ForwardMode=ForwardMode)
 

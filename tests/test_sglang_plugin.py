@@ -387,7 +387,7 @@ def test_ensure_warm_compiles_only_the_selection(monkeypatch):
 
 def test_warm_up_hook_takes_the_server_arguments(monkeypatch):
     """BEFORE ModelRunner.init_cuda_graphs: next_n from the speculative settings, kv dtype from the model."""
-    from cupy_dsa.sglang import plugin
+    from cupy_dsa.sglang import hooks
 
     seen = []
     monkeypatch.setattr(core, "_WARM_CONFIG", dict(core._WARM_CONFIG))
@@ -398,11 +398,11 @@ def test_warm_up_hook_takes_the_server_arguments(monkeypatch):
     core.reset_mode()
     runner = types.SimpleNamespace(device="cuda", dtype=torch.bfloat16, server_args=types.SimpleNamespace(
         speculative_algorithm="EAGLE", speculative_num_draft_tokens=3))
-    assert plugin._warm_up_hook(runner) is None
+    assert hooks._warm_up_hook(runner) is None
     assert seen == [(torch.device("cuda", 3), {"next_ns": (1, 3), "kv_dtypes": (torch.bfloat16,)})]
     monkeypatch.setenv(ENV, "fp8")
     core.reset_mode()
-    plugin._warm_up_hook(runner)
+    hooks._warm_up_hook(runner)
     assert len(seen) == 1, "warmed with the switch off"
     core.reset_mode()
 

@@ -1,6 +1,6 @@
 """The parts of the SGLang plugin that do not need SGLang: the switch, the store and logits glue.
 
-``plugin.py`` wires these into SGLang's hooks; the GPU test calls them directly with tensors shaped as
+``hooks.py`` wires these into SGLang's hooks; the GPU test calls them directly with tensors shaped as
 SGLang builds them (the H200 has no SGLang). Everything here takes torch tensors and runs the cupy_dsa ops,
 which dispatch CPU tensors to the torch reference and CUDA tensors to the kernels.
 

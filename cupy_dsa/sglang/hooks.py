@@ -1,0 +1,498 @@
+"""SGLang 0.5.23 general plugin: bf16 index keys for DeepSeek-V4's C4 indexer.
+
+Entry point ``cupy_dsa = cupy_dsa.sglang.plugin:register`` in group ``sglang.srt.plugins``; SGLang calls
+:func:`register` in every process that runs ``load_plugins()`` (launcher, each scheduler, DP controller,
+detokenizer). The switch is ``SGLANG_CUPY_DSA_INDEX_K`` (``fp8`` = SGLang unchanged, the default;
+``bf16``; ``bf16-fp4sim``), or the server flag ``--cupy-dsa-index-k-dtype`` (also a ``--config`` YAML key),
+which sets the variable in the launcher before the schedulers are spawned.
+
+Start-up is all or nothing. With the switch on, :func:`register` first checks that the installed SGLang is
+one the hooks were written for (:data:`~cupy_dsa.sglang.guard.SUPPORTED_SGLANG` and
+:data:`~cupy_dsa.sglang.guard.FINGERPRINT`: the signature, and a hash
+of the source, of every function the hooks wrap, replace or copy), then applies every hook itself, guards
+included; a mismatch, an invalid switch value or a hook that fails to apply (the ones already applied are
+undone) stops start-up with :class:`~cupy_dsa.sglang.core.StartupRefused`, a ``SystemExit`` that SGLang's
+``load_plugins()`` does not swallow (it logs and ignores every ``Exception``).
+
+Always installed (they are how the switch gets turned on and checked):
+
+* the env field in SGLang's ``Envs`` registry (shows up in SGLang's env dumps);
+* CLI: AFTER ``ServerArgs.add_cli_args`` (adds the flag), AFTER ``ServerArgs.from_cli_args`` (sets the switch);
+* H5: resolution hook on ``handle_model_specific_adjustments`` (launcher): the version check when the flag
+  turned the switch on, and refusals of the FP4 indexer, the NVIDIA megakernel and HIP / XPU / NPU.
+
+Installed when the switch is on at ``register()`` time (the schedulers inherit the variable; the switch is
+read once per process), each delegating to SGLang's original when it is off:
+
+* H1 AROUND ``get_dsv4_indexer_bytes_per_token``: 256 B/token for the non-FP4 pool, which sizes both the
+  allocation and the KV memory budget (the hook registry re-points ``pool_configurator``'s imported name);
+* H2 AROUND ``compress_norm_rope_store``: a store into a bf16 index cache (uint8 rows of 16384 bytes) goes
+  to ``cupy_dsa.store_index_k_from_plan`` on SGLang's own plan rows, and any call there it does not
+  recognise raises; every other cache goes to SGLang unchanged;
+* H3 AROUND ``C4IndexerBackendMixin.forward_c4_indexer``: SGLang's body order, with the logits from
+  ``cupy_dsa.paged_mqa_logits`` (decode / verify / extend) or ``cupy_dsa.mqa_logits`` (single-request
+  eager prefill, where SGLang would run its non-paged fp8 reader); SGLang's top-k backends, raw indices,
+  HiSparse epilogue and top-k capturer are called as SGLang calls them;
+* H4 AFTER ``DeepSeekV4TokenToKVPool.pd_kv_layout``: appends ``,c4idx:<mode>`` so PD peers with
+  different index-key formats refuse to pair;
+* HiCache: AFTER ``_dsv4_indexer_regions`` (bf16 index pages move page-aligned only) and AROUND
+  ``HiCacheStorageConfig.__post_init__`` (a distinct L3 namespace: ``model_name`` gets ``_c4idx-<mode>``,
+  so fp8 pages persisted by another server are never read as bf16);
+* warm-up: BEFORE ``ModelRunner.init_cuda_graphs`` compiles and loads the kernels this server launches
+  (:func:`cupy_dsa.sglang.core.warm_expressions`) before the first CUDA-graph capture.
+
+This module imports SGLang only inside functions; CuPy and the kernels load only on the CUDA path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import torch
+
+from .. import layouts
+from . import core, forward
+from .core import CLI_FLAG, ENV_NAME, MODES, StartupRefused, index_k_mode
+from .guard import (RESOLUTION_STEP, T_BYTES, T_CLI_ADD, T_CLI_FROM, T_HICACHE_L3, T_HICACHE_REGIONS, T_INDEXER,
+                    T_PD_LAYOUT, T_STORE, T_WARM_UP, compatibility_problems, off_hint, refusal_message,
+                    resolve_target, sglang_version)
+
+logger = logging.getLogger(__name__)
+
+ALWAYS_TARGETS = (T_CLI_ADD, T_CLI_FROM)
+SWITCHED_TARGETS = (T_BYTES, T_STORE, T_INDEXER, T_PD_LAYOUT, T_HICACHE_REGIONS, T_HICACHE_L3, T_WARM_UP)
+
+_INDEXER_POOL_NAME = "deepseek_v4_c4_indexer"
+
+_installed: list[tuple] = []       # (target, owner, attr, raw before, raw after), in install order
+_resolution_installed = False
+_registered_always = False
+_registered_switched = False
+
+
+def _patched_so_far() -> str:
+    """What of cupy_dsa is in SGLang when start-up is refused: nothing at ``register()``; in the launcher's
+    check (the CLI flag turned the switch on) the flag hooks and that check itself."""
+    targets = installed_targets()
+    if not targets and not _resolution_installed:
+        return "Nothing was patched."
+    names = [".".join(t.rsplit(".", 2)[-2:]) for t in targets]
+    if _resolution_installed:
+        names.append(f"the resolution step {RESOLUTION_STEP}")
+    if any(t in SWITCHED_TARGETS for t in targets):
+        return f"In place in this process: cupy_dsa's hooks on {', '.join(names)}."
+    return (f"No index-key hook was applied; in place are only the hooks that add {CLI_FLAG} and run this check "
+            f"({', '.join(names)}).")
+
+
+def require_compatible_sglang(mode: str) -> None:
+    problems = compatibility_problems()
+    if problems:
+        raise StartupRefused(refusal_message(mode, problems, _patched_so_far()))
+
+
+# --------------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------------
+
+def _resolve_switch() -> str:
+    """The switch, or a start-up refusal naming the bad value (never a silent fp8)."""
+    try:
+        return index_k_mode()
+    except ValueError as e:
+        raise StartupRefused(f"cupy_dsa: {e}. Refusing to start. {off_hint()}") from None
+
+
+def register() -> None:
+    """SGLang general-plugin entry point (idempotent within a process).
+
+    Switch on: check the installed SGLang (:func:`compatibility_problems`), then install every hook, guards
+    included, or none (a failure undoes the ones already applied and stops start-up with
+    :class:`StartupRefused`, which SGLang's ``load_plugins()`` does not swallow). Switch off: only the CLI
+    flag and the launcher check are installed; if they cannot be, SGLang runs without them (unchanged)."""
+    global _registered_always, _registered_switched
+    mode = _resolve_switch()
+    if mode != "fp8" and not _registered_switched:
+        require_compatible_sglang(mode)
+        entries = [] if _registered_always else _always_entries()
+        try:
+            _install(entries + _switched_entries(), resolution=not _registered_always)
+        except HookInstallError as e:
+            raise StartupRefused(f"cupy_dsa ({ENV_NAME}={mode}): {e}; start-up stops. {off_hint()}") from e
+        _registered_always = _registered_switched = True
+        register_env_field()
+        logger.info("cupy_dsa: %s=%s, bf16 C4 index-key hooks registered (SGLang %s)", ENV_NAME, mode,
+                    sglang_version())
+    elif mode == "fp8" and not _registered_always:
+        try:
+            _install(_always_entries(), resolution=True)
+        except HookInstallError as e:
+            logger.warning("cupy_dsa: the %s flag is not available (%s); SGLang runs unchanged", CLI_FLAG, e)
+            return
+        _registered_always = True
+        register_env_field()
+
+
+def ray_worker_setup() -> None:
+    """For Ray's ``worker_process_setup_hook`` (SGLang's Ray scheduler actors never call
+    ``load_plugins()``): load the plugins there, then make sure cupy_dsa's hooks are in."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    register()
+
+
+def installed_targets() -> list[str]:
+    return [t for t, *_ in _installed]
+
+
+def _always_entries():
+    from sglang.srt.plugins.hook_registry import HookType
+
+    return [(T_CLI_ADD, _add_cli_args_hook, HookType.AFTER), (T_CLI_FROM, _from_cli_args_hook, HookType.AFTER)]
+
+
+def _switched_entries():
+    from sglang.srt.plugins.hook_registry import HookType
+
+    return [(T_BYTES, _bytes_per_token_hook, HookType.AROUND), (T_STORE, _store_hook, HookType.AROUND),
+            (T_INDEXER, _forward_c4_indexer_hook, HookType.AROUND), (T_PD_LAYOUT, _pd_kv_layout_hook, HookType.AFTER),
+            (T_HICACHE_REGIONS, _hicache_regions_hook, HookType.AFTER),
+            (T_HICACHE_L3, _hicache_storage_config_hook, HookType.AROUND),
+            (T_WARM_UP, _warm_up_hook, HookType.BEFORE)]
+
+
+class HookInstallError(RuntimeError):
+    pass
+
+
+def _install(entries, *, resolution: bool) -> None:
+    """Apply ``entries`` (target, hook, HookType) now, through SGLang's own ``HookRegistry`` wrapper (same
+    wrapping, propagation to ``from X import f`` copies and "Applied 1 hook(s)" log line), plus the
+    resolution hook; all or none. The hooks are applied here rather than left to ``load_plugins()``'s
+    ``apply_hooks()``, which logs and skips a target that fails (start-up would go on half patched).
+    They are not entered in ``HookRegistry._hooks``, so other plugins' hooks on the same targets are still
+    applied by ``apply_hooks()``, on top of these."""
+    global _resolution_installed
+    from sglang.srt.plugins.hook_registry import HookRegistry, _current_plugin_source
+
+    source = _current_plugin_source.get()
+    done = []
+    target = pending = None
+    try:
+        for target, hook, kind in entries:
+            owner, attr, before, _ = resolve_target(target)
+            pending = (target, owner, attr, before)
+            HookRegistry._apply_target(target, [(kind, hook, source)])
+            after = _current(owner, attr)
+            if after is before:
+                raise RuntimeError("the registry left it unchanged")
+            done.append((target, owner, attr, before, after))
+            pending = None
+        target = f"resolution step {RESOLUTION_STEP}"
+        if resolution and not _resolution_installed:
+            from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+
+            register_resolution_hook(RESOLUTION_STEP)(validate_config)
+            _resolution_installed = True
+    except Exception as e:  # noqa: BLE001 - any failure undoes everything
+        applied_before = len(done)
+        partly = pending is not None and _current(*pending[1:3]) is not pending[3]
+        if partly:
+            done.append(pending + (_current(*pending[1:3]),))  # failed after it was set
+        for entry in reversed(done):
+            _uninstall(*entry)
+        raise HookInstallError(f"the hook on {target} failed to apply ({type(e).__name__}: {e}); the "
+                               f"{applied_before} hook(s) applied before it were undone"
+                               + (", and so was its own partial patch" if partly else "")) from e
+    _installed.extend(done)
+
+
+def _current(owner, attr):
+    return owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+
+
+def _uninstall(target, owner, attr, before, after) -> None:
+    from sglang.srt.plugins.hook_registry import _propagate_patch
+
+    setattr(owner, attr, before)
+    if not isinstance(owner, type):
+        _propagate_patch(after, before, owner)  # the module-level copies SGLang re-pointed, back
+
+
+def uninstall_all() -> None:
+    """Undo every hook this process applied (tests)."""
+    global _registered_always, _registered_switched, _resolution_installed
+    while _installed:
+        _uninstall(*_installed.pop())
+    if _resolution_installed:
+        from sglang.srt.arg_groups.resolution_hooks import _HOOKS
+
+        _HOOKS.get(RESOLUTION_STEP, []).remove(validate_config)
+        _resolution_installed = False
+    _registered_always = _registered_switched = False
+
+
+def register_env_field() -> None:
+    """Declare ``SGLANG_CUPY_DSA_INDEX_K`` in SGLang's ``Envs`` (after the class body, so ``.name`` is set by
+    hand: SGLang forbids ``__set_name__`` once ``envs`` exists)."""
+    from sglang.srt import environ
+
+    if isinstance(environ.Envs.__dict__.get(ENV_NAME), environ.EnvField):
+        return
+
+    class IndexKDtypeEnv(environ.EnvStr):
+        def parse(self, value: str) -> str:
+            return core.parse_mode(value)
+
+    field = IndexKDtypeEnv(core.DEFAULT_MODE)
+    field.name = ENV_NAME
+    setattr(environ.Envs, ENV_NAME, field)
+
+
+# --------------------------------------------------------------------------------------------------
+# Platform and configuration checks (H5)
+# --------------------------------------------------------------------------------------------------
+
+def _platform_problem(device=None) -> str | None:
+    from sglang.srt.utils import is_hip, is_npu, is_xpu
+
+    dev = str(device).split(":", 1)[0].lower() if device is not None else ""
+    name = None
+    if is_hip() or dev == "hip":
+        name = "HIP (ROCm)"
+    elif is_xpu() or dev == "xpu":
+        name = "XPU"
+    elif is_npu() or dev == "npu":
+        name = "NPU"
+    if name is None:
+        return None
+    return (f"platform {name}: cupy_dsa's kernels are CUDA (CuPy/NVRTC) and SGLang runs its own indexer "
+            f"pools and kernels on {name}. Run on an NVIDIA GPU, or set {ENV_NAME}=fp8 to keep SGLang's "
+            f"index keys.")
+
+
+def _require_supported_platform() -> None:
+    problem = _platform_problem()
+    if problem:
+        raise RuntimeError(f"cupy_dsa ({ENV_NAME}={index_k_mode()}): {problem}")
+
+
+def refusal_reasons(cfg, mode: str) -> list[str]:
+    """Why this (resolved) server configuration cannot run with bf16 index keys; empty if it can."""
+    reasons = []
+    if getattr(cfg, "enable_deepseek_v4_fp4_indexer", False):
+        reasons.append(
+            f"--enable-deepseek-v4-fp4-indexer: the FP4 indexer keeps 68-byte FP4 index keys and FP4 logits, "
+            f"which {ENV_NAME}={mode} does not replace. Drop --enable-deepseek-v4-fp4-indexer (use "
+            f"{ENV_NAME}=bf16-fp4sim to keep FP4-rounded keys in bf16), or set {ENV_NAME}=fp8.")
+    if getattr(cfg, "enable_nvidia_megakernel", False):
+        reasons.append(
+            f"--enable-nvidia-megakernel: the megakernel runs its own fp8 indexer over SGLang's 132-byte "
+            f"index pages, which are 256-byte bf16 pages with {ENV_NAME}={mode}. Drop "
+            f"--enable-nvidia-megakernel, or set {ENV_NAME}=fp8.")
+    problem = _platform_problem(getattr(cfg, "device", None))
+    if problem:
+        reasons.append(problem)
+    return reasons
+
+
+def validate_config(server_args, previous) -> None:
+    """H5 (resolution step ``handle_model_specific_adjustments``; runs once, in the launcher)."""
+    previous(server_args)
+    mode = _resolve_switch()  # an invalid value stops the launch here
+    if mode == "fp8":
+        return
+    # the CLI flag / YAML key may have turned the switch on after register() ran with it off
+    require_compatible_sglang(mode)
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+
+    reasons = refusal_reasons(resolving_view(server_args), mode)
+    if reasons:
+        raise ValueError(f"cupy_dsa ({ENV_NAME}={mode}, bf16 C4 index keys) cannot run with this "
+                         "configuration:\n  - " + "\n  - ".join(reasons))
+    # No environment is written: SGLang's fp8-only non-paged prefill reader is reached only from SGLang's
+    # own forward_c4_indexer body, which the H3 hook does not call while the switch is on.
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI flag and --config YAML key
+# --------------------------------------------------------------------------------------------------
+
+def _add_cli_args_hook(result, *args, **kwargs):
+    parser = kwargs.get("parser", args[0] if args else None)
+    if parser is None or any(CLI_FLAG in a.option_strings for a in parser._actions):
+        return None
+    parser.add_argument(
+        CLI_FLAG, type=str.lower, choices=MODES, default=None,
+        help=(f"[cupy_dsa plugin] DeepSeek-V4 C4 index-key format: fp8 (SGLang's, default), bf16 or "
+              f"bf16-fp4sim (256-byte bf16 keys, cupy_dsa kernels). Same as {ENV_NAME}."))
+    return None
+
+
+def _from_cli_args_hook(result, *args, **kwargs):
+    ns = kwargs.get("args", args[-1] if args else None)
+    value = getattr(ns, CLI_FLAG.lstrip("-").replace("-", "_"), None)
+    if value is not None:
+        _refuse_flag_env_disagreement(value)
+        core.set_mode(value)  # the environment (for the schedulers) and this process's cached switch
+    return None
+
+
+def _refuse_flag_env_disagreement(flag_value: str) -> None:
+    """The flag (or YAML key) and the variable both set, to different modes: refuse rather than let one win
+    silently (the operator meant one of them)."""
+    env_value = os.environ.get(ENV_NAME)
+    if env_value is None or not env_value.strip():
+        return
+    try:
+        same = core.parse_mode(env_value) == core.parse_mode(flag_value)
+    except ValueError:
+        same = False
+    if not same:
+        raise StartupRefused(
+            f"cupy_dsa: {CLI_FLAG} {flag_value} (or the {CLI_FLAG[2:]} --config key) and {ENV_NAME}={env_value!r} "
+            f"in the environment disagree. Refusing to start: set only one of them, or both to the same value.")
+
+
+# --------------------------------------------------------------------------------------------------
+# H1: bytes per index token (allocation and budget)
+# --------------------------------------------------------------------------------------------------
+
+def _bytes_args(index_head_dim, use_fp4_indexer):
+    return index_head_dim, use_fp4_indexer
+
+
+def _bytes_per_token_hook(original, *args, **kwargs):
+    index_head_dim, use_fp4 = _bytes_args(*args, **kwargs)
+    if use_fp4 or not core.enabled():
+        return original(*args, **kwargs)  # fp4 pools (incl. V4.1 low-ratio, forced fp4) stay as they are
+    _require_supported_platform()
+    return 2 * int(index_head_dim)
+
+
+# --------------------------------------------------------------------------------------------------
+# H2: the index-K store
+# --------------------------------------------------------------------------------------------------
+
+# The keywords SGLang 0.5.23's compressor passes (compressor_v2.py) and the value each must have for a C4
+# index-key store into a bf16 page; anything else on a bf16 cache is refused, never handed to SGLang's fp8 store.
+_STORE_DEFAULTS = {"use_fp4": False, "bf16_store": False, "kvcache_scale": None, "rope_cache": None,
+                   "fp4_k_write_metadata": None, "fp8_2buff": False, "kvcache_rope": None}
+_STORE_REQUIRED = ("norm_weight", "norm_eps", "freq_cis", "out_loc", "kvcache")
+
+
+def _unrecognised_store_call(kv, plan, args, kwargs) -> list[str]:
+    bad = []
+    if args:
+        bad.append(f"{len(args)} extra positional argument(s)")
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 2 or kv.shape[-1] != layouts.HEAD_DIM:
+        bad.append(f"kv of shape {tuple(getattr(kv, 'shape', ()))} (expected [N, {layouts.HEAD_DIM}])")
+    if not hasattr(plan, "is_decode") or not hasattr(plan, "compress_ratio"):
+        bad.append(f"plan of type {type(plan).__name__} (expected a CompressorDecodePlan / CompressorPrefillPlan)")
+    for name in _STORE_REQUIRED:
+        if name not in kwargs:
+            bad.append(f"no {name}=")
+    for name, value in kwargs.items():
+        if name in _STORE_REQUIRED:
+            continue
+        if name == "page_size":
+            if value != layouts.PAGE_SLOTS:
+                bad.append(f"page_size={value!r} (expected {layouts.PAGE_SLOTS})")
+        elif name == "layout":
+            if str(getattr(value, "value", value)).lower() != "v4":
+                bad.append(f"layout={value!r} (expected KVLayout.V4)")
+        elif name in _STORE_DEFAULTS:
+            default = _STORE_DEFAULTS[name]
+            if (value is not default) if default is None else (bool(value) != default):
+                bad.append(f"{name}={value!r}")
+        else:
+            bad.append(f"unknown keyword {name}=")
+    return bad
+
+
+def _store_hook(original, kv, plan, *args, **kwargs):
+    kvcache = kwargs.get("kvcache")
+    if not core.is_bf16_index_cache(kvcache):
+        return original(kv, plan, *args, **kwargs)  # SGLang's formats (fp8 / fp4 index keys, main KV) unchanged
+    mode = index_k_mode()
+    bad = _unrecognised_store_call(kv, plan, args, kwargs)
+    if mode == "fp8":
+        bad.insert(0, f"{ENV_NAME}=fp8 in this process")
+    if bad:
+        raise RuntimeError(
+            f"cupy_dsa store: compress_norm_rope_store was called on a bf16 index cache (uint8 "
+            f"[P, {layouts.BF16_PAGE_BYTES}]) with a call it does not recognise: {'; '.join(bad)}. Refusing to "
+            f"let SGLang's fp8 store write into bf16 pages.")
+    _require_supported_platform()
+    core.store_index_k_bf16(
+        kv, plan[1], is_decode=bool(plan.is_decode), compress_ratio=int(plan.compress_ratio),
+        norm_weight=kwargs["norm_weight"], norm_eps=kwargs["norm_eps"], freq_cis=kwargs["freq_cis"],
+        out_loc=kwargs["out_loc"], kvcache=kvcache, mode=mode)
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# H3: forward_c4_indexer
+# --------------------------------------------------------------------------------------------------
+
+def _indexer_args(x, q_lora, c4_indexer, forward_batch, alt_streams=None, enable_multi_stream=False,
+                  q_lora_ready=None, skip_compressor=False, q_lora_quant=None):
+    return dict(x=x, q_lora=q_lora, c4_indexer=c4_indexer, forward_batch=forward_batch, alt_streams=alt_streams,
+                enable_multi_stream=enable_multi_stream, q_lora_ready=q_lora_ready,
+                skip_compressor=skip_compressor, q_lora_quant=q_lora_quant)
+
+
+def _forward_c4_indexer_hook(original, self, *args, **kwargs):
+    a = _indexer_args(*args, **kwargs)
+    if not core.enabled() or a["c4_indexer"].use_fp4_indexer:
+        return original(self, *args, **kwargs)
+    _require_supported_platform()
+    return forward.forward_c4_indexer_bf16(self, **a)
+
+
+# --------------------------------------------------------------------------------------------------
+# H4 (PD layout tag), HiCache guards, warm-up
+# --------------------------------------------------------------------------------------------------
+
+def _pd_kv_layout_hook(result, *args, **kwargs):
+    mode = index_k_mode()
+    if mode == "fp8":
+        return None
+    return f"{result}{core.pd_layout_tag(mode)}"
+
+
+def _hicache_regions_hook(result, *args, **kwargs):
+    if not core.enabled():
+        return None
+    out = []
+    for region in result:
+        if (str(region.name) == _INDEXER_POOL_NAME and region.item_bytes == layouts.BF16_PAGE_BYTES
+                and not region.page_aligned_only):
+            # the token-granular host copy hard-codes the 584-byte C4 KV row split; bf16 pages move whole
+            region = dataclasses.replace(region, page_aligned_only=True)
+        out.append(region)
+    return out
+
+
+def _hicache_storage_config_hook(original, self, *args, **kwargs):
+    result = original(self, *args, **kwargs)
+    mode = index_k_mode()
+    if mode != "fp8":
+        tag = f"c4idx-{mode}"
+        name = getattr(self, "model_name", None)
+        if not (name or "").endswith(tag):
+            self.model_name = f"{name}_{tag}" if name else tag
+    return result
+
+
+def _warm_up_hook(self, *args, **kwargs):
+    if core.enabled() and torch.cuda.is_available() and str(getattr(self, "device", "cuda")).startswith("cuda"):
+        kv_dtype = getattr(self, "dtype", None)
+        core.configure_warm(next_ns=core.server_next_ns(getattr(self, "server_args", None)),
+                            kv_dtypes=(kv_dtype,) if isinstance(kv_dtype, torch.dtype) else None)
+        core.ensure_warm(torch.device("cuda", torch.cuda.current_device()))
+    return None
+
