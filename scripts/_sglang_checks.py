@@ -425,9 +425,11 @@ def _strictness_checks():
 # forward_c4_indexer: SGLang's own (fp8) vs hooked (bf16)
 # --------------------------------------------------------------------------------------------------
 
-def _indexer_setup(lens=(2000, 1500, 2560), topk=512, seed=None, one_request=False, groups=None):
+def _indexer_setup(lens=(2000, 1500, 2560), topk=512, seed=None, one_request=False, groups=None, reference=False):
     """groups: rows per request (consecutive rows of a request share its page table), as SGLang lays out an
-    extend or a verify batch; one_request = one group of every row."""
+    extend or a verify batch; one_request = one group of every row. reference: the bf16 pool holds FP4-simulated
+    keys, the indexer layer has SGLang's projections (bf16 wq_b output and weights_proj output, the RoPE table)
+    for bf16-reference to build its query from, and the oracle is DeepSeek-V4's reference numerics in fp64."""
     if seed is None:
         seed = int(os.environ.get("CUPY_DSA_SEED", "0"))
     from sglang.srt.layers.attention.dsa.dsa_topk_backend import DSATopKBackend
@@ -439,6 +441,9 @@ def _indexer_setup(lens=(2000, 1500, 2560), topk=512, seed=None, one_request=Fal
     n_slots, n_pages = 2560, 40
     keys = torch.randn(n_slots, 128, generator=g)                      # slot = loc; pages 0..39 used
     bf16_pool = make_index_pool()
+    if reference:  # the fp4sim store's output (the store itself is checked against its oracle elsewhere)
+        from cupy_dsa import fp4sim_reference
+        keys = fp4sim_reference(keys).float()
     bf16_pool.index_k_with_scale_buffer[0].view(torch.bfloat16).view(-1, 128)[:n_slots] = keys.bfloat16()
     with mode_env("fp8"):
         fp8_pool = make_index_pool()
@@ -463,7 +468,11 @@ def _indexer_setup(lens=(2000, 1500, 2560), topk=512, seed=None, one_request=Fal
 
     # the reference: top-k of fp32-key logits over each row's pages
     kr = keys.view(n_pages, 64, 128)[page_table.long()].reshape(rows, -1, 128)
-    ref_logits = (torch.relu(torch.einsum("rhd,rnd->rhn", q.float(), kr)) * w[:, :, None]).sum(1)
+    c4 = types.SimpleNamespace(layer_id=0, use_fp4_indexer=False, index_topk=topk)
+    if reference:
+        q, w, c4 = _reference_layer(c4, rows, g)
+        kr = kr.double()
+    ref_logits = (torch.relu(torch.einsum("rhd,rnd->rhn", q.to(kr.dtype), kr)) * w[:, :, None].to(kr.dtype)).sum(1)
     ref_sets = []
     for r in range(rows):
         ref_sets.append(set(ref_logits[r, :lens[r]].topk(min(topk, lens[r])).indices.tolist()))
@@ -498,14 +507,43 @@ def _indexer_setup(lens=(2000, 1500, 2560), topk=512, seed=None, one_request=Fal
         def _forward_prepare_normal(self, **kw):
             return q, w[:, :, None]
 
+        def forward_indexer_compressor(self, **kw):  # keys are in the pool already
+            pass
+
     def run(pool, mode_=ForwardMode.DECODE, batch=rows):
         b = Backend(pool, mode_, batch)
         x = torch.zeros(rows, 16)
-        b.forward_c4_indexer(x, x, types.SimpleNamespace(layer_id=0, use_fp4_indexer=False, index_topk=topk),
-                             b.forward_batch)
+        b.forward_c4_indexer(x, x, c4, b.forward_batch)
         return b.forward_metadata.core_metadata, page_table
 
+    if reference:
+        return run, ref_logits, bf16_pool, lens
     return run, ref_sets, bf16_pool, fp8_pool, lens
+
+
+def _reference_layer(c4, rows, g, max_pos=4096):
+    """An indexer layer with SGLang's projections for bf16-reference, and the fp64 oracle of DeepSeek-V4's
+    reference query: (q_ref [rows, 64, 128] fp64 of FP4-simulated values, w_ref [rows, 64] fp64, layer)."""
+    from cupy_dsa import fp4sim_reference
+
+    q_raw = torch.randn(rows, 64, 128, generator=g).bfloat16()          # wq_b's output
+    w_raw = torch.rand(rows, 64, generator=g).bfloat16()                # weights_proj's output
+    angles = torch.outer(torch.arange(max_pos, dtype=torch.float64), 1.6e5 ** (-torch.arange(32) / 32.0))
+    freqs_cis = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+    weight_scale = 128 ** -0.5 * 64 ** -0.5
+    layer = types.SimpleNamespace(
+        **vars(c4), n_local_heads=64, head_dim=128, freqs_cis=freqs_cis, weight_scale=weight_scale, compressor=None,
+        compute_weights=lambda x, skip_scale=False: w_raw, wq_b=lambda a: (q_raw.reshape(rows, -1), None))
+    # oracle: complex RoPE of the trailing 64 dims at the row's position, Sylvester Hadamard, FP4 rounding
+    z = q_raw.double().clone()
+    pairs = torch.view_as_complex(z[..., 64:].reshape(rows, 64, 32, 2).contiguous())
+    z[..., 64:] = torch.view_as_real(pairs * freqs_cis[:rows].to(torch.complex128)[:, None, :]).reshape(rows, 64, 64)
+    i = torch.arange(128)
+    bits = i[:, None] & i[None, :]
+    parity = sum(((bits >> b) & 1) for b in range(7)) % 2
+    had = (1 - 2 * parity).double() / 128 ** 0.5
+    q_ref = fp4sim_reference((z @ had).float()).double()
+    return q_ref, w_raw.double() * weight_scale, layer
 
 
 def _recall(raw, ref_sets):
@@ -598,6 +636,35 @@ def _indexer_checks():
         # rows that are not whole requests of n: the one-row-per-token route
         got, exp, taken = _route_run(ForwardMode.TARGET_VERIFY, 2, lens=(900, 901, 902), groups=(2, 1))
         assert taken == ["paged_logits"] and got == exp, taken
+
+    @check
+    def indexer_reference_mode_matches_the_reference_oracle():
+        # bf16-reference through SGLang's forward: the query from the layer's projections (prepare_index_q), FP4
+        # keys, on the decode, varlen extend and grouped verify routes; top-k = the fp64 oracle's up to ties
+        from sglang.srt.layers.attention.dsv4 import indexer as ix
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        cases = ((ForwardMode.DECODE, dict(lens=(2000, 1500, 2560))),
+                 (ForwardMode.EXTEND, dict(lens=(900, 901, 1300, 600, 601, 602, 2000), groups=(2, 4, 1))),
+                 (ForwardMode.TARGET_VERIFY, dict(lens=(1000, 1001, 1300, 1301), groups=(2, 2))))
+        orig_gp = ix.get_parallel
+        ix.get_parallel = lambda: types.SimpleNamespace(attn_cp_size=1)
+        try:
+            with mode_env("bf16-reference"):
+                for mode_, setup in cases:
+                    run, oracle, pool, lens = _indexer_setup(reference=True, **setup)
+                    md, _ = run(pool, mode_, len(setup.get("groups", lens)))
+                    for r, n in enumerate(lens):
+                        got = [int(i) for i in md.c4_sparse_raw_indices[r].tolist() if i >= 0]
+                        k = min(512, n)
+                        assert len(got) == k == len(set(got)), (mode_, r, len(got))
+                        scores = oracle[r, :n]
+                        kth = scores.topk(k).values[-1]
+                        worst = scores[got].min()
+                        # selected keys score at least the oracle's k-th, up to fp32-accumulation ties
+                        assert worst >= kth - 1e-5 * scores.abs().max(), (mode_, r, float(worst), float(kth))
+        finally:
+            ix.get_parallel = orig_gp
 
     @check
     def indexer_small_rows_and_padding():

@@ -37,7 +37,8 @@ CHECKS = {
     "on": [
         "hooks_applied", "env_field", "bytes_per_token_on", "pool_pages_on", "store_decode_plan",
         "store_prefill_plan", "store_via_sglang_call_site", "store_fp4sim", "indexer_recall_bf16_vs_fp8",
-        "indexer_extend_varlen_path", "indexer_verify_grouped_path", "indexer_small_rows_and_padding", "indexer_hisparse_and_capturer", "pd_layout_mismatch_refused",
+        "indexer_extend_varlen_path", "indexer_verify_grouped_path", "indexer_reference_mode_matches_the_reference_oracle",
+        "indexer_small_rows_and_padding", "indexer_hisparse_and_capturer", "pd_layout_mismatch_refused",
         "hicache_guards", "resolution_accepts_without_env_writes", "resolution_refuses_fp4_indexer",
         "resolution_refuses_megakernel", "resolution_refuses_npu_xpu", "resolution_refuses_hip_and_hooks_raise_on_hip",
         "resolution_refuses_invalid_value", "resolution_checks_version_when_flag_turns_switch_on",

@@ -97,7 +97,17 @@ def forward_c4_indexer_bf16(self, *, x, q_lora, c4_indexer, forward_batch, alt_s
     if positions.shape[0] != n:
         positions = positions[:n]
 
-    if enable_multi_stream:
+    if not core.query_is_fp8(index_k_mode()):
+        # bf16-reference: DeepSeek-V4's reference query (FP4-simulated bf16) in place of SGLang's fp8 one, then the
+        # compressor as _forward_prepare_normal orders them; one stream (the multi-stream split only overlaps
+        # SGLang's own q kernel with the weights projection)
+        if q_lora_ready is not None:
+            torch.cuda.current_stream(q_lora.device).wait_event(q_lora_ready)
+        q, weights = core.reference_query(c4_indexer, x, q_lora, positions, q_lora_quant)
+        if not skip_compressor:
+            self.forward_indexer_compressor(x=x, forward_batch=forward_batch, layer_id=c4_indexer.layer_id,
+                                            compressor=c4_indexer.compressor)
+    elif enable_multi_stream:
         q, weights = self._forward_prepare_multi_stream(
             x=x, q_lora=q_lora, c4_indexer=c4_indexer, positions=positions, forward_batch=forward_batch,
             alt_streams=alt_streams, q_lora_ready=q_lora_ready)

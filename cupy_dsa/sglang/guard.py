@@ -191,11 +191,14 @@ _FINGERPRINT_SOURCE = (
     "sglang.srt.speculative.ragged_verify.resolve_ragged_verify_layout",
     _HR + "HookRegistry._apply_target", _HR + "_propagate_patch",  # private registry API used by _install
     "sglang.srt.plugins.load_plugins",                            # swallows Exception, not SystemExit
+    # bf16-reference rebuilds the query from these (same projections, table, positions and weight scale)
+    _IX + "C4IndexerBackendMixin._forward_prepare_normal", _IX + "C4Indexer.compute_q",
+    _IX + "C4Indexer.compute_weights",
 )
 # Only called (or hooked AFTER without reading the body): signature.
 _FINGERPRINT_SIGNATURE = (
     T_CLI_ADD, T_CLI_FROM, "sglang.srt.arg_groups.resolution_hooks.register_resolution_hook",
-    _IX + "C4IndexerBackendMixin._forward_prepare_normal", _IX + "C4IndexerBackendMixin._forward_prepare_multi_stream",
+    _IX + "C4IndexerBackendMixin._forward_prepare_multi_stream",
     _IX + "topk_transform_pytorch_vectorized", _IX + "topk_transform_paged", _IX + "topk_transform_paged_v2",
     _IX + "plan_topk_v2", "sglang.srt.speculative.ragged_verify.read_ragged_verify_mode",
     "sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool.get_index_k_with_scale_buffer",
@@ -220,7 +223,9 @@ FINGERPRINT: dict[str, tuple[str, str | None]] = {
     T_CLI_ADD: ("(parser: 'argparse.ArgumentParser')", None),
     T_CLI_FROM: ("(cls, args: 'argparse.Namespace')", None),
     'sglang.srt.arg_groups.resolution_hooks.register_resolution_hook': ("(name: 'str')", None),
-    _IX + 'C4IndexerBackendMixin._forward_prepare_normal': ("(self, x: 'torch.Tensor', q_lora: 'torch.Tensor', c4_indexer: 'C4Indexer', positions: 'torch.Tensor', forward_batch: 'ForwardBatch', skip_compressor: 'bool' = False, q_lora_quant=None) -> 'Tuple[IndexerQuery, torch.Tensor]'", None),
+    _IX + 'C4IndexerBackendMixin._forward_prepare_normal': ("(self, x: 'torch.Tensor', q_lora: 'torch.Tensor', c4_indexer: 'C4Indexer', positions: 'torch.Tensor', forward_batch: 'ForwardBatch', skip_compressor: 'bool' = False, q_lora_quant=None) -> 'Tuple[IndexerQuery, torch.Tensor]'", '67b316b7da34a619'),
+    _IX + 'C4Indexer.compute_q': ("(self, q_lora: 'torch.Tensor', positions: 'torch.Tensor', weight: 'torch.Tensor', q_lora_quant=None) -> 'Tuple[IndexerQuery, torch.Tensor]'", '7eb11f0ad5f7b171'),
+    _IX + 'C4Indexer.compute_weights': ("(self, x: 'torch.Tensor', skip_scale=False) -> 'torch.Tensor'", '1d6abe701b0d7095'),
     _IX + 'C4IndexerBackendMixin._forward_prepare_multi_stream': ("(self, x: 'torch.Tensor', q_lora: 'torch.Tensor', c4_indexer: 'C4Indexer', positions: 'torch.Tensor', forward_batch: 'ForwardBatch', alt_streams: 'Optional[List[torch.cuda.Stream]]' = None, q_lora_ready: 'Optional[torch.cuda.Event]' = None) -> 'Tuple[IndexerQuery, torch.Tensor]'", None),
     _IX + 'topk_transform_pytorch_vectorized': ("(scores: 'torch.Tensor', seq_lens: 'torch.Tensor', page_tables: 'torch.Tensor', out_page_indices: 'torch.Tensor', page_size: 'int', out_raw_indices: 'Optional[torch.Tensor]' = None) -> 'None'", None),
     _IX + 'topk_transform_paged': ("(scores: 'torch.Tensor', seq_lens: 'torch.Tensor', page_tables: 'torch.Tensor', out_page_indices: 'torch.Tensor', page_size: 'int', out_raw_indices: 'Optional[torch.Tensor]' = None) -> 'None'", None),
