@@ -350,31 +350,42 @@ def _recall_grid(rows):
     return ctxs, fmts, ks, at
 
 
-def resolution_table(doc) -> Table:
+def _recall_context_table(doc, title: str, value: str, cell) -> Table:
+    """One row per (k, format), one column per context: ``cell(row)`` where the row has ``value``, else
+    'err' (the row failed) or a dash."""
     rows = _recall_rows(doc)
     ctxs, fmts, ks, at = _recall_grid(rows)
-    t = Table(title="Needle resolution (synthetic keys): smallest margin over the best distractor at which the format "
-                    "keeps >= 99% of needles in its top-k (exact fp64 keeps 100% at every margin by construction)")
+    t = Table(title=title)
     t.add_column("k")
     t.add_column("format")
     for c in ctxs:
         t.add_column(f"{_si(c)} tok", justify="right")
-    margins = rows[0]["margins"] if rows else []
     for k in ks:
         for fmt in fmts:
             cells = []
             for c in ctxs:
                 r = at.get((c, k, fmt))
-                if r is None or r.get("needle_rate") is None:
+                if r is None or r.get(value) is None:
                     cells.append("[red]err[/]" if (r and r.get("error")) else "—")
-                elif r["trivial"]:
-                    cells.append("[dim]trivial[/]")
-                elif r["resolution"] is None:
-                    cells.append(f"[red]>{_margin(max(margins))}[/]")
                 else:
-                    cells.append(_margin(r["resolution"]))
+                    cells.append(cell(r))
             t.add_row(str(k), fmt, *cells)
     return t
+
+
+def resolution_table(doc) -> Table:
+    rows = _recall_rows(doc)
+    margins = rows[0]["margins"] if rows else []
+
+    def cell(r):
+        if r["trivial"]:
+            return "[dim]trivial[/]"
+        return f"[red]>{_margin(max(margins))}[/]" if r["resolution"] is None else _margin(r["resolution"])
+
+    return _recall_context_table(
+        doc, "Needle resolution (synthetic keys): smallest margin over the best distractor at which the format "
+             "keeps >= 99% of needles in its top-k (exact fp64 keeps 100% at every margin by construction)",
+        "needle_rate", cell)
 
 
 def needle_margin_table(doc) -> Table | None:
@@ -402,25 +413,13 @@ def needle_margin_table(doc) -> Table | None:
 
 
 def recall_table(doc) -> Table:
-    rows = _recall_rows(doc)
-    ctxs, fmts, ks, at = _recall_grid(rows)
-    t = Table(title="recall@k vs exact fp64 top-k / top-k overlap with the DeepSeek-V4 reference numerics (synthetic keys)")
-    t.add_column("k")
-    t.add_column("format")
-    for c in ctxs:
-        t.add_column(f"{_si(c)} tok", justify="right")
-    for k in ks:
-        for fmt in fmts:
-            cells = []
-            for c in ctxs:
-                r = at.get((c, k, fmt))
-                if r is None or r.get("recall_mean") is None:
-                    cells.append("[red]err[/]" if (r and r.get("error")) else "—")
-                    continue
-                cell = f"{100 * r['recall_mean']:.2f}% / {100 * r['ref_overlap_mean']:.2f}%"
-                cells.append(f"[dim]{cell}[/]" if r["trivial"] else cell)
-            t.add_row(str(k), fmt, *cells)
-    return t
+    def cell(r):
+        text = f"{100 * r['recall_mean']:.2f}% / {100 * r['ref_overlap_mean']:.2f}%"
+        return f"[dim]{text}[/]" if r["trivial"] else text
+
+    return _recall_context_table(
+        doc, "recall@k vs exact fp64 top-k / top-k overlap with the DeepSeek-V4 reference numerics (synthetic keys)",
+        "recall_mean", cell)
 
 
 def print_all(console, doc, sections) -> None:
