@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -676,3 +677,152 @@ def plot(doc: dict, path: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------------
+# README blocks: the figures the README quotes, rendered from a results document
+# --------------------------------------------------------------------------------------------------
+
+README_BLOCK = re.compile(r"(<!-- results:(?P<name>[a-z-]+) -->\n)(?P<body>.*?)(<!-- /results:(?P=name) -->)", re.S)
+
+
+def _range(values, fmt="{:.2f}", unit="x") -> str:
+    """``lo-hi`` of the values (one figure when they agree at that precision)."""
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return f"{lo}{unit}" if lo == hi else f"{lo}-{hi}{unit}"
+
+
+def _ok(doc, mode):
+    return [r for r in doc["logits"] if r.get("mode") == mode and not r.get("error")]
+
+
+def _md_target(r, text):
+    return f"{text}: {_md_verdict(r)}" if r.get("verdict") else "—"
+
+
+def _decode_pairs(doc):
+    """(batch name, next_n, bf16 row, fp8 row) of the fp8-q decode rows that have both layouts."""
+    at = {(r["batch_name"], r["next_n"], r["layout"]): r for r in _ok(doc, "decode") if r["q_dtype"] == "fp8"}
+    keys = dict.fromkeys((b, n) for b, n, _ in at)
+    return [(b, n, at[b, n, "bf16"], at[b, n, "fp8"]) for b, n in keys if (b, n, "bf16") in at and (b, n, "fp8") in at]
+
+
+def readme_decode(doc) -> str:
+    lines = ["| batch | next_n | entries | ours, bf16 keys | ours, fp8 keys | DeepGEMM fp8 | bf16 / DG | fp8 / DG "
+             "| bf16 % of read | target |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for b, n, bf, f8 in _decode_pairs(doc):
+        tgt = (_target_pct(bf["target_pct_read"]) if bf.get("target_pct_read")
+               else (f"<= {bf['target_us']:g} us" if bf.get("target_us") else ""))
+        lines.append(f"| {b} | {n} | {_si(bf['entries'])} | {bf['time_us']:.1f} us | {f8['time_us']:.1f} us | "
+                     f"{_f(bf.get('deepgemm_us'), '{:.1f} us')} | {_f(bf.get('vs_deepgemm'), '{:.2f}x')} | "
+                     f"{_f(f8.get('vs_deepgemm'), '{:.2f}x')} | {_pct(bf.get('pct_read'))} | "
+                     f"{_md_target(bf, tgt) if tgt else '—'} |")
+    return "\n".join(lines)
+
+
+SERVED_ROUTE = {"verify": "grouped", "extend": "varlen"}  # what the plugin launches; "rows" is SGLang's call
+
+
+def _route_pairs(doc):
+    """(mode, batch name, next_n, rows row, served-route row) of the verify / extend rows."""
+    at = {(r["mode"], r["batch_name"], r["next_n"], r["route"]): r for m in SERVED_ROUTE for r in _ok(doc, m)}
+    keys = dict.fromkeys((m, b, n) for m, b, n, _ in at)
+    return [(m, b, n, at[m, b, n, "rows"], at[m, b, n, SERVED_ROUTE[m]]) for m, b, n in keys
+            if (m, b, n, "rows") in at and (m, b, n, SERVED_ROUTE[m]) in at]
+
+
+def _us_or_ms(us):
+    return f"{us / 1e3:.2f} ms" if us >= 1e3 else f"{us:.1f} us"
+
+
+def readme_verify_extend(doc) -> str:
+    lines = ["| case | ours, rows | ours, grouped / varlen | DG rows (fp8) | ours / DG rows | target |",
+             "|---|---|---|---|---|---|"]
+    for m, b, n, rows, served in _route_pairs(doc):
+        extra = (f" ({_pct(served['pct_roofline'])} of roofline)" if m == "verify" and served.get("pct_roofline")
+                 else (f" ({served['tflops']:.0f} TF/s)" if served.get("tflops") else ""))
+        tgt = f"<= {served['target_vs_deepgemm_rows']:.2f}x" if served.get("target_vs_deepgemm_rows") else ""
+        if served.get("target_pct_matmul"):
+            tgt += f", {_target_pct(served['target_pct_matmul'])} of matmul"
+        lines.append(f"| {m} {b}{f', n {n}' if m == 'verify' else ''} | {_us_or_ms(rows['time_us'])} | "
+                     f"{_us_or_ms(served['time_us'])}{extra} | {_us_or_ms(served['deepgemm_rows_us'])} | "
+                     f"{_f(served.get('vs_deepgemm_rows'), '{:.2f}x')} | {_md_target(served, tgt) if tgt else '—'} |")
+    return "\n".join(lines)
+
+
+def readme_prefill(doc) -> str:
+    lines = ["| T x S | keys | time | TFLOP/s | % of bf16 matmul | DeepGEMM fp8 | ours / DG | vs contiguous | target |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in _ok(doc, "prefill"):
+        tgt = (_target_pct(r["target_pct_matmul"]) if r.get("target_pct_matmul")
+               else (f"<= {r['target_vs_contiguous']:.2f}x contiguous" if r.get("target_vs_contiguous") else ""))
+        lines.append(f"| {_si(r['rows'])} x {_si(r['keys'])} | {r['kv']} {r['layout']} | {r['time_us'] / 1e3:.2f} ms | "
+                     f"{r['tflops']:.0f} | {_pct(r['pct_matmul'])} | "
+                     f"{_f(r.get('deepgemm_us') and r['deepgemm_us'] / 1e3, '{:.2f} ms')} | "
+                     f"{_f(r.get('vs_deepgemm'), '{:.2f}x')} | {_f(r.get('vs_contiguous'), '{:.3f}x')} | "
+                     f"{_md_target(r, tgt) if tgt else '—'} |")
+    return "\n".join(lines)
+
+
+def readme_headline(doc) -> str:
+    """The ranges the README's prose quotes, each over the rows it names."""
+    pairs = [p for p in _decode_pairs(doc) if p[2].get("vs_deepgemm") and p[3].get("vs_deepgemm")]
+    n1 = [p for p in pairs if p[1] == 1]
+    big = [p for p in n1 if p[2]["entries"] >= 2**18]
+    served = _route_pairs(doc)
+    out = []
+    if pairs:
+        key_ratio = pairs[0][2]["key_bytes"] / pairs[0][3]["key_bytes"]
+        out.append(f"- bf16 index keys are {key_ratio:.2f}x the key bytes of fp8 (256 B vs 132 B per entry).")
+    if big:
+        out.append(f"- decode, next_n 1, batches of 256K entries or more: bf16 keys take "
+                   f"{_range([p[2]['vs_deepgemm'] for p in big])} DeepGEMM's fp8 time at "
+                   f"{_range([100 * p[2]['pct_read'] for p in big], '{:.0f}', '%')} of the read stream; "
+                   f"our fp8 layout takes {_range([p[3]['vs_deepgemm'] for p in big])}.")
+    if n1:
+        out.append(f"- decode, next_n 1, every batch: bf16 keys {_range([p[2]['vs_deepgemm'] for p in n1])} "
+                   f"DeepGEMM, fp8 layout {_range([p[3]['vs_deepgemm'] for p in n1])}.")
+    for n in sorted({p[1] for p in pairs} - {1}):
+        at = [p for p in pairs if p[1] == n]
+        out.append(f"- decode, next_n {n}: bf16 keys {_range([p[2]['vs_deepgemm'] for p in at])} DeepGEMM, "
+                   f"fp8 layout {_range([p[3]['vs_deepgemm'] for p in at])}.")
+    for n in sorted({p[2] for p in served if p[0] == "verify"}):
+        at = [p[4] for p in served if p[0] == "verify" and p[2] == n and p[4].get("vs_deepgemm_rows")]
+        out.append(f"- verify, next_n {n}, grouped launch: {_range([r['vs_deepgemm_rows'] for r in at])} "
+                   f"DeepGEMM's rows time, {_range([100 * r['pct_roofline'] for r in at], '{:.0f}', '%')} of roofline.")
+    ext = [p[4] for p in served if p[0] == "extend" and p[4].get("vs_deepgemm_rows")]
+    if ext:
+        out.append(f"- extend, varlen launch: {_range([r['vs_deepgemm_rows'] for r in ext])} DeepGEMM's rows time, "
+                   f"{_range([r['tflops'] for r in ext], '{:.0f}', ' TFLOP/s')} useful.")
+    pre = [r for r in _ok(doc, "prefill") if r.get("vs_deepgemm")]
+    if pre:
+        out.append(f"- prefill, bf16 keys: {_range([r['vs_deepgemm'] for r in pre])} DeepGEMM's fp8 time, "
+                   f"{_range([100 * r['pct_matmul'] for r in pre], '{:.0f}', '%')} of the bf16 matmul.")
+    return "\n".join(out)
+
+
+def readme_environment(doc) -> str:
+    c = doc["ceilings"]
+    ceil = (f" Ceilings measured in the same run: read-only {c['read_gbps']:.0f} GB/s, d2d copy {c['copy_gbps']:.0f} "
+            f"GB/s, bf16 matmul {c['matmul_tflops']:.0f} TFLOP/s." if c.get("copy_gbps") else "")
+    driver = doc.get("driver") or "driver not recorded"
+    return (f"{doc['device']} ({doc['backend']}, {driver}), torch {doc['torch_version']}, cupy-dsa "
+            f"{doc.get('cupy_dsa_version') or '?'} at {commit_text(doc)}, {doc['date'][:10]}"
+            f"{', quick sizes' if doc['quick'] else ''}.{ceil}")
+
+
+README_BLOCKS = {"environment": readme_environment, "headline": readme_headline, "decode": readme_decode,
+                 "verify-extend": readme_verify_extend, "prefill": readme_prefill}
+
+
+def readme_with_results(text: str, doc: dict) -> str:
+    """``text`` with every ``<!-- results:NAME -->`` ... ``<!-- /results:NAME -->`` block re-rendered from
+    ``doc`` (names: :data:`README_BLOCKS`)."""
+    def render(m):
+        name = m["name"]
+        if name not in README_BLOCKS:
+            raise ValueError(f"README block 'results:{name}': expected one of {', '.join(README_BLOCKS)}")
+        return f"{m[1]}{README_BLOCKS[name](doc)}\n{m[4]}"
+
+    return README_BLOCK.sub(render, text)
