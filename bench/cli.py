@@ -343,8 +343,10 @@ def resources_cmd(archs):
               default=None, callback=_writable_output, help=MARKDOWN_HELP)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
               callback=_png_output, help="re-draw the PNG plot from the JSON; the name must end in .png.")
-def report_cmd(json_file, markdown_path, plot_path):
-    """Re-print the tables of a saved JSON result (and its markdown headline / plot)."""
+@click.option("--readme", "readme_path", type=click.Path(exists=True, dir_okay=False, writable=True), default=None,
+              help="rewrite the <!-- results:NAME --> blocks of this markdown file from the JSON.")
+def report_cmd(json_file, markdown_path, plot_path, readme_path):
+    """Re-print the tables of a saved JSON result (and its markdown headline / plot / README blocks)."""
     from rich.console import Console
 
     from . import report
@@ -361,6 +363,12 @@ def report_cmd(json_file, markdown_path, plot_path):
         _write_markdown(report.markdown_headline(doc), markdown_path)
     if plot_path:
         report.plot(doc, plot_path)
+    if readme_path:
+        try:
+            text = report.readme_with_results(Path(readme_path).read_text(), doc)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--readme")
+        Path(readme_path).write_text(text)
 
 
 def _write_markdown(md: str, path: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -365,31 +366,42 @@ def _recall_grid(rows):
     return ctxs, fmts, ks, at
 
 
-def resolution_table(doc) -> Table:
+def _recall_context_table(doc, title: str, value: str, cell) -> Table:
+    """One row per (k, format), one column per context: ``cell(row)`` where the row has ``value``, else
+    'err' (the row failed) or a dash."""
     rows = _recall_rows(doc)
     ctxs, fmts, ks, at = _recall_grid(rows)
-    t = Table(title="Needle resolution (synthetic keys): smallest margin over the best distractor at which the format "
-                    "keeps >= 99% of needles in its top-k (exact fp64 keeps 100% at every margin by construction)")
+    t = Table(title=title)
     t.add_column("k")
     t.add_column("format")
     for c in ctxs:
         t.add_column(f"{_si(c)} tok", justify="right")
-    margins = rows[0]["margins"] if rows else []
     for k in ks:
         for fmt in fmts:
             cells = []
             for c in ctxs:
                 r = at.get((c, k, fmt))
-                if r is None or r.get("needle_rate") is None:
+                if r is None or r.get(value) is None:
                     cells.append("[red]err[/]" if (r and r.get("error")) else "—")
-                elif r["trivial"]:
-                    cells.append("[dim]trivial[/]")
-                elif r["resolution"] is None:
-                    cells.append(f"[red]>{_margin(max(margins))}[/]")
                 else:
-                    cells.append(_margin(r["resolution"]))
+                    cells.append(cell(r))
             t.add_row(str(k), fmt, *cells)
     return t
+
+
+def resolution_table(doc) -> Table:
+    rows = _recall_rows(doc)
+    margins = rows[0]["margins"] if rows else []
+
+    def cell(r):
+        if r["trivial"]:
+            return "[dim]trivial[/]"
+        return f"[red]>{_margin(max(margins))}[/]" if r["resolution"] is None else _margin(r["resolution"])
+
+    return _recall_context_table(
+        doc, "Needle resolution (synthetic keys): smallest margin over the best distractor at which the format "
+             "keeps >= 99% of needles in its top-k (exact fp64 keeps 100% at every margin by construction)",
+        "needle_rate", cell)
 
 
 def needle_margin_table(doc) -> Table | None:
@@ -417,25 +429,13 @@ def needle_margin_table(doc) -> Table | None:
 
 
 def recall_table(doc) -> Table:
-    rows = _recall_rows(doc)
-    ctxs, fmts, ks, at = _recall_grid(rows)
-    t = Table(title="recall@k vs exact fp64 top-k / top-k overlap with the DeepSeek-V4 reference numerics (synthetic keys)")
-    t.add_column("k")
-    t.add_column("format")
-    for c in ctxs:
-        t.add_column(f"{_si(c)} tok", justify="right")
-    for k in ks:
-        for fmt in fmts:
-            cells = []
-            for c in ctxs:
-                r = at.get((c, k, fmt))
-                if r is None or r.get("recall_mean") is None:
-                    cells.append("[red]err[/]" if (r and r.get("error")) else "—")
-                    continue
-                cell = f"{100 * r['recall_mean']:.2f}% / {100 * r['ref_overlap_mean']:.2f}%"
-                cells.append(f"[dim]{cell}[/]" if r["trivial"] else cell)
-            t.add_row(str(k), fmt, *cells)
-    return t
+    def cell(r):
+        text = f"{100 * r['recall_mean']:.2f}% / {100 * r['ref_overlap_mean']:.2f}%"
+        return f"[dim]{text}[/]" if r["trivial"] else text
+
+    return _recall_context_table(
+        doc, "recall@k vs exact fp64 top-k / top-k overlap with the DeepSeek-V4 reference numerics (synthetic keys)",
+        "recall_mean", cell)
 
 
 def print_all(console, doc, sections) -> None:
@@ -574,6 +574,185 @@ def markdown_headline(doc: dict) -> str:
 PLOT_SUFFIX = ".png"
 
 
+# Served formats (SGLang's fp8 default, the plugin's bf16 keys) are drawn last, thick and solid, so that a
+# format with the same figures (bf16+q-bf16 often equals bf16) cannot hide them; the others are thin,
+# dashed or dotted, with hollow markers.
+SERVED_FORMATS = ("bf16", "fp8")
+FORMAT_STYLE = {
+    "bf16": dict(color="C0", marker="o", linestyle="-", linewidth=2.4, markersize=6, zorder=5),
+    "fp8": dict(color="C1", marker="s", linestyle="-", linewidth=2.0, markersize=5, zorder=4),
+    "bf16+q-bf16": dict(color="C2", marker="D", linestyle="--", linewidth=1.0, markersize=7, fillstyle="none"),
+    "bf16-fp4sim": dict(color="C3", marker="^", linestyle="--", linewidth=1.0, markersize=5, fillstyle="none"),
+    "fp4": dict(color="C4", marker="v", linestyle=":", linewidth=1.0, markersize=5, fillstyle="none"),
+    "bf16-fp4sim+q-fp4": dict(color="C5", marker="x", linestyle=":", linewidth=1.0, markersize=5),
+    "exact": dict(color="0.3", marker=".", linestyle="-.", linewidth=0.8, markersize=4),
+    "reference": dict(color="0.6", marker=".", linestyle="-.", linewidth=0.8, markersize=4),
+}
+
+
+def _plot_order(formats):
+    """Served formats last (drawn on top); their legend entries are put first by :func:`_served_legend`."""
+    return [f for f in formats if f not in SERVED_FORMATS] + [f for f in SERVED_FORMATS if f in formats]
+
+
+def _style(fmt):
+    return FORMAT_STYLE.get(fmt, dict(marker="o", linestyle="-", linewidth=1.0))
+
+
+def _served_legend(ax, **kw):
+    handles, labels = ax.get_legend_handles_labels()
+    order = sorted(range(len(labels)), key=lambda i: (labels[i].split(" ")[0] not in SERVED_FORMATS, i))
+    ax.legend([handles[i] for i in order], [labels[i] for i in order], **kw)
+
+
+def _needle_panel(ax, rec, k0, ctx):
+    for fmt in _plot_order(list(dict.fromkeys(r["format"] for r in rec))):
+        r = next((r for r in rec if r["format"] == fmt and r["k"] == k0 and r["context_tokens"] == ctx), None)
+        if r is None or r.get("needle_rate") is None:
+            continue
+        label = f"{fmt} (served)" if fmt in SERVED_FORMATS else fmt
+        ax.plot([100 * m for m in r["margins"]], [100 * x for x in r["needle_rate"]], label=label, **_style(fmt))
+    ax.axhline(100 * 0.99, color="grey", linewidth=0.6)
+    ax.set_xscale("log")
+    ax.set_xlabel("margin of the needle over the best distractor (exact fp64, %)")
+    ax.set_ylabel(f"% of needles in top-{k0}")
+    ax.set_ylim(-3, 103)
+    ax.set_title(f"needle in top-{k0} vs margin, {_si(ctx)} tokens (synthetic)", fontsize=9)
+    ax.grid(alpha=0.3)
+    _served_legend(ax, fontsize=6)
+
+
+def _recall_panel(ax, rec, kind):
+    ks = sorted({r["k"] for r in rec})
+    for fmt in _plot_order(list(dict.fromkeys(r["format"] for r in rec))):
+        if kind == "recall" and fmt == "exact" or kind == "overlap" and fmt == "reference":
+            continue
+        for kk in ks:
+            pts = sorted((r["context_tokens"], r) for r in rec if r["format"] == fmt and r["k"] == kk
+                         and not r["trivial"])
+            if kind == "resolution":
+                y = [100 * r["resolution"] if r["resolution"] else float("nan") for _, r in pts]
+            else:
+                y = [100 * r["recall_mean" if kind == "recall" else "ref_overlap_mean"] for _, r in pts]
+            style = dict(_style(fmt), **({} if kk == ks[0] else {"linestyle": (0, (1, 2)), "alpha": 0.7}))
+            label = (f"{fmt} (served)" if fmt in SERVED_FORMATS else fmt) if kk == ks[0] else None
+            ax.plot([p[0] for p in pts], y, label=label, **style)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (raw tokens; index entries = tokens / 4)")
+    styles = " / ".join(f"{'as styled' if kk == ks[0] else 'fine dots'} k={kk}" for kk in ks)
+    if kind == "resolution":
+        ax.set_yscale("log")
+        ax.set_ylabel("smallest margin with >= 99% kept (%)")
+        ax.set_title(f"needle resolution vs context ({styles}; gap = not resolved)", fontsize=8)
+    else:
+        ax.set_ylabel("%")
+        ax.set_title((f"recall@k vs exact fp64 ({styles})" if kind == "recall" else
+                      f"top-k overlap with DeepSeek-V4 reference numerics ({styles})"), fontsize=8)
+    ax.grid(alpha=0.3)
+    _served_legend(ax, fontsize=6)
+
+
+def _batch_labels(ax, names, offset=0.0):
+    ax.set_xticks([i + offset for i in range(len(names))])
+    ax.set_xticklabels([str(s).replace(" + ", "\n+ ") for s in names], fontsize=6, rotation=30, ha="right")
+
+
+def _decode_panel(ax, dec, has_ceiling):
+    shapes = list(dict.fromkeys(r.get("batch_name") for r in dec if r["next_n"] == 1 and r["q_dtype"] == "fp8"))
+    for j, lay in enumerate(SERVED_FORMATS):
+        vals = []
+        for s in shapes:
+            r = next((r for r in dec if r.get("batch_name") == s and r["next_n"] == 1
+                      and r["layout"] == lay and r["q_dtype"] == "fp8"), None)
+            if has_ceiling:
+                vals.append(100 * r["pct_read"] if r and r.get("pct_read") else 0)
+            else:
+                vals.append(r["key_gbps"] if r else 0)
+        ax.bar([i + 0.4 * j for i in range(len(shapes))], vals, width=0.4, label=f"{lay} keys",
+               color=FORMAT_STYLE[lay]["color"])
+    _batch_labels(ax, shapes, 0.2)
+    ax.set_ylabel("% of the read-only stream (key bytes)" if has_ceiling else "key GB/s (no ceiling: CPU backend)")
+    ax.set_title("decode logits, next_n=1, fp8 q", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
+
+
+def _decode_deepgemm_panel(ax, dec):
+    shapes = list(dict.fromkeys(r["batch_name"] for r in dec if r.get("vs_deepgemm")))
+    for lay in _plot_order(list(SERVED_FORMATS)):
+        for n in sorted({r["next_n"] for r in dec if r.get("vs_deepgemm")}):
+            y = [next((r["vs_deepgemm"] for r in dec if r["batch_name"] == s and r["next_n"] == n
+                       and r["layout"] == lay and r["q_dtype"] == "fp8" and r.get("vs_deepgemm")), float("nan"))
+                 for s in shapes]
+            style = dict(_style(lay), **({} if n == 1 else {"linestyle": "--", "fillstyle": "none"}))
+            ax.plot(range(len(shapes)), y, label=f"{lay} keys, next_n {n}", **style)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    _batch_labels(ax, shapes)
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("our time / DeepGEMM fp8 time")
+    ax.set_title("decode vs DeepGEMM fp8_paged_mqa_logits (1 = parity)", fontsize=9)
+    ax.grid(alpha=0.3)
+    _served_legend(ax, fontsize=6)
+
+
+def _prefill_panel(ax, pre):
+    labels = [f"{_si(r['rows'])} x {_si(r['keys'])}\n{r['kv']} {r['layout']}" for r in pre]
+    bars = ax.bar(range(len(pre)), [100 * r["pct_matmul"] if r.get("pct_matmul") else r["tflops"] for r in pre],
+                  color=[FORMAT_STYLE[r["layout"]]["color"] if r["layout"] in FORMAT_STYLE else "C7" for r in pre])
+    for b, r in zip(bars, pre):
+        if r.get("vs_deepgemm"):
+            ax.annotate(f"{r['vs_deepgemm']:.2f}x DG", (b.get_x() + b.get_width() / 2, b.get_height()),
+                        ha="center", va="bottom", fontsize=6)
+    ax.set_xticks(range(len(pre)))
+    ax.set_xticklabels(labels, fontsize=6, rotation=30, ha="right")
+    has_ceiling = any(r.get("pct_matmul") for r in pre)
+    ax.set_ylabel("% of the bf16 matmul (useful FLOPs)" if has_ceiling else "TFLOP/s (no ceiling: CPU backend)")
+    ax.set_title("prefill / extend mqa_logits (label: our time / DeepGEMM fp8)", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+
+
+def _routes_deepgemm_panel(ax, doc):
+    pairs = [p for p in _route_pairs(doc) if p[4].get("vs_deepgemm_rows")]
+    names = [f"{m} {b}" + (f", n {n}" if m == "verify" else "") for m, b, n, _, _ in pairs]
+    x = range(len(pairs))
+    ax.bar([i - 0.2 for i in x], [p[3]["vs_deepgemm_rows"] for p in pairs], width=0.4, color="0.7",
+           label="ours, rows (SGLang's call)")
+    ax.bar([i + 0.2 for i in x], [p[4]["vs_deepgemm_rows"] for p in pairs], width=0.4,
+           color=FORMAT_STYLE["bf16"]["color"], label="ours, grouped / varlen (served)")
+    ax.plot([i + 0.2 for i in x], [p[4].get("target_vs_deepgemm_rows") or float("nan") for p in pairs],
+            linestyle="none", marker="_", markersize=14, color="k", label="target")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    _batch_labels(ax, names)
+    ax.set_ylabel("our time / DeepGEMM fp8 rows time")
+    ax.set_title("MTP verify and extend vs DeepGEMM (1 = parity)", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=6)
+
+
+def _store_panel(ax, doc, has_ceiling):
+    rows = [r for r in doc["store"] if not r.get("error")]
+    ax.bar(range(len(rows)), [100 * (r["pct_copy"] or 0) if has_ceiling else r["gbps"] for r in rows])
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([f"{r['layout']}\n{r['numerics']}\n{r['kv_dtype']}" for r in rows], fontsize=6)
+    ax.set_ylabel("% of d2d copy bandwidth" if has_ceiling else "GB/s (no ceiling: CPU backend)")
+    ax.set_title("store_index_k", fontsize=9)
+
+
+def _bytes_panel(ax, doc):
+    rows = doc["bytes"]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    lays = list(dict.fromkeys(r["layout"] for r in rows))
+    for j, lay in enumerate(lays):
+        ax.bar([i + 0.2 * j for i in range(len(models))],
+               [next(r["tokens_fit"] for r in rows if r["model"] == m and r["layout"] == lay) / 1e6 for m in models],
+               width=0.2, label=lay, color=_style(lay).get("color"))
+    ax.set_xticks([i + 0.3 for i in range(len(models))])
+    ax.set_xticklabels([m.replace("DeepSeek-", "") for m in models], fontsize=7)
+    ax.set_ylabel(f"M tokens in {doc['gpu_mem_gb']:g} GB")
+    ax.set_title("KV capacity by index-key layout", fontsize=9)
+    ax.legend(fontsize=7)
+
+
 def plot(doc: dict, path: str) -> None:
     if Path(path).suffix.lower() != PLOT_SUFFIX:
         raise ValueError(f"plot: expected a file name ending in .png (the plot is PNG), got {path!r}")
@@ -582,117 +761,187 @@ def plot(doc: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = []
+    has_ceiling = bool(doc["ceilings"].get("copy_gbps"))
     rec = [r for r in _recall_rows(doc) if r.get("recall_mean") is not None]
     k0 = min((r["k"] for r in rec), default=None)
+    dec = _ok(doc, "decode")
+    pre = _ok(doc, "prefill")
+    panels = [lambda ax, c=c: _needle_panel(ax, rec, k0, c)
+              for c in sorted({r["context_tokens"] for r in rec if r["k"] == k0 and not r["trivial"]})]
     if rec:
-        panels += [("needle", c) for c in sorted({r["context_tokens"] for r in rec
-                                                  if r["k"] == k0 and not r["trivial"]})]
-        panels += [("resolution", None), ("recall", None), ("overlap", None)]
-    dec = [r for r in doc["logits"] if r.get("mode") == "decode" and not r.get("error")]
+        panels += [lambda ax, kind=kind: _recall_panel(ax, rec, kind) for kind in ("resolution", "recall", "overlap")]
     if dec:
-        panels.append(("decode", None))
+        panels.append(lambda ax: _decode_panel(ax, dec, has_ceiling))
+    if any(r.get("vs_deepgemm") for r in dec):
+        panels.append(lambda ax: _decode_deepgemm_panel(ax, dec))
+    if pre:
+        panels.append(lambda ax: _prefill_panel(ax, pre))
+    if any(p[4].get("vs_deepgemm_rows") for p in _route_pairs(doc)):
+        panels.append(lambda ax: _routes_deepgemm_panel(ax, doc))
     if any(not r.get("error") for r in doc["store"]):
-        panels.append(("store", None))
+        panels.append(lambda ax: _store_panel(ax, doc, has_ceiling))
     if doc["bytes"]:
-        panels.append(("bytes", None))
-    if not panels:
-        panels.append(("empty", None))
-    has_ceiling = bool(doc["ceilings"].get("copy_gbps"))
-    ncol = min(3, len(panels))
-    nrow = (len(panels) + ncol - 1) // ncol
-    fig, axes = plt.subplots(nrow, ncol, figsize=(5.2 * ncol, 4.0 * nrow), squeeze=False)
+        panels.append(lambda ax: _bytes_panel(ax, doc))
+    ncol = min(2, max(1, len(panels)))
+    nrow = max(1, (len(panels) + ncol - 1) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(6.4 * ncol, 4.6 * nrow), squeeze=False, layout="constrained")
     for ax in axes.flat[len(panels):]:
         ax.axis("off")
-    for ax, (kind, k) in zip(axes.flat, panels):
-        if kind == "needle":
-            for fmt in dict.fromkeys(r["format"] for r in rec):
-                r = next((r for r in rec if r["format"] == fmt and r["k"] == k0 and r["context_tokens"] == k), None)
-                if r is None or r.get("needle_rate") is None:
-                    continue
-                ax.plot([100 * m for m in r["margins"]], [100 * x for x in r["needle_rate"]], marker="o", label=fmt,
-                        linestyle="--" if fmt in ("exact", "reference") else "-")
-            ax.axhline(100 * 0.99, color="grey", linewidth=0.6)
-            ax.set_xscale("log")
-            ax.set_xlabel("margin of the needle over the best distractor (exact fp64, %)")
-            ax.set_ylabel(f"% of needles in top-{k0}")
-            ax.set_ylim(-3, 103)
-            ax.set_title(f"needle in top-{k0} vs margin, {_si(k)} tokens (synthetic)", fontsize=9)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=6)
-        elif kind in ("resolution", "recall", "overlap"):
-            ks = sorted({r["k"] for r in rec})
-            for i, fmt in enumerate(dict.fromkeys(r["format"] for r in rec)):
-                if kind == "recall" and fmt == "exact" or kind == "overlap" and fmt == "reference":
-                    continue
-                for kk in ks:
-                    pts = sorted((r["context_tokens"], r) for r in rec if r["format"] == fmt and r["k"] == kk
-                                 and not r["trivial"])
-                    if kind == "resolution":
-                        y = [100 * r["resolution"] if r["resolution"] else float("nan") for _, r in pts]
-                    else:
-                        y = [100 * r["recall_mean" if kind == "recall" else "ref_overlap_mean"] for _, r in pts]
-                    ax.plot([p[0] for p in pts], y, marker="o", color=f"C{i}", label=fmt if kk == ks[0] else None,
-                            linestyle="-" if kk == ks[0] else ":")
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("context (raw tokens; index entries = tokens / 4)")
-            styles = " / ".join(f"{'solid' if kk == ks[0] else 'dotted'} k={kk}" for kk in ks)
-            if kind == "resolution":
-                ax.set_yscale("log")
-                ax.set_ylabel("smallest margin with >= 99% kept (%)")
-                ax.set_title(f"needle resolution vs context ({styles}; gap = not resolved)", fontsize=8)
-            else:
-                ax.set_ylabel("%")
-                ax.set_title((f"recall@k vs exact fp64 ({styles})" if kind == "recall" else
-                              f"top-k overlap with DeepSeek-V4 reference numerics ({styles})"), fontsize=8)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=6)
-        elif kind == "decode":
-            shapes = list(dict.fromkeys(r.get("batch_name") for r in dec if r["next_n"] == 1
-                                        and r["q_dtype"] == "fp8"))
-            x = range(len(shapes))
-            for j, lay in enumerate(("bf16", "fp8")):
-                vals = []
-                for s in shapes:
-                    r = next((r for r in dec if r.get("batch_name") == s and r["next_n"] == 1
-                              and r["layout"] == lay and r["q_dtype"] == "fp8"), None)
-                    if has_ceiling:
-                        vals.append(100 * r["pct_read"] if r and r.get("pct_read") else 0)
-                    else:
-                        vals.append(r["key_gbps"] if r else 0)
-                ax.bar([i + 0.4 * j for i in x], vals, width=0.4, label=f"{lay} keys")
-            ax.set_xticks([i + 0.2 for i in x])
-            ax.set_xticklabels([str(s).replace(" + ", "\n+ ") for s in shapes], fontsize=6, rotation=30)
-            ax.set_ylabel("% of the read-only stream (key bytes)" if has_ceiling
-                          else "key GB/s (no ceiling: CPU backend)")
-            ax.set_title("decode logits, next_n=1")
-            ax.legend(fontsize=7)
-            ax.grid(alpha=0.3, axis="y")
-        elif kind == "store":
-            rows = [r for r in doc["store"] if not r.get("error")]
-            ax.bar(range(len(rows)), [100 * (r["pct_copy"] or 0) if has_ceiling else r["gbps"] for r in rows])
-            ax.set_xticks(range(len(rows)))
-            ax.set_xticklabels([f"{r['layout']}\n{r['numerics']}\n{r['kv_dtype']}" for r in rows], fontsize=6)
-            ax.set_ylabel("% of d2d copy bandwidth" if has_ceiling else "GB/s (no ceiling: CPU backend)")
-            ax.set_title("store_index_k")
-        elif kind == "bytes":
-            rows = doc["bytes"]
-            models = list(dict.fromkeys(r["model"] for r in rows))
-            lays = list(dict.fromkeys(r["layout"] for r in rows))
-            for j, lay in enumerate(lays):
-                ax.bar([i + 0.2 * j for i in range(len(models))],
-                       [next(r["tokens_fit"] for r in rows if r["model"] == m and r["layout"] == lay) / 1e6
-                        for m in models], width=0.2, label=lay)
-            ax.set_xticks([i + 0.3 for i in range(len(models))])
-            ax.set_xticklabels([m.replace("DeepSeek-", "") for m in models], fontsize=7)
-            ax.set_ylabel(f"M tokens in {doc['gpu_mem_gb']:g} GB")
-            ax.set_title("KV capacity by index-key layout")
-            ax.legend(fontsize=7)
-        else:
-            ax.text(0.5, 0.5, "no data", ha="center")
-            ax.axis("off")
-    fig.suptitle(f"cupy-dsa bench — {doc['device']} — {doc['date'][:10]} — {commit_text(doc, code=False)}", fontsize=9)
-    fig.tight_layout()
+    for ax, draw in zip(axes.flat, panels):
+        draw(ax)
+    if not panels:
+        axes[0, 0].text(0.5, 0.5, "no data", ha="center")
+    fig.suptitle(f"cupy-dsa bench — {doc['device']} — {doc['date'][:10]} — {commit_text(doc, code=False)}",
+                 fontsize=10)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------------
+# README blocks: the figures the README quotes, rendered from a results document
+# --------------------------------------------------------------------------------------------------
+
+README_BLOCK = re.compile(r"(<!-- results:(?P<name>[a-z-]+) -->\n)(?P<body>.*?)(<!-- /results:(?P=name) -->)", re.S)
+
+
+def _range(values, fmt="{:.2f}", unit="x") -> str:
+    """``lo-hi`` of the values (one figure when they agree at that precision)."""
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return f"{lo}{unit}" if lo == hi else f"{lo}-{hi}{unit}"
+
+
+def _ok(doc, mode):
+    return [r for r in doc["logits"] if r.get("mode") == mode and not r.get("error")]
+
+
+def _md_target(r, text):
+    return f"{text}: {_md_verdict(r)}" if r.get("verdict") else "—"
+
+
+def _decode_pairs(doc):
+    """(batch name, next_n, bf16 row, fp8 row) of the fp8-q decode rows that have both layouts."""
+    at = {(r["batch_name"], r["next_n"], r["layout"]): r for r in _ok(doc, "decode") if r["q_dtype"] == "fp8"}
+    keys = dict.fromkeys((b, n) for b, n, _ in at)
+    return [(b, n, at[b, n, "bf16"], at[b, n, "fp8"]) for b, n in keys if (b, n, "bf16") in at and (b, n, "fp8") in at]
+
+
+def readme_decode(doc) -> str:
+    lines = ["| batch | next_n | entries | ours, bf16 keys | ours, fp8 keys | DeepGEMM fp8 | bf16 / DG | fp8 / DG "
+             "| bf16 % of read | target |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for b, n, bf, f8 in _decode_pairs(doc):
+        tgt = (_target_pct(bf["target_pct_read"]) if bf.get("target_pct_read")
+               else (f"<= {bf['target_us']:g} us" if bf.get("target_us") else ""))
+        lines.append(f"| {b} | {n} | {_si(bf['entries'])} | {bf['time_us']:.1f} us | {f8['time_us']:.1f} us | "
+                     f"{_f(bf.get('deepgemm_us'), '{:.1f} us')} | {_f(bf.get('vs_deepgemm'), '{:.2f}x')} | "
+                     f"{_f(f8.get('vs_deepgemm'), '{:.2f}x')} | {_pct(bf.get('pct_read'))} | "
+                     f"{_md_target(bf, tgt) if tgt else '—'} |")
+    return "\n".join(lines)
+
+
+SERVED_ROUTE = {"verify": "grouped", "extend": "varlen"}  # what the plugin launches; "rows" is SGLang's call
+
+
+def _route_pairs(doc):
+    """(mode, batch name, next_n, rows row, served-route row) of the verify / extend rows."""
+    at = {(r["mode"], r["batch_name"], r["next_n"], r["route"]): r for m in SERVED_ROUTE for r in _ok(doc, m)}
+    keys = dict.fromkeys((m, b, n) for m, b, n, _ in at)
+    return [(m, b, n, at[m, b, n, "rows"], at[m, b, n, SERVED_ROUTE[m]]) for m, b, n in keys
+            if (m, b, n, "rows") in at and (m, b, n, SERVED_ROUTE[m]) in at]
+
+
+def _us_or_ms(us):
+    return f"{us / 1e3:.2f} ms" if us >= 1e3 else f"{us:.1f} us"
+
+
+def readme_verify_extend(doc) -> str:
+    lines = ["| case | ours, rows | ours, grouped / varlen | DG rows (fp8) | ours / DG rows | target |",
+             "|---|---|---|---|---|---|"]
+    for m, b, n, rows, served in _route_pairs(doc):
+        extra = (f" ({_pct(served['pct_roofline'])} of roofline)" if m == "verify" and served.get("pct_roofline")
+                 else (f" ({served['tflops']:.0f} TF/s)" if served.get("tflops") else ""))
+        tgt = f"<= {served['target_vs_deepgemm_rows']:.2f}x" if served.get("target_vs_deepgemm_rows") else ""
+        if served.get("target_pct_matmul"):
+            tgt += f", {_target_pct(served['target_pct_matmul'])} of matmul"
+        lines.append(f"| {m} {b}{f', n {n}' if m == 'verify' else ''} | {_us_or_ms(rows['time_us'])} | "
+                     f"{_us_or_ms(served['time_us'])}{extra} | {_us_or_ms(served['deepgemm_rows_us'])} | "
+                     f"{_f(served.get('vs_deepgemm_rows'), '{:.2f}x')} | {_md_target(served, tgt) if tgt else '—'} |")
+    return "\n".join(lines)
+
+
+def readme_prefill(doc) -> str:
+    lines = ["| T x S | keys | time | TFLOP/s | % of bf16 matmul | DeepGEMM fp8 | ours / DG | vs contiguous | target |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in _ok(doc, "prefill"):
+        tgt = (_target_pct(r["target_pct_matmul"]) if r.get("target_pct_matmul")
+               else (f"<= {r['target_vs_contiguous']:.2f}x contiguous" if r.get("target_vs_contiguous") else ""))
+        lines.append(f"| {_si(r['rows'])} x {_si(r['keys'])} | {r['kv']} {r['layout']} | {r['time_us'] / 1e3:.2f} ms | "
+                     f"{r['tflops']:.0f} | {_pct(r['pct_matmul'])} | "
+                     f"{_f(r.get('deepgemm_us') and r['deepgemm_us'] / 1e3, '{:.2f} ms')} | "
+                     f"{_f(r.get('vs_deepgemm'), '{:.2f}x')} | {_f(r.get('vs_contiguous'), '{:.3f}x')} | "
+                     f"{_md_target(r, tgt) if tgt else '—'} |")
+    return "\n".join(lines)
+
+
+def readme_headline(doc) -> str:
+    """The ranges the README's prose quotes, each over the rows it names."""
+    pairs = [p for p in _decode_pairs(doc) if p[2].get("vs_deepgemm") and p[3].get("vs_deepgemm")]
+    n1 = [p for p in pairs if p[1] == 1]
+    big = [p for p in n1 if p[2]["entries"] >= 2**18]
+    served = _route_pairs(doc)
+    out = []
+    if pairs:
+        key_ratio = pairs[0][2]["key_bytes"] / pairs[0][3]["key_bytes"]
+        out.append(f"- bf16 index keys are {key_ratio:.2f}x the key bytes of fp8 (256 B vs 132 B per entry).")
+    if big:
+        out.append(f"- decode, next_n 1, batches of 256K entries or more: bf16 keys take "
+                   f"{_range([p[2]['vs_deepgemm'] for p in big])} DeepGEMM's fp8 time at "
+                   f"{_range([100 * p[2]['pct_read'] for p in big], '{:.0f}', '%')} of the read stream; "
+                   f"our fp8 layout takes {_range([p[3]['vs_deepgemm'] for p in big])}.")
+    if n1:
+        out.append(f"- decode, next_n 1, every batch: bf16 keys {_range([p[2]['vs_deepgemm'] for p in n1])} "
+                   f"DeepGEMM, fp8 layout {_range([p[3]['vs_deepgemm'] for p in n1])}.")
+    for n in sorted({p[1] for p in pairs} - {1}):
+        at = [p for p in pairs if p[1] == n]
+        out.append(f"- decode, next_n {n}: bf16 keys {_range([p[2]['vs_deepgemm'] for p in at])} DeepGEMM, "
+                   f"fp8 layout {_range([p[3]['vs_deepgemm'] for p in at])}.")
+    for n in sorted({p[2] for p in served if p[0] == "verify"}):
+        at = [p[4] for p in served if p[0] == "verify" and p[2] == n and p[4].get("vs_deepgemm_rows")]
+        out.append(f"- verify, next_n {n}, grouped launch: {_range([r['vs_deepgemm_rows'] for r in at])} "
+                   f"DeepGEMM's rows time, {_range([100 * r['pct_roofline'] for r in at], '{:.0f}', '%')} of roofline.")
+    ext = [p[4] for p in served if p[0] == "extend" and p[4].get("vs_deepgemm_rows")]
+    if ext:
+        out.append(f"- extend, varlen launch: {_range([r['vs_deepgemm_rows'] for r in ext])} DeepGEMM's rows time, "
+                   f"{_range([r['tflops'] for r in ext], '{:.0f}', ' TFLOP/s')} useful.")
+    pre = [r for r in _ok(doc, "prefill") if r.get("vs_deepgemm")]
+    if pre:
+        out.append(f"- prefill, bf16 keys: {_range([r['vs_deepgemm'] for r in pre])} DeepGEMM's fp8 time, "
+                   f"{_range([100 * r['pct_matmul'] for r in pre], '{:.0f}', '%')} of the bf16 matmul.")
+    return "\n".join(out)
+
+
+def readme_environment(doc) -> str:
+    c = doc["ceilings"]
+    ceil = (f" Ceilings measured in the same run: read-only {c['read_gbps']:.0f} GB/s, d2d copy {c['copy_gbps']:.0f} "
+            f"GB/s, bf16 matmul {c['matmul_tflops']:.0f} TFLOP/s." if c.get("copy_gbps") else "")
+    driver = doc.get("driver") or "driver not recorded"
+    return (f"{doc['device']} ({doc['backend']}, {driver}), torch {doc['torch_version']}, cupy-dsa "
+            f"{doc.get('cupy_dsa_version') or '?'} at {commit_text(doc)}, {doc['date'][:10]}"
+            f"{', quick sizes' if doc['quick'] else ''}.{ceil}")
+
+
+README_BLOCKS = {"environment": readme_environment, "headline": readme_headline, "decode": readme_decode,
+                 "verify-extend": readme_verify_extend, "prefill": readme_prefill}
+
+
+def readme_with_results(text: str, doc: dict) -> str:
+    """``text`` with every ``<!-- results:NAME -->`` ... ``<!-- /results:NAME -->`` block re-rendered from
+    ``doc`` (names: :data:`README_BLOCKS`)."""
+    def render(m):
+        name = m["name"]
+        if name not in README_BLOCKS:
+            raise ValueError(f"README block 'results:{name}': expected one of {', '.join(README_BLOCKS)}")
+        return f"{m[1]}{README_BLOCKS[name](doc)}\n{m[4]}"
+
+    return README_BLOCK.sub(render, text)

@@ -143,6 +143,18 @@ def _run_case(base: dict, case: Callable[[], dict], device: torch.device, progre
     return row
 
 
+def _route_rows(mode: str, batches, base_of, case, device: torch.device, progress) -> list[dict]:
+    """The verify / extend sweeps: one :func:`_run_case` per batch, whose case returns a row per route (or
+    the error row)."""
+    task = progress.add_task(f"logits ({mode})", total=len(batches)) if progress else None
+    rows = []
+    for b in batches:
+        base = base_of(b)
+        r = _run_case(base, lambda: case(b, base), device, progress, task)
+        rows.extend(r if isinstance(r, list) else [r])
+    return rows
+
+
 # --------------------------------------------------------------------------------------------------
 # store
 # --------------------------------------------------------------------------------------------------
@@ -601,16 +613,12 @@ def _paged_tables(pages, rot, table_w, device, g):
 def verify_rows(device, quick, seed, ceilings, progress=None) -> list[dict]:
     batches = verify_batches(device, quick, seed)
     dg, dg_reason = peers.deepgemm() if device.type == "cuda" else (None, "no GPU")
-    task = progress.add_task("logits (verify)", total=len(batches)) if progress else None
     reps = max(5, sizes(device, quick).reps // 2) if device.type == "cuda" else 2
-    rows = []
-    for vb in batches:
-        base = {"mode": "verify", "batch_name": vb.name, "requests": len(vb.lens), "rows": len(vb.lens) * vb.next_n,
-                "next_n": vb.next_n, "entries": vb.entries, "error": None}
-        r = _run_case(base, lambda: _verify_case(device, vb, seed, reps, ceilings, dg, dg_reason, base), device,
-                      progress, task)
-        rows.extend(r if isinstance(r, list) else [r])
-    return rows
+    return _route_rows(
+        "verify", batches,
+        lambda vb: {"mode": "verify", "batch_name": vb.name, "requests": len(vb.lens),
+                    "rows": len(vb.lens) * vb.next_n, "next_n": vb.next_n, "entries": vb.entries, "error": None},
+        lambda vb, base: _verify_case(device, vb, seed, reps, ceilings, dg, dg_reason, base), device, progress)
 
 
 def _verify_case(device, vb, seed, reps, ceilings, dg, dg_reason, base):
@@ -684,16 +692,12 @@ def _verify_case(device, vb, seed, reps, ceilings, dg, dg_reason, base):
 def extend_rows(device, quick, seed, ceilings, progress=None) -> list[dict]:
     batches = extend_batches(device, quick, seed)
     dg, dg_reason = peers.deepgemm() if device.type == "cuda" else (None, "no GPU")
-    task = progress.add_task("logits (extend)", total=len(batches)) if progress else None
     reps = 5 if device.type == "cuda" else 2
-    rows = []
-    for eb in batches:
-        base = {"mode": "extend", "batch_name": eb.name, "requests": len(eb.requests),
-                "rows": sum(n for _, n in eb.requests), "next_n": 1, "error": None}
-        r = _run_case(base, lambda: _extend_case(device, eb, seed, reps, ceilings, dg, dg_reason, base), device,
-                      progress, task)
-        rows.extend(r if isinstance(r, list) else [r])
-    return rows
+    return _route_rows(
+        "extend", batches,
+        lambda eb: {"mode": "extend", "batch_name": eb.name, "requests": len(eb.requests),
+                    "rows": sum(n for _, n in eb.requests), "next_n": 1, "error": None},
+        lambda eb, base: _extend_case(device, eb, seed, reps, ceilings, dg, dg_reason, base), device, progress)
 
 
 def _extend_case(device, eb, seed, reps, ceilings, dg, dg_reason, base):

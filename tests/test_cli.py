@@ -675,3 +675,29 @@ def test_query_section_on_cpu(tmp_path):
     assert "prepare_index_q" in res.output
     rerun = _invoke(["bench", "report", str(j)])
     assert rerun.exit_code == 0 and "prepare_index_q" in rerun.output
+REPO = Path(__file__).resolve().parents[1]
+RESULTS_JSON = REPO / "bench" / "results" / "h200.json"
+
+
+def test_readme_results_blocks_are_generated_from_the_committed_json():
+    """Every figure block of the README is what `bench report --readme` renders from bench/results/h200.json
+    (a hand edit, or a JSON committed without regenerating the README, fails here)."""
+    from cupy_dsa.bench import report
+
+    readme = (REPO / "README.md").read_text()
+    names = {m["name"] for m in report.README_BLOCK.finditer(readme)}
+    assert names == set(report.README_BLOCKS)
+    assert report.readme_with_results(readme, json.loads(RESULTS_JSON.read_text())) == readme
+
+
+def test_report_readme_rewrites_marked_blocks(tmp_path):
+    md = tmp_path / "README.md"
+    md.write_text("intro\n<!-- results:headline -->\n- typed by hand: 9.99x\n<!-- /results:headline -->\nend\n")
+    res = _invoke(["bench", "report", str(RESULTS_JSON), "--readme", str(md)])
+    assert res.exit_code == 0, res.output
+    text = md.read_text()
+    assert "9.99x" not in text and text.startswith("intro\n<!-- results:headline -->\n- bf16 index keys are 1.94x")
+    assert text.endswith("<!-- /results:headline -->\nend\n")
+    md.write_text("<!-- results:nonsense -->\n<!-- /results:nonsense -->\n")
+    res = CliRunner().invoke(main, ["bench", "report", str(RESULTS_JSON), "--readme", str(md)])
+    assert res.exit_code == 2 and "results:nonsense" in res.output and "headline" in res.output
