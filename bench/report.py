@@ -293,6 +293,8 @@ def decode_table(doc) -> Table:
             continue
         target = _target_pct(r.get("target_pct_read")) if r.get("target_pct_read") else (
             f"<={r['target_us']:g} us" if r.get("target_us") else "—")
+        if r.get("target_vs_fp8_query"):
+            target = f"{r['vs_fp8_query']:.3f}x fp8 q, <= {r['target_vs_fp8_query']:.2f}x"
         t.add_row(*head, f"{r['time_us']:.1f} us", _pct(r.get("pct_read")), target, _verdict(r),
                   _f(r.get("deepgemm_us"), "{:.1f} us"), _f(r.get("vs_deepgemm"), "{:.2f}x"),
                   _f(r.get("time_vs_fp8"), "{:.2f}x"), _si(r.get("entries", 0)), _num(r.get("key_gbps")),
@@ -342,6 +344,8 @@ def verify_extend_table(doc) -> Table:
         tgt = f"<= {r['target_vs_deepgemm_rows']:.2f}x" if r.get("target_vs_deepgemm_rows") else "—"
         if r.get("target_pct_matmul"):
             tgt += f", {_target_pct(r['target_pct_matmul'])}"
+        if r.get("target_vs_fp8_query"):
+            tgt = f"{r['vs_fp8_query']:.3f}x fp8 q, <= {r['target_vs_fp8_query']:.2f}x"
         t.add_row(*head, f"{r['time_us']:.1f} us", _pct(r.get("pct_read")), _pct(r.get("pct_roofline")),
                   _num(r.get("tflops"), 1) if r.get("tflops") else "—", _pct(r.get("pct_matmul")),
                   _f(r.get("deepgemm_rows_us"), "{:.1f} us"), _f(r.get("vs_deepgemm_rows"), "{:.2f}x"),

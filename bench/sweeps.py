@@ -34,6 +34,8 @@ TARGETS = {
     "extend_vs_deepgemm_rows": 1.6,
     "extend_small_vs_deepgemm_rows": 1.7,
     "extend_pct_matmul": 0.65,
+    # bf16-reference's bf16 query on bf16 keys: time over the fp8 query's (decode 64 x 32K, the extend cases)
+    "bf16_query_vs_fp8_query": 1.05,
 }
 
 # A ragged multi-request extend (one mqa_logits call over the requests' concatenated keys): (prefix, new)
@@ -357,6 +359,15 @@ def decode_rows(device, quick, seed, ceilings, progress=None) -> list[dict]:
             r["deepgemm_schedule_us"] = r8.get("deepgemm_schedule_us")
         if dg is None and not r.get("deepgemm_note"):
             r["deepgemm_note"] = dg_reason
+    # the bf16 query (bf16-reference) against the fp8 query on the same bf16 keys
+    fp8_q = {(r["batch_name"], r["next_n"]): r for r in rows
+             if r["layout"] == "bf16" and r["q_dtype"] == "fp8" and not r.get("error")}
+    for r in rows:
+        ref = fp8_q.get((r["batch_name"], r["next_n"])) if r["q_dtype"] == "bf16" else None
+        if ref and r.get("time_us") and device.type == "cuda":
+            r["vs_fp8_query"] = r["time_us"] / ref["time_us"]
+            r["target_vs_fp8_query"] = TARGETS["bf16_query_vs_fp8_query"]
+            r["verdict"] = _verdict(r["vs_fp8_query"], r["target_vs_fp8_query"], higher_is_better=False)
     return rows
 
 
@@ -721,8 +732,9 @@ def _extend_case(device, eb, seed, reps, ceilings, dg, dg_reason, base):
     plan_v = cupy_dsa.mqa_logits_plan(cu_rows)
     plan_r = cupy_dsa.paged_mqa_logits_plan(lens, 1)
     q_rows = q.view(T, 1, HEADS, DIM)
+    q_bf16 = q.to(torch.bfloat16)  # bf16-reference's query: the same values in bf16, the same work
 
-    def varlen(bt):
+    def varlen(bt, q=q):
         return lambda: cupy_dsa.mqa_logits(q, cache, weights, ks, lens, block_table=bt, cu_rows=cu_rows, plan=plan_v,
                                            clean_logits=False)
 
@@ -730,6 +742,7 @@ def _extend_case(device, eb, seed, reps, ceilings, dg, dg_reason, base):
         return lambda: cupy_dsa.paged_mqa_logits(q_rows, cache, weights, lens, bt, width, plan=plan_r)
 
     t_v = time_calls([varlen(bt) for bt in tables], device, reps=reps)
+    t_vb = time_calls([varlen(bt, q_bf16) for bt in tables], device, reps=reps)
     t_r = time_calls([by_rows(bt) for bt in row_tables], device, reps=reps)
     pairs = int(lens.to(torch.int64).sum())
     mm = ceilings.get("matmul_tflops")
@@ -743,7 +756,7 @@ def _extend_case(device, eb, seed, reps, ceilings, dg, dg_reason, base):
         except Exception as exc:
             note = f"{type(exc).__name__}: {str(exc)[:160]}"
     out = []
-    for route, t in (("rows", t_r), ("varlen", t_v)):
+    for route, t in (("rows", t_r), ("varlen", t_v), ("varlen, q bf16", t_vb)):
         tflops = 2 * HEADS * DIM * pairs / t.seconds / 1e12
         row = dict(base)
         row.update({
@@ -762,6 +775,11 @@ def _extend_case(device, eb, seed, reps, ceilings, dg, dg_reason, base):
         row["target_pct_matmul"] = TARGETS["extend_pct_matmul"] if (target and pairs >= 64 * 2**20) else None
         verdicts = [v for v in (_verdict(row["vs_deepgemm_rows"], target, higher_is_better=False) if target else None,
                                 _verdict(row["pct_matmul"], row["target_pct_matmul"])) if v]
+        if route == "varlen, q bf16":
+            row["vs_fp8_query"] = t.seconds / t_v.seconds
+            if device.type == "cuda":
+                row["target_vs_fp8_query"] = TARGETS["bf16_query_vs_fp8_query"]
+                verdicts = [_verdict(row["vs_fp8_query"], row["target_vs_fp8_query"], higher_is_better=False)]
         row["verdict"] = ("miss" if "miss" in verdicts else "pass") if verdicts else None
         out.append(row)
     return out
