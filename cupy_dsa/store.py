@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from . import launch, runtime
-from .contracts import check_aligned, check_contiguous, check_device, check_dtype, check_shape
+from .contracts import check_aligned, check_bool, check_contiguous, check_device, check_dtype, check_shape
 from .launch import F32, I32, I64, PTR
 from .layouts import FP8_MAX, FP8_MIN_AMAX, FP8_SCALE_OFFSET, HEAD_DIM, PAGE_SLOTS, ROPE_DIM, as_page_rows, layout_of
 
@@ -102,8 +102,7 @@ def _check_common(kv, cache, norm_weight, norm_bias, freqs_cis, eps, numerics, k
         raise ValueError(f"numerics: expected one of {tuple(_NUMERICS_ID)}, got {numerics!r}")
     if key_style not in _STYLE_ID:
         raise ValueError(f"key_style: expected one of {tuple(_STYLE_ID)}, got {key_style!r}")
-    if not isinstance(hadamard, bool):
-        raise TypeError(f"hadamard: expected a bool, got {type(hadamard).__name__}")
+    check_bool("hadamard", hadamard)
     if not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"eps: expected a non-negative float, got {eps!r}")
     if not isinstance(cache, torch.Tensor):
@@ -167,8 +166,7 @@ def _check_plan(kv, plan, out_loc, compress_ratio, is_decode):
                          f"got {out_loc.shape[0]}")
     check_contiguous("out_loc", out_loc)
     _check_device("out_loc", out_loc, kv.device)
-    if not isinstance(is_decode, bool):
-        raise TypeError(f"is_decode: expected a bool, got {type(is_decode).__name__}")
+    check_bool("is_decode", is_decode)
     if isinstance(compress_ratio, bool) or not isinstance(compress_ratio, int) or not 0 < compress_ratio < 2**31:
         raise ValueError(f"compress_ratio: expected a positive int, got {compress_ratio!r}")
 
