@@ -185,13 +185,10 @@ def store_index_k(kv, cache, *, positions, out_loc, norm_weight, freqs_cis, norm
     """
     layout = _check_common(kv, cache, norm_weight, norm_bias, freqs_cis, eps, numerics, key_style, hadamard)
     _check_direct(kv, positions, out_loc)
-    if not kv.is_cuda:
-        _store_reference(kv, cache, positions, out_loc, norm_weight, freqs_cis, norm_bias, eps, numerics,
-                         key_style, hadamard, layout)
+    if _stored_on_host(kv, lambda: _store_reference(kv, cache, positions, out_loc, norm_weight, freqs_cis,
+                                                    norm_bias, eps, numerics, key_style, hadamard, layout)):
         return
     n = kv.shape[0]
-    if n == 0:
-        return
     if out_loc.dtype == torch.int32:
         # the direct kernel's one run-time index width is that of positions; out_loc is read as int64
         out_loc = out_loc.to(torch.int64)
@@ -210,17 +207,23 @@ def store_index_k_from_plan(kv, plan, *, cache, out_loc, norm_weight, freqs_cis,
     """
     layout = _check_common(kv, cache, norm_weight, norm_bias, freqs_cis, eps, numerics, key_style, hadamard)
     _check_plan(kv, plan, out_loc, compress_ratio, is_decode)
-    if not kv.is_cuda:
-        positions, locs = plan_to_direct(plan, out_loc, is_decode=is_decode, compress_ratio=compress_ratio)
-        _store_reference(kv, cache, positions, locs, norm_weight, freqs_cis, norm_bias, eps, numerics,
-                         key_style, hadamard, layout)
+    if _stored_on_host(kv, lambda: _store_reference(
+            kv, cache, *plan_to_direct(plan, out_loc, is_decode=is_decode, compress_ratio=compress_ratio),
+            norm_weight, freqs_cis, norm_bias, eps, numerics, key_style, hadamard, layout)):
         return
     n = kv.shape[0]
-    if n == 0:
-        return
     _launch((layout, numerics, key_style, hadamard, kv.dtype, "decode" if is_decode else "prefill"), kv,
             as_page_rows(cache), plan, out_loc, norm_weight, norm_bias, freqs_cis, n, eps, compress_ratio,
             out_loc.dtype == torch.int64)
+
+
+def _stored_on_host(kv, reference) -> bool:
+    """Whether the call is done without a launch: CPU tensors run the torch ``reference()``; an empty batch has
+    nothing to store."""
+    if not kv.is_cuda:
+        reference()
+        return True
+    return kv.shape[0] == 0
 
 
 def _launch(problem, kv, rows, items, out_loc, norm_weight, norm_bias, freqs_cis, n, eps, ratio, idx64):
