@@ -40,6 +40,13 @@ def check_aligned(name: str, t: torch.Tensor, nbytes: int = 16) -> None:
                          f"vectors), got {t.data_ptr():#x}")
 
 
+def check_bool(name: str, v) -> bool:
+    """A bool (not a truthy value such as ``"yes"`` or 1)."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(v).__name__} {v!r}")
+    return bool(v)
+
+
 def check_int(name: str, v, lo: int = 0, hi: int = 2**31 - 1) -> int:
     """An int (not a bool) in ``[lo, hi]`` (by default one that a kernel's 32-bit argument holds)."""
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):

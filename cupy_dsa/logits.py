@@ -25,7 +25,7 @@ import functools
 import torch
 
 from . import launch, runtime
-from .contracts import check_aligned, check_contiguous, check_device, check_dtype, check_int
+from .contracts import check_aligned, check_bool, check_contiguous, check_device, check_dtype, check_int
 from .launch import I32, I64, PTR
 from .layouts import (BF16_PAGE_BYTES, FP8_PAGE_BYTES, HEAD_DIM, N_HEADS, PAGE_SLOTS, bf16_view, fp8_views,
                       layout_of)
@@ -39,6 +39,7 @@ _NEG_INF = float("-inf")
 _MODE_CAUSAL_1D, _MODE_LENS_2D, _MODE_KS_KE = 0, 1, 2
 _TILE_KEYS = 32         # keys per warp tile in the kernel
 _MAX_GRID_Y = 65535
+MAX_NEXT_N = 4          # query rows per request of the decode kernels (MTP draft tokens + 1)
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -326,9 +327,9 @@ def _alloc_out(out, rows, width, device):
 
 def _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len):
     check_dtype("q", q, _Q_DTYPES)
-    if q.dim() != 4 or q.shape[2] != N_HEADS or q.shape[3] != HEAD_DIM or not 1 <= q.shape[1] <= 4:
-        raise ValueError(f"q: expected shape [B, next_n, {N_HEADS}, {HEAD_DIM}] with next_n in 1..4, "
-                         f"got {tuple(q.shape)}")
+    if q.dim() != 4 or q.shape[2] != N_HEADS or q.shape[3] != HEAD_DIM or not 1 <= q.shape[1] <= MAX_NEXT_N:
+        raise ValueError(f"q: expected shape [B, next_n, {N_HEADS}, {HEAD_DIM}] with next_n an int in "
+                         f"[1, {MAX_NEXT_N}], got {tuple(q.shape)}")
     check_contiguous("q", q)
     device = q.device
     B, next_n = q.shape[0], q.shape[1]
@@ -358,6 +359,15 @@ def _check_context_lens(context_lens, B, next_n, device=None):
     check_contiguous("context_lens", context_lens)
 
 
+# A plan records, on the host at build time, the call it was made for; the op compares (no device read).
+_MADE_FOR = "_cupy_dsa_made_for"
+
+
+def _made_for(plan: torch.Tensor, what) -> torch.Tensor:
+    setattr(plan, _MADE_FOR, what)
+    return plan
+
+
 def _check_plan(plan, B, device, like="q"):
     if not isinstance(plan, torch.Tensor):
         raise TypeError(f"plan: expected the torch.Tensor of paged_mqa_logits_plan, got {type(plan).__name__}")
@@ -366,6 +376,13 @@ def _check_plan(plan, B, device, like="q"):
                          f"got {plan.dtype} {tuple(plan.shape)}")
     check_device("plan", plan, device, like)
     check_contiguous("plan", plan)
+
+
+def _check_plan_next_n(plan, next_n):
+    made = getattr(plan, _MADE_FOR, next_n)
+    if made != next_n:
+        raise ValueError(f"plan: made by paged_mqa_logits_plan(context_lens, next_n={made}), this call has "
+                         f"next_n {next_n} (q.shape[1]): build the plan with the call's next_n")
 
 
 def paged_mqa_logits_plan_reference(context_lens, next_n, *, out=None):
@@ -378,13 +395,11 @@ def paged_mqa_logits_plan_reference(context_lens, next_n, *, out=None):
         out = torch.empty(B + 1, dtype=torch.int64, device=context_lens.device)
     out[0] = 0
     torch.cumsum(pages, 0, out=out[1:])
-    return out
+    return _made_for(out, next_n)
 
 
 def _check_plan_args(context_lens, next_n, out):
-    next_n = check_int("next_n", next_n, 1)
-    if next_n > 4:
-        raise ValueError(f"next_n: expected 1..4, got {next_n}")
+    next_n = check_int("next_n", next_n, 1, MAX_NEXT_N)
     check_dtype("context_lens", context_lens, (torch.int32,))
     if context_lens.dim() == 0:
         raise ValueError(f"context_lens: expected shape [B] or [B, {next_n}], got a 0-d tensor")
@@ -537,9 +552,11 @@ def paged_mqa_logits_reference(q, kv_cache, weights, context_lens, block_table, 
                                clean_logits=False, out=None, plan=None):
     """Torch reference of :func:`paged_mqa_logits` (any device; writes -inf to every masked column; a
     ``plan`` is checked, not needed)."""
+    clean_logits = check_bool("clean_logits", clean_logits)
     layout, B, next_n, width = _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len)
     if plan is not None:
         _check_plan(plan, B, q.device)
+        _check_plan_next_n(plan, next_n)
     out = _alloc_out(out, B * next_n, width, q.device)
     out.fill_(_NEG_INF)
     if width == 0 or B == 0:
@@ -576,10 +593,12 @@ def mqa_logits_reference(q, kv, weights, ks, ke, *, block_table=None, cu_rows=No
                          clean_logits=True, rows=None, out=None):
     """Torch reference of :func:`mqa_logits` (any device; writes -inf to every masked column, and to the rows
     of no request of ``cu_rows``; a ``plan`` is checked, not needed)."""
+    clean_logits = check_bool("clean_logits", clean_logits)
     layout, bt, num_keys, width, start, end, cu_rows = _check_prefill(q, kv, weights, ks, ke, block_table,
                                                                       max_seqlen_k, rows, cu_rows)
     if plan is not None:
         _check_varlen_plan(plan, cu_rows, q.device)
+        _check_plan_rows(plan, rows, start, end)
     out = _alloc_out(out, end - start, width, q.device)
     out.fill_(_NEG_INF)
     if width == 0 or end == start:
@@ -661,7 +680,7 @@ def paged_mqa_logits_plan(context_lens, next_n, *, out=None):
     cfg = PLAN.select((), runtime.device_arch(context_lens.device.index))
     cfg.launch(context_lens.device, (1, 1, 1), lens=context_lens, lens_2d=int(context_lens.dim() == 2), batch=B,
                next_n=next_n, plan=out)
-    return out
+    return _made_for(out, next_n)
 
 
 _DECODE_GRID: dict[tuple, int] = {}
@@ -695,12 +714,14 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_contex
     lengths. Returns fp32 ``[B*next_n, max_context_len]`` (row stride a multiple of 4). Columns ``< len`` are
     valid; with ``clean_logits`` every other column is -inf, otherwise they are unspecified.
     """
+    clean_logits = check_bool("clean_logits", clean_logits)
     if not q.is_cuda:
         return paged_mqa_logits_reference(q, kv_cache, weights, context_lens, block_table, max_context_len,
                                           clean_logits=clean_logits, out=out, plan=plan)
     layout, B, next_n, width = _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len)
     if plan is not None:
         _check_plan(plan, B, q.device)
+        _check_plan_next_n(plan, next_n)
     out = _alloc_out(out, B * next_n, width, q.device)
     if B == 0 or width == 0:
         return out
@@ -746,7 +767,7 @@ def mqa_logits_plan(cu_rows, *, rows=None, out=None):
         out = torch.empty(B + 1, dtype=torch.int64, device=cu_rows.device)
     cfg = VARLEN_PLAN.select((), runtime.device_arch(cu_rows.device.index))
     cfg.launch(cu_rows.device, (1, 1, 1), cu_rows=cu_rows, batch=B, row_start=start, row_end=end, plan=out)
-    return out
+    return _made_for(out, None if rows is None else (start, end))
 
 
 def mqa_logits_plan_reference(cu_rows, *, rows=None, out=None):
@@ -761,7 +782,7 @@ def mqa_logits_plan_reference(cu_rows, *, rows=None, out=None):
         out = torch.empty(cu_rows.shape[0], dtype=torch.int64, device=cu_rows.device)
     out[0] = 0
     torch.cumsum(tiles, 0, out=out[1:])
-    return out
+    return _made_for(out, None if rows is None else (start, end))
 
 
 def _check_plan_cu_rows(cu_rows):
@@ -772,6 +793,17 @@ def _check_plan_cu_rows(cu_rows):
     if cu_rows.dim() != 1 or cu_rows.shape[0] < 1:
         raise ValueError(f"cu_rows: expected shape [batch + 1] (row offsets, batch >= 0), got {tuple(cu_rows.shape)}")
     check_contiguous("cu_rows", cu_rows)
+
+
+def _check_plan_rows(plan, rows, start, end):
+    """A varlen plan counts the tiles of the rows it was made for: every row (``rows=None``) or one chunk."""
+    if not hasattr(plan, _MADE_FOR):
+        return
+    made = getattr(plan, _MADE_FOR)
+    call = None if rows is None else (start, end)
+    if made != call:
+        raise ValueError(f"plan: made by mqa_logits_plan(cu_rows, rows={made}), this call has rows={call}: "
+                         "build the plan with the call's rows")
 
 
 def _check_varlen_plan(plan, cu_rows, device):
@@ -806,6 +838,7 @@ def mqa_logits(q, kv, weights, ks, ke, *, block_table=None, cu_rows=None, plan=N
     ``start..end-1`` only (a row chunk). ``clean_logits``: columns outside ``[ks, ke)`` are -inf (else
     unspecified). No host sync (a CPU ``cu_rows`` is checked on the host and copied, outside graph capture).
     """
+    clean_logits = check_bool("clean_logits", clean_logits)
     if not q.is_cuda:
         return mqa_logits_reference(q, kv, weights, ks, ke, block_table=block_table, cu_rows=cu_rows, plan=plan,
                                     max_seqlen_k=max_seqlen_k, clean_logits=clean_logits, rows=rows, out=out)
@@ -814,6 +847,7 @@ def mqa_logits(q, kv, weights, ks, ke, *, block_table=None, cu_rows=None, plan=N
     varlen = cu_rows is not None
     if plan is not None:
         _check_varlen_plan(plan, cu_rows, q.device)
+        _check_plan_rows(plan, rows, start, end)
     out = _alloc_out(out, end - start, width, q.device)
     n_rows = end - start
     batch = cu_rows.shape[0] - 1 if varlen else 1

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from . import launch, runtime
-from .contracts import check_aligned, check_contiguous, check_device, check_dtype, check_shape
+from .contracts import check_aligned, check_bool, check_contiguous, check_device, check_dtype, check_shape
 from .launch import F32, I32, I64, PTR
 from .layouts import FP8_MAX, FP8_MIN_AMAX, FP8_SCALE_OFFSET, HEAD_DIM, PAGE_SLOTS, ROPE_DIM, as_page_rows, layout_of
 
@@ -102,8 +102,7 @@ def _check_common(kv, cache, norm_weight, norm_bias, freqs_cis, eps, numerics, k
         raise ValueError(f"numerics: expected one of {tuple(_NUMERICS_ID)}, got {numerics!r}")
     if key_style not in _STYLE_ID:
         raise ValueError(f"key_style: expected one of {tuple(_STYLE_ID)}, got {key_style!r}")
-    if not isinstance(hadamard, bool):
-        raise TypeError(f"hadamard: expected a bool, got {type(hadamard).__name__}")
+    check_bool("hadamard", hadamard)
     if not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"eps: expected a non-negative float, got {eps!r}")
     if not isinstance(cache, torch.Tensor):
@@ -167,8 +166,7 @@ def _check_plan(kv, plan, out_loc, compress_ratio, is_decode):
                          f"got {out_loc.shape[0]}")
     check_contiguous("out_loc", out_loc)
     _check_device("out_loc", out_loc, kv.device)
-    if not isinstance(is_decode, bool):
-        raise TypeError(f"is_decode: expected a bool, got {type(is_decode).__name__}")
+    check_bool("is_decode", is_decode)
     if isinstance(compress_ratio, bool) or not isinstance(compress_ratio, int) or not 0 < compress_ratio < 2**31:
         raise ValueError(f"compress_ratio: expected a positive int, got {compress_ratio!r}")
 
@@ -187,13 +185,10 @@ def store_index_k(kv, cache, *, positions, out_loc, norm_weight, freqs_cis, norm
     """
     layout = _check_common(kv, cache, norm_weight, norm_bias, freqs_cis, eps, numerics, key_style, hadamard)
     _check_direct(kv, positions, out_loc)
-    if not kv.is_cuda:
-        _store_reference(kv, cache, positions, out_loc, norm_weight, freqs_cis, norm_bias, eps, numerics,
-                         key_style, hadamard, layout)
+    if _stored_on_host(kv, lambda: _store_reference(kv, cache, positions, out_loc, norm_weight, freqs_cis,
+                                                    norm_bias, eps, numerics, key_style, hadamard, layout)):
         return
     n = kv.shape[0]
-    if n == 0:
-        return
     if out_loc.dtype == torch.int32:
         # the direct kernel's one run-time index width is that of positions; out_loc is read as int64
         out_loc = out_loc.to(torch.int64)
@@ -212,17 +207,23 @@ def store_index_k_from_plan(kv, plan, *, cache, out_loc, norm_weight, freqs_cis,
     """
     layout = _check_common(kv, cache, norm_weight, norm_bias, freqs_cis, eps, numerics, key_style, hadamard)
     _check_plan(kv, plan, out_loc, compress_ratio, is_decode)
-    if not kv.is_cuda:
-        positions, locs = plan_to_direct(plan, out_loc, is_decode=is_decode, compress_ratio=compress_ratio)
-        _store_reference(kv, cache, positions, locs, norm_weight, freqs_cis, norm_bias, eps, numerics,
-                         key_style, hadamard, layout)
+    if _stored_on_host(kv, lambda: _store_reference(
+            kv, cache, *plan_to_direct(plan, out_loc, is_decode=is_decode, compress_ratio=compress_ratio),
+            norm_weight, freqs_cis, norm_bias, eps, numerics, key_style, hadamard, layout)):
         return
     n = kv.shape[0]
-    if n == 0:
-        return
     _launch((layout, numerics, key_style, hadamard, kv.dtype, "decode" if is_decode else "prefill"), kv,
             as_page_rows(cache), plan, out_loc, norm_weight, norm_bias, freqs_cis, n, eps, compress_ratio,
             out_loc.dtype == torch.int64)
+
+
+def _stored_on_host(kv, reference) -> bool:
+    """Whether the call is done without a launch: CPU tensors run the torch ``reference()``; an empty batch has
+    nothing to store."""
+    if not kv.is_cuda:
+        reference()
+        return True
+    return kv.shape[0] == 0
 
 
 def _launch(problem, kv, rows, items, out_loc, norm_weight, norm_bias, freqs_cis, n, eps, ratio, idx64):

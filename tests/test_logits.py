@@ -311,6 +311,37 @@ def test_plan_bad_input(change, exc, name):
         paged_mqa_logits_plan(**kw)
 
 
+def test_next_n_errors_share_one_wording():
+    q, cache, deq, w, ctx, bt = random_paged_case(B=2, next_n=1, max_pages=2, P=4, layout="bf16", q_dtype=FP8,
+                                                  lens_2d=False)
+    with pytest.raises(ValueError, match=r"^next_n: expected an int in \[1, 4\], got 5$"):
+        paged_mqa_logits_plan(ctx, 5)
+    q5 = torch.zeros(2, 5, 64, 128, dtype=FP8)
+    with pytest.raises(ValueError, match=r"^q: expected shape \[B, next_n, 64, 128\] with next_n an int in \[1, 4\]"):
+        paged_mqa_logits(q5, cache, torch.zeros(10, 64), ctx, bt, 2 * PS)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_clean_logits_must_be_a_bool(value):
+    q, cache, deq, w, ctx, bt = random_paged_case(B=2, next_n=1, max_pages=2, P=4, layout="bf16", q_dtype=FP8,
+                                                  lens_2d=False)
+    with pytest.raises(TypeError, match=f"^clean_logits: expected a bool, got {type(value).__name__}"):
+        paged_mqa_logits(q, cache, w, ctx, bt, 2 * PS, clean_logits=value)
+    with pytest.raises(TypeError, match="^clean_logits: expected a bool"):
+        mqa_logits(**_varlen_args(), clean_logits=value)
+
+
+def test_paged_plan_is_checked_against_its_next_n(seed):
+    q, cache, deq, w, ctx, bt = random_paged_case(B=3, next_n=1, max_pages=4, P=9, layout="bf16", q_dtype=FP8,
+                                                  lens_2d=False)
+    with pytest.raises(ValueError, match=r"^plan: made by paged_mqa_logits_plan\(context_lens, next_n=2\), this "
+                                         r"call has next_n 1"):
+        paged_mqa_logits(q, cache, w, ctx, bt, 4 * PS, plan=paged_mqa_logits_plan(ctx, 2))
+    reused = paged_mqa_logits_plan(ctx, 2, out=torch.empty(4, dtype=torch.int64))
+    paged_mqa_logits_plan(ctx, 1, out=reused)  # a reused buffer records its latest build
+    paged_mqa_logits(q, cache, w, ctx, bt, 4 * PS, plan=reused)
+
+
 # --------------------------------------------------------------------------------------------------
 # Bad input
 # --------------------------------------------------------------------------------------------------
@@ -896,6 +927,19 @@ def test_varlen_bad_input(change, exc, name):
     args.update(change)
     with pytest.raises(exc, match=name):
         mqa_logits(**args)
+
+
+def test_varlen_plan_is_checked_against_its_rows():
+    args = _varlen_args()
+    cu = args["cu_rows"]
+    n = args["q"].shape[0]
+    with pytest.raises(ValueError, match=r"^plan: made by mqa_logits_plan\(cu_rows, rows=None\), this call has "
+                                         r"rows=\(1, 3\)"):
+        mqa_logits(**args, plan=mqa_logits_plan(cu), rows=(1, 3))
+    with pytest.raises(ValueError, match=r"rows=\(0, 2\)\), this call has rows=None"):
+        mqa_logits(**args, plan=mqa_logits_plan(cu, rows=(0, 2)))
+    assert torch.equal(mqa_logits(**args, plan=mqa_logits_plan(cu, rows=(1, n)), rows=(1, n)),
+                       mqa_logits(**args, rows=(1, n)))
 
 
 def test_varlen_plan_bad_input():

@@ -740,3 +740,101 @@ def test_gpu_plugin_path_eager_and_graph(seed):
     exp_idx = torch.where(out_raw.long() >= 0, gpt.long().gather(1, out_raw.long().clamp(min=0) // 64) * 64
                           + out_raw.long() % 64, -1)
     assert torch.equal(out_idx.long(), exp_idx), "page indices are not the slot transform of the raw indices"
+
+
+# --------------------------------------------------------------------------------------------------
+# python -m cupy_dsa.sglang check
+# --------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def self_check(monkeypatch):
+    """The check with SGLang matching its fingerprint and no GPU, unless a test says otherwise; returns
+    run() as (exit code, {status: [lines]})."""
+    from cupy_dsa.sglang import check, guard
+
+    monkeypatch.setattr(guard, "compatibility_problems", lambda: [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+
+    def run():
+        code, lines = check.run()
+        by_status = {}
+        for status, text in lines:
+            by_status.setdefault(status, []).append(text)
+        return code, by_status
+
+    yield run
+    core.reset_mode()
+
+
+def test_check_switch_off(self_check):
+    code, lines = self_check()
+    assert any(f"{ENV} unset -> fp8: the switch is off" in t for t in lines["ok"]), lines
+    assert any("entry point cupy_dsa = cupy_dsa.sglang.plugin:register" in t for t in lines["ok"]), lines
+    assert any(t.startswith("server flag --cupy-dsa-index-k-dtype {fp8,bf16,bf16-fp4sim}") for t in lines["ok"])
+    assert lines["PROBLEM"] == [p for p in lines["PROBLEM"] if p.startswith("no CUDA GPU visible")] != [], lines
+    assert code == 1
+
+
+def test_check_bf16_on_everything_holds(self_check, monkeypatch):
+    from cupy_dsa.sglang import check
+
+    monkeypatch.setenv(ENV, "BF16")
+    monkeypatch.setenv("SGLANG_PLUGINS", "other, cupy_dsa")
+    monkeypatch.setattr(check, "_gpu_lines", lambda mode: [(check.OK, f"gpu checked for {mode}")])
+    code, lines = self_check()
+    assert "PROBLEM" not in lines and code == 0, lines
+    assert f"{ENV}=BF16 -> bf16: bf16 index keys (exact numerics)" in lines["ok"], lines
+    assert any("the flag must name the same mode or start-up is refused" in t for t in lines["ok"]), lines
+    assert "gpu checked for bf16" in lines["ok"]
+
+
+def test_check_bad_mode_and_plugin_filter(self_check, monkeypatch):
+    monkeypatch.setenv(ENV, "bf17")
+    monkeypatch.setenv("SGLANG_PLUGINS", "other")
+    code, lines = self_check()
+    assert any(t.startswith(f"{ENV}='bf17': expected one of fp8, bf16, bf16-fp4sim") and "start-up is refused" in t
+               for t in lines["PROBLEM"]), lines
+    assert any(t.startswith("SGLANG_PLUGINS='other' does not list cupy_dsa") for t in lines["PROBLEM"]), lines
+    assert code == 1
+
+
+def test_check_fingerprint_mismatch(self_check, monkeypatch):
+    from cupy_dsa.sglang import check, guard
+
+    problems = ["found SGLang 0.5.23, but its code differs from the release the hooks were written for",
+                "sglang.x.f: source differs from SGLang 0.5.23's (sha256 1, expected 2)"]
+    monkeypatch.setattr(guard, "compatibility_problems", lambda: problems)
+    monkeypatch.setattr(check, "_gpu_lines", lambda mode: [])
+    monkeypatch.setenv(ENV, "bf16")
+    code, lines = self_check()
+    (line,) = lines["PROBLEM"]
+    assert line.startswith(problems[0]) and "- sglang.x.f: source differs" in line, line
+    assert "pip install sglang==0.5.23" in line and f"{ENV}=fp8" in line, line
+    assert code == 1
+    monkeypatch.setenv(ENV, "fp8")
+    core.reset_mode()
+    code, lines = self_check()
+    assert "PROBLEM" not in lines and any(t.startswith(problems[0]) for t in lines["note"]) and code == 0, lines
+
+
+def test_check_command_prints_lines_and_exit_code(self_check):
+    from click.testing import CliRunner
+
+    from cupy_dsa.sglang.__main__ import main
+
+    res = CliRunner().invoke(main, ["check"])
+    assert res.exit_code == 1, res.output
+    assert "PROBLEM  no CUDA GPU visible: a server cannot run here" in res.output, res.output
+    assert res.output.rstrip().endswith("problems above; fix them before starting the server"), res.output
+
+
+@pytest.mark.gpu
+def test_gpu_check_self_test():
+    from cupy_dsa.sglang import check
+
+    for mode in ("bf16", "bf16-fp4sim"):
+        assert check.self_test(torch.device("cuda"), mode) <= check.SELF_TEST_TOLERANCE
+    code, lines = check.run()
+    assert any("store + logits match the CPU reference" in t for s, t in lines if s == check.OK), lines

@@ -295,6 +295,17 @@ def _prefill_plan(seq_lens, ragged):
     return torch.from_numpy(rows)
 
 
+def _check_plan_store(seed, layout, num_pages, inp, plan, loc, pos, row_locs, valid, **plan_kw):
+    """Store through ``plan`` into a poisoned cache: exactly the ``valid`` rows land at ``row_locs``."""
+    cache = poisoned(num_pages, layout)
+    cache0 = cache.clone()
+    store.store_index_k_from_plan(inp["kv"], plan, cache=cache, out_loc=loc, norm_weight=inp["norm_weight"],
+                                  freqs_cis=inp["freqs_cis"], **plan_kw)
+    exp = _expected_after(cache0, layout, inp["kv"], pos, row_locs, inp, valid=valid)
+    nbad = (cache != exp).sum().item()
+    assert nbad == 0, f"seed {seed}: {nbad} bytes differ ({valid.sum()} valid rows)"
+
+
 @pytest.mark.parametrize("layout", ["bf16", "fp8"])
 @pytest.mark.parametrize("loc_dtype", [torch.int64, torch.int32])
 def test_decode_plan(seed, layout, loc_dtype):
@@ -303,16 +314,11 @@ def test_decode_plan(seed, layout, loc_dtype):
     seq = [int(v) for v in torch.randint(1, max_pos, (n,))]
     seq[0], seq[1], seq[2], seq[3] = 0, 4, 8, 5  # 0 -> position -4 (skip); 4 -> position 0
     loc = unique_locs(n + 5, num_pages).to(loc_dtype)  # longer than the plan: only the first n are used
-    plan = _decode_plan(seq)
-    cache = poisoned(num_pages, layout)
-    cache0 = cache.clone()
-    store.store_index_k_from_plan(inp["kv"], plan, cache=cache, out_loc=loc, norm_weight=inp["norm_weight"],
-                                  freqs_cis=inp["freqs_cis"], is_decode=True, compress_ratio=4)
     pos = torch.tensor([s - 4 for s in seq])
     valid = torch.tensor([s % 4 == 0 and s >= 4 for s in seq])
-    exp = _expected_after(cache0, layout, inp["kv"], pos, loc[:n].long(), inp, valid=valid)
-    nbad = (cache != exp).sum().item()
-    assert valid.sum() > 3 and nbad == 0, f"seed {seed}: {nbad} bytes differ ({valid.sum()} valid rows)"
+    assert valid.sum() > 3
+    _check_plan_store(seed, layout, num_pages, inp, _decode_plan(seq), loc, pos, loc[:n].long(), valid,
+                      is_decode=True, compress_ratio=4)
 
 
 @pytest.mark.parametrize("layout", ["bf16", "fp8"])
@@ -326,17 +332,11 @@ def test_prefill_plan(seed, layout, loc_dtype):
     seq[1] = 2  # position -2: skipped although the plan row is valid
     ragged = [int(v) for v in torch.randperm(n + 10)[:n]]
     loc = unique_locs(n + 10, num_pages).to(loc_dtype)
-    plan = _prefill_plan(seq, ragged)
-    cache = poisoned(num_pages, layout)
-    cache0 = cache.clone()
-    store.store_index_k_from_plan(inp["kv"], plan, cache=cache, out_loc=loc, norm_weight=inp["norm_weight"],
-                                  freqs_cis=inp["freqs_cis"], is_decode=False)
     pos = torch.tensor([(s - 4) if s != 0xFFFFFFFF else -1 for s in seq])
     rloc = torch.tensor([int(loc[r]) for r in ragged])
     valid = torch.tensor([s != 0xFFFFFFFF and s >= 4 for s in seq])
-    exp = _expected_after(cache0, layout, inp["kv"], pos, rloc, inp, valid=valid)
-    nbad = (cache != exp).sum().item()
-    assert nbad == 0, f"seed {seed}: {nbad} bytes differ ({valid.sum()} valid rows)"
+    _check_plan_store(seed, layout, num_pages, inp, _prefill_plan(seq, ragged), loc, pos, rloc, valid,
+                      is_decode=False)
 
 
 def test_typed_cache_views():

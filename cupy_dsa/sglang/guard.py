@@ -162,17 +162,20 @@ def off_hint() -> str:
             f"and drop {CLI_FLAG} / the {CLI_FLAG[2:]} --config key.")
 
 
+def remedy(problems: list[str]) -> str:
+    """What to do about :func:`compatibility_problems`."""
+    if "do not import" in problems[0] and "differs" not in problems[0]:
+        return "Make SGLang importable (the errors above) before turning the switch on."
+    return f"Install a supported SGLang: pip install sglang=={SUPPORTED_SGLANG[-1]}."
+
+
 def refusal_message(mode: str, problems: list[str], patched_so_far: str) -> str:
     """The start-up refusal for :func:`compatibility_problems`; ``patched_so_far`` says what of cupy_dsa is
     already in SGLang in this process."""
     supported = ", ".join(SUPPORTED_SGLANG)
-    if "do not import" in problems[0] and "differs" not in problems[0]:
-        remedy = "Make SGLang importable (the errors above) before turning the switch on. "
-    else:
-        remedy = f"Install a supported SGLang: pip install sglang=={SUPPORTED_SGLANG[-1]}. "
     return (f"cupy_dsa ({ENV_NAME}={mode}): refusing to start. The bf16 index-key hooks were written for "
             f"SGLang {supported}; " + problems[0] + "." + "".join(f"\n  - {p}" for p in problems[1:])
-            + f"\n{patched_so_far} " + remedy + off_hint())
+            + f"\n{patched_so_far} " + remedy(problems) + " " + off_hint())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,211 @@
+"""``python -m cupy_dsa.sglang check``: whether a SGLang server started in this environment gets cupy_dsa's bf16
+index keys, one ``ok`` / ``PROBLEM`` / ``note`` line per fact, each problem with what to do. Exit code 0 when
+everything the server needs holds.
+
+Checks, in order: SGLang's plugin loader finds cupy_dsa (entry point group, ``SGLANG_PLUGINS``), the mode from
+``SGLANG_CUPY_DSA_INDEX_K`` and the CLI flag, the installed SGLang against the hooks' fingerprint, the GPUs and
+their archs, and on each GPU the kernels the mode uses (compiled and loaded) and a small store + logits run
+against the CPU reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+
+import torch
+
+from .. import layouts
+from . import core
+from .core import CLI_FLAG, ENV_NAME, MODES
+
+ENTRY_POINT_GROUP = "sglang.srt.plugins"
+ENTRY_POINT = "cupy_dsa.sglang.plugin:register"
+PLUGINS_FILTER = "SGLANG_PLUGINS"
+RUN_TESTED_ARCHS = ("sm_90",)                                # H200
+COMPILE_TESTED_ARCHS = ("sm_80", "sm_89", "sm_100", "sm_120")  # tests/test_compile.py
+
+OK, PROBLEM, NOTE = "ok", "PROBLEM", "note"
+
+
+def _loader_lines() -> list[tuple[str, str]]:
+    ours = [ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == "cupy_dsa"]
+    if not ours:
+        return [(PROBLEM, f"no cupy_dsa entry point in group {ENTRY_POINT_GROUP}: SGLang's load_plugins() will not "
+                          "load cupy_dsa. Install the package (pip install -e . in the cupy_dsa checkout) into "
+                          "the Python that runs the server.")]
+    lines = []
+    if ours[0].value != ENTRY_POINT:
+        lines.append((PROBLEM, f"the cupy_dsa entry point is {ours[0].value!r}, expected {ENTRY_POINT!r}: reinstall "
+                               "cupy_dsa (a stale install is first on the path)."))
+    else:
+        lines.append((OK, f"entry point cupy_dsa = {ENTRY_POINT} in group {ENTRY_POINT_GROUP}"))
+    allowed = os.environ.get(PLUGINS_FILTER, "")
+    names = {x.strip() for x in allowed.split(",") if x.strip()}
+    if allowed and "cupy_dsa" not in names:
+        lines.append((PROBLEM, f"{PLUGINS_FILTER}={allowed!r} does not list cupy_dsa: SGLang skips it. Add cupy_dsa "
+                               f"to {PLUGINS_FILTER}, or unset it."))
+    elif allowed:
+        lines.append((OK, f"{PLUGINS_FILTER}={allowed!r} lists cupy_dsa"))
+    else:
+        lines.append((OK, f"{PLUGINS_FILTER} unset: SGLang loads every installed plugin, cupy_dsa included"))
+    return lines
+
+
+def _mode_lines() -> tuple[str | None, list[tuple[str, str]]]:
+    """(mode, lines); mode None when the variable's value is refused."""
+    from . import hooks
+
+    raw = os.environ.get(ENV_NAME)
+    try:
+        mode = core.parse_mode(raw)
+    except ValueError as e:
+        return None, [(PROBLEM, f"{e}. SGLang start-up is refused with this value: set {ENV_NAME} to one of "
+                                f"{', '.join(MODES)}.")]
+    if mode == "fp8":
+        shown = f"{ENV_NAME}={raw}" if raw and raw.strip() else f"{ENV_NAME} unset"
+        lines = [(OK, f"{shown} -> fp8: the switch is off, SGLang runs unchanged with its fp8 "
+                      f"index keys (set {ENV_NAME}=bf16 or pass {CLI_FLAG} bf16 to turn it on)")]
+    else:
+        lines = [(OK, f"{ENV_NAME}={raw} -> {mode}: bf16 index keys ({core.numerics_of(mode)} numerics)")]
+    parser = argparse.ArgumentParser()
+    hooks._add_cli_args_hook(None, parser)
+    flag = [a for a in parser._actions if CLI_FLAG in a.option_strings]
+    if flag and tuple(flag[0].choices) == MODES:
+        rule = (f"with {ENV_NAME} set, the flag must name the same mode or start-up is refused" if raw and raw.strip()
+                else f"it sets {ENV_NAME} in the launcher before the schedulers start")
+        lines.append((OK, f"server flag {CLI_FLAG} {{{','.join(MODES)}}} (also a --config key): {rule}"))
+    else:
+        lines.append((PROBLEM, f"the {CLI_FLAG} flag hook did not add the flag with choices {MODES}: reinstall cupy_dsa."))
+    return mode, lines
+
+
+def _sglang_lines(mode: str | None) -> list[tuple[str, str]]:
+    from . import guard
+
+    try:
+        version = guard.sglang_version()
+    except Exception as e:  # noqa: BLE001 - not installed, or broken metadata
+        return [(PROBLEM, f"SGLang is not importable here ({type(e).__name__}: {e}): pip install "
+                          f"sglang=={guard.SUPPORTED_SGLANG[-1]}")]
+    problems = guard.compatibility_problems()
+    if not problems:
+        return [(OK, f"SGLang {version}: every function the hooks wrap, replace or call matches the fingerprint")]
+    # with the switch off the server runs SGLang unchanged; turning it on would be refused
+    status = NOTE if mode == "fp8" else PROBLEM
+    details = "".join(f"\n{'':9}- {p}" for p in problems[1:])
+    return [(status, f"{problems[0]} (the hooks were written for SGLang {', '.join(guard.SUPPORTED_SGLANG)}): "
+                     f"start-up with bf16 index keys is refused.{details}\n{'':9}{guard.remedy(problems)} Or run "
+                     f"with {ENV_NAME}=fp8 (SGLang unchanged).")]
+
+
+def _gpu_lines(mode: str | None) -> list[tuple[str, str]]:
+    from cupy_dsa import runtime
+
+    if not torch.cuda.is_available():
+        return [(PROBLEM, "no CUDA GPU visible: a server cannot run here (check CUDA_VISIBLE_DEVICES and the "
+                          "driver, torch.cuda.is_available() is False)")]
+    lines = []
+    for idx in range(torch.cuda.device_count()):
+        name = torch.cuda.get_device_name(idx)
+        arch = runtime.device_arch(idx)
+        number = int(arch[3:])
+        if number < runtime.MIN_ARCH:
+            lines.append((PROBLEM, f"cuda:{idx} {name} ({arch}): below sm_{runtime.MIN_ARCH}, the kernels do not "
+                                   f"build (bf16 tensor-core mma and cp.async); use an sm_{runtime.MIN_ARCH}+ GPU "
+                                   f"or {ENV_NAME}=fp8"))
+            continue
+        if arch in RUN_TESTED_ARCHS:
+            lines.append((OK, f"cuda:{idx} {name} ({arch}): run-tested"))
+        elif arch in COMPILE_TESTED_ARCHS:
+            lines.append((NOTE, f"cuda:{idx} {name} ({arch}): the kernels are compile-tested only on this arch "
+                                "(run-tested: sm_90); the self-test below is the first run"))
+        else:
+            lines.append((NOTE, f"cuda:{idx} {name} ({arch}): neither run- nor compile-tested "
+                                f"(run: {', '.join(RUN_TESTED_ARCHS)}; compile: {', '.join(COMPILE_TESTED_ARCHS)})"))
+        lines += _device_self_test(idx, mode if mode not in (None, "fp8") else "bf16")
+    return lines
+
+
+def _device_self_test(idx: int, mode: str) -> list[tuple[str, str]]:
+    """Warm the mode's kernels on ``cuda:idx``, then store 128 keys and score 2 rows against the CPU path."""
+    device = torch.device("cuda", idx)
+    saved = os.environ.get(ENV_NAME)
+    try:
+        core.set_mode(mode)
+        core.ensure_warm(device)
+    except Exception as e:  # noqa: BLE001 - a compile or load failure is the finding
+        return [(PROBLEM, f"cuda:{idx}: compiling the {mode} kernels failed ({type(e).__name__}: {e})")]
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_NAME, None)
+        else:
+            os.environ[ENV_NAME] = saved
+        core.reset_mode()
+    lines = [(OK, f"cuda:{idx}: the {mode} store and logits kernels compile and load")]
+    try:
+        worst = self_test(device, mode)
+    except Exception as e:  # noqa: BLE001 - a launch failure is the finding
+        return lines + [(PROBLEM, f"cuda:{idx}: the store + logits self-test failed ({type(e).__name__}: {e})")]
+    if worst > SELF_TEST_TOLERANCE:
+        return lines + [(PROBLEM, f"cuda:{idx}: store + logits differ from the CPU reference by {worst:.2e} "
+                                  f"(relative, limit {SELF_TEST_TOLERANCE:.0e}): do not serve with bf16 keys here")]
+    return lines + [(OK, f"cuda:{idx}: store + logits match the CPU reference (worst relative error {worst:.1e})")]
+
+
+SELF_TEST_TOLERANCE = 2e-3
+
+
+def self_test(device: torch.device, mode: str) -> float:
+    """Store 128 keys (two pages) through a prefill plan, score 2 rows of fp8 q over them, on ``device`` and on
+    the CPU reference; the largest logit difference relative to the row's largest reference logit."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(0)
+    n_pages, n_tok = 2, 128
+    kv = torch.randn(n_tok, 128, generator=gen)
+    ang = torch.rand(4 * n_tok + 4, 32, generator=gen) * 6.2831853
+    freq_cis = torch.polar(torch.ones_like(ang), ang)
+    norm_w = torch.rand(128, generator=gen) + 0.5
+    rows = np.zeros(n_tok, dtype=[("seq", "<u4"), ("rid", "<u2"), ("blen", "<u2"), ("p0", "<i4"), ("p1", "<i4")])
+    rows["seq"], rows["rid"], rows["blen"] = (np.arange(n_tok) + 1) * 4, np.arange(n_tok), 4
+    plan = torch.from_numpy(rows.view(np.uint8).reshape(n_tok, 16).copy())
+    out_loc = torch.arange(n_tok, dtype=torch.int64)
+    q = torch.randn(2, 64, 128, generator=gen).to(torch.float8_e4m3fn)
+    w = torch.rand(2, 64, generator=gen)
+    lens = torch.tensor([70, n_tok], dtype=torch.int32)
+    page_table = torch.tensor([[1, 0], [0, 1]], dtype=torch.int32)
+    logits = []
+    for dev in (torch.device("cpu"), device):
+        cache = torch.zeros(n_pages, layouts.BF16_PAGE_BYTES, dtype=torch.uint8, device=dev)
+        core.store_index_k_bf16(kv.to(dev), plan.to(dev), is_decode=False, compress_ratio=4,
+                                norm_weight=norm_w.to(dev), norm_eps=1e-6, freq_cis=freq_cis.to(dev),
+                                out_loc=out_loc.to(dev), kvcache=cache, mode=mode)
+        logits.append(core.paged_logits(q.to(dev), w.to(dev), lens.to(dev), page_table.to(dev), cache, n_tok,
+                                        slice(0, 2)).cpu())
+    ref, got = logits
+    worst = 0.0
+    for r, n in enumerate(lens.tolist()):
+        scale = ref[r, :n].abs().max().item() + 1e-6
+        worst = max(worst, (got[r, :n] - ref[r, :n]).abs().max().item() / scale)
+    return worst
+
+
+def run() -> tuple[int, list[tuple[str, str]]]:
+    """(exit code, lines)."""
+    lines = _loader_lines()
+    mode, mode_lines = _mode_lines()
+    lines += mode_lines
+    lines += _sglang_lines(mode)
+    lines += _gpu_lines(mode)
+    return (1 if any(status == PROBLEM for status, _ in lines) else 0), lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    code, lines = run()
+    for status, text in lines:
+        print(f"{status:<8} {text}")
+    print("cupy_dsa check: " + ("everything a bf16-capable server needs holds" if code == 0 else
+                                "problems above; fix them before starting the server"))
+    return code
