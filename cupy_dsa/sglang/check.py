@@ -68,7 +68,8 @@ def _mode_lines() -> tuple[str | None, list[tuple[str, str]]]:
         lines = [(OK, f"{shown} -> fp8: the switch is off, SGLang runs unchanged with its fp8 "
                       f"index keys (set {ENV_NAME}=bf16 or pass {CLI_FLAG} bf16 to turn it on)")]
     else:
-        lines = [(OK, f"{ENV_NAME}={raw} -> {mode}: bf16 index keys ({core.numerics_of(mode)} numerics)")]
+        lines = [(OK, f"{ENV_NAME}={raw} -> {mode}: bf16 index keys ({core.numerics_of(mode)} numerics), "
+                       f"{'SGLang' + chr(39) + 's fp8 query' if core.query_is_fp8(mode) else 'DeepSeek-V4 reference query (FP4-simulated bf16)'}")]
     parser = argparse.ArgumentParser()
     hooks._add_cli_args_hook(None, parser)
     flag = [a for a in parser._actions if CLI_FLAG in a.option_strings]
