@@ -772,7 +772,7 @@ def test_check_switch_off(self_check):
     code, lines = self_check()
     assert any(f"{ENV} unset -> fp8: the switch is off" in t for t in lines["ok"]), lines
     assert any("entry point cupy_dsa = cupy_dsa.sglang.plugin:register" in t for t in lines["ok"]), lines
-    assert any(t.startswith("server flag --cupy-dsa-index-k-dtype {fp8,bf16,bf16-fp4sim}") for t in lines["ok"])
+    assert any(t.startswith("server flag --cupy-dsa-index-k-dtype {fp8,bf16,bf16-fp4sim,bf16-reference}") for t in lines["ok"])
     assert lines["PROBLEM"] == [p for p in lines["PROBLEM"] if p.startswith("no CUDA GPU visible")] != [], lines
     assert code == 1
 
@@ -785,7 +785,7 @@ def test_check_bf16_on_everything_holds(self_check, monkeypatch):
     monkeypatch.setattr(check, "_gpu_lines", lambda mode: [(check.OK, f"gpu checked for {mode}")])
     code, lines = self_check()
     assert "PROBLEM" not in lines and code == 0, lines
-    assert f"{ENV}=BF16 -> bf16: bf16 index keys (exact numerics)" in lines["ok"], lines
+    assert f"{ENV}=BF16 -> bf16: bf16 index keys (exact numerics), SGLang's fp8 query" in lines["ok"], lines
     assert any("the flag must name the same mode or start-up is refused" in t for t in lines["ok"]), lines
     assert "gpu checked for bf16" in lines["ok"]
 
