@@ -59,6 +59,8 @@ STUBBED = _sglang_env.install_kernel_stubs()
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from bench.timing import capture_graph  # noqa: E402  (the checkout's bench/, installed as cupy_dsa.bench)
+
 TOPK = 512
 N_PAGES = 96          # C4 index pages of the pool (64 compressed tokens each)
 PAGES_PER_REQ = 24    # page-table width (max compressed length 1536)
@@ -384,20 +386,12 @@ def indexer_phase(name, sg, worlds, batch, tokens, mode, batch_size, g, expect_k
 
 
 def capture_or_run(step, capture, what):
-    """With ``capture``: two warm-up runs on a side stream, then one CUDA-graph capture of ``step`` (returned);
+    """With ``capture``: ``capture_graph`` (two warm-up runs, one CUDA-graph capture of ``step``, returned);
     else one eager run (None)."""
     if not capture:
         step()
         return None
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture_graph(step)
     torch.cuda.synchronize()
     log(f"  {what} captured in one CUDA graph")
     return graph
