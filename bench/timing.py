@@ -24,6 +24,21 @@ class Timing:
     method: str             # "cuda-graph" | "cuda-events" | "cpu"
 
 
+def capture_graph(step: Callable[[], object], warmups: int = 2):
+    """``warmups`` runs of ``step`` on a side stream (compiles, allocator pools), then one CUDA-graph capture of
+    it; returns ``(graph, what the captured step returned)``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = step()
+    return graph, result
+
+
 def l2_bytes(device: torch.device) -> int:
     if device.type != "cuda":
         return 0

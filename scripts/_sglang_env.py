@@ -43,26 +43,38 @@ class _Dummy:
 
 
 class _StubModule(types.ModuleType):
+    dummy = _Dummy  # what the module's attributes are
+
     def __getattr__(self, item):
         if item.startswith("__") and item.endswith("__"):
             raise AttributeError(item)
-        return _Dummy(f"{self.__name__}.{item}")
+        return self.dummy(f"{self.__name__}.{item}")
 
 
-class _TorchvisionStubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves every module of the top-level packages ``names`` as a ``module_type`` stub."""
+
+    def __init__(self, names, module_type):
+        self.names = tuple(names)
+        self.module_type = module_type
+
     def find_spec(self, fullname, path=None, target=None):
-        if fullname == "torchvision" or fullname.startswith("torchvision."):
+        if fullname.split(".")[0] in self.names:
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
     def create_module(self, spec):
-        module = _StubModule(spec.name)
+        module = self.module_type(spec.name)
         module.__path__ = []
         module.__version__ = "0.0.0+cupy_dsa_stub"
         return module
 
     def exec_module(self, module):
         pass
+
+
+def _finder_installed(module_type) -> bool:
+    return any(isinstance(f, _StubFinder) and f.module_type is module_type for f in sys.meta_path)
 
 
 def _real_torchvision_works() -> bool:
@@ -80,11 +92,11 @@ def _real_torchvision_works() -> bool:
 
 def install() -> None:
     """Install the stub finder once (before ``import sglang``), unless a working torchvision exists."""
-    if any(isinstance(f, _TorchvisionStubFinder) for f in sys.meta_path):
+    if _finder_installed(_StubModule):
         return
     if "torchvision" in sys.modules or _real_torchvision_works():
         return
-    sys.meta_path.insert(0, _TorchvisionStubFinder())
+    sys.meta_path.insert(0, _StubFinder(("torchvision",), _StubModule))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -112,38 +124,16 @@ class _KernelDummy(_Dummy):
         return _KernelDummy(f"{self._name}()")
 
 
-class _KernelStubModule(types.ModuleType):
-    def __getattr__(self, item):
-        if item.startswith("__") and item.endswith("__"):
-            raise AttributeError(item)
-        return _KernelDummy(f"{self.__name__}.{item}")
-
-
-class _KernelStubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, names):
-        self.names = tuple(names)
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname.split(".")[0] in self.names:
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = _KernelStubModule(spec.name)
-        module.__path__ = []
-        module.__version__ = "0.0.0+cupy_dsa_stub"
-        return module
-
-    def exec_module(self, module):
-        pass
+class _KernelStubModule(_StubModule):
+    dummy = _KernelDummy
 
 
 def install_kernel_stubs(names=KERNEL_PACKAGES) -> list[str]:
     """Serve imports of the kernel packages among ``names`` that are not installed (before ``import
     sglang``); returns the stubbed names."""
     missing = [n for n in names if n not in sys.modules and importlib.util.find_spec(n) is None]
-    if missing and not any(isinstance(f, _KernelStubFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _KernelStubFinder(missing))
+    if missing and not _finder_installed(_KernelStubModule):
+        sys.meta_path.insert(0, _StubFinder(missing, _KernelStubModule))
     return missing
 
 

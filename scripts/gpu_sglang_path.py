@@ -59,6 +59,8 @@ STUBBED = _sglang_env.install_kernel_stubs()
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from bench.timing import capture_graph  # noqa: E402  (the checkout's bench/, installed as cupy_dsa.bench)
+
 TOPK = 512
 N_PAGES = 96          # C4 index pages of the pool (64 compressed tokens each)
 PAGES_PER_REQ = 24    # page-table width (max compressed length 1536)
@@ -383,21 +385,28 @@ def indexer_phase(name, sg, worlds, batch, tokens, mode, batch_size, g, expect_k
     log(f"  {name}: {len(tokens)} rows ({expect_kind}), logits worst {worst:.2f}x tol, min top-k overlap {rec:.4f}")
 
 
+def replay_and_compare(graph, dev_step, state, dev_world, dev_backend, name, page_table, lens):
+    """One step on new inputs (the graph's replay, or eager without one), then the CPU world's step, and the
+    caches and top-k of both compared."""
+    if graph is not None:
+        graph.replay()
+        torch.cuda.synchronize()
+    else:
+        dev_step()
+    state[1][3]()
+    compare_caches(name, dev_world, state[1][0])
+    compare_topk(name, dev_backend.forward_metadata.core_metadata, state[1][2].forward_metadata.core_metadata,
+                 page_table, lens)
+    log(f"  {name}: ok" if not PROBLEMS else f"  {name}: {len(PROBLEMS)} problems so far")
+
+
 def capture_or_run(step, capture, what):
-    """With ``capture``: two warm-up runs on a side stream, then one CUDA-graph capture of ``step`` (returned);
+    """With ``capture``: ``capture_graph`` (two warm-up runs, one CUDA-graph capture of ``step``, returned);
     else one eager run (None)."""
     if not capture:
         step()
         return None
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture_graph(step)
     torch.cuda.synchronize()
     log(f"  {what} captured in one CUDA graph")
     return graph
@@ -445,17 +454,9 @@ def graph_verify_phase(sg, worlds, batch, g, capture, n=4):
         for replay, jump in enumerate(((57, 3, 200), (130, 66, 9))):
             batch.lens = [m + j for m, j in zip(batch.lens, jump)]
             lens = new_inputs()
-            if graph is not None:
-                graph.replay()
-                torch.cuda.synchronize()
-            else:
-                dev_step()
-            state[1][3]()
-            name = f"verify graph replay {replay + 1} (lens {lens.tolist()})"
-            compare_caches(name, dev_world, state[1][0])
-            compare_topk(name, dev_backend.forward_metadata.core_metadata, state[1][2].forward_metadata.core_metadata,
-                         batch.page_table.repeat_interleave(n, 0), lens)
-            log(f"  {name}: ok" if not PROBLEMS else f"  {name}: {len(PROBLEMS)} problems so far")
+            replay_and_compare(graph, dev_step, state, dev_world, dev_backend,
+                               f"verify graph replay {replay + 1} (lens {lens.tolist()})",
+                               batch.page_table.repeat_interleave(n, 0), lens)
     finally:
         sg.ix.get_parallel = orig
 
@@ -512,17 +513,8 @@ def graph_phase(sg, worlds, batch, g, capture):
         inp, lens = new_inputs()
         for _, bufs, _, _ in state:
             fill(bufs, inp)
-        if graph is not None:
-            graph.replay()
-            torch.cuda.synchronize()
-        else:
-            dev_step()
-        state[1][3]()
-        name = f"graph replay {replay + 1} (lens {lens.tolist()})"
-        compare_caches(name, dev_world, state[1][0])
-        compare_topk(name, dev_backend.forward_metadata.core_metadata, state[1][2].forward_metadata.core_metadata,
-                     batch.page_table, lens)
-        log(f"  {name}: ok" if not PROBLEMS else f"  {name}: {len(PROBLEMS)} problems so far")
+        replay_and_compare(graph, dev_step, state, dev_world, dev_backend,
+                           f"graph replay {replay + 1} (lens {lens.tolist()})", batch.page_table, lens)
 
 
 def run(device, seed):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cupy_dsa import layouts, runtime
+from cupy_dsa.bench.timing import capture_graph
 from cupy_dsa import logits as L
 from cupy_dsa.logits import (mqa_logits, mqa_logits_plan, mqa_logits_plan_reference, mqa_logits_reference,
                              paged_mqa_logits, paged_mqa_logits_plan, paged_mqa_logits_plan_reference,
@@ -675,15 +676,7 @@ def test_gpu_cuda_graph(seed, layout):
     q, cache, deq, w, ctx, bt = gpu_paged_case(seed, B=B, next_n=next_n, max_pages=max_pages, P=P,
                                                layout=layout, q_dtype=FP8, lens_2d=False)
     width = max_pages * PS
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            paged_mqa_logits(q, cache, w, ctx, bt, width, clean_logits=True)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = paged_mqa_logits(q, cache, w, ctx, bt, width, clean_logits=True)
+    g, out = capture_graph(lambda: paged_mqa_logits(q, cache, w, ctx, bt, width, clean_logits=True))
     for step in range(3):
         _, _, _, _, ctx_new, bt_new = random_paged_case(B=B, next_n=next_n, max_pages=max_pages, P=P,
                                                         layout=layout, q_dtype=FP8, lens_2d=False)
@@ -787,15 +780,7 @@ def test_gpu_cuda_graph_mixed(seed, layout):
         paged_mqa_logits_plan(ctx, next_n, out=plan)
         return [paged_mqa_logits(q, cache, ww, ctx, bt, width, clean_logits=True, plan=plan) for ww in (w, w2)]
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            forward()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        outs = forward()
+    g, outs = capture_graph(forward)
     for step in ("new lengths", "longest moves", "all zero"):
         new = mixed_lengths(B, next_n, max_pages * PS - 200, False)
         if step == "longest moves":
@@ -1011,16 +996,11 @@ def test_gpu_varlen_deterministic_and_graph(seed, layout):
         assert torch.equal(mqa_logits(**t, clean_logits=True)[:covered], first)
     out = torch.empty(T, width, device="cuda")
     plan = torch.empty(t["cu_rows"].shape[0], dtype=torch.int64, device="cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
+    def forward():
         mqa_logits_plan(t["cu_rows"], out=plan)
         mqa_logits(**t, plan=plan, clean_logits=True, out=out)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        mqa_logits_plan(t["cu_rows"], out=plan)
-        mqa_logits(**t, plan=plan, clean_logits=True, out=out)
+
+    g, _ = capture_graph(forward, warmups=1)
     for step, (rows_per_request, prefix) in enumerate((((5, 11, 2, 14), (2, 2, 9, 0)), ((20, 12, 0, 0), (0, 7, 0, 0)),
                                                       ((32, 0, 0, 0), (10, 0, 0, 0)))):
         t2, per2 = varlen_case(layout, FP8, rows_per_request, prefix, max_pages=12)
