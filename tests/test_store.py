@@ -306,10 +306,17 @@ def _check_plan_store(seed, layout, num_pages, inp, plan, loc, pos, row_locs, va
     assert nbad == 0, f"seed {seed}: {nbad} bytes differ ({valid.sum()} valid rows)"
 
 
-@pytest.mark.parametrize("layout", ["bf16", "fp8"])
-@pytest.mark.parametrize("loc_dtype", [torch.int64, torch.int32])
+def _both_layouts_and_loc_dtypes(test):
+    return pytest.mark.parametrize("layout", ["bf16", "fp8"])(
+        pytest.mark.parametrize("loc_dtype", [torch.int64, torch.int32])(test))
+
+
+PLAN_N, PLAN_PAGES, PLAN_MAX_POS = 40, 3, 300
+
+
+@_both_layouts_and_loc_dtypes
 def test_decode_plan(seed, layout, loc_dtype):
-    n, num_pages, max_pos = 40, 3, 300
+    n, num_pages, max_pos = PLAN_N, PLAN_PAGES, PLAN_MAX_POS
     inp = make_inputs(n, max_pos=max_pos)
     seq = [int(v) for v in torch.randint(1, max_pos, (n,))]
     seq[0], seq[1], seq[2], seq[3] = 0, 4, 8, 5  # 0 -> position -4 (skip); 4 -> position 0
@@ -321,12 +328,11 @@ def test_decode_plan(seed, layout, loc_dtype):
                       is_decode=True, compress_ratio=4)
 
 
-@pytest.mark.parametrize("layout", ["bf16", "fp8"])
-@pytest.mark.parametrize("loc_dtype", [torch.int64, torch.int32])
+@_both_layouts_and_loc_dtypes
 def test_prefill_plan(seed, layout, loc_dtype):
-    n, num_pages, max_pos = 40, 3, 300
-    inp = make_inputs(n, max_pos=max_pos)
+    n, num_pages, max_pos = PLAN_N, PLAN_PAGES, PLAN_MAX_POS
     seq = [int(v) for v in torch.randint(4, max_pos, (n,))]
+    inp = make_inputs(n, max_pos=max_pos)
     for i in range(0, n, 5):
         seq[i] = 0xFFFFFFFF
     seq[1] = 2  # position -2: skipped although the plan row is valid
