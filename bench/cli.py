@@ -355,9 +355,22 @@ def report_cmd(json_file, markdown_path, plot_path, readme_path):
         doc = json.loads(Path(json_file).read_text())
     except ValueError as exc:
         raise click.BadParameter(f"not a JSON file: {exc}", param_hint="JSON_FILE")
+    from . import serve
+
+    if doc.get("schema") == serve.SCHEMA:  # a `bench serve` run: its table, its README block
+        if plot_path:
+            serve.plot(doc, plot_path)
+        if markdown_path:
+            _write_markdown(serve.markdown(doc), markdown_path)
+        if readme_path:
+            Path(readme_path).write_text(report.readme_with_results(Path(readme_path).read_text(), doc,
+                                                                    report.SERVE_README_BLOCKS))
+        if markdown_path != "-":
+            click.echo(serve.markdown(doc))
+        return
     if doc.get("schema") not in report.READABLE_SCHEMAS:
-        raise click.BadParameter(f"expected schema {report.SCHEMA!r}, got {doc.get('schema')!r}",
-                                 param_hint="JSON_FILE")
+        raise click.BadParameter(f"expected schema {report.SCHEMA!r} or {serve.SCHEMA!r}, got "
+                                 f"{doc.get('schema')!r}", param_hint="JSON_FILE")
     report.print_all(_console(stderr=markdown_path == "-"), doc, [s for s in report.SECTIONS if doc.get(s)])
     if markdown_path:
         _write_markdown(report.markdown_headline(doc), markdown_path)

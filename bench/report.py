@@ -939,13 +939,28 @@ README_BLOCKS = {"environment": readme_environment, "headline": readme_headline,
                  "verify-extend": readme_verify_extend, "prefill": readme_prefill}
 
 
-def readme_with_results(text: str, doc: dict) -> str:
-    """``text`` with every ``<!-- results:NAME -->`` ... ``<!-- /results:NAME -->`` block re-rendered from
-    ``doc`` (names: :data:`README_BLOCKS`)."""
+def _serve_block(doc) -> str:
+    from .serve import markdown
+
+    return markdown(doc).rstrip("\n")
+
+
+# blocks rendered from a `bench serve` JSON (the other blocks: from a `bench logits` / `bench all` JSON)
+SERVE_README_BLOCKS = {"serve": _serve_block}
+
+
+def readme_with_results(text: str, doc: dict, blocks: dict | None = None) -> str:
+    """``text`` with every ``<!-- results:NAME -->`` ... ``<!-- /results:NAME -->`` block of ``blocks`` (default
+    :data:`README_BLOCKS`) re-rendered from ``doc``; blocks of the other results file are left as they are."""
+    blocks = README_BLOCKS if blocks is None else blocks
+    known = {**README_BLOCKS, **SERVE_README_BLOCKS}
+
     def render(m):
         name = m["name"]
-        if name not in README_BLOCKS:
-            raise ValueError(f"README block 'results:{name}': expected one of {', '.join(README_BLOCKS)}")
-        return f"{m[1]}{README_BLOCKS[name](doc)}\n{m[4]}"
+        if name not in known:
+            raise ValueError(f"README block 'results:{name}': expected one of {', '.join(known)}")
+        if name not in blocks:
+            return m[0]
+        return f"{m[1]}{blocks[name](doc)}\n{m[4]}"
 
     return README_BLOCK.sub(render, text)

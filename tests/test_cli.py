@@ -686,8 +686,10 @@ def test_readme_results_blocks_are_generated_from_the_committed_json():
 
     readme = (REPO / "README.md").read_text()
     names = {m["name"] for m in report.README_BLOCK.finditer(readme)}
-    assert names == set(report.README_BLOCKS)
+    assert names == set(report.README_BLOCKS) | set(report.SERVE_README_BLOCKS)
     assert report.readme_with_results(readme, json.loads(RESULTS_JSON.read_text())) == readme
+    serve_doc = json.loads((RESULTS_JSON.parent / "h200-serve.json").read_text())
+    assert report.readme_with_results(readme, serve_doc, report.SERVE_README_BLOCKS) == readme
 
 
 def test_report_readme_rewrites_marked_blocks(tmp_path):
