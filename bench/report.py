@@ -918,6 +918,10 @@ def readme_headline(doc) -> str:
     if ext:
         out.append(f"- extend, varlen launch: {_range([r['vs_deepgemm_rows'] for r in ext])} DeepGEMM's rows time, "
                    f"{_range([r['tflops'] for r in ext], '{:.0f}', ' TFLOP/s')} useful.")
+    qb = [r for m in ("decode", "extend") for r in _ok(doc, m) if r.get("vs_fp8_query")]
+    if qb:
+        out.append(f"- bf16-reference's bf16 query on bf16 keys (decode 64 x 32K and every extend case): "
+                   f"{_range([r['vs_fp8_query'] for r in qb], '{:.2f}')} the fp8 query's time.")
     pre = [r for r in _ok(doc, "prefill") if r.get("vs_deepgemm")]
     if pre:
         out.append(f"- prefill, bf16 keys: {_range([r['vs_deepgemm'] for r in pre])} DeepGEMM's fp8 time, "
@@ -935,7 +939,23 @@ def readme_environment(doc) -> str:
             f"{', quick sizes' if doc['quick'] else ''}.{ceil}")
 
 
-README_BLOCKS = {"environment": readme_environment, "headline": readme_headline, "decode": readme_decode,
+def readme_recall(doc) -> str:
+    """The recall study at its largest context: per format and k, needle resolution, recall vs the exact top-k and
+    overlap with the reference numerics' top-k."""
+    rows = [r for r in _recall_rows(doc) if not r.get("error")]
+    if not rows:
+        return "No recall run in this results file."
+    ctx = max(r["context_tokens"] for r in rows)
+    lines = [f"At {_si(ctx)} tokens ({rows[0]['queries']} needles per format; synthetic keys):", "",
+             "| format | k | needle resolution | recall vs exact | overlap with reference |", "|---|---|---|---|---|"]
+    for r in rows:
+        if r["context_tokens"] == ctx:
+            lines.append(f"| {r['format']} | {r['k']} | {_margin(r['resolution'])} | {_pct(r['recall_mean'])} | "
+                         f"{_pct(r['ref_overlap_mean'])} |")
+    return "\n".join(lines)
+
+
+README_BLOCKS = {"environment": readme_environment, "recall": readme_recall, "headline": readme_headline, "decode": readme_decode,
                  "verify-extend": readme_verify_extend, "prefill": readme_prefill}
 
 
