@@ -253,12 +253,23 @@ class World:
             def _forward_prepare_normal(self, **kw):
                 return q, w[:, :, None]
 
+            def forward_indexer_compressor(self, **kw):  # bf16-reference's prepare: the keys are stored already
+                pass
+
         return Backend()
 
-    def run_indexer(self, b, layers=(0,)):
+    def reference_layer(self, q_raw, w_raw):
+        """The indexer layer's projections bf16-reference builds its query from: wq_b's bf16 output, weights_proj's
+        bf16 output, the RoPE table and SGLang's weight scale."""
+        q_raw, w_raw = self.to(q_raw), self.to(w_raw)
+        return dict(n_local_heads=64, head_dim=128, freqs_cis=self.freq_cis, weight_scale=128 ** -0.5 * 64 ** -0.5,
+                    compressor=None, compute_weights=lambda x, skip_scale=False: w_raw,
+                    wq_b=lambda a: (q_raw.reshape(q_raw.shape[0], -1), None))
+
+    def run_indexer(self, b, layers=(0,), layer_fields=None):
         x = torch.zeros(b.forward_metadata.core_metadata.positions.shape[0], 16, device=self.device)
         for layer in layers:
-            ci = types.SimpleNamespace(layer_id=layer, use_fp4_indexer=False, index_topk=TOPK)
+            ci = types.SimpleNamespace(layer_id=layer, use_fp4_indexer=False, index_topk=TOPK, **(layer_fields or {}))
             b.forward_c4_indexer(x, x, ci, b.forward_batch)
         return b.forward_metadata.core_metadata
 
@@ -357,12 +368,15 @@ class LogitsSpy:
 
 
 def indexer_phase(name, sg, worlds, batch, tokens, mode, batch_size, g, expect_kind="rows", extend_lens=None,
-                  draft=None):
+                  draft=None, reference=False):
+    """reference: in bf16-reference mode, the query built by the hook from the layer's projections."""
     from cupy_dsa.sglang import core
 
     lens, pt = batch.rows_of(tokens)
     q = torch.randn(len(tokens), 64, 128, generator=g).to(torch.float8_e4m3fn)
     w = torch.rand(len(tokens), 64, generator=g)
+    q_raw = torch.randn(len(tokens), 64, 128, generator=g).bfloat16()
+    w_raw = torch.rand(len(tokens), 64, generator=g).bfloat16()
     mds, spies = [], []
     orig = sg.ix.get_parallel
     sg.ix.get_parallel = lambda: types.SimpleNamespace(attn_cp_size=1)
@@ -371,7 +385,7 @@ def indexer_phase(name, sg, worlds, batch, tokens, mode, batch_size, g, expect_k
             b = world.indexer_backend(world.to(q), world.to(w), world.to(lens), world.to(pt), mode, batch_size,
                                       extend_lens=extend_lens, draft=draft)
             with LogitsSpy(core) as spy:
-                mds.append(world.run_indexer(b))
+                mds.append(world.run_indexer(b, layer_fields=world.reference_layer(q_raw, w_raw) if reference else None))
             spies.append(spy.out)
     finally:
         sg.ix.get_parallel = orig
@@ -587,11 +601,31 @@ def run(device, seed):
                           len(PROMPTS), g, expect_kind="grouped", draft=n)
         # the drafts were rejected: the requests go on from their decode lengths (the slots get rewritten)
 
+    def reference_mode():
+        # bf16-reference: the hook builds DeepSeek-V4's reference query (prepare_index_q) on each route
+        os.environ[core.ENV_NAME] = "bf16-reference"
+        core.reset_mode()
+        try:
+            tokens = [(b, p) for b, (n, e) in enumerate(zip(PROMPTS, EXTEND)) for p in range(n - e, n)]
+            indexer_phase("bf16-reference extend, 3 requests", sg, worlds, batch, tokens, sg.ForwardMode.EXTEND, 3,
+                          g, expect_kind="varlen", extend_lens=EXTEND, reference=True)
+            tokens = [(b, m - 1) for b, m in enumerate(batch.lens)]
+            indexer_phase("bf16-reference decode", sg, worlds, batch, tokens, sg.ForwardMode.DECODE, len(PROMPTS), g,
+                          reference=True)
+            tokens = [(b, m - 2 + i) for b, m in enumerate(batch.lens) for i in range(2)]
+            indexer_phase("bf16-reference target verify, next_n 2", sg, worlds, batch, tokens,
+                          sg.ForwardMode.TARGET_VERIFY, len(PROMPTS), g, expect_kind="grouped", draft=2,
+                          reference=True)
+        finally:
+            os.environ[core.ENV_NAME] = "bf16"
+            core.reset_mode()
+
     phase("prompt store", prompt_store)
     phase("extend batch", extend_batch)
     phase("extend one request", extend_one)
     phase("decode", decode)
     phase("verify", verify)
+    phase("bf16-reference", reference_mode)
     phase("cuda graph" if device != "cpu" else "graph step (eager on cpu)",
           lambda: graph_phase(sg, worlds, batch, g, capture=device != "cpu"))
     phase("verify cuda graph" if device != "cpu" else "verify graph step (eager on cpu)",
