@@ -27,8 +27,9 @@ import torch
 from . import launch, runtime
 from .contracts import check_aligned, check_contiguous, check_device, check_dtype, check_shape
 from .launch import F32, I32, I64, PTR
-from .layouts import FP8_MAX, FP8_MIN_AMAX, HEAD_DIM, ROPE_DIM
-from .store import HADAMARD_SCALE, _fp4sim, _hadamard128
+from .layouts import HEAD_DIM
+from .store import (HADAMARD_SCALE, _fp4sim, _hadamard128, check_positions_in_table, check_rope_table,
+                    fp8_quantize_reference, rope_reference)
 
 INDEX_HEADS = 64
 _NUMERICS_ID = {"fp4sim": 0, "fp8": 1}
@@ -69,12 +70,7 @@ def _check(q, weights, freqs_cis, positions, weight_scale, numerics, out):
     check_shape("weights", weights, f"[{t}, {INDEX_HEADS}] (T of q)", tuple(weights.shape) == (t, INDEX_HEADS))
     check_contiguous("weights", weights)
     check_device("weights", weights, dev, "q")
-    check_dtype("freqs_cis", freqs_cis, (torch.float32,))
-    check_shape("freqs_cis", freqs_cis, f"[max_pos, {ROPE_DIM}]",
-                freqs_cis.dim() == 2 and freqs_cis.shape[1] == ROPE_DIM)
-    check_contiguous("freqs_cis", freqs_cis)
-    check_device("freqs_cis", freqs_cis, dev, "q")
-    check_aligned("freqs_cis", freqs_cis, 16)
+    check_rope_table(freqs_cis, dev, "q")
     check_dtype("positions", positions, (torch.int32, torch.int64))
     check_shape("positions", positions, f"[{t}] (T of q)", tuple(positions.shape) == (t,))
     check_contiguous("positions", positions)
@@ -99,9 +95,7 @@ def prepare_index_q(q, weights, *, freqs_cis, positions, weight_scale, numerics=
     Returns ``(q_out, weights_out)``; ``out=(q_out, weights_out)`` writes into given tensors instead."""
     _check(q, weights, freqs_cis, positions, weight_scale, numerics, out)
     if not q.is_cuda:
-        pos = positions.to(torch.int64)
-        if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= freqs_cis.shape[0]):
-            raise ValueError(f"positions: expected values in [0, {freqs_cis.shape[0]}) (rows of freqs_cis)")
+        check_positions_in_table(positions, freqs_cis)
         ref_q, ref_w = prepare_index_q_reference(q, weights, freqs_cis=freqs_cis, positions=positions,
                                                  weight_scale=weight_scale, numerics=numerics)
         if out is None:
@@ -128,19 +122,14 @@ def prepare_index_q_reference(q, weights, *, freqs_cis, positions, weight_scale,
     if numerics not in _NUMERICS_ID:
         raise ValueError(f"numerics: expected one of {tuple(_NUMERICS_ID)}, got {numerics!r}")
     t = q.shape[0]
-    x = q.to(torch.float32).reshape(t * INDEX_HEADS, HEAD_DIM).clone()
     f = freqs_cis[positions.to(torch.int64)].to(torch.float32).repeat_interleave(INDEX_HEADS, dim=0)
-    cos, sin = f[:, 0::2], f[:, 1::2]
-    re, im = x[:, 64::2], x[:, 65::2]
-    x[:, 64::2], x[:, 65::2] = re * cos - im * sin, re * sin + im * cos
+    x = rope_reference(q.to(torch.float32).reshape(t * INDEX_HEADS, HEAD_DIM).clone(), f)
     x = _hadamard128(x.reshape(-1, 32, 4)).reshape(-1, HEAD_DIM) * HADAMARD_SCALE
     w = weights.to(torch.float32).reshape(-1) * torch.tensor(weight_scale, dtype=torch.float32, device=q.device)
     if numerics == "fp4sim":
         return _fp4sim(x).to(torch.bfloat16).view(q.shape), w.view(t, INDEX_HEADS)
-    amax = x.abs().amax(dim=-1)
-    scale = torch.clamp_min(amax, FP8_MIN_AMAX) / torch.full_like(amax, FP8_MAX)
-    codes = (x * (1.0 / scale)[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return codes.view(q.shape), (w * scale).view(t, INDEX_HEADS)
+    codes, scale = fp8_quantize_reference(x)  # SGLang's per-row fp8, as the key store's fp8 layout quantizes
+    return codes.view(torch.float8_e4m3fn).view(q.shape), (w * scale).view(t, INDEX_HEADS)
 
 
 __all__ = ["prepare_index_q", "prepare_index_q_reference", "product_instantiations"]

@@ -93,6 +93,41 @@ def _check_device(name, t, device):
     check_device(name, t, device, "kv")
 
 
+def check_rope_table(freqs_cis, device, like: str) -> None:
+    """The fp32 RoPE table ``[max_pos, 64]`` (cos, sin interleaved) the store and the query prep read."""
+    check_dtype("freqs_cis", freqs_cis, (torch.float32,))
+    check_shape("freqs_cis", freqs_cis, f"[max_pos, {ROPE_DIM}]",
+                freqs_cis.dim() == 2 and freqs_cis.shape[1] == ROPE_DIM)
+    check_contiguous("freqs_cis", freqs_cis)
+    check_device("freqs_cis", freqs_cis, device, like)
+    check_aligned("freqs_cis", freqs_cis, 16)
+
+
+def check_positions_in_table(positions: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """``positions`` as int64 on their device, all rows of ``freqs_cis`` (a host sync: references only)."""
+    pos = positions.to(torch.int64)
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= freqs_cis.shape[0]):
+        raise ValueError(f"positions: expected values in [0, {freqs_cis.shape[0]}) (rows of freqs_cis)")
+    return pos
+
+
+def rope_reference(k: torch.Tensor, f: torch.Tensor, key_style: str = "v4") -> torch.Tensor:
+    """RoPE of fp32 rows ``k [n, 128]`` (in place) by table rows ``f [n, 64]``, in the kernels' order: V4 rotates
+    interleaved pairs ``(64+2j, 65+2j)`` of the trailing 64 dims, V3.2 the halves ``(j, 32+j)`` of the leading 64."""
+    cos, sin = f[:, 0::2], f[:, 1::2]
+    if key_style == "v4":
+        re, im = k[:, 64::2], k[:, 65::2]
+    else:
+        re, im = k[:, 0:32], k[:, 32:64]
+    re2 = re * cos - im * sin
+    im2 = re * sin + im * cos
+    if key_style == "v4":
+        k[:, 64::2], k[:, 65::2] = re2, im2
+    else:
+        k[:, 0:32], k[:, 32:64] = re2, im2
+    return k
+
+
 def _check_common(kv, cache, norm_weight, norm_bias, freqs_cis, eps, numerics, key_style, hadamard):
     check_dtype("kv", kv, (torch.float32, torch.bfloat16))
     check_shape("kv", kv, f"[N, {HEAD_DIM}]", kv.dim() == 2 and kv.shape[1] == HEAD_DIM)
@@ -126,12 +161,7 @@ def _check_common(kv, cache, norm_weight, norm_bias, freqs_cis, eps, numerics, k
         _check_device("norm_bias", norm_bias, dev)
     elif norm_bias is not None:
         raise ValueError("norm_bias: only key_style 'v32' (LayerNorm) takes a bias; pass None for 'v4'")
-    check_dtype("freqs_cis", freqs_cis, (torch.float32,))
-    check_shape("freqs_cis", freqs_cis, f"[max_pos, {ROPE_DIM}]",
-                 freqs_cis.dim() == 2 and freqs_cis.shape[1] == ROPE_DIM)
-    check_contiguous("freqs_cis", freqs_cis)
-    _check_device("freqs_cis", freqs_cis, dev)
-    check_aligned("freqs_cis", freqs_cis, 16)
+    check_rope_table(freqs_cis, dev, "kv")
     check_aligned("kv", kv, 16 if kv.dtype == torch.float32 else 8)
     check_aligned("norm_weight", norm_weight, 16)
     if norm_bias is not None:
@@ -325,9 +355,7 @@ def rotate_index_k_reference(kv, positions, norm_weight, freqs_cis, norm_bias=No
     if numerics not in _NUMERICS_ID:
         raise ValueError(f"numerics: expected one of {tuple(_NUMERICS_ID)}, got {numerics!r}")
     n = kv.shape[0]
-    pos = positions.to(device=kv.device, dtype=torch.int64)
-    if n and (int(pos.min()) < 0 or int(pos.max()) >= freqs_cis.shape[0]):
-        raise ValueError(f"positions: expected values in [0, {freqs_cis.shape[0]}) (rows of freqs_cis)")
+    pos = check_positions_in_table(positions.to(kv.device), freqs_cis)
     x = kv.to(torch.float32).reshape(n, 32, 4)
     w = norm_weight.to(torch.float32).reshape(32, 4)
     eps32 = torch.tensor(eps, dtype=torch.float32, device=kv.device)
@@ -341,19 +369,7 @@ def rotate_index_k_reference(kv, positions, norm_weight, freqs_cis, norm_bias=No
         var = _warp_sum(_lane_sum4(d * d)) / 128.0
         rs = _rsqrt(var + eps32)
         k = ((d * rs[:, None, None]) * w) + norm_bias.to(torch.float32).reshape(32, 4)
-    k = k.reshape(n, HEAD_DIM).clone()
-    f = freqs_cis[pos].to(torch.float32)
-    cos, sin = f[:, 0::2], f[:, 1::2]
-    if key_style == "v4":
-        re, im = k[:, 64::2], k[:, 65::2]
-    else:
-        re, im = k[:, 0:32], k[:, 32:64]
-    re2 = re * cos - im * sin
-    im2 = re * sin + im * cos
-    if key_style == "v4":
-        k[:, 64::2], k[:, 65::2] = re2, im2
-    else:
-        k[:, 0:32], k[:, 32:64] = re2, im2
+    k = rope_reference(k.reshape(n, HEAD_DIM).clone(), freqs_cis[pos].to(torch.float32), key_style)
     if hadamard:
         inv = HADAMARD_SCALE  # 128^-0.5 correctly rounded in fp32, as the kernel's constant
         k = _hadamard128(k.reshape(n, 32, 4)).reshape(n, HEAD_DIM) * inv

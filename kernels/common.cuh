@@ -67,7 +67,7 @@ __device__ __forceinline__ float group_max(float v) {
 // ---- Hadamard-128 on a warp, lane l holding elements 4l..4l+3 ------------------------------------
 // Natural-order Sylvester transform y = H x, H[i,j] = (-1)^popcount(i&j): the lower index of each
 // butterfly gets a+b, the upper a-b. Stages over element bits 0,1 are in-lane; bits 2..6 are lane
-// bits 0..4 (shuffles). The caller applies the 128^-0.5 scale.
+// bits 0..4 (shuffles). Unnormalized: see hadamard128_orthonormal.
 __device__ __forceinline__ void hadamard128(float (&x)[4], int lane) {
   float a0 = x[0] + x[1], a1 = x[0] - x[1], a2 = x[2] + x[3], a3 = x[2] - x[3];
   x[0] = a0 + a2; x[1] = a1 + a3; x[2] = a0 - a2; x[3] = a1 - a3;
@@ -80,6 +80,25 @@ __device__ __forceinline__ void hadamard128(float (&x)[4], int lane) {
       x[i] = upper ? (o - x[i]) : (x[i] + o);
     }
   }
+}
+
+// H x * 128^-0.5 (orthonormal, so q.k is preserved). The scale is a correctly rounded constant: rsqrtf's
+// approximation could differ by an ulp from the references.
+__device__ __forceinline__ void hadamard128_orthonormal(float (&x)[4], int lane) {
+  hadamard128(x, lane);
+  const float hs = __int_as_float(0x3db504f3);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) x[i] = __fmul_rn(x[i], hs);
+}
+
+// SGLang's per-row fp8 of a warp's 128 values (4 per lane): scale = max(amax, 1e-4) / 448 (plain fp32),
+// e4m3 (RNE, saturating) of x * (1 / scale); returns this lane's 4 codes packed, the scale in `scale`.
+__device__ __forceinline__ u32 fp8_quantize_row(const float (&x)[4], float& scale) {
+  const float amax = warp_max(fmaxf(fmaxf(fabsf(x[0]), fabsf(x[1])), fmaxf(fabsf(x[2]), fabsf(x[3]))));
+  scale = fmaxf(amax, 1e-4f) / 448.f;
+  const float inv = 1.f / scale;
+  return static_cast<u32>(pack_e4m3x2(__fmul_rn(x[0], inv), __fmul_rn(x[1], inv))) |
+         (static_cast<u32>(pack_e4m3x2(__fmul_rn(x[2], inv), __fmul_rn(x[3], inv))) << 16);
 }
 
 // ---- RoPE (interleaved pairs), fp4 simulation: shared by the key store and the query prep -------

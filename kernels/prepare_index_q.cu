@@ -37,10 +37,7 @@ __global__ void __launch_bounds__(256) prepare_index_q(
   float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
   if (lane >= 16) f = *reinterpret_cast<const float4*>(freqs + (pos_ok ? pos : 0) * 64 + 4 * (lane - 16));
   rope_v4(x, f, lane);
-  hadamard128(x, lane);
-  const float hs = __int_as_float(0x3db504f3);  // 128^-0.5 correctly rounded
-#pragma unroll
-  for (int i = 0; i < 4; ++i) x[i] = __fmul_rn(x[i], hs);
+  hadamard128_orthonormal(x, lane);
 
   float w = __fmul_rn(to_float(weights[row]), weight_scale);
   if (Numerics == kQFp4Sim) {
@@ -48,12 +45,8 @@ __global__ void __launch_bounds__(256) prepare_index_q(
     reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(q_out) + row * kHeadDim)[lane] =
         make_uint2(pack_bf16x2(x[0], x[1]), pack_bf16x2(x[2], x[3]));
   } else {
-    const float amax = warp_max(fmaxf(fmaxf(fabsf(x[0]), fabsf(x[1])), fmaxf(fabsf(x[2]), fabsf(x[3]))));
-    const float scale = fmaxf(amax, 1e-4f) / 448.f;
-    const float inv = 1.f / scale;
-    const u32 c = static_cast<u32>(pack_e4m3x2(__fmul_rn(x[0], inv), __fmul_rn(x[1], inv))) |
-                  (static_cast<u32>(pack_e4m3x2(__fmul_rn(x[2], inv), __fmul_rn(x[3], inv))) << 16);
-    reinterpret_cast<u32*>(static_cast<unsigned char*>(q_out) + row * kHeadDim)[lane] = c;
+    float scale;
+    reinterpret_cast<u32*>(static_cast<unsigned char*>(q_out) + row * kHeadDim)[lane] = fp8_quantize_row(x, scale);
     w = __fmul_rn(w, scale);
   }
   if (lane == 0) weights_out[row] = pos_ok ? w : __int_as_float(0x7fc00000);

@@ -156,26 +156,15 @@ __device__ __forceinline__ void store_token(float (&x)[4], const WorkItem& wi, u
     layer_norm(x, norm_w, norm_b, eps, lane);
     rope_v32(x, f0, f1, lane);
   }
-  if (Hadamard) {
-    hadamard128(x, lane);
-    // 128^-0.5 correctly rounded, as a constant: rsqrtf's approximation could differ by an ulp.
-    const float hs = __int_as_float(0x3db504f3);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) x[i] = __fmul_rn(x[i], hs);
-  }
+  if (Hadamard) hadamard128_orthonormal(x, lane);
 
   if (Layout == kLayoutBf16) {
     if (Numerics == kNumFp4Sim) fp4_simulate(x);
     const uint2 v = make_uint2(pack_bf16x2(x[0], x[1]), pack_bf16x2(x[2], x[3]));
     reinterpret_cast<uint2*>(cache + off)[lane] = v;
   } else {
-    float amax = fmaxf(fmaxf(fabsf(x[0]), fabsf(x[1])), fmaxf(fabsf(x[2]), fabsf(x[3])));
-    amax = warp_max(amax);
-    const float scale = fmaxf(amax, 1e-4f) / 448.f;
-    const float inv = 1.f / scale;
-    const u32 v = static_cast<u32>(pack_e4m3x2(__fmul_rn(x[0], inv), __fmul_rn(x[1], inv))) |
-                  (static_cast<u32>(pack_e4m3x2(__fmul_rn(x[2], inv), __fmul_rn(x[3], inv))) << 16);
-    reinterpret_cast<u32*>(cache + off)[lane] = v;
+    float scale;
+    reinterpret_cast<u32*>(cache + off)[lane] = fp8_quantize_row(x, scale);
     if (lane == 0) {
       const i64 page = wi.out_loc >> kPageBits;
       const i64 slot = wi.out_loc & (kPageSlots - 1);
