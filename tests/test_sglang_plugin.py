@@ -790,6 +790,24 @@ def test_check_bf16_on_everything_holds(self_check, monkeypatch):
     assert "gpu checked for bf16" in lines["ok"]
 
 
+def test_check_gpu_below_the_minimum_arch_is_a_problem(self_check, monkeypatch):
+    # the runtime refuses the GPU by name: the check reports it instead of failing, and runs no self-test
+    from cupy_dsa import runtime
+    from cupy_dsa.sglang import check
+
+    monkeypatch.setenv(ENV, "bf16")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (7, 5))
+    monkeypatch.setattr(runtime, "_ARCHS", {})
+    monkeypatch.setattr(check, "_device_self_test", lambda idx, mode: pytest.fail("self-test on an sm_75 GPU"))
+    code, lines = self_check()
+    assert code == 1
+    assert any(t.startswith("cuda:0 (Tesla T4) is sm_75; cupy_dsa's kernels need sm_80 or newer")
+               for t in lines["PROBLEM"]), lines
+
+
 def test_check_bad_mode_and_plugin_filter(self_check, monkeypatch):
     monkeypatch.setenv(ENV, "bf17")
     monkeypatch.setenv("SGLANG_PLUGINS", "other")
