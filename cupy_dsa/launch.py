@@ -143,7 +143,8 @@ class Config:
         return self.kernel.config(**{**self._values, **values})
 
     def __str__(self):
-        return self.expr + "".join(f" {k}={v}" for k, v in self.host)
+        # host parameters at their defaults are left out (the config launched by the ops)
+        return self.expr + "".join(f" {k}={v}" for k, v in self.host if v != self.kernel.host[k])
 
     def launch(self, device: torch.device, grid, **args) -> None:
         """Launch on torch's current stream of ``device`` with the kernel's named arguments."""

@@ -61,19 +61,10 @@ constexpr int kTileKeys = 32;       // keys per warp tile (4 n-tiles)
 constexpr int kMaxRows = 8;
 enum RangeMode { kCausal1D = 0, kLens2D = 1, kKsKe = 2 };
 
-// Warps per CTA: 8 for 8-row (prefill) tiles, else 4 (decode and 4-row prefill tiles).
-template <int Rows>
-constexpr int kWarps = Rows > 4 ? 8 : 4;
-
-template <int Rows, int Prefetch>
-struct Config {
-  // head m-tiles whose accumulators are live together (independent mma chains per warp: 4 * MT).
-  static constexpr int MT = Rows >= 8 ? 2 : 1;
-  // Resident CTAs per SM asked of ptxas (register cap 65536 / (threads * MinBlocks)) by the prefill kernel;
-  // the decode kernel takes MinBlocks from the host's per-arch config (cupy_dsa.logits), where ptxas is
-  // checked not to spill.
-  static constexpr int MinBlocks = Rows >= 8 ? 1 : (Prefetch ? 2 : 3);
-};
+// Warps per CTA (Warps, 4 or 8) and head m-tiles whose accumulators are live together (MT, 1, 2 or 4: 4 * MT
+// independent mma chains per warp) are template parameters chosen per arch on the host (cupy_dsa.heuristics):
+// the warps of a CTA share its staged q, so 8 warps on one CTA keep 8 warps per SM where a 100 KB SM
+// (sm_86 / sm_89 / sm_120) holds a single 4-row CTA's q.
 
 // 16-byte q words per row staged in shared memory (A quads [m-tile][pair][k-step][lane] of 16-bit mma; the
 // e4m3 mma uses the first half) and the dynamic shared memory of a row tile: q words + weights. The host
@@ -287,9 +278,9 @@ struct Problem {
 
 // Rows row0 + i (i < Rows, row < rend) against their key tiles in [t_lo, t_hi) (32 keys each); `tile` picks the
 // block-table row (block_table + tile * bt_tile_stride) and, for 1-D causal lengths, lens0[tile]. CTA part
-// `part` of `parts` takes every parts-th group of kWarps<Rows> tiles. Called by every thread of the CTA; uses
+// `part` of `parts` takes every parts-th group of Warps tiles. Called by every thread of the CTA; uses
 // the dynamic shared memory for q, so a second call needs a barrier first.
-template <int KeyFp8, int QFp8, int Rows, int Paged, int Prefetch, int L2Hint, int Mma8>
+template <int KeyFp8, int QFp8, int Rows, int Warps, int MT, int Paged, int Prefetch, int L2Hint, int Mma8>
 __device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int row0, int rend, int t_lo, int t_hi,
                                                 int part, int parts) {
   const unsigned char* __restrict__ q = P.q;
@@ -314,8 +305,8 @@ __device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int 
                 "Mma8 = 1 is the fp8-key x fp8-q e4m3 mma of sm_89+ targets");
   constexpr bool F8 = Mma8 == 1;
   constexpr bool F16 = KeyFp8 && QFp8 && !F8;
-  constexpr int Warps = kWarps<Rows>;
-  constexpr int MT = Config<Rows, Prefetch>::MT;
+  static_assert(Warps == 4 || Warps == 8, "Warps");
+  static_assert(MT == 1 || MT == 2 || MT == 4, "MT divides the 4 head m-tiles");
   // uint4 per row: A quads [m-tile][pair][k-step][lane] (16-bit), [m-tile][k-step][lane] (F8). The host
   // always reserves the 16-bit size (kRowTileSmemBytes).
   constexpr int kQWords = F8 ? kQWords16 / 2 : kQWords16;
@@ -542,13 +533,14 @@ __device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int 
 // mode 0: len = lens0[x] - (Rows-1-i); mode 1: len = lens0[row]; mode 2: [lens0[row], lens1[row]).
 // out row (row - row_start), stride out_stride, `width` columns. L2Hint: L2 prefetch size of the key loads
 // (2: 256 B, 1: 128 B, 0: none). Mma8: fp8 keys x fp8 q on the e4m3 mma (1, sm_89+ targets) or
-// not (0), see the header. Warps: kWarps<Rows>; dynamic shared memory: kRowTileSmemBytes<Rows>.
+// not (0), see the header. Warps per CTA: Warps; dynamic shared memory: kRowTileSmemBytes<Rows>.
 // Grid: x = row tile (the last first: causal prefill runs its heaviest tiles first), y = CTAs sharing its keys.
 // Varlen (tile_plan != null, Paged, Rows == kVarlenTileRows): the rows of `batch` requests (cu_rows, see
 // common.cuh), tile x of the plan holding rows of request x's request b only, its block-table row at
 // block_table + b * bt_tile_stride; grid x is an upper bound of the tiles (the ones past the plan exit).
-template <int KeyFp8, int QFp8, int Rows, int Paged, int Prefetch, int L2Hint, int Mma8>
-__global__ void __launch_bounds__(dsa::logits::kWarps<Rows> * 32, (dsa::logits::Config<Rows, Prefetch>::MinBlocks))
+template <int KeyFp8, int QFp8, int Rows, int Warps, int MT, int Paged, int Prefetch, int L2Hint, int Mma8,
+          int MinBlocks>
+__global__ void __launch_bounds__(Warps * 32, MinBlocks)
     mqa_logits_kernel(DSA_LOGITS_ARGS, const long long* __restrict__ tile_plan, const int* __restrict__ cu_rows,
                       int batch) {
   const int x = gridDim.x - 1 - blockIdx.x;
@@ -560,22 +552,22 @@ __global__ void __launch_bounds__(dsa::logits::kWarps<Rows> * 32, (dsa::logits::
       __trap();  // the host launches varlen only on paged 4-row configs
     }
   }
-  dsa::logits::logits_row_tile<KeyFp8, QFp8, Rows, Paged, Prefetch, L2Hint, Mma8>(
+  dsa::logits::logits_row_tile<KeyFp8, QFp8, Rows, Warps, MT, Paged, Prefetch, L2Hint, Mma8>(
       DSA_LOGITS_PROBLEM, b, row0, rend, 0, 0x7fffffff, blockIdx.y, gridDim.y);
 }
 
-// Paged decode with the balanced schedule: grid (C) = one wave, 4 warps, row tile = request b with its
-// Rows = next_n rows (mode 0 or 1, row_start 0, row_end = batch * Rows, num_keys = width, compressed 0).
+// Paged decode with the balanced schedule: grid (C) = one wave, Warps warps, row tile = request b with its
+// Rows = next_n rows (each key tile is loaded once and scored against all next_n rows of its request) (mode 0 or 1, row_start 0, row_end = batch * Rows, num_keys = width, compressed 0).
 // CTA c runs the request segments of its share of the plan (int64 [batch + 1], see common.cuh), a segment of
 // pages [p0, p1) being key tiles [2 p0, 2 p1); with `clean` it then writes -inf over its share of the pages
 // no CTA computes.
-template <int KeyFp8, int QFp8, int Rows, int Prefetch, int L2Hint, int Mma8, int MinBlocks>
-__global__ void __launch_bounds__(128, MinBlocks)
+template <int KeyFp8, int QFp8, int Rows, int Warps, int MT, int Prefetch, int L2Hint, int Mma8, int MinBlocks>
+__global__ void __launch_bounds__(Warps * 32, MinBlocks)
     mqa_logits_decode_kernel(DSA_LOGITS_ARGS, const long long* __restrict__ plan, int batch) {
-  static_assert(Rows <= 4, "decode runs 4 warps: next_n <= 4");
+  static_assert(Rows <= 4, "decode: next_n <= 4");
   const dsa::logits::Problem P = DSA_LOGITS_PROBLEM;
   dsa::for_each_decode_segment(plan, batch, [&](int b, int p_begin, int p_end) {
-    dsa::logits::logits_row_tile<KeyFp8, QFp8, Rows, 1, Prefetch, L2Hint, Mma8>(
+    dsa::logits::logits_row_tile<KeyFp8, QFp8, Rows, Warps, MT, 1, Prefetch, L2Hint, Mma8>(
         P, b, b * Rows, P.row_end, 2 * p_begin, 2 * p_end, 0, 1);
   });
   if (clean) dsa::fill_uncomputed_pages(plan, batch, Rows, width, out, out_stride);
