@@ -8,7 +8,7 @@ memory errors are reported by the sanitizer itself.
 import torch
 
 import cupy_dsa
-from cupy_dsa import logits, runtime
+from cupy_dsa import heuristics, logits, runtime
 
 dev = torch.device("cuda", torch.cuda.current_device())
 ARCH = runtime.device_arch(dev.index)
@@ -51,11 +51,19 @@ def run_store():
 
 
 def decode_kernels(layout, q_fp8, next_n):
-    """The product decode config of each kernel that serves the problem (sm_90 bf16 keys: wgmma and mma.sync)."""
+    """The product decode config of each kernel that serves the problem (sm_90 bf16 keys: wgmma and mma.sync),
+    and the emulated archs' product configs (sm_120: 8 warps sharing a tile's q at next_n 4)."""
     first = {}
     for cfg in logits.DECODE.candidates((layout, q_fp8, next_n), ARCH):
         first.setdefault(cfg.kernel, cfg)
-    return list(first.values())
+    emulated = [logits.DECODE.select((layout, q_fp8, next_n), a) for a in heuristics.EMULATED_ARCHS]
+    return list(dict.fromkeys(list(first.values()) + emulated))
+
+
+def prefill_configs(layout, q_fp8, varlen):
+    """The product prefill config of this GPU and of each emulated arch."""
+    return list(dict.fromkeys(logits.PREFILL.select((layout, q_fp8, varlen), a)
+                              for a in (ARCH,) + heuristics.EMULATED_ARCHS))
 
 
 def run_decode():
@@ -86,38 +94,46 @@ def run_decode():
 
 
 def run_prefill():
-    """Every product prefill kernel (on sm_90 the wgmma kernel for bf16 keys), paged with invalid entries,
-    compressed and row ranges, and contiguous keys not a multiple of 64."""
+    """Every product prefill kernel of this GPU and of the emulated archs (on sm_90 the wgmma kernel for bf16
+    keys; sm_120's 8-warp mma.sync tiles), paged with invalid entries, compressed and row ranges, varlen, and
+    contiguous keys not a multiple of 64."""
     n = 0
     for layout in ("bf16", "fp8"):
         cache = cupy_dsa.empty_cache(P, layout, device=dev)
         cache.random_(0, 120)
         for q_dtype in (torch.float8_e4m3fn, torch.bfloat16):
+            qf = int(q_dtype == torch.float8_e4m3fn)
             T = 37
             q = torch.randn(T, 64, 128, device=dev).to(q_dtype)
             w = torch.rand(T, 64, device=dev)
             ks = torch.randint(0, 50, (T,), dtype=torch.int32, device=dev)
             ke = ks + torch.randint(0, 200, (T,), dtype=torch.int32, device=dev)
             bt = torch.randint(-1, P + 1, (4,), dtype=torch.int32, device=dev)
-            cupy_dsa.mqa_logits(q, cache, w, ks, ke.clamp(max=4 * 64), block_table=bt)
-            cupy_dsa.mqa_logits(q, cache, w, ks, ke.clamp(max=4 * 64), block_table=bt, max_seqlen_k=100,
-                                clean_logits=False, rows=(3, 30))
-            n += 2
+            for cfg in prefill_configs(layout, qf, 0):
+                with logits.PREFILL.forced(cfg, ARCH):
+                    cupy_dsa.mqa_logits(q, cache, w, ks, ke.clamp(max=4 * 64), block_table=bt)
+                    cupy_dsa.mqa_logits(q, cache, w, ks, ke.clamp(max=4 * 64), block_table=bt, max_seqlen_k=100,
+                                        clean_logits=False, rows=(3, 30))
+                    n += 2
             # varlen: 4 requests (one empty, one row), invalid entries, the plan built inside and given,
             # offsets past the rows (a device tensor is clipped, never trusted), a row chunk
             bt2 = torch.randint(-1, P + 1, (4, 4), dtype=torch.int32, device=dev)
             cu = torch.tensor([0, 9, 9, 10, 37], dtype=torch.int32, device=dev)
-            cupy_dsa.mqa_logits(q, cache, w, ks, ke, block_table=bt2, cu_rows=cu, clean_logits=True)
-            cupy_dsa.mqa_logits(q, cache, w, ks, ke, block_table=bt2, cu_rows=cu, clean_logits=False, rows=(5, 30),
-                                plan=cupy_dsa.mqa_logits_plan(cu, rows=(5, 30)))
             bad = torch.tensor([0, 30, 12, 99, 40], dtype=torch.int32, device=dev)
-            cupy_dsa.mqa_logits(q, cache, w, ks, ke, block_table=bt2, cu_rows=bad, clean_logits=False)
-            n += 3
+            for cfg in prefill_configs(layout, qf, 1):
+                with logits.PREFILL.forced(cfg, ARCH):
+                    cupy_dsa.mqa_logits(q, cache, w, ks, ke, block_table=bt2, cu_rows=cu, clean_logits=True)
+                    cupy_dsa.mqa_logits(q, cache, w, ks, ke, block_table=bt2, cu_rows=cu, clean_logits=False,
+                                        rows=(5, 30), plan=cupy_dsa.mqa_logits_plan(cu, rows=(5, 30)))
+                    cupy_dsa.mqa_logits(q, cache, w, ks, ke, block_table=bt2, cu_rows=bad, clean_logits=False)
+                    n += 3
             if layout == "bf16":
                 S = 201                                         # not a multiple of 64: no read past S
                 kv = torch.randn(S, 128, device=dev).to(torch.bfloat16)
-                cupy_dsa.mqa_logits(q, kv, w, ks, ke.clamp(max=S))
-                n += 1
+                for cfg in prefill_configs("contiguous", qf, 0):
+                    with logits.PREFILL.forced(cfg, ARCH):
+                        cupy_dsa.mqa_logits(q, kv, w, ks, ke.clamp(max=S))
+                        n += 1
     return n
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import cupy_dsa
+from cupy_dsa import arch as arch_limits
 from cupy_dsa import launch, runtime
 
 ARCHS = ["sm_80", "sm_89", "sm_90", "sm_100", "sm_120"]
@@ -49,6 +50,79 @@ def test_product_configs_do_not_spill(filename, arch):
     spills = {e: r for e, r in resources.items() if e in launch.product_expressions(arch)[filename]
               and (r["spill_stores"] or r["spill_loads"])}
     assert not spills, f"{arch}: product configs spill: {spills}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Residency: every product config keeps MIN_WARPS_PER_SM warps per SM on every arch of the limits table
+# --------------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def product_resources(filename, arch):
+    """ptxas resources of the product configs (the compile of every declared config where it is cached)."""
+    if arch in ARCHS:
+        return compiled(filename, arch)[2]
+    exprs = launch.product_expressions(arch)[filename]
+    _, lowered, log = runtime.compile_cubin(filename, exprs, arch, resource_usage=True)
+    return runtime.ptxas_resources(log, lowered)
+
+
+def product_residency(arch):
+    """{config: Residency} of every product config on ``arch`` (ptxas's registers and static shared memory)."""
+    out = {}
+    for fam in launch.families().values():
+        for cfg in fam.product(arch):
+            r = product_resources(cfg.source, arch)[cfg.expr]
+            out[cfg] = arch_limits.residency(arch, threads=cfg.block[0], smem_bytes=cfg.smem + r["static_smem"],
+                                             registers=r["registers"])
+    return out
+
+
+@pytest.mark.parametrize("arch", list(arch_limits.ARCH_LIMITS))
+def test_product_configs_keep_eight_warps_resident(arch):
+    low = {str(c): str(r) for c, r in product_residency(arch).items() if r.warps < arch_limits.MIN_WARPS_PER_SM}
+    assert not low, (f"{arch}: product configs below {arch_limits.MIN_WARPS_PER_SM} resident warps per SM "
+                     f"(config: CTAs x warps, the limit that binds): {low}")
+
+
+def test_residency_names_the_binding_limit():
+    kib = arch_limits.KIB
+    # a 4-row tile's q (66.5 KiB) alone on sm_120's 100 KiB; three of them on sm_90, where 168 registers bind too
+    r = arch_limits.residency("sm_120", threads=128, smem_bytes=66_656, registers=168)
+    assert (r.ctas, r.warps, r.binding) == (1, 4, "shared memory")
+    r = arch_limits.residency("sm_90", threads=128, smem_bytes=66_656, registers=168)
+    assert (r.ctas, r.warps) == (3, 12) and r.by_limit["registers"] == 3 and r.by_limit["shared memory"] == 3
+    r = arch_limits.residency("sm_90", threads=128, smem_bytes=16_736, registers=232)
+    assert (r.ctas, r.binding) == (2, "registers")          # 232 -> 7424 per warp: 2 warps per sub-partition
+    r = arch_limits.residency("sm_120", threads=1024, smem_bytes=256, registers=28)
+    assert (r.ctas, r.binding) == (1, "threads")             # 1,536 threads per SM
+    assert arch_limits.residency("sm_86", threads=32, smem_bytes=0).binding == "CTA slots"
+    assert arch_limits.ctas_by_smem("sm_120", 99 * kib + 1) == 0   # over the per-block opt-in maximum
+    assert arch_limits.residency("sm_90", threads=128, smem_bytes=0, registers=256).ctas == 0
+    with pytest.raises(ValueError, match="arch: expected one of sm_80.*got 'sm_75'"):
+        arch_limits.limits("sm_75")
+
+
+def test_sm120_runs_eight_warp_tiles_where_a_four_warp_tile_is_alone():
+    """The configs that 100 KB archs would hold at one 4-warp CTA (4-row prefill tiles, decode next_n 4) run
+    8 warps there and stay at 4 warps on sm_90; next_n 1-3 keep 4-warp CTAs everywhere."""
+    from cupy_dsa import logits as L
+    for arch in ("sm_86", "sm_89", "sm_120", "sm_121"):
+        assert {c.Warps for c in L.PREFILL.product(arch)} == {8}
+        assert {c.Rows: c.Warps for c in L.DECODE.product(arch)} == {1: 4, 2: 4, 3: 4, 4: 8}
+    assert {c.Warps for c in L.DECODE.product("sm_90") if c.kernel is L.DECODE_KERNEL} == {4}
+    assert {c.Warps for c in L.PREFILL.product("sm_100")} == {4}
+
+
+@pytest.mark.gpu
+def test_residency_table_agrees_with_the_driver():
+    """The limits table and ptxas's counts predict the driver's CTAs per SM for every product config of this GPU."""
+    idx = torch.cuda.current_device()
+    arch = runtime.device_arch(idx)
+    if arch not in arch_limits.ARCH_LIMITS:
+        pytest.skip(f"{arch} is not in the limits table")
+    cupy_dsa.warm_up(idx)
+    for cfg, r in product_residency(arch).items():
+        assert cfg.resident_ctas_per_sm(idx) == r.ctas, (str(cfg), str(r))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
-from cupy_dsa import layouts, runtime
+from cupy_dsa import launch, layouts, runtime
 from cupy_dsa.bench.timing import capture_graph
+from cupy_dsa.heuristics import EMULATED_ARCHS
 from cupy_dsa import logits as L
 from cupy_dsa.logits import (mqa_logits, mqa_logits_plan, mqa_logits_plan_reference, mqa_logits_reference,
                              paged_mqa_logits, paged_mqa_logits_plan, paged_mqa_logits_plan_reference,
@@ -483,7 +484,7 @@ def gpu_paged_case(seed, *, B, next_n, max_pages, P, layout, q_dtype, lens_2d, s
 
 
 @gpu
-@pytest.mark.parametrize("cfg,problem", _decode_cases(), ids=lambda v: _config_id(v) if isinstance(v, L.launch.Config)
+@pytest.mark.parametrize("cfg,problem", _decode_cases(), ids=lambda v: _config_id(v) if isinstance(v, launch.Config)
                          else "-".join(map(str, v)))
 @pytest.mark.parametrize("lens_2d", [False, True], ids=["lens1d", "lens2d"])
 def test_gpu_paged(seed, cfg, problem, lens_2d):
@@ -557,7 +558,7 @@ def gpu_prefill_case(seed, kind, q_dtype, T, S_pages):
 
 @gpu
 @pytest.mark.parametrize("cfg,problem", _prefill_cases(), ids=lambda v: _config_id(v)
-                         if isinstance(v, L.launch.Config) else "-".join(map(str, v)))
+                         if isinstance(v, launch.Config) else "-".join(map(str, v)))
 def test_gpu_prefill(seed, cfg, problem):
     """Every declared prefill config of this GPU vs the fp64 oracle (1024 keys per CTA: several CTAs share a
     row tile)."""
@@ -642,7 +643,8 @@ def test_gpu_variants_bitwise_equal(seed):
 
 def test_forcing_an_undeclared_config_fails():
     """An undeclared combination is an error, never a silent fallback to another instantiation."""
-    undeclared = L.DECODE_KERNEL.config(KeyFp8=0, QFp8=1, Rows=2, Prefetch=0, L2Hint=0, Mma8=0, MinBlocks=4)
+    undeclared = L.DECODE_KERNEL.config(KeyFp8=0, QFp8=1, Rows=2, Warps=8, MT=4, Prefetch=0, L2Hint=0, Mma8=0,
+                                        MinBlocks=4)
     with pytest.raises(ValueError, match="not a declared config"):
         with L.DECODE.forced(undeclared, "sm_90"):
             pass
@@ -765,12 +767,28 @@ def test_gpu_paged_mixed(seed, force, layout, kernel, next_n, lens_2d):
             assert torch.equal(again[vis], got[vis]), f"{what}: rerun differs"
 
 
+def forced_product_of(family, problem, arch):
+    """A context in which ``family`` launches ``arch``'s product config for ``problem`` (another arch's config
+    instantiated for this GPU: every arch declares the emulated archs' product configs); a no-op for this GPU."""
+    if arch == ARCH:
+        return contextlib.nullcontext()
+    return family.forced(family.select(problem, arch), ARCH)
+
+
 @gpu
 @pytest.mark.parametrize("layout", ["bf16", "fp8"])
-def test_gpu_cuda_graph_mixed(seed, layout):
+@pytest.mark.parametrize("arch,next_n", [(ARCH, 2)] + [(a, n) for a in EMULATED_ARCHS for n in (2, 4)],
+                         ids=lambda v: str(v))
+def test_gpu_cuda_graph_mixed(seed, layout, arch, next_n):
     """One capture (plan + two layers reusing it), replayed with new mixed lengths: the longest request in
-    another slot, then all lengths zero; every column checked (clean logits)."""
-    B, next_n, max_pages, P = 12, 2, 200, 260
+    another slot, then all lengths zero; every column checked (clean logits). Also with the product configs of
+    the emulated archs forced (sm_120: next_n 4 on 8 warps sharing a request's q)."""
+    with forced_product_of(L.DECODE, (layout, 1, next_n), arch):
+        _graph_mixed(seed, layout, arch, next_n)
+
+
+def _graph_mixed(seed, layout, arch, next_n):
+    B, max_pages, P = 12, 200, 260
     q, cache, deq, w, ctx, bt = mixed_case(B, next_n, max_pages, P, layout, FP8, False)
     w2 = torch.randn_like(w)
     width = max_pages * PS
@@ -797,7 +815,7 @@ def test_gpu_cuda_graph_mixed(seed, layout):
         assert torch.equal(plan.cpu(), plan_oracle(ctx.cpu(), next_n)), step
         for o, ww in zip(outs, (w, w2)):
             check_close(o, oracle_paged(q, deq, ww, ctx, bt, width), clean=True,
-                        what=f"graph replay '{step}' {layout} seed={seed}")
+                        what=f"graph replay '{step}' {layout} {arch} next_n={next_n} seed={seed}")
 
 
 @gpu
@@ -940,7 +958,7 @@ def test_varlen_plan_bad_input():
 
 @gpu
 @pytest.mark.parametrize("cfg,problem", _prefill_cases(varlen=1), ids=lambda v: _config_id(v)
-                         if isinstance(v, L.launch.Config) else "-".join(map(str, v)))
+                         if isinstance(v, launch.Config) else "-".join(map(str, v)))
 def test_gpu_varlen(seed, cfg, problem):
     """Every varlen prefill config of this GPU vs the fp64 oracle: empty requests, one-row requests, rows not
     a multiple of the 4-row tile, zero prefixes, invalid page ids inside and past the visible range, row
@@ -984,9 +1002,16 @@ def test_gpu_varlen_plan(seed):
 
 @gpu
 @pytest.mark.parametrize("layout", ["bf16", "fp8"])
-def test_gpu_varlen_deterministic_and_graph(seed, layout):
+@pytest.mark.parametrize("arch", (ARCH,) + EMULATED_ARCHS)
+def test_gpu_varlen_deterministic_and_graph(seed, layout, arch):
     """Bitwise reruns; one CUDA-graph capture (plan + logits) replayed with new lengths and a new number of
-    requests (trailing requests emptied by repeating the last offset), each replay against the oracle."""
+    requests (trailing requests emptied by repeating the last offset), each replay against the oracle; with
+    this GPU's product config and with each emulated arch's (forced)."""
+    with forced_product_of(L.PREFILL, (layout, 1, 1), arch):
+        _varlen_deterministic_and_graph(seed, layout)
+
+
+def _varlen_deterministic_and_graph(seed, layout):
     torch.manual_seed(seed)
     t, per_request = varlen_case(layout, FP8, (9, 4, 17, 2), (3, 0, 5, 1), device="cuda", max_pages=12)
     T, width = t["q"].shape[0], t["block_table"].shape[1] * PS
