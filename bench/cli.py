@@ -276,17 +276,35 @@ def serve_cmd(model, batch, contexts, next_n, chunk, memory_gib, device, seed, j
 @click.option("--device", default=None, metavar="DEV", help="CUDA device, e.g. cuda:1 (default: the current one).")
 @click.option("--quick", is_flag=True, default=False, help="two decode cases and a smaller prefill.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="random seed.")
+@click.option("--emulate", "emulate_arch", default=None, metavar="ARCH",
+              type=click.Choice(["sm_86", "sm_89", "sm_120", "sm_121"]),
+              help="run ARCH's product configs (and their variants) on this GPU held to ARCH's CTAs per SM "
+                   "(padded shared memory), against this GPU's natural residency and its own product configs.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
               callback=_writable_output, help="write the rows as JSON.")
-def variants_cmd(device, quick, seed, json_path):
+@click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
+              default=None, callback=_writable_output, help="--emulate: write the table as markdown (- = stdout).")
+def variants_cmd(device, quick, seed, emulate_arch, json_path, markdown_path):
     """Time every declared config (product and experimental) of the decode and prefill logits on this GPU,
     on the same inputs; the product config of each case first (experimental configs run only here and in
-    the tests). Needs a CUDA GPU."""
+    the tests). With --emulate ARCH: ARCH's product configs under ARCH's residency. Needs a CUDA GPU."""
     from rich.table import Table
 
     from . import report, variants
 
+    if markdown_path and not emulate_arch:
+        raise click.BadParameter("the markdown table is written for --emulate runs", param_hint="--markdown")
     dev, _ = _resolve_device("cuda", device, has_backend_option=False)
+    if emulate_arch:
+        rows, ceilings = variants.emulate_rows(dev, emulate_arch, quick, seed)
+        doc = variants.emulate_document(_device_name(dev), emulate_arch, quick, seed, rows, ceilings)
+        md = variants.emulate_markdown(doc)
+        click.echo(md)
+        if json_path:
+            Path(json_path).write_text(json.dumps(doc, indent=1) + "\n")
+        if markdown_path:
+            click.echo(md, file=click.open_file(markdown_path, "w"))
+        return
     rows = variants.decode_rows(dev, quick, seed) + variants.prefill_rows(dev, quick, seed)
     table = Table(title=f"variants on {_device_name(dev)}")
     for col in ("op", "case", "config", "us", "vs product"):

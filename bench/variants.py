@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from cupy_dsa import arch as arch_limits
 from cupy_dsa import launch, layouts, logits, runtime
 
 HEADS, DIM = layouts.N_HEADS, layouts.HEAD_DIM
@@ -74,3 +75,229 @@ def prefill_rows(device, quick: bool, seed: int) -> list[dict]:
                                                        T=T, S=S)):
             rows.append(dict(row, tflops=flops / row["us"] / 1e6))
     return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# Emulation: another arch's product configs on this GPU, held to that arch's CTAs per SM
+# --------------------------------------------------------------------------------------------------
+#
+# The config (instantiated for this GPU) is launched twice: as this GPU holds it (its natural residency) and
+# with its dynamic shared memory padded (the kernels' ``smem_pad`` host parameter) so that exactly as many
+# CTAs per SM are resident as the target arch holds (from ``cupy_dsa.arch``'s limits and ptxas's registers
+# for the target). What this measures is the cost of the target's residency on this GPU's SMs, not the
+# target GPU's speed: an H200 SM is not an sm_120 SM (clock, tensor-core rate, L2 and DRAM differ).
+
+
+def _target_resources(configs, target: str) -> dict:
+    """ptxas's resources of these configs compiled for ``target`` (NVRTC, one compile per source)."""
+    out = {}
+    by_source: dict[str, list[str]] = {}
+    for cfg in configs:
+        by_source.setdefault(cfg.source, []).append(cfg.expr)
+    for source, exprs in by_source.items():
+        _, lowered, log = runtime.compile_cubin(source, list(dict.fromkeys(exprs)), target, resource_usage=True)
+        out.update(runtime.ptxas_resources(log, lowered))
+    return out
+
+
+def padded_for(cfg, target: str, resources: dict, device_index: int):
+    """``(target Residency, config with smem_pad, CTAs per SM this GPU holds of it)``: the pad that leaves
+    this GPU the target's CTAs per SM (none when this GPU holds no more than the target anyway)."""
+    r = resources[cfg.expr]
+    want = arch_limits.residency(target, threads=cfg.block[0], smem_bytes=cfg.smem + r["static_smem"],
+                                 registers=r["registers"])
+    natural = cfg.resident_ctas_per_sm(device_index)
+    if want.ctas <= 0 or natural <= want.ctas:
+        return want, cfg, natural
+    props = torch.cuda.get_device_properties(device_index)
+    per_sm = int(getattr(props, "shared_memory_per_multiprocessor", 0) or 228 * 1024)
+    optin = int(getattr(props, "shared_memory_per_block_optin", 0) or 227 * 1024)
+    budget = min(per_sm // want.ctas - arch_limits.KIB, optin) - r["static_smem"]
+    pad = max(0, budget - cfg.smem)
+    padded = cfg.replace(smem_pad=pad)
+    for _ in range(64):            # the driver's own count decides (its reserved and static shared memory)
+        held = padded.resident_ctas_per_sm(device_index)
+        if held == want.ctas:
+            break
+        pad += 256 if held > want.ctas else -256
+        padded = cfg.replace(smem_pad=max(0, pad))
+    return want, padded, padded.resident_ctas_per_sm(device_index)
+
+
+def _decode_case(device, g, lens, next_n):
+    pages = [-(-n // layouts.PAGE_SLOTS) for n in lens]
+    B, table_w = len(lens), max(pages)
+    cache = layouts.empty_cache(sum(pages), "bf16", device=device)
+    layouts.bf16_view(cache).copy_(0.3 * torch.randn(sum(pages), layouts.PAGE_SLOTS, DIM, device=device, generator=g))
+    perm = torch.randperm(sum(pages), device=device, generator=g).to(torch.int32)
+    bt = torch.zeros(B, table_w, dtype=torch.int32, device=device)
+    off = 0
+    for b, n in enumerate(pages):
+        bt[b, :n] = perm[off:off + n]
+        off += n
+    q = torch.randn(B, next_n, HEADS, DIM, device=device, generator=g).to(torch.float8_e4m3fn)
+    w = torch.rand(B * next_n, HEADS, device=device, generator=g) / (HEADS * DIM) ** 0.5
+    ctx = torch.tensor(lens, dtype=torch.int32, device=device)
+    width = table_w * layouts.PAGE_SLOTS
+    plan = logits.paged_mqa_logits_plan(ctx, next_n)
+    out = torch.empty(B * next_n, width, device=device)
+    key_bytes = sum(pages) * layouts.BF16_PAGE_BYTES
+    flops = 2 * HEADS * DIM * next_n * sum(lens)
+    return (lambda: logits.paged_mqa_logits(q, cache, w, ctx, bt, width, plan=plan, out=out)), key_bytes, flops
+
+
+def _prefill_case(device, g, T, S):
+    kv = (0.3 * torch.randn(S, DIM, device=device, generator=g)).to(torch.bfloat16)
+    q = torch.randn(T, HEADS, DIM, device=device, generator=g).to(torch.float8_e4m3fn)
+    w = torch.rand(T, HEADS, device=device, generator=g) / (HEADS * DIM) ** 0.5
+    ke = (torch.arange(T, device=device) + S - T + 1).to(torch.int32)
+    ks = torch.zeros(T, dtype=torch.int32, device=device)
+    out = torch.empty(T, S, device=device)
+    flops = 2 * HEADS * DIM * float(ke.double().sum())
+    return (lambda: logits.mqa_logits(q, kv, w, ks, ke, clean_logits=False, out=out)), S * 2 * DIM, flops
+
+
+def _extend_case(device, g, requests):
+    """Varlen extend: (prefix entries, new rows) per request, row j seeing prefix + (j + 1) // 4 entries."""
+    seen = [p + (n + 1) // 4 for p, n in requests]
+    pages = [-(-x // layouts.PAGE_SLOTS) for x in seen]
+    B, table_w = len(requests), max(pages)
+    cache = layouts.empty_cache(sum(pages), "bf16", device=device)
+    layouts.bf16_view(cache).copy_(0.3 * torch.randn(sum(pages), layouts.PAGE_SLOTS, DIM, device=device, generator=g))
+    perm = torch.randperm(sum(pages), device=device, generator=g).to(torch.int32)
+    bt = torch.zeros(B, table_w, dtype=torch.int32, device=device)
+    off = 0
+    for b, n in enumerate(pages):
+        bt[b, :n] = perm[off:off + n]
+        off += n
+    T = sum(n for _, n in requests)
+    q = torch.randn(T, HEADS, DIM, device=device, generator=g).to(torch.float8_e4m3fn)
+    w = torch.rand(T, HEADS, device=device, generator=g) / (HEADS * DIM) ** 0.5
+    lens = torch.cat([p + (torch.arange(n) + 1) // 4 for p, n in requests]).to(torch.int32).to(device)
+    counts = torch.tensor([n for _, n in requests])
+    cu_rows = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32).to(device)
+    ks = torch.zeros(T, dtype=torch.int32, device=device)
+    plan = logits.mqa_logits_plan(cu_rows)
+    out = torch.empty(T, table_w * layouts.PAGE_SLOTS, device=device)
+    flops = 2 * HEADS * DIM * float(lens.double().sum())
+    return (lambda: logits.mqa_logits(q, cache, w, ks, lens, block_table=bt, cu_rows=cu_rows, plan=plan,
+                                      clean_logits=False, out=out)), sum(pages) * layouts.BF16_PAGE_BYTES, flops
+
+
+def emulate_cases(quick: bool, seed: int) -> list[tuple]:
+    """(op, case name, family, problem, builder(device, generator) -> (call, key bytes, flops)) of the
+    emulation: decode next_n 1 and grouped verify next_n 2-4 (64 x 32K index entries, and a long-tail batch),
+    prefill of one request (4K rows x 64K keys, causal) and a varlen extend, bf16 keys, SGLang's fp8 q."""
+    from .sweeps import long_tail
+
+    K = 1024
+    B, ctx = (16, 16 * K) if quick else (64, 32 * K)
+    tail = long_tail(48, seed, max_len=128 * K, median=32 * K)
+    cases = [("decode" if n == 1 else "verify", f"{B} x {ctx // K}K, next_n {n}", logits.DECODE, ("bf16", 1, n),
+              lambda d, g, n=n: _decode_case(d, g, [ctx] * B, n)) for n in (1, 2, 3, 4)]
+    if not quick:
+        cases.append(("verify", "48 long-tail (median 32K), next_n 4", logits.DECODE, ("bf16", 1, 4),
+                      lambda d, g: _decode_case(d, g, tail, 4)))
+    T, S = (2 * K, 16 * K) if quick else (4 * K, 64 * K)
+    cases.append(("prefill", f"{T // K}K x {S // K}K causal", logits.PREFILL, ("contiguous", 1, 0),
+                  lambda d, g: _prefill_case(d, g, T, S)))
+    reqs = [(8 * K, 2 * K), (24 * K, 2 * K), (40 * K, 2 * K), (64 * K, 2 * K)]
+    cases.append(("extend", "4 x 2K new, prefixes 8K-64K", logits.PREFILL, ("bf16", 1, 1),
+                  lambda d, g: _extend_case(d, g, reqs[:2] if quick else reqs)))
+    return cases
+
+
+def emulate_rows(device, target: str, quick: bool, seed: int, progress=None) -> tuple[list[dict], dict]:
+    """Per case: the target arch's product config at this GPU's natural residency and at the target's (padded
+    shared memory), its 4-warp variant likewise (the sizing before the target had its own), the variants with
+    more live accumulator chains, and this GPU's own product config for reference. Returns (rows, ceilings)."""
+    from .timing import measure_ceilings, time_calls
+
+    arch = runtime.device_arch(device.index)
+    ceilings = measure_ceilings(device, quick)
+    read_bps = (ceilings["read_gbps"] or ceilings["copy_gbps"] / 2) * 1e9
+    mm_flops = ceilings["matmul_tflops"] * 1e12
+    reps = 10 if quick else 20
+    rows = []
+    for op, name, family, problem, build in emulate_cases(quick, seed):
+        g = torch.Generator(device=device).manual_seed(seed)
+        call, key_bytes, flops = build(device, g)
+        read_s, mm_s = key_bytes / read_bps, flops / mm_flops
+        product = family.select(problem, target)
+        variants = [product]
+        if product.kernel is logits.DECODE_KERNEL or product.kernel is logits.PREFILL_KERNEL:
+            variants += [c for c in family.candidates(problem, arch)
+                         if c.kernel is product.kernel and c.Rows == product.Rows and c.Prefetch == 0
+                         and c.Mma8 == 0 and c.L2Hint == product.L2Hint and c.values.get("keys_per_cta", 4096) == 4096
+                         and (c.Warps, c.MT) != (product.Warps, product.MT)]
+        resources = _target_resources(variants, target)
+        for cfg in variants:
+            want, padded, held = padded_for(cfg, target, resources, device.index)
+            with family.forced(cfg, arch):
+                full = time_calls([call], device, reps=reps).seconds
+            with family.forced(padded, arch):
+                emul = time_calls([call], device, reps=reps).seconds
+            rows.append(dict(op=op, case=name, target=target, config=str(cfg), product=cfg == product,
+                             warps=cfg.Warps, mt=cfg.MT, target_ctas=want.ctas, target_warps=want.warps,
+                             target_binding=want.binding, held_ctas=held, natural_ctas=cfg.resident_ctas_per_sm(device.index),
+                             smem_pad=padded.smem_pad, us_full=full * 1e6, us_emulated=emul * 1e6,
+                             emulated_vs_full=emul / full, pct_roofline=100 * max(read_s, mm_s) / emul,
+                             bound="read" if read_s >= mm_s else "matmul",
+                             tflops_emulated=flops / emul / 1e12, key_bytes=key_bytes, flops=flops))
+            if progress:
+                progress(rows[-1])
+        own = family.select(problem, arch)
+        with family.forced(own, arch):
+            t = time_calls([call], device, reps=reps).seconds
+        rows.append(dict(op=op, case=name, target=arch, config=str(own), product=True, warps=own.values.get("Warps"),
+                         mt=own.values.get("MT"), target_ctas=None, target_warps=None, target_binding=None,
+                         held_ctas=own.resident_ctas_per_sm(device.index), natural_ctas=own.resident_ctas_per_sm(device.index),
+                         smem_pad=0, us_full=t * 1e6, us_emulated=None, emulated_vs_full=None,
+                         pct_roofline=100 * max(read_s, mm_s) / t, bound="read" if read_s >= mm_s else "matmul",
+                         tflops_emulated=None, key_bytes=key_bytes, flops=flops))
+        if progress:
+            progress(rows[-1])
+        del call
+        torch.cuda.empty_cache()
+    return rows, ceilings
+
+
+EMULATE_SCHEMA = "cupy-dsa-emulate/1"
+
+
+def emulate_document(device_name: str, target: str, quick: bool, seed: int, rows: list, ceilings: dict) -> dict:
+    from .provenance import provenance
+
+    return {"schema": EMULATE_SCHEMA, **provenance(), "device": device_name, "target": target, "quick": quick,
+            "seed": seed, "ceilings": ceilings, "rows": rows}
+
+
+def _case_config(r) -> str:
+    return f"{r['warps']} warps, MT {r['mt']}" if r["warps"] else r["config"].split("<")[0]
+
+
+def emulate_markdown(doc: dict) -> str:
+    """One line per (case, config): the target's residency, time at this GPU's residency and at the target's,
+    their ratio, % of the roofline (max of the read-stream and bf16-matmul times measured in the same run) at
+    the target's residency, and the ratio to this GPU's own product config."""
+    target, dev = doc["target"], doc["device"]
+    lines = [f"Emulated on {dev}: {target}'s product configs (marked *) and variants, instantiated for this GPU, "
+             f"held to {target}'s CTAs per SM by padded shared memory (commit {doc.get('git_commit') or 'unknown'}).",
+             "",
+             f"| op | case | config | {target} residency | us, this GPU's residency | us, {target}'s | ratio | "
+             f"% roofline at {target}'s | vs this GPU's product |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    own = {(r["op"], r["case"]): r for r in doc["rows"] if r["target"] != target}
+    for r in doc["rows"]:
+        if r["target"] != target:
+            continue
+        ref = own.get((r["op"], r["case"]))
+        vs = f"{r['us_emulated'] / ref['us_full']:.2f}x" if ref else "-"
+        res = f"{r['target_ctas']} x {r['target_warps'] // max(r['target_ctas'], 1)} warps ({r['target_binding']})"
+        lines.append(f"| {r['op']} | {r['case']} | {'* ' if r['product'] else ''}{_case_config(r)} | {res} | "
+                     f"{r['us_full']:.1f} | {r['us_emulated']:.1f} | {r['emulated_vs_full']:.2f} | "
+                     f"{r['pct_roofline']:.0f}% ({r['bound']}) | {vs} |")
+    lines += ["", "This GPU's own product configs on the same inputs: " + "; ".join(
+        f"{r['op']} {r['case']}: {r['us_full']:.1f} us ({r['pct_roofline']:.0f}% of the roofline, "
+        f"{_case_config(r)})" for r in own.values()) + "."]
+    return "\n".join(lines)

@@ -89,6 +89,11 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   python3 -m cupy_dsa bench ${BENCH:-all} --backend cuda --json "$OUT/h200.json" --plot "$OUT/h200.png" \
       --markdown "$OUT/headline.md" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
+# sm_120's product configs on this GPU under sm_120's CTAs per SM (padded shared memory)
+if [ -z "${SKIP_EMULATE:-}" ]; then
+  python3 -m cupy_dsa bench variants --emulate sm_120 --json "$OUT/h200-emulate-sm120.json" \
+      --markdown "$OUT/emulate-sm120.md" >"$OUT/emulate.log" 2>&1 || tail -20 "$OUT/emulate.log"
+fi
 if [ -z "${SKIP_BENCH:-}${SKIP_VARIANTS:-}" ]; then
   python3 -m cupy_dsa bench variants --json "$OUT/variants.json" 2>&1 | tee "$OUT/variants.log" | tail -80
 fi
@@ -103,4 +108,5 @@ echo "SGLang path: $SGL_LINE"
 cat "$OUT/startup.txt"
 grep "timing method" "$OUT/timing_method.txt"
 [ -f "$OUT/headline.md" ] && cat "$OUT/headline.md"
+[ -f "$OUT/emulate-sm120.md" ] && cat "$OUT/emulate-sm120.md"
 exit 0

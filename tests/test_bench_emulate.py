@@ -1,0 +1,63 @@
+"""`cupy-dsa bench variants --emulate`: the cases, the residency it holds this GPU to, the markdown table."""
+import pytest
+import torch
+
+from cupy_dsa import arch as arch_limits
+from cupy_dsa import heuristics, logits
+from cupy_dsa.bench import variants
+from click.testing import CliRunner
+
+from cupy_dsa.bench.cli import main
+
+
+def test_cases_are_served_by_the_target_product_configs():
+    for quick in (True, False):
+        cases = variants.emulate_cases(quick, 0)
+        assert {c[0] for c in cases} == {"decode", "verify", "prefill", "extend"}
+        for op, name, family, problem, _ in cases:
+            for arch in heuristics.EMULATED_ARCHS:
+                cfg = family.select(problem, arch)
+                # declared on the H200, so that it can be forced there
+                assert any(c.kernel is cfg.kernel and c.template == cfg.template for c in family.declared("sm_90"))
+
+
+def _row(target, product, warps, us_full, us_emul, case="64 x 32K, next_n 4"):
+    return dict(op="verify", case=case, target=target, config="mqa_logits_decode_kernel<...>", product=product,
+                warps=warps, mt=1, target_ctas=1 if target == "sm_120" else None,
+                target_warps=warps if target == "sm_120" else None, target_binding="shared memory",
+                held_ctas=1, natural_ctas=2, smem_pad=1000, us_full=us_full, us_emulated=us_emul,
+                emulated_vs_full=None if us_emul is None else us_emul / us_full, pct_roofline=50.0, bound="matmul",
+                tflops_emulated=1.0, key_bytes=1, flops=1)
+
+
+def test_markdown_table():
+    rows = [_row("sm_120", True, 8, 300.0, 330.0), _row("sm_120", False, 4, 280.0, 400.0),
+            _row("sm_90", True, None, 250.0, None)]
+    rows[2]["config"] = "mqa_logits_sm90_decode_kernel<1, 4, 2, 2, 2>"
+    md = variants.emulate_markdown(variants.emulate_document("NVIDIA H200", "sm_120", False, 0, rows, {}))
+    lines = md.splitlines()
+    assert "| verify | 64 x 32K, next_n 4 | * 8 warps, MT 1 | 1 x 8 warps (shared memory) | 300.0 | 330.0 | 1.10 |" \
+        in md
+    assert "| 1.32x |" in md and "| 1.60x |" in md                    # vs this GPU's product (250 us)
+    assert lines[-1].startswith("This GPU's own product configs") and "next_n 4: 250.0 us" in lines[-1]
+
+
+def test_cli_emulate_needs_a_gpu_and_a_known_arch():
+    r = CliRunner().invoke(main, ["bench", "variants", "--emulate", "sm_90"])
+    assert r.exit_code == 2 and "sm_120" in r.output
+    r = CliRunner().invoke(main, ["bench", "variants", "--markdown", "-"])
+    assert r.exit_code == 2 and "--emulate" in r.output
+
+
+@pytest.mark.gpu
+def test_padding_holds_this_gpu_to_the_target_residency():
+    """For every product config of the emulated archs, the padded launch is held to exactly the target's CTAs
+    per SM (the driver's count), and the target needs the pad (sm_120 holds fewer CTAs than the H200)."""
+    idx = torch.cuda.current_device()
+    for target in heuristics.EMULATED_ARCHS:
+        configs = list(dict.fromkeys(c for fam in (logits.DECODE, logits.PREFILL) for c in fam.product(target)))
+        resources = variants._target_resources(configs, target)
+        for cfg in configs:
+            want, padded, held = variants.padded_for(cfg, target, resources, idx)
+            assert held == want.ctas >= 1, (str(cfg), str(want), held)
+            assert want.warps >= arch_limits.MIN_WARPS_PER_SM
