@@ -235,9 +235,11 @@ def emulate_rows(device, target: str, quick: bool, seed: int, progress=None) -> 
         variants = [product]
         if product.kernel is logits.DECODE_KERNEL or product.kernel is logits.PREFILL_KERNEL:
             variants += [c for c in family.candidates(problem, arch)
-                         if c.kernel is product.kernel and c.Rows == product.Rows and c.Prefetch == 0
+                         if c.kernel is product.kernel and c.Rows == product.Rows and (c.Prefetch == 0 or c.Warps == 8)
                          and c.Mma8 == 0 and c.L2Hint == product.L2Hint and c.values.get("keys_per_cta", 4096) == 4096
-                         and (c.Warps, c.MT) != (product.Warps, product.MT)]
+                         and (c.Warps, c.MT, c.Prefetch) != (product.Warps, product.MT, product.Prefetch)]
+            if product.kernel is logits.PREFILL_KERNEL:   # longer key ranges per CTA: fewer q stagings and tails
+                variants += [product.replace(keys_per_cta=k) for k in (8192, 16384)]
         resources = _target_resources(variants, target)
         for cfg in variants:
             want, padded, held = padded_for(cfg, target, resources, device.index)
@@ -246,7 +248,7 @@ def emulate_rows(device, target: str, quick: bool, seed: int, progress=None) -> 
             with family.forced(padded, arch):
                 emul = time_calls([call], device, reps=reps).seconds
             rows.append(dict(op=op, case=name, target=target, config=str(cfg), product=cfg == product,
-                             warps=cfg.Warps, mt=cfg.MT, target_ctas=want.ctas, target_warps=want.warps,
+                             warps=cfg.Warps, mt=cfg.MT, prefetch=cfg.Prefetch, target_ctas=want.ctas, target_warps=want.warps,
                              target_binding=want.binding, held_ctas=held, natural_ctas=cfg.resident_ctas_per_sm(device.index),
                              smem_pad=padded.smem_pad, us_full=full * 1e6, us_emulated=emul * 1e6,
                              emulated_vs_full=emul / full, pct_roofline=100 * max(read_s, mm_s) / emul,
@@ -281,7 +283,11 @@ def emulate_document(device_name: str, target: str, quick: bool, seed: int, rows
 
 
 def _case_config(r) -> str:
-    return f"{r['warps']} warps, MT {r['mt']}" if r["warps"] else r["config"].split("<")[0]
+    if not r["warps"]:
+        return r["config"].split("<")[0]
+    extra = " ".join(x for x in r["config"].split(">", 1)[1].split() if x)
+    prefetch = ", prefetch" if r.get("prefetch") else ""
+    return f"{r['warps']} warps, MT {r['mt']}{prefetch}" + (f", {extra}" if extra else "")
 
 
 def emulate_markdown(doc: dict) -> str:

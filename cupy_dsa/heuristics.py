@@ -178,9 +178,10 @@ def _decode_experimental(arch):
             yield _mma_decode(kf, q_fp8, next_n, arch, mma8=1)
         if layout == "bf16" and arch == "sm_90":
             yield _sm90_decode(q_fp8, next_n, ctas_per_sm=1)  # a smaller wave: other segment cuts
-        if next_n >= 3 and q_fp8:                            # one 8-warp CTA: 4 or 8 live accumulator chains
-            for mt in (1, 2):
+        if next_n >= 2 and q_fp8:                            # one 8-warp CTA: 4 or 8 live accumulator chains,
+            for mt in (1, 2):                                # and the register double-buffer of the next tile
                 yield _mma_decode(kf, q_fp8, next_n, arch, warps=8, mt=mt)
+            yield _mma_decode(kf, q_fp8, next_n, arch, warps=8, prefetch=1)
         for target in EMULATED_ARCHS:                        # another arch's product config, forced here by
             yield _mma_decode(kf, q_fp8, next_n, target)     # `bench variants --emulate`
 
@@ -283,6 +284,7 @@ def _prefill_experimental(arch):
         if q_fp8:
             for warps, mt in ((4, 1), (8, 1), (8, 2), (8, 4)):   # 4-row tiles: warps sharing q x live m-tiles
                 yield _prefill(layout, q_fp8, arch, warps=warps, mt=mt)
+            yield _prefill(layout, q_fp8, arch, warps=8, prefetch=1)  # 8 warps, register double-buffer
         for target in EMULATED_ARCHS:
             yield _prefill(layout, q_fp8, target)
 
