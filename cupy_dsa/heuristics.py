@@ -64,6 +64,18 @@ DECODE_KERNEL = launch.Kernel(
     smem_check="dsa::logits::kRowTileSmemBytes<{Rows}>")
 
 
+# The mma.sync kernels on the 100 KB archs, measured on the H200 held to sm_120's CTAs per SM (`cupy-dsa bench
+# variants --emulate sm_120`, 2026-12-02, bf16 keys, fp8 q, CUDA-graph replays; us at sm_120's residency):
+# 64 x 32K next_n 2: 4 warps x 2 CTAs 256.6, 8 warps 230.5 (MT 2: 223.6, register double-buffer 251.5);
+# next_n 3: 4 x 2 329.5, 8 warps 306.6 (MT 2: 305.7); next_n 4: 4 warps x 1 CTA 550.5, 8 warps 385.2 (MT 2: 386.4);
+# next_n 1: 4 x 2 146.5 (1.01x its H200 residency). Prefill 4K x 64K causal, 4096 keys per CTA: 4 warps 16364,
+# 8 warps 12322 (MT 4: 12092; double-buffer 12609); 8 warps with 8192 / 16384 keys per CTA 11879 / 11764 (one
+# resident CTA per SM drains before the next stages its q: fewer, longer CTAs); varlen extend 4 x 2K rows after
+# 8K-64K: 19270 / 13761 / 12287 (16384 keys per CTA).
+_SMALL_SMEM_DECODE = {2: (8, 2), 3: (8, 1), 4: (8, 1)}   # next_n -> (warps, MT) on the 100 KB archs
+_SMALL_SMEM_KEYS_PER_CTA = 16384
+
+
 def _mma_warps(rows: int, min_blocks_4: int, arch: str) -> int:
     """Warps per CTA of the mma.sync kernels: 4 where 4-warp CTAs keep MIN_WARPS_PER_SM resident (by shared
     memory and by the CTAs per SM that ``min_blocks_4`` guarantees registers for), else 8 on one CTA."""
@@ -155,6 +167,9 @@ def _select_decode(problem, arch):
     layout, q_fp8, next_n = problem
     if layout == "bf16" and arch == "sm_90":
         return _sm90_decode(q_fp8, next_n)
+    if arch_limits.small_smem(arch) and next_n in _SMALL_SMEM_DECODE:
+        warps, mt = _SMALL_SMEM_DECODE[next_n]
+        return _mma_decode(_LAYOUT_KEY_FP8[layout], q_fp8, next_n, arch, warps=warps, mt=mt)
     return _mma_decode(_LAYOUT_KEY_FP8[layout], q_fp8, next_n, arch)
 
 
@@ -252,6 +267,8 @@ def _select_prefill(problem, arch):
     layout, q_fp8, _varlen = problem
     if layout != "fp8" and arch == "sm_90":
         return _sm90_prefill(layout, q_fp8)
+    if arch_limits.small_smem(arch):
+        return _prefill(layout, q_fp8, arch, keys_per_cta=_SMALL_SMEM_KEYS_PER_CTA)
     return _prefill(layout, q_fp8, arch)
 
 
