@@ -116,6 +116,14 @@ class Case:
         return self.chunk // C4_RATIO if self.phase == "prefill" else math.ceil(self.batch * self.next_n / C4_RATIO)
 
 
+def case_label(c: Case) -> str:
+    """What a case measures, in raw tokens: 'decode 32 x 8K', 'verify 32 x 8K, next_n 2', 'prefill chunk of
+    4,096 after 8K'."""
+    if c.phase == "prefill":
+        return f"prefill chunk of {c.chunk:,} after {_tokens(c.context)}"
+    return f"{c.phase} {c.batch} x {_tokens(c.context)}" + (f", next_n {c.next_n}" if c.phase == "verify" else "")
+
+
 def cases(batch: int, contexts, next_n: int, chunk: int) -> list[Case]:
     step = "decode" if next_n == 1 else "verify"
     return ([Case(step, batch, c, next_n, 0) for c in contexts]
@@ -300,7 +308,8 @@ def markdown(doc: dict) -> str:
     head = (f"{m['name']} ({m['index_layers']} C4 layers), {doc.get('device') or 'no GPU'}, commit "
             f"`{(doc.get('git_commit') or 'not recorded')[:12]}`: indexer ms per forward over every C4 layer "
             f"(store + logits + the schedule; top-k excluded); fp8 = DeepGEMM as SGLang calls it.")
-    lines = [head, "", "| step | batch x context | bf16 keys | fp8 keys | added | ratio |", "|---|---|---|---|---|---|"]
+    lines = [head, "", "| step | batch x context (tokens) | bf16 keys | fp8 keys | added | ratio |",
+             "|---|---|---|---|---|---|"]
     for r in doc["timings"]:
         step = {"decode": "decode", "verify": f"verify, next_n {r['next_n']}",
                 "prefill": f"prefill chunk of {r['chunk']:,}"}[r["phase"]]
@@ -315,7 +324,8 @@ def markdown(doc: dict) -> str:
                       f"{f['index_bytes_per_token']:.0f} B with fp8; {b['memory_gib']:g} GiB hold "
                       f"{b['tokens_fit'] / 1e6:.1f}M tokens of index keys (bf16) or {f['tokens_fit'] / 1e6:.1f}M (fp8)."]
     if not doc.get("measured"):
-        lines += ["", f"Not measured: {doc.get('not_measured')}."]
+        asked = f" Cases asked for: {'; '.join(doc['cases'])}." if doc.get("cases") else ""
+        lines += ["", f"Not measured: {doc.get('not_measured')}.{asked}"]
     return "\n".join(lines) + "\n"
 
 
