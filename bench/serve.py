@@ -18,7 +18,7 @@ import torch
 
 from cupy_dsa.layouts import BYTES_PER_TOKEN, HEAD_DIM, N_HEADS, PAGE_SLOTS
 
-from .bytes import C4_RATIO, v4_compress_ratios
+from .bytes import C4_RATIO, C128_RATIO, v4_compress_ratios
 
 SCHEMA = "cupy-dsa-serve/1"
 GIB = 2**30
@@ -53,11 +53,19 @@ BUILTIN = {
 }
 
 
+RATIOS = (0, C4_RATIO, C128_RATIO)  # what a DeepSeek-V4 layer compresses by (0: window only)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true / false are not counts
+
+
 def parse_config(path: str) -> ServeModel:
-    """A DeepSeek-V4 HF ``config.json``: ``compress_ratios`` (one entry per layer; the ratio-4 layers carry the
-    indexer), the layer count from ``num_hidden_layers`` (HF) or ``n_layers`` (DeepSeek's inference config) when
-    present (ratios past it, e.g. an MTP layer's, are not counted), ``index_topk``, and ``index_n_heads`` /
-    ``index_head_dim`` which must be 64 / 128 (the kernels' shape). Raises ValueError naming the field."""
+    """A DeepSeek-V4 HF ``config.json``: ``compress_ratios`` (one entry per layer, each 0, 4 or 128; the ratio-4
+    layers carry the indexer), the layer count from ``num_hidden_layers`` (HF) or ``n_layers`` (DeepSeek's
+    inference config) when present (ratios past it, e.g. an MTP layer's, are not counted), ``index_topk``, and
+    ``index_n_heads`` / ``index_head_dim`` which must be 64 / 128 (the kernels' shape). Raises ValueError naming
+    the field. The model is named by ``_name_or_path``, else by the config's path."""
     try:
         cfg = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
@@ -65,24 +73,28 @@ def parse_config(path: str) -> ServeModel:
     if not isinstance(cfg, dict):
         raise ValueError(f"{path!r}: expected a JSON object, got {type(cfg).__name__}")
     ratios = cfg.get("compress_ratios")
-    if not isinstance(ratios, list) or not ratios or not all(isinstance(r, int) for r in ratios):
-        raise ValueError(f"{path!r}: expected 'compress_ratios', a non-empty list of ints (one per layer; 4 = "
-                         f"indexer layer), got {ratios!r}")
+    if not isinstance(ratios, list) or not ratios or not all(_is_int(r) and r in RATIOS for r in ratios):
+        bad = [r for r in ratios if not (_is_int(r) and r in RATIOS)] if isinstance(ratios, list) else None
+        raise ValueError(f"{path!r}: expected 'compress_ratios', a non-empty list with one of 0, 4, 128 per layer "
+                         f"(4 = indexer layer), got {ratios!r}" + (f" ({', '.join(map(repr, bad))} not one of them)"
+                                                                   if bad else ""))
     n_layers = cfg.get("num_hidden_layers", cfg.get("n_layers", len(ratios)))
-    if not isinstance(n_layers, int) or not 0 < n_layers <= len(ratios):
-        raise ValueError(f"{path!r}: expected 'num_hidden_layers' (or 'n_layers') in 1..{len(ratios)} (the length "
-                         f"of compress_ratios), got {n_layers!r}")
+    if not _is_int(n_layers) or not 0 < n_layers <= len(ratios):
+        raise ValueError(f"{path!r}: expected 'num_hidden_layers' (or 'n_layers') an int in 1..{len(ratios)} (the "
+                         f"length of compress_ratios), got {n_layers!r}")
+    n_c4 = ratios[:n_layers].count(C4_RATIO)
+    if n_c4 == 0:
+        raise ValueError(f"{path!r}: no indexer layer: compress_ratios has no ratio-4 layer in its first {n_layers} "
+                         f"(num_hidden_layers), so there is no index cache to measure")
     for field, want in (("index_n_heads", N_HEADS), ("index_head_dim", HEAD_DIM)):
-        if cfg.get(field, want) != want:
+        if field in cfg and not (_is_int(cfg[field]) and cfg[field] == want):
             raise ValueError(f"{path!r}: expected {field} = {want} (the indexer shape the kernels take), "
                              f"got {cfg[field]!r}")
     topk = cfg.get("index_topk")
-    if not isinstance(topk, int) or topk <= 0:
+    if not _is_int(topk) or topk <= 0:
         raise ValueError(f"{path!r}: expected 'index_topk', a positive int, got {topk!r}")
-    n_c4 = ratios[:n_layers].count(C4_RATIO)
-    if n_c4 == 0:
-        raise ValueError(f"{path!r}: compress_ratios has no ratio-4 (indexer) layer in its first {n_layers}")
-    return ServeModel(str(cfg.get("_name_or_path") or Path(path).parent.name or path), n_layers, n_c4, topk,
+    name = cfg.get("_name_or_path")
+    return ServeModel(name if isinstance(name, str) and name else str(path), n_layers, n_c4, topk,
                       f"config {path}", None)
 
 

@@ -136,3 +136,47 @@ def test_tables_say_whether_they_count_entries_or_tokens(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     out = " ".join(_run(["bench", "serve"]).output.split())
     assert "per raw token: one index entry per 4 tokens" in out and "context in raw tokens" in out
+
+
+def _config(tmp_path, folder="some-folder", **fields):
+    cfg = {"num_hidden_layers": 7, "compress_ratios": [0, 0, 4, 128, 4, 128, 0, 4], "index_topk": 512,
+           "index_n_heads": 64, "index_head_dim": 128}
+    cfg.update(fields)
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    path = tmp_path / folder / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"compress_ratios": [4, 4, 7, -1], "num_hidden_layers": 4}, "7, -1 not one of them"),
+    ({"compress_ratios": [0, True, 4]}, "True not one of them"),
+    ({"num_hidden_layers": True}, "'num_hidden_layers' (or 'n_layers') an int"),
+    ({"num_hidden_layers": 3.0}, "'num_hidden_layers' (or 'n_layers') an int"),
+    ({"index_topk": True}, "'index_topk', a positive int"),
+    ({"index_head_dim": 128.5}, "index_head_dim = 128"),
+    ({"compress_ratios": [0, 128, 0, 128], "num_hidden_layers": 4, "index_topk": None}, "no indexer layer"),
+    ({"compress_ratios": [0, 128, 0, 4], "num_hidden_layers": 3}, "no indexer layer"),
+])
+def test_serve_config_is_checked_field_by_field(tmp_path, fields, words, monkeypatch):
+    _no_work(monkeypatch)
+    res = _run(["bench", "serve", "--model", _config(tmp_path, **fields)])
+    assert res.exit_code == 2 and "Invalid value for '--model'" in res.output, res.output
+    assert words in " ".join(res.output.split()), res.output
+
+
+def test_serve_config_names_the_model_by_its_config(tmp_path, monkeypatch):
+    """The title is _name_or_path, else the config's path (it was the parent folder's name)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    path = _config(tmp_path, folder="checkpoints")
+    doc = _json_of(["bench", "serve", "--model", path, "--json", "-"])
+    assert doc["model"]["name"] == path and doc["model"]["index_layers"] == 2
+    named = _config(tmp_path, folder="other", _name_or_path="deepseek-ai/DeepSeek-V4-Flash")
+    assert _json_of(["bench", "serve", "--model", named, "--json", "-"])["model"]["name"] == \
+        "deepseek-ai/DeepSeek-V4-Flash"
+
+
+def _json_of(args):
+    out = _run(args).stdout
+    return json.loads(out[out.index("{"):])
