@@ -180,6 +180,18 @@ def test_every_check_is_listed():
 
 
 @pytest.mark.sglang
+def test_readme_quotes_sglang_pd_mismatch_message():
+    """The README shows the message SGLang's own PD handshake gives an fp8 decode peer of a bf16 prefill peer
+    (recorded by the "on" scenario's pd_layout_mismatch_refused), which names SGLANG_DSV4_KV_LAYOUT, not ours."""
+    _require_sglang()
+    res = _scenarios()["on"]
+    msg = res.get("info", {}).get("pd_mismatch")
+    assert msg, res.get("crash") or res["results"].get("pd_layout_mismatch_refused")
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert " ".join(msg.split()) in readme, msg
+
+
+@pytest.mark.sglang
 def test_launcher_refuses_invalid_value():
     """``python -m sglang.launch_server`` (load_plugins() first thing): an invalid switch stops it with our
     message, not SGLang's "Failed to execute general plugin" and an fp8 server."""
