@@ -272,6 +272,7 @@ def serve_cmd(model, batch, contexts, next_n, chunk, memory_gib, device, seed, j
     else:
         torch.cuda.set_device(dev)
         doc["device"] = _device_name(dev)
+        doc["driver"] = provenance.driver_version()
         dg, reason = peers.deepgemm()
         doc["deepgemm"] = reason or "live"
         if dg is None:
@@ -555,6 +556,7 @@ def _run(ctx: click.Context, sections, o: dict) -> dict:
                                   device_name=_device_name(dev) if needs_device else "none (arithmetic)",
                                   quick=quick, seed=seed, gpu_mem_gb=float(o["gpu_mem_gb"]))
     doc["sections"] = list(sections)
+    doc["driver"] = provenance.driver_version() if dev.type == "cuda" else None
     if not doc["git_commit"]:
         doc["notes"].setdefault("general", []).append(doc["commit_note"])
     if backend == "cpu":

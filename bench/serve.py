@@ -317,7 +317,8 @@ def plot(doc: dict, path: str) -> None:
 def markdown(doc: dict) -> str:
     """The run as a markdown table (the README's cost table is this, generated from the results file)."""
     m = doc["model"]
-    head = (f"{m['name']} ({m['index_layers']} C4 layers), {doc.get('device') or 'no GPU'}, commit "
+    head = (f"{m['name']} ({m['index_layers']} C4 layers), {doc.get('device') or 'no GPU'}, torch "
+            f"{doc.get('torch_version') or 'not recorded'}, commit "
             f"`{(doc.get('git_commit') or 'not recorded')[:12]}`: indexer ms per forward over every C4 layer "
             f"(store + logits + the schedule; top-k excluded); fp8 = DeepGEMM as SGLang calls it.")
     lines = [head, "", "| step | batch x context (tokens) | bf16 keys | fp8 keys | added | ratio |",
