@@ -91,7 +91,8 @@ def common_options(f):
         click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
                      callback=_writable_output, help="write the results as JSON (schema cupy-dsa-bench/2)."),
         click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
-                     callback=_png_output, help="write a PNG plot (matplotlib); the name must end in .png."),
+                     callback=_png_output, help="write a PNG plot (matplotlib); the name must end in .png. With "
+                     "throughput and recall rows, the recall study goes to NAME-recall.png beside it."),
         click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
                      default=None, callback=_writable_output, help=MARKDOWN_HELP),
         click.option("--seed", type=SEED, default=None, help="random seed, 0 to 2^32 - 1. [0]"),
@@ -438,7 +439,8 @@ def report_cmd(json_file, markdown_path, plot_path, readme_path, allow_cpu_or_qu
         if markdown_path:
             _write_markdown(report.markdown_headline(doc), markdown_path)
         if plot_path:
-            plots.plot(doc, plot_path)
+            for written in plots.plot(doc, plot_path):
+                click.echo(f"wrote {written}", err=True)
     if update is not None:
         text, rewritten, kept = update
         if rewritten:
@@ -615,8 +617,8 @@ def _run(ctx: click.Context, sections, o: dict) -> dict:
         if o["markdown_path"] != "-":
             err.print(f"wrote {o['markdown_path']}")
     if o["plot_path"]:
-        plots.plot(doc, o["plot_path"])
-        err.print(f"wrote {o['plot_path']}")
+        for written in plots.plot(doc, o["plot_path"]):
+            err.print(f"wrote {written}")
     err.print(f"[dim]done in {doc['elapsed_s']:.1f} s[/]")
     return doc
 

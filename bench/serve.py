@@ -284,31 +284,41 @@ def measure(case: Case, model: ServeModel, device, dg, seed: int, reps: int) -> 
 
 
 def plot(doc: dict, path: str) -> None:
-    """ms per decode (or verify) step over context, bf16 vs fp8, and the added ms."""
+    """ms per decode (or verify) step and per prefill chunk over context, bf16 vs fp8, and the added ms: one row
+    of two panels per phase the run measured."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in doc["timings"] if r["phase"] != "prefill" and r["bf16_ms"] is not None]
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for layout, style in (("bf16", "o-"), ("fp8", "s--")):
-        pts = [(r["context"], r[f"{layout}_ms"]) for r in rows if r[f"{layout}_ms"] is not None]
-        if pts:
-            ax.plot(*zip(*pts), style, label=f"{layout} index keys")
-    added = [(r["context"], r["added_ms"]) for r in rows if r["added_ms"] is not None]
-    if added:
-        ax2.plot(*zip(*added), "o-", color="tab:red")
-    for a in (ax, ax2):
-        a.set_xscale("log", base=2)
-        a.set_xlabel("context (tokens per request)")
-        a.grid(alpha=0.3)
     step = "verify" if doc["next_n"] > 1 else "decode"
-    ax.set_ylabel(f"indexer ms per {step} step (all C4 layers)")
-    ax.legend()
-    ax2.set_ylabel("added ms (bf16 - fp8)")
-    fig.suptitle(f"{doc['model']['name']}, batch {doc['batch']}, next_n {doc['next_n']}, {doc['device']}")
-    fig.tight_layout()
+    phases = [(ph, [r for r in doc["timings"] if (r["phase"] == "prefill") == (ph == "prefill")
+                    and r["bf16_ms"] is not None]) for ph in (step, "prefill")]
+    phases = [(ph, rows) for ph, rows in phases if rows] or [(step, [])]
+    with plt.rc_context({"font.size": 9, "xtick.labelsize": 8, "ytick.labelsize": 8, "legend.fontsize": 8}):
+        fig, axes = plt.subplots(len(phases), 2, figsize=(11, 4 * len(phases)), squeeze=False)
+        for (phase, rows), (ax, ax2) in zip(phases, axes):
+            for layout, style in (("bf16", "o-"), ("fp8", "s--")):
+                pts = [(r["context"], r[f"{layout}_ms"]) for r in rows if r[f"{layout}_ms"] is not None]
+                if pts:
+                    ax.plot(*zip(*pts), style, label=f"{layout} index keys")
+            added = [(r["context"], r["added_ms"]) for r in rows if r["added_ms"] is not None]
+            if added:
+                ax2.plot(*zip(*added), "o-", color="tab:red")
+            unit = (f"prefill chunk of {rows[0]['chunk']:,} tokens" if phase == "prefill" and rows
+                    else f"{phase} step, batch {doc['batch']}")
+            for a in (ax, ax2):
+                a.set_xscale("log", base=2)
+                a.set_xlabel("context (raw tokens per request)" if phase != "prefill" else "prefix (raw tokens)")
+                a.grid(alpha=0.3)
+            ax.set_ylabel(f"indexer ms per {phase} (all C4 layers)")
+            ax.set_title(unit)
+            if rows:
+                ax.legend()
+            ax2.set_ylabel("added ms (bf16 - fp8)")
+            ax2.set_title(f"{phase}: what bf16 keys add")
+        fig.suptitle(f"{doc['model']['name']}, batch {doc['batch']}, next_n {doc['next_n']}, {doc['device']}")
+        fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
