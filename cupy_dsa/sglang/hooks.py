@@ -125,6 +125,7 @@ def register() -> None:
         register_env_field()
         logger.info("cupy_dsa: %s=%s, bf16 C4 index-key hooks registered (SGLang %s)", ENV_NAME, mode,
                     sglang_version())
+        logger.info("%s", core.pd_layout_hint(mode))
     elif mode == "fp8" and not _registered_always:
         try:
             _install(_always_entries(), resolution=True)
