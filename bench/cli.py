@@ -266,6 +266,12 @@ def serve_cmd(model, batch, contexts, next_n, chunk, memory_gib, device, seed, j
     for r in doc["memory"]:
         mem.add_row(r["layout"], str(r["bytes_per_entry"]), f"{r['index_bytes_per_token']:.1f}", f"{r['tokens_fit']:,}")
     out.print(mem)
+    from . import roofline
+
+    doc["roofline_model"] = {"gpu": roofline.RTX_PRO_6000.name, "source": roofline.RTX_PRO_6000.source,
+                             "rows": roofline.model_rows(case_list, model.n_c4)}
+    out.print(roofline.markdown(doc["roofline_model"]["rows"], roofline.RTX_PRO_6000, model.name, model.n_c4),
+              markup=False, highlight=False)
     if dev is None:
         doc["not_measured"] = "no CUDA GPU: the ms per step / chunk need one and are not reported"
         out.print(f"[yellow]Not measured: {doc['not_measured']}. Cases asked for (context in raw tokens): "
@@ -392,7 +398,7 @@ def _archs_option(ctx, param, values):
               help="target arch, sm_80 or newer (repeatable). [sm_80 sm_89 sm_90 sm_100 sm_120]")
 def resources_cmd(archs):
     """ptxas's registers / spills / shared memory of every product kernel config per target arch (NVRTC, no
-    GPU), as the README's markdown table."""
+    GPU), and the resident CTAs / warps per SM of the logits configs on each arch, as the README's tables."""
     from cupy_dsa import runtime
 
     from . import resources
@@ -402,6 +408,12 @@ def resources_cmd(archs):
     except ImportError as exc:
         raise click.ClickException(f"bench resources compiles the kernels with NVRTC through CuPy: {exc}") from None
     click.echo(resources.markdown(resources.rows(archs or resources.ARCHS)))
+    click.echo("\nResident CTAs x warps per SM of the logits product configs (bf16 keys, fp8 q; the limit that "
+               "binds):\n")
+    from cupy_dsa import arch as arch_limits
+
+    click.echo(resources.residency_markdown(resources.residency_rows(
+        [a for a in (archs or arch_limits.ARCH_LIMITS) if a in arch_limits.ARCH_LIMITS])))
 
 
 @bench.command(name="report")

@@ -95,7 +95,9 @@ __device__ __forceinline__ void hadamard128_orthonormal(float (&x)[4], int lane)
 // e4m3 (RNE, saturating) of x * (1 / scale); returns this lane's 4 codes packed, the scale in `scale`.
 __device__ __forceinline__ u32 fp8_quantize_row(const float (&x)[4], float& scale) {
   const float amax = warp_max(fmaxf(fmaxf(fabsf(x[0]), fabsf(x[1])), fmaxf(fabsf(x[2]), fabsf(x[3]))));
-  scale = fmaxf(amax, 1e-4f) / 448.f;
+  // fmaxf drops NaN: a row holding one gets a NaN scale (and NaN codes), as the reference's amax does
+  const bool nan = __any_sync(0xffffffffu, isnan(x[0]) || isnan(x[1]) || isnan(x[2]) || isnan(x[3]));
+  scale = nan ? __int_as_float(0x7fc00000) : fmaxf(amax, 1e-4f) / 448.f;
   const float inv = 1.f / scale;
   return static_cast<u32>(pack_e4m3x2(__fmul_rn(x[0], inv), __fmul_rn(x[1], inv))) |
          (static_cast<u32>(pack_e4m3x2(__fmul_rn(x[2], inv), __fmul_rn(x[3], inv))) << 16);

@@ -1,0 +1,80 @@
+"""A roofline model of ``bench serve``'s cases on a GPU we did not run on: the bytes and flops of one forward's
+indexer logits (every C4 layer) against that GPU's DRAM bandwidth and tensor-core rate. A model, not a
+measurement: it counts each request's keys read once per layer (the grouped routes; stock SGLang's one row per
+token reads a verify request's keys next_n times) and leaves out the store, the schedule, top-k, launch gaps and
+L2 hits (sm_120's 128 MB L2 holds a small batch's keys)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cupy_dsa.layouts import BYTES_PER_TOKEN, HEAD_DIM, N_HEADS, PAGE_SLOTS
+
+from .bytes import C4_RATIO
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    name: str
+    dram_bytes_per_s: float
+    bf16_flops: float           # dense bf16 tensor-core rate a large matmul reaches
+    fp8_flops: float            # the same for fp8 (stock's keys on fp8 tensor cores)
+    source: str
+
+
+RTX_PRO_6000 = GpuModel(
+    "RTX PRO 6000 Blackwell (sm_120, 188 SMs)", 1.792e12, 417e12, 610e12,
+    "1,792 GB/s (512-bit GDDR7 at 28 Gbps, spec sheet); 417 TFLOP/s: a torch bf16 GEMM measured at 8192^3 on the "
+    "Server Edition; 610 TFLOP/s: cuBLAS MXFP8 GEMMs measured on the same class")
+
+
+def case_work(case, layout: str) -> tuple[float, float]:
+    """(key bytes, flops) of one C4 layer's logits for a ``bench serve`` case: every request's keys read once,
+    2 * 64 heads * 128 per (row, visible entry)."""
+    per_entry = BYTES_PER_TOKEN[layout]
+    if case.phase == "prefill":
+        entries = (case.context + case.chunk) // C4_RATIO
+        seen = sum((case.context + i + 1) // C4_RATIO for i in range(case.chunk))
+        rows_entries = seen
+        key_bytes = math.ceil(entries / PAGE_SLOTS) * PAGE_SLOTS * per_entry
+    else:
+        entries = (case.context + case.next_n) // C4_RATIO
+        rows_entries = case.batch * case.next_n * entries
+        key_bytes = case.batch * math.ceil(entries / PAGE_SLOTS) * PAGE_SLOTS * per_entry
+    return float(key_bytes), 2.0 * N_HEADS * HEAD_DIM * rows_entries
+
+
+def model_rows(case_list, n_c4: int, gpu: GpuModel = RTX_PRO_6000) -> list[dict]:
+    """Per case, per step over ``n_c4`` layers: bytes, flops, and the modelled ms of bf16 keys (bf16 mma) and of
+    fp8 keys (on fp8 tensor cores and, as cupy_dsa's fp8-key kernels run, on bf16-rate mma)."""
+    from .serve import case_label
+
+    out = []
+    for c in case_list:
+        b16, flops = case_work(c, "bf16")
+        b8, _ = case_work(c, "fp8")
+        t16 = n_c4 * max(b16 / gpu.dram_bytes_per_s, flops / gpu.bf16_flops)
+        t8 = n_c4 * max(b8 / gpu.dram_bytes_per_s, flops / gpu.fp8_flops)
+        t8_bf16_rate = n_c4 * max(b8 / gpu.dram_bytes_per_s, flops / gpu.bf16_flops)
+        out.append({"case": case_label(c), "bf16_mb": n_c4 * b16 / 1e6, "fp8_mb": n_c4 * b8 / 1e6,
+                    "gflop": n_c4 * flops / 1e9, "bf16_ms": 1e3 * t16, "fp8_ms": 1e3 * t8,
+                    "fp8_bf16_rate_ms": 1e3 * t8_bf16_rate,
+                    "bf16_bound": "read" if b16 / gpu.dram_bytes_per_s >= flops / gpu.bf16_flops else "matmul",
+                    "ratio": t16 / t8})
+    return out
+
+
+def markdown(rows: list[dict], gpu: GpuModel, model_name: str, n_c4: int) -> str:
+    lines = [f"Roofline MODEL (not a measurement) of one step's indexer logits on the {gpu.name}, {model_name}, "
+             f"{n_c4} C4 layers: keys read once per layer, {gpu.dram_bytes_per_s / 1e9:,.0f} GB/s, bf16 "
+             f"{gpu.bf16_flops / 1e12:.0f} TFLOP/s, fp8 {gpu.fp8_flops / 1e12:.0f} TFLOP/s ({gpu.source}).",
+             "",
+             "| case | bf16 keys MB | fp8 keys MB | GFLOP | bf16 ms (bound) | fp8 ms | fp8 ms at the bf16 rate | "
+             "bf16 / fp8 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['bf16_mb']:,.0f} | {r['fp8_mb']:,.0f} | {r['gflop']:,.0f} | "
+                     f"{r['bf16_ms']:.2f} ({r['bf16_bound']}) | {r['fp8_ms']:.2f} | {r['fp8_bf16_rate_ms']:.2f} | "
+                     f"{r['ratio']:.2f}x |")
+    return "\n".join(lines)
