@@ -78,3 +78,16 @@ def markdown(rows: list[dict], gpu: GpuModel, model_name: str, n_c4: int) -> str
                      f"{r['bf16_ms']:.2f} ({r['bf16_bound']}) | {r['fp8_ms']:.2f} | {r['fp8_bf16_rate_ms']:.2f} | "
                      f"{r['ratio']:.2f}x |")
     return "\n".join(lines)
+
+
+def readme_block() -> str:
+    """The README's model table: V4-Flash, batch 32 decode and verify next_n 4 at 8K / 32K / 128K tokens, prefill
+    chunks of 4,096 and 16,384 tokens (``bench serve``'s cases; ``bench serve`` prints the model of any case)."""
+    from .serve import BUILTIN, cases
+
+    model = BUILTIN["v4-flash"]
+    ctx = (8192, 32768, 131072)
+    case_list = [c for c in cases(32, ctx, 1, 4096) if c.phase == "decode"]
+    case_list += [c for c in cases(32, ctx, 4, 4096) if c.phase == "verify"]
+    case_list += [c for chunk in (4096, 16384) for c in cases(1, ctx, 1, chunk) if c.phase == "prefill"]
+    return markdown(model_rows(case_list, model.n_c4), RTX_PRO_6000, model.name, model.n_c4)

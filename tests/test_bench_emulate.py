@@ -1,4 +1,9 @@
-"""`cupy-dsa bench variants --emulate`: the cases, the residency it holds this GPU to, the markdown table."""
+"""`cupy-dsa bench variants --emulate`: the cases, the residency it holds this GPU to, the markdown table, the
+README's emulation block; the RTX PRO 6000 roofline model of `bench serve`."""
+import json
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -61,3 +66,22 @@ def test_padding_holds_this_gpu_to_the_target_residency():
             want, padded, held = variants.padded_for(cfg, target, resources, idx)
             assert held == want.ctas >= 1, (str(cfg), str(want), held)
             assert want.warps >= arch_limits.MIN_WARPS_PER_SM
+
+
+def _block(name):
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    m = re.search(rf"<!-- {name} -->\n(.*?)<!-- /{name} -->", text, re.S)
+    assert m, f"README has no {name} block"
+    return m.group(1).strip()
+
+
+def test_readme_model_block_is_generated():
+    from cupy_dsa.bench import roofline
+
+    assert _block("model:rtx-pro-6000") == roofline.readme_block().strip()
+
+
+def test_readme_emulation_block_is_the_results_file():
+    doc = json.loads((Path(__file__).parent.parent / "bench/results/h200-emulate-sm120.json").read_text())
+    assert doc["schema"] == variants.EMULATE_SCHEMA and not doc["quick"] and doc["target"] == "sm_120"
+    assert _block("emulate:sm_120") == variants.emulate_markdown(doc).strip()
