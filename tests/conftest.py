@@ -22,3 +22,15 @@ def seed():
     s = int(os.environ.get("CUPY_DSA_SEED", torch.seed() % (2**31)))
     torch.manual_seed(s)
     return s
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _declared_kernels_loaded(request):
+    """GPU sessions: every declared config of this GPU's arch (product and experimental) compiled in one NVRTC
+    program per source before the first test, instead of one program per experimental config on first use."""
+    if not HAS_GPU or not any("gpu" in item.keywords for item in request.session.items):
+        return
+    from cupy_dsa import launch, runtime
+
+    idx = torch.cuda.current_device()
+    runtime.warm_up_expressions(idx, launch.declared_expressions(runtime.device_arch(idx)))
