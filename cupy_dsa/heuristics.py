@@ -198,7 +198,7 @@ def _decode_experimental(arch):
                 yield _mma_decode(kf, q_fp8, next_n, arch, warps=8, mt=mt)
             yield _mma_decode(kf, q_fp8, next_n, arch, warps=8, prefetch=1)
         for target in EMULATED_ARCHS:                        # another arch's product config, forced here by
-            yield _mma_decode(kf, q_fp8, next_n, target)     # `bench variants --emulate`
+            yield _select_decode((layout, q_fp8, next_n), target)   # `bench variants --emulate` and the tests
 
 
 DECODE = launch.register(launch.Family(
@@ -303,7 +303,7 @@ def _prefill_experimental(arch):
                 yield _prefill(layout, q_fp8, arch, warps=warps, mt=mt)
             yield _prefill(layout, q_fp8, arch, warps=8, prefetch=1)  # 8 warps, register double-buffer
         for target in EMULATED_ARCHS:
-            yield _prefill(layout, q_fp8, target)
+            yield _select_prefill((layout, q_fp8, varlen), target)
 
 
 # Problems: (key layout, q fp8, varlen); varlen = several requests' rows in one launch (paged caches only).

@@ -144,12 +144,11 @@ def run_logits():
 if __name__ == "__main__":
     import sys
 
-    print("instantiations warmed:", cupy_dsa.warm_up(dev))
     # every declared config in one program per source, as the GPU test session loads them (the same CuPy
-    # cache entry: no compile under the sanitizer for the emulated archs' configs forced below)
+    # cache entry: no compile under the sanitizer, also for the emulated archs' configs forced below)
     from cupy_dsa import launch
-    print("declared instantiations loaded:", runtime.warm_up_expressions(
-        dev.index if dev.index is not None else torch.cuda.current_device(), launch.declared_expressions(ARCH)))
+    print("declared instantiations loaded:", runtime.warm_up_expressions(dev.index, launch.declared_expressions(ARCH)))
+    print("instantiations warmed:", cupy_dsa.warm_up(dev))
     if sys.argv[1:] == ["logits"]:     # racecheck / initcheck: the decode kernels, the plan and prefill
         print("logits launches:", run_logits())
     else:

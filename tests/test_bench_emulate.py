@@ -15,6 +15,17 @@ from click.testing import CliRunner
 from cupy_dsa.bench.cli import main
 
 
+def test_every_emulated_product_config_is_declared_everywhere():
+    """Any arch can force the emulated archs' product configs (the tests, the sanitizers and the bench do on
+    the H200), for every problem of the logits families."""
+    for fam in (logits.DECODE, logits.PREFILL):
+        for target in heuristics.EMULATED_ARCHS:
+            for arch in ("sm_80", "sm_90", "sm_100"):
+                declared = {(c.kernel, c.template) for c in fam.declared(arch)}
+                missing = [str(c) for c in fam.product(target) if (c.kernel, c.template) not in declared]
+                assert not missing, (fam.name, target, arch, missing)
+
+
 def test_cases_are_served_by_the_target_product_configs():
     for quick in (True, False):
         cases = variants.emulate_cases(quick, 0)
