@@ -207,11 +207,11 @@ def serve_cmd(model, batch, contexts, next_n, chunk, memory_gib, device, seed, j
     from rich.console import Console
     from rich.table import Table
 
-    from . import peers, report, serve
+    from . import peers, provenance, serve
 
     out, err = _console(stderr=json_path == "-"), Console(stderr=True)
     case_list = serve.cases(batch, contexts, next_n, chunk)
-    doc = {"schema": serve.SCHEMA, **report.provenance(), "model": {"name": model.name, "n_layers": model.n_layers, "index_layers": model.n_c4,
+    doc = {"schema": serve.SCHEMA, **provenance.provenance(), "model": {"name": model.name, "n_layers": model.n_layers, "index_layers": model.n_c4,
                                              "index_topk": model.index_topk, "source": model.source,
                                              "assumed": model.assumed},
            "batch": batch, "contexts": list(contexts), "next_n": next_n, "chunk": chunk,
@@ -349,7 +349,7 @@ def report_cmd(json_files, markdown_path, plot_path, readme_path):
     """Re-print the tables of a saved JSON result (and its markdown headline / plot / README blocks).
 
     Several `cupy-dsa needle` results overlay: one table and one plot, a column / line per run (--label)."""
-    from . import needle, report
+    from . import needle, plots, provenance, readme, report
 
     docs = []
     for json_file in json_files:
@@ -376,22 +376,22 @@ def report_cmd(json_files, markdown_path, plot_path, readme_path):
         if markdown_path:
             _write_markdown(serve.markdown(doc), markdown_path)
         if readme_path:
-            Path(readme_path).write_text(report.readme_with_results(Path(readme_path).read_text(), doc,
-                                                                    report.SERVE_README_BLOCKS))
+            Path(readme_path).write_text(readme.readme_with_results(Path(readme_path).read_text(), doc,
+                                                                    readme.SERVE_README_BLOCKS))
         if markdown_path != "-":
             click.echo(serve.markdown(doc))
         return
-    if doc.get("schema") not in report.READABLE_SCHEMAS:
-        raise click.BadParameter(f"expected schema {report.SCHEMA!r}, {serve.SCHEMA!r} or {needle.SCHEMA!r}, got "
+    if doc.get("schema") not in provenance.READABLE_SCHEMAS:
+        raise click.BadParameter(f"expected schema {provenance.SCHEMA!r}, {serve.SCHEMA!r} or {needle.SCHEMA!r}, got "
                                  f"{doc.get('schema')!r}", param_hint="JSON_FILE")
-    report.print_all(_console(stderr=markdown_path == "-"), doc, [s for s in report.SECTIONS if doc.get(s)])
+    report.print_all(_console(stderr=markdown_path == "-"), doc, [s for s in provenance.SECTIONS if doc.get(s)])
     if markdown_path:
         _write_markdown(report.markdown_headline(doc), markdown_path)
     if plot_path:
-        report.plot(doc, plot_path)
+        plots.plot(doc, plot_path)
     if readme_path:
         try:
-            text = report.readme_with_results(Path(readme_path).read_text(), doc)
+            text = readme.readme_with_results(Path(readme_path).read_text(), doc)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--readme")
         Path(readme_path).write_text(text)
@@ -657,7 +657,7 @@ def _run(ctx: click.Context, sections, o: dict) -> dict:
     from rich.console import Console
 
     from . import bytes as bytes_mod
-    from . import report
+    from . import plots, provenance, report
 
     out = _console(stderr=o["markdown_path"] == "-")  # '-': stdout carries only the markdown
     err = Console(stderr=True)
@@ -670,8 +670,9 @@ def _run(ctx: click.Context, sections, o: dict) -> dict:
     seed = int(o["seed"])
     torch.manual_seed(seed)
     t0 = time.perf_counter()
-    doc = report.new_document(backend=backend, device_name=_device_name(dev) if needs_device else "none (arithmetic)",
-                              quick=quick, seed=seed, gpu_mem_gb=float(o["gpu_mem_gb"]))
+    doc = provenance.new_document(backend=backend,
+                                  device_name=_device_name(dev) if needs_device else "none (arithmetic)",
+                                  quick=quick, seed=seed, gpu_mem_gb=float(o["gpu_mem_gb"]))
     doc["sections"] = list(sections)
     if not doc["git_commit"]:
         doc["notes"].setdefault("general", []).append(doc["commit_note"])
@@ -724,14 +725,14 @@ def _run(ctx: click.Context, sections, o: dict) -> dict:
 
     report.print_all(out, doc, sections)
     if o["json_path"]:
-        report.write_json(doc, o["json_path"])
+        provenance.write_json(doc, o["json_path"])
         err.print(f"wrote {o['json_path']}")
     if o["markdown_path"]:
         _write_markdown(report.markdown_headline(doc), o["markdown_path"])
         if o["markdown_path"] != "-":
             err.print(f"wrote {o['markdown_path']}")
     if o["plot_path"]:
-        report.plot(doc, o["plot_path"])
+        plots.plot(doc, o["plot_path"])
         err.print(f"wrote {o['plot_path']}")
     err.print(f"[dim]done in {doc['elapsed_s']:.1f} s[/]")
     return doc

@@ -373,7 +373,7 @@ def check_lengths_fit(server: Server, settings: Settings) -> None:
 def run(server: Server, settings: Settings, *, progress=None) -> dict:
     """Calibrate, then ask every (length, depth, trial). ``progress(kind, advance=1, total=None)`` reports
     ``"calibrate"`` and ``"ask"`` steps. Returns the result document (schema :data:`SCHEMA`)."""
-    from . import report
+    from . import provenance
 
     check_lengths_fit(server, settings)
     t0 = time.perf_counter()
@@ -416,7 +416,7 @@ def run(server: Server, settings: Settings, *, progress=None) -> dict:
                 raise
         trials.sort(key=lambda r: (r["length"], settings.depths.index(r["depth"]), r["trial"]))
     return {
-        "schema": SCHEMA, **report.provenance(),
+        "schema": SCHEMA, **provenance.provenance(),
         "label": settings.label or server.model,
         "server": {"base_url": server.base_url, "model": server.model, "max_model_len": server.max_model_len},
         "settings": {"lengths": sorted(settings.lengths), "depths": list(settings.depths), "trials": settings.trials,

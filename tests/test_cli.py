@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from cupy_dsa.bench import bytes as bytes_mod
 from cupy_dsa.bench.cli import main
-from cupy_dsa.bench.report import SCHEMA
+from cupy_dsa.bench.provenance import SCHEMA
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 NUM = (int, float)
@@ -226,21 +226,21 @@ def test_plot_refuses_a_non_png_name(sub, runs, tmp_path):
 
 
 def test_commit_less_run_says_so(runs, tmp_path, monkeypatch):
-    from cupy_dsa.bench import report
+    from cupy_dsa.bench import plots, provenance, report
 
     doc = dict(runs["bytes"][1], git_commit=None)
     md = report.markdown_headline(doc)
-    assert report.NO_COMMIT in md and "`None`" not in md and "unknown" not in md
-    report.plot(doc, str(tmp_path / "p.png"))
+    assert provenance.NO_COMMIT in md and "`None`" not in md and "unknown" not in md
+    plots.plot(doc, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").read_bytes()[:8] == PNG_MAGIC
     monkeypatch.delenv("CUPY_DSA_COMMIT", raising=False)
-    monkeypatch.setattr(report, "__file__", str(tmp_path / "bench" / "report.py"))  # outside any checkout
-    assert report.git_commit() is None
+    monkeypatch.setattr(provenance, "__file__", str(tmp_path / "bench" / "provenance.py"))  # outside any checkout
+    assert provenance.git_commit() is None
     j = tmp_path / "b.json"
     res = _invoke(["bench", "bytes", "--json", str(j)])
-    assert res.exit_code == 0 and report.NO_COMMIT in res.output
+    assert res.exit_code == 0 and provenance.NO_COMMIT in res.output
     saved = json.loads(j.read_text())
-    assert saved["git_commit"] is None and report.NO_COMMIT in saved["notes"]["general"]
+    assert saved["git_commit"] is None and provenance.NO_COMMIT in saved["notes"]["general"]
 
 
 def _git(cwd, *args):
@@ -252,41 +252,42 @@ def _git(cwd, *args):
 def test_commit_of_an_installed_copy_is_unknown(tmp_path, monkeypatch):
     """``pip install .`` into a virtual environment inside the clone: the clone's HEAD says nothing about the
     installed copy (the clone may have moved on), so no commit is recorded and the note says why."""
-    from cupy_dsa.bench import report
+    from cupy_dsa.bench import provenance
 
     monkeypatch.delenv("CUPY_DSA_COMMIT", raising=False)
     _git(tmp_path, "init", "-q")
     (tmp_path / ".gitignore").write_text(".venv/\n")
     _git(tmp_path, "add", ".gitignore")
     _git(tmp_path, "commit", "-qm", "x")
-    installed = tmp_path / ".venv" / "lib" / "site-packages" / "cupy_dsa" / "bench" / "report.py"
+    installed = tmp_path / ".venv" / "lib" / "site-packages" / "cupy_dsa" / "bench" / "provenance.py"
     installed.parent.mkdir(parents=True)
     installed.write_text("")
-    monkeypatch.setattr(report, "__file__", str(installed))
-    assert report.git_commit() is None
-    assert report.no_commit_reason() == report.INSTALLED_COPY and "installed copy, commit unknown" in report.INSTALLED_COPY
-    doc = report.new_document(backend="none", device_name="x", quick=False, seed=0, gpu_mem_gb=1.0)
-    assert doc["git_commit"] is None and report.commit_text(doc) == report.INSTALLED_COPY
+    monkeypatch.setattr(provenance, "__file__", str(installed))
+    assert provenance.git_commit() is None
+    assert provenance.no_commit_reason() == provenance.INSTALLED_COPY
+    assert "installed copy, commit unknown" in provenance.INSTALLED_COPY
+    doc = provenance.new_document(backend="none", device_name="x", quick=False, seed=0, gpu_mem_gb=1.0)
+    assert doc["git_commit"] is None and provenance.commit_text(doc) == provenance.INSTALLED_COPY
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_commit_of_a_checkout_says_when_it_is_dirty(tmp_path, monkeypatch):
     """Running from a checkout (an editable install): its HEAD, marked dirty while tracked files differ."""
-    from cupy_dsa.bench import report
+    from cupy_dsa.bench import provenance
 
     monkeypatch.delenv("CUPY_DSA_COMMIT", raising=False)
     checkout = tmp_path / "clone"
     (checkout / "bench").mkdir(parents=True)
-    (checkout / "bench" / "report.py").write_text("# v1\n")
+    (checkout / "bench" / "provenance.py").write_text("# v1\n")
     _git(checkout, "init", "-q")
-    _git(checkout, "add", "bench/report.py")
+    _git(checkout, "add", "bench/provenance.py")
     _git(checkout, "commit", "-qm", "x")
-    monkeypatch.setattr(report, "__file__", str(checkout / "bench" / "report.py"))
-    clean = report.git_commit()
+    monkeypatch.setattr(provenance, "__file__", str(checkout / "bench" / "provenance.py"))
+    clean = provenance.git_commit()
     assert clean and len(clean) == 12 and not clean.endswith("-dirty")
-    (checkout / "bench" / "report.py").write_text("# v2\n")
-    assert report.git_commit() == clean + "-dirty"
-    assert "uncommitted changes" in report.commit_text({"git_commit": clean + "-dirty"})
+    (checkout / "bench" / "provenance.py").write_text("# v2\n")
+    assert provenance.git_commit() == clean + "-dirty"
+    assert "uncommitted changes" in provenance.commit_text({"git_commit": clean + "-dirty"})
 
 
 def test_cpu_tables_print_no_ratios(runs):
@@ -325,13 +326,13 @@ def _bench_piped(args, columns=None):
 def test_tables_fit_the_width(columns):
     """Piped output honours COLUMNS (else the pipe width); the decode table is split, keeping the row's
     identity in every part, and every column is either shown or named as empty in every row."""
-    from cupy_dsa.bench import cli, report
+    from cupy_dsa.bench import cli, provenance, report
 
     r = _bench_piped(["bench", "logits", "--backend", "cpu"], columns)
     width = columns or cli.PIPE_WIDTH
     assert max(len(ln) for ln in r.stdout.splitlines()) <= width, r.stdout
     text = " ".join(r.stdout.split())
-    headers = [str(c.header) for c in report.decode_table(report.new_document(
+    headers = [str(c.header) for c in report.decode_table(provenance.new_document(
         backend="cpu", device_name="x", quick=True, seed=0, gpu_mem_gb=1.0)).columns]
     assert all(h in text for h in headers), [h for h in headers if h not in text]
     assert "not shown (empty in every row): % read, target, result, DeepGEMM" in text
@@ -682,14 +683,14 @@ RESULTS_JSON = REPO / "bench" / "results" / "h200.json"
 def test_readme_results_blocks_are_generated_from_the_committed_json():
     """Every figure block of the README is what `bench report --readme` renders from bench/results/h200.json
     (a hand edit, or a JSON committed without regenerating the README, fails here)."""
-    from cupy_dsa.bench import report
+    from cupy_dsa.bench import readme as readme_mod
 
     readme = (REPO / "README.md").read_text()
-    names = {m["name"] for m in report.README_BLOCK.finditer(readme)}
-    assert names == set(report.README_BLOCKS) | set(report.SERVE_README_BLOCKS)
-    assert report.readme_with_results(readme, json.loads(RESULTS_JSON.read_text())) == readme
+    names = {m["name"] for m in readme_mod.README_BLOCK.finditer(readme)}
+    assert names == set(readme_mod.README_BLOCKS) | set(readme_mod.SERVE_README_BLOCKS)
+    assert readme_mod.readme_with_results(readme, json.loads(RESULTS_JSON.read_text())) == readme
     serve_doc = json.loads((RESULTS_JSON.parent / "h200-serve.json").read_text())
-    assert report.readme_with_results(readme, serve_doc, report.SERVE_README_BLOCKS) == readme
+    assert readme_mod.readme_with_results(readme, serve_doc, readme_mod.SERVE_README_BLOCKS) == readme
 
 
 def test_report_readme_rewrites_marked_blocks(tmp_path):

@@ -13,7 +13,7 @@ import torch
 
 import cupy_dsa
 from cupy_dsa import layouts
-from test_logits import check_close, make_cache, make_q
+from logits_cases import check_close, make_cache, make_q
 
 FP8 = torch.float8_e4m3fn
 H, D, PS = 64, 128, 64

@@ -1,6 +1,6 @@
 """The SGLang 0.5.23 plugin (cupy_dsa.sglang).
 
-CPU (CI): fresh processes, one per scenario, started together, run ``scripts/_sglang_checks.py`` against SGLang's real
+CPU (CI): fresh processes, one per scenario, started together, run ``tests/sglang_checks`` against SGLang's real
 classes (each hook-installing scenario needs its own process: SGLang's HookRegistry cannot be undone) and
 report one result per check; every check is one test here. Needs sglang 0.5.23 installed with ``--no-deps``
 plus tests/requirements-cpu.txt: skipped without it, failed without it when ``CI`` is set.
@@ -28,11 +28,11 @@ from cupy_dsa import layouts
 from cupy_dsa.sglang import core
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKS_SCRIPT = ROOT / "scripts" / "_sglang_checks.py"
+CHECKS_SCRIPT = ROOT / "tests" / "sglang_checks"
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 ENV = core.ENV_NAME
 
-# Every check each scenario of scripts/_sglang_checks.py reports (test_every_check_is_listed keeps this honest).
+# Every check each scenario of tests/sglang_checks reports (test_every_check_is_listed keeps this honest).
 CHECKS = {
     "on": [
         "hooks_applied", "env_field", "bytes_per_token_on", "pool_pages_on", "store_decode_plan",

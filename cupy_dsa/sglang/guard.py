@@ -31,7 +31,7 @@ _HR = "sglang.srt.plugins.hook_registry."
 _BE = "sglang.srt.layers.attention.deepseek_v4_backend."
 # SGLang 0.5.23: (signature, sha256[:16] of the source) of every function the plugin replaces, wraps, copies
 # the logic of or drives by private API; (signature, None) for functions it only calls. Regenerate with
-# ``python scripts/_sglang_checks.py fingerprint`` after reviewing the hooks against a new SGLang (the table
+# ``python scripts/sglang_fingerprint.py`` after reviewing the hooks against a new SGLang (the table
 # is at the end of this module).
 
 
@@ -240,7 +240,7 @@ FINGERPRINT: dict[str, tuple[str, str | None]] = {
 
 
 def fingerprint_table() -> dict[str, tuple[str, str | None]]:
-    """The installed SGLang's fingerprint in :data:`FINGERPRINT`'s form (``scripts/_sglang_checks.py
-    fingerprint`` prints it, to review and paste after checking the hooks against a new SGLang)."""
+    """The installed SGLang's fingerprint in :data:`FINGERPRINT`'s form (``scripts/sglang_fingerprint.py``
+    prints it, to review and paste after checking the hooks against a new SGLang)."""
     return {path: fingerprint_of(path, path in _FINGERPRINT_SOURCE)
             for path in _FINGERPRINT_SOURCE + _FINGERPRINT_SIGNATURE}

@@ -1,0 +1,35 @@
+"""Plugin checks against SGLang 0.5.23's real classes, run in a fresh process per scenario.
+
+``python tests/sglang_checks <scenario>`` loads plugins the way SGLang's processes do
+(``sglang.srt.plugins.load_plugins()``), runs every check of the scenario (each isolated: one failing
+check does not hide the others) and prints one ``RESULTS_JSON:`` line. SGLang's hook registry cannot be
+undone, hence one process per scenario; tests/test_sglang_plugin.py runs the scenarios and asserts.
+
+Scenarios (the environment is set by the caller):
+  on        SGLANG_CUPY_DSA_INDEX_K=bf16, SGLANG_PLUGINS=cupy_dsa: every hook, recall, guards
+  off       switch unset, SGLANG_PLUGINS unset: SGLang unchanged; CLI flag and YAML key
+  excluded  switch on but SGLANG_PLUGINS names another plugin only: nothing installed
+  refusals  switch on: start-up refusals leave nothing patched
+  refuse_installed  the installed SGLang must refuse start-up (exit status 3 if it did not)
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import harness  # first: makes SGLang importable on a CPU-only machine
+import torch
+
+from scenario_off import scenario_excluded, scenario_off
+from scenario_on import scenario_on
+from scenario_refusals import refuse_installed, scenario_refusals
+
+if __name__ == "__main__":
+    torch.manual_seed(int(os.environ.get("CUPY_DSA_SEED", "0")))
+    if sys.argv[1] == "refuse_installed":
+        refuse_installed()
+        sys.exit(0)
+    {"on": scenario_on, "off": scenario_off, "excluded": scenario_excluded,
+     "refusals": scenario_refusals}[sys.argv[1]]()
+    print("RESULTS_JSON:" + json.dumps({"results": harness.RESULTS, "info": harness.INFO}), flush=True)

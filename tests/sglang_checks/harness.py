@@ -1,0 +1,95 @@
+"""What every scenario shares: the check registry (each check isolated: one failing check does not hide the
+others), the switch set for a block, SGLang's plugin loading, an indexer pool, whether a hook is in place.
+
+Importing it makes SGLang importable on a CPU-only machine first (``scripts/_sglang_env.py``)."""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "scripts"))
+import _sglang_env  # noqa: E402
+
+_sglang_env.install()
+
+import torch  # noqa: E402
+
+from cupy_dsa.sglang import core, guard, hooks  # noqa: E402  (none imports SGLang)
+
+ENV = "SGLANG_CUPY_DSA_INDEX_K"
+RESULTS: dict[str, dict] = {}
+INFO: dict[str, object] = {}
+
+
+def check(fn):
+    try:
+        fn()
+        RESULTS[fn.__name__] = {"ok": True}
+    except BaseException:  # noqa: BLE001 - every failure is reported, not raised
+        RESULTS[fn.__name__] = {"ok": False, "error": traceback.format_exc()}
+    return fn
+
+
+class mode_env:
+    """Temporarily set the switch (the plugin caches it per process: reset the cache on entry and exit)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __enter__(self):
+        self.old = os.environ.get(ENV)
+        if self.value is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = self.value
+        core.reset_mode()
+
+    def __exit__(self, *exc):
+        if self.old is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = self.old
+        core.reset_mode()
+
+
+def load():
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+
+
+def make_index_pool(layers=1, size=2560):
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4IndexerPool
+
+    return DeepSeekV4IndexerPool(size, 64, torch.bfloat16, 128, layers, "cpu", False, use_fp4_indexer=False,
+                                 global_page_size=256)
+
+
+def patched(target):
+    """Whether cupy_dsa applied its hook on ``target`` in this process (it applies them itself)."""
+    return target in hooks.installed_targets() and _is_wrapped(target)
+
+
+def _is_wrapped(target):
+    owner, attr, raw, _ = guard.resolve_target(target)
+    fn = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
+    return hasattr(fn, "__wrapped__")
+
+
+def nothing_patched():
+    """No cupy_dsa hook is in place: no wrapped target, no resolution hook, no env field."""
+    from sglang.srt.arg_groups.resolution_hooks import _HOOKS
+    from sglang.srt.environ import Envs
+
+    wrapped = [t for t in hooks.ALWAYS_TARGETS + hooks.SWITCHED_TARGETS if _is_wrapped(t)]
+    assert not wrapped, f"still wrapped: {wrapped}"
+    assert not hooks.installed_targets(), hooks.installed_targets()
+    assert hooks.validate_config not in _HOOKS.get(guard.RESOLUTION_STEP, []), "resolution hook left in"
+    assert ENV not in Envs.__dict__, "env field registered"
+    from sglang.srt.mem_cache import deepseek_v4_memory_pool as mp
+    from sglang.srt.model_executor import pool_configurator as pc
+
+    assert pc.get_dsv4_indexer_bytes_per_token is mp.get_dsv4_indexer_bytes_per_token
+    assert not hasattr(pc.get_dsv4_indexer_bytes_per_token, "__wrapped__"), "pool_configurator's copy still wrapped"
