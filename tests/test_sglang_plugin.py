@@ -54,6 +54,11 @@ CHECKS = {
                  "resolution_hook_failure_undoes_hooks",
                  "invalid_value_direct_load_plugins", "invalid_value_engine", "invalid_value_ray_worker_hook",
                  "switch_off_hook_failure_leaves_sglang_unchanged", "registers_after_refusals"],
+    "fp8cupy": ["hooks_applied_fp8cupy", "pool_and_budget_are_sglangs", "store_fp8_decode_plan_matches_sglang",
+                "store_fp8_prefill_plan_matches_sglang", "store_fp8_via_sglang_call_site", "store_fp8cupy_strictness",
+                "indexer_topk_matches_sglang_fp8_decode", "indexer_topk_matches_sglang_fp8_extend_and_verify",
+                "indexer_fp8cupy_small_rows_and_padding", "indexer_fp8cupy_refuses_a_bf16_pool",
+                "pd_layout_and_hicache_fp8cupy", "resolution_fp8cupy", "check_command_describes_fp8cupy"],
 }
 SCENARIO_ENV = {
     "on": {ENV: "bf16", "SGLANG_PLUGINS": "cupy_dsa", "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1",
@@ -61,6 +66,9 @@ SCENARIO_ENV = {
     "off": {},
     "excluded": {ENV: "bf16", "SGLANG_PLUGINS": "someone_else"},
     "refusals": {ENV: "bf16", "SGLANG_PLUGINS": "cupy_dsa"},
+    # SGLang's own fp8 forward (the baseline of the top-k checks) runs its torch fp8 logits on CPU
+    "fp8cupy": {ENV: "fp8-cupy", "SGLANG_PLUGINS": "cupy_dsa", "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1",
+                "SGLANG_OPT_USE_TOPK_V2": "0"},
 }
 _CLEARED = (ENV, "SGLANG_PLUGINS", "SGLANG_PLATFORM", "SGLANG_OPT_DSV4_NONPAGED_INDEXER",
             "SGLANG_OPT_DSV4_NONPAGED_INDEXER_MIN_QUERY_TOKENS", "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH",
@@ -278,6 +286,43 @@ def test_switch_values(monkeypatch):
         core.index_k_mode()
     core.reset_mode()
     assert core.numerics_of("bf16-fp4sim") == "fp4sim" and core.numerics_of("bf16") == "exact"
+
+
+def test_fp8_cupy_mode_keeps_sglangs_format(monkeypatch):
+    """fp8-cupy: a value of the switch (any case), SGLang's fp8 rows and query, exact numerics, its own PD tag;
+    the index-cache helpers tell the two row formats from SGLang's other caches."""
+    monkeypatch.setenv(ENV, " FP8-Cupy ")
+    core.reset_mode()
+    assert core.index_k_mode() == "fp8-cupy" and core.enabled()
+    core.reset_mode()
+    assert [core.cache_layout(m) for m in core.MODES] == ["fp8", "bf16", "bf16", "bf16", "fp8"]
+    assert core.numerics_of("fp8-cupy") == "exact" and core.query_is_fp8("fp8-cupy")
+    assert core.pd_layout_tag("fp8-cupy") == ",c4idx:fp8-cupy"
+    assert "cupy_dsa" in core.describe("fp8-cupy") and core.describe("bf16") == "bf16 C4 index keys"
+    with pytest.raises(ValueError, match="fp8-cupy keeps SGLang's 132-byte fp8 keys"):
+        core.parse_mode("fp8cupy")
+    u8 = torch.uint8
+    assert core.index_cache_layout(torch.zeros(2, layouts.FP8_PAGE_BYTES, dtype=u8)) == "fp8"
+    assert core.index_cache_layout(torch.zeros(2, layouts.BF16_PAGE_BYTES, dtype=u8)) == "bf16"
+    for other in (torch.zeros(2, 64 * 584, dtype=u8), torch.zeros(2, 4352, dtype=u8),
+                  torch.zeros(2, layouts.FP8_PAGE_BYTES, dtype=torch.int8), torch.zeros(2, 64, 1, 132, dtype=u8), None):
+        assert core.index_cache_layout(other) is None, other
+
+
+def test_warm_expressions_fp8_cupy():
+    """fp8-cupy warms the fp8-layout store (exact numerics) and the fp8-key logits, nothing of the bf16 layout."""
+    from cupy_dsa import launch, logits, store
+
+    for arch in ("sm_80", "sm_90", "sm_120"):
+        exprs = core.warm_expressions(arch, mode="fp8-cupy", next_ns=(1, 2), kv_dtypes=(torch.bfloat16,))
+        assert exprs[core.STORE_SOURCE] == store.product_instantiations(
+            layouts=("fp8",), numerics=("exact",), in_dtypes=(torch.bfloat16,), sources=("decode", "prefill"))
+        assert exprs[core.LOGITS_SOURCE] == logits.product_instantiations(arch, q_fp8=(1,), next_ns=(1, 2),
+                                                                          layouts=("fp8",))
+        assert not set(exprs[core.LOGITS_SOURCE]) & set(core.warm_expressions(arch, mode="bf16")[core.LOGITS_SOURCE]
+                                                        ) - {e for e in exprs[core.LOGITS_SOURCE] if "plan" in e}
+        assert set(exprs[core.STORE_SOURCE]) <= set(launch.product_expressions(arch)[core.STORE_SOURCE])
+        assert core.QUERY_SOURCE not in exprs
 
 
 def test_switch_is_cached_until_reset(monkeypatch):
@@ -772,7 +817,8 @@ def test_check_switch_off(self_check):
     code, lines = self_check()
     assert any(f"{ENV} unset -> fp8: the switch is off" in t for t in lines["ok"]), lines
     assert any("entry point cupy_dsa = cupy_dsa.sglang.plugin:register" in t for t in lines["ok"]), lines
-    assert any(t.startswith("server flag --cupy-dsa-index-k-dtype {fp8,bf16,bf16-fp4sim,bf16-reference}") for t in lines["ok"])
+    assert any(t.startswith("server flag --cupy-dsa-index-k-dtype {fp8,bf16,bf16-fp4sim,bf16-reference,fp8-cupy}")
+               for t in lines["ok"])
     assert lines["PROBLEM"] == [p for p in lines["PROBLEM"] if p.startswith("no CUDA GPU visible")] != [], lines
     assert code == 1
 
