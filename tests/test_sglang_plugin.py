@@ -248,7 +248,7 @@ def test_gpu_sglang_path_dry_mode():
     rc, out, err = _background("gpu_script_dry")
     last = out.strip().splitlines()[-1] if out.strip() else ""
     assert rc == 0 and last.startswith("SGLANG GPU PATH: PASS"), f"{out[-4000:]}\n{err[-3000:]}"
-    assert "8 phases" in last and "bf16-reference" in last, last
+    assert "9 phases" in last and "bf16-reference" in last and "fp8-cupy" in last, last
 
 
 # --------------------------------------------------------------------------------------------------
