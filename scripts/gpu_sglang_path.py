@@ -624,7 +624,11 @@ def graph_phase(sg, worlds, batch, g, capture):
                            f"graph replay {replay + 1} (lens {lens.tolist()})", batch.page_table, lens)
 
 
-def run(device, seed):
+# the phases that need no earlier phase's state (the others build on the prompt store and on each other)
+STANDALONE_PHASES = ("fp8-cupy",)
+
+
+def run(device, seed, only=None):
     t0 = time.time()
     sg = load_sglang()
     from cupy_dsa.sglang import core
@@ -644,6 +648,8 @@ def run(device, seed):
     phases = []
 
     def phase(name, fn):
+        if only and name not in only:
+            return
         log(f"[{name}]")
         try:
             fn()
@@ -754,6 +760,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=int(os.environ.get("CUPY_DSA_SEED", "0")))
+    ap.add_argument("--only", choices=STANDALONE_PHASES, action="append",
+                    help="run only this phase (repeatable); every phase runs by default")
     args = ap.parse_args()
     where = args.device
     if where.startswith("cuda"):
@@ -763,7 +771,7 @@ def main():
         where = f"{args.device} ({torch.cuda.get_device_name(0)}, torch {torch.__version__})"
     log(f"device {where}, seed {args.seed}")
     try:
-        phases, secs = run(args.device, args.seed)
+        phases, secs = run(args.device, args.seed, only=args.only)
     except BaseException:  # noqa: BLE001 - set-up failed (imports, hooks, pool)
         log(traceback.format_exc())
         print(f"SGLANG GPU PATH: FAIL (set-up: {traceback.format_exc().strip().splitlines()[-1]})")
@@ -773,7 +781,7 @@ def main():
     if PROBLEMS:
         print(f"SGLANG GPU PATH: FAIL ({len(PROBLEMS)} problems: {' | '.join(PROBLEMS)}){mode}")
         return 1
-    print(f"SGLANG GPU PATH: PASS ({len(phases)} phases: {', '.join(phases)}; {where}; {secs:.0f} s; "
+    print(f"SGLANG GPU PATH: PASS ({len(phases)} phase{'' if len(phases) == 1 else 's'}: {', '.join(phases)}; {where}; {secs:.0f} s; "
           f"stubbed: {','.join(STUBBED) or 'none'}{notes}){mode}")
     return 0
 
