@@ -200,9 +200,9 @@ def _model_option(ctx, param, value):
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
               callback=_png_output, help="PNG: ms per decode step over context, bf16 vs fp8, and the added ms.")
 def serve_cmd(model, batch, contexts, next_n, chunk, memory_gib, device, seed, json_path, plot_path):
-    """Indexer cost of one forward of a DeepSeek-V4 server with bf16 index keys vs SGLang's fp8: ms per decode
-    (verify) step and per prefill chunk over every C4 layer, KV bytes per token and tokens that fit. Without a
-    GPU it prints the memory figures only."""
+    """Indexer cost of one forward of a DeepSeek-V4 server with bf16 index keys vs SGLang's fp8 (DeepGEMM), and of
+    the fp8-cupy mode (SGLang's fp8 keys on cupy_dsa's kernels): ms per decode (verify) step and per prefill chunk
+    over every C4 layer, KV bytes per token and tokens that fit. Without a GPU it prints the memory figures only."""
     import torch
     from rich.console import Console
     from rich.table import Table
@@ -243,14 +243,16 @@ def serve_cmd(model, batch, contexts, next_n, chunk, memory_gib, device, seed, j
                 progress.advance(task)
         doc["measured"] = True
         t = Table(title=f"indexer ms per forward (all {model.n_c4} C4 layers), {doc['device']}; top-k excluded")
-        for col in ("phase", "batch", "context", "next_n", "chunk", "bf16 ms", "fp8 ms", "added ms", "ratio", "error"):
+        for col in ("phase", "batch", "context", "next_n", "chunk", "bf16 ms", "fp8 ms", "added ms", "ratio",
+                    "fp8-cupy ms", "fp8-cupy / fp8", "error"):
             t.add_column(col, justify="right")
         def f(v, p=3):
             return "-" if v is None else f"{v:.{p}f}"
 
         for r in doc["timings"]:
             t.add_row(r["phase"], str(r["batch"]), str(r["context"]), str(r["next_n"]), str(r["chunk"] or "-"),
-                      f(r["bf16_ms"]), f(r["fp8_ms"]), f(r["added_ms"]), f(r["ratio"], 2), r["error"] or "")
+                      f(r["bf16_ms"]), f(r["fp8_ms"]), f(r["added_ms"]), f(r["ratio"], 2), f(r["fp8_cupy_ms"]),
+                      f(r["fp8_cupy_ratio"], 2), r["error"] or "")
         out.print(t)
         for r in doc["timings"]:
             for layout, n in r["layer_caches"].items():
