@@ -1,4 +1,4 @@
-"""The ``cupy-dsa`` command line: ``cupy-dsa bench [bytes|store|logits|recall|all|report|variants|resources|serve]``.
+"""The ``cupy-dsa`` command line: ``cupy-dsa bench [bytes|store|query|logits|recall|all|report|variants|resources|serve]``.
 
 Options can be given to ``bench`` or to a subcommand (the subcommand's value wins). ``bench`` without a
 subcommand runs ``all``.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-SECTIONS_ALL = ("bytes", "store", "logits", "recall")
+SECTIONS_ALL = ("bytes", "store", "query", "logits", "recall")
 DEFAULTS = {"backend": "auto", "device": None, "quick": False, "json_path": None, "plot_path": None,
             "markdown_path": None, "seed": 0, "gpu_mem_gb": 100.0}
 
@@ -117,7 +117,7 @@ def main():
 def bench(ctx, **opts):
     """Bytes/token, throughput and recall of the index-key layouts, side by side.
 
-    Without a subcommand, runs `all` (bytes, store, logits, recall)."""
+    Without a subcommand, runs `all` (bytes, store, query, logits, recall)."""
     if ctx.invoked_subcommand is None:
         _run(ctx, SECTIONS_ALL, _merged_top(opts))
 
@@ -156,7 +156,7 @@ _subcommand("recall", ("recall",), "Needle suite with a controlled margin and a 
             "rate at margins 0.001%..10% over the best distractor (exact fp64 passes every needle by construction), "
             "the resolution (smallest margin with >= 99% kept), recall@512/1024 vs exact fp64 and top-k overlap "
             "with the reference numerics (fp4-simulated q and keys, fp32 scores).")
-_subcommand("all", SECTIONS_ALL, "Run bytes, store, logits and recall (the default).")
+_subcommand("all", SECTIONS_ALL, "Run bytes, store, query, logits and recall (the default).")
 
 
 def _contexts_option(ctx, param, values):
@@ -346,12 +346,16 @@ def resources_cmd(archs):
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
               callback=_png_output, help="re-draw the PNG plot from the JSON; the name must end in .png.")
 @click.option("--readme", "readme_path", type=click.Path(exists=True, dir_okay=False, writable=True), default=None,
-              help="rewrite the <!-- results:NAME --> blocks of this markdown file from the JSON.")
-def report_cmd(json_files, markdown_path, plot_path, readme_path):
+              help="rewrite the <!-- results:NAME --> blocks of this markdown file that the JSON holds data for "
+                   "(the others are kept; it prints which and why).")
+@click.option("--allow-cpu-or-quick", is_flag=True, default=False,
+              help="with --readme: accept a CPU-backend or --quick run (refused by default: the README's "
+                   "figures are full-size GPU runs).")
+def report_cmd(json_files, markdown_path, plot_path, readme_path, allow_cpu_or_quick):
     """Re-print the tables of a saved JSON result (and its markdown headline / plot / README blocks).
 
     Several `cupy-dsa needle` results overlay: one table and one plot, a column / line per run (--label)."""
-    from . import needle, plots, provenance, readme, report
+    from . import needle, plots, provenance, readme, report, serve
 
     docs = []
     for json_file in json_files:
@@ -360,43 +364,59 @@ def report_cmd(json_files, markdown_path, plot_path, readme_path):
         except ValueError as exc:
             raise click.BadParameter(f"{json_file}: not a JSON file: {exc}", param_hint="JSON_FILE")
     if any(needle.is_needle(d) for d in docs):
+        if allow_cpu_or_quick:
+            raise click.BadParameter("goes with --readme, which needle results do not take",
+                                     param_hint="'--allow-cpu-or-quick'")
         _report_needle(json_files, docs, markdown_path, plot_path, readme_path)
         return
     if len(docs) > 1:
         raise click.BadParameter(f"several files overlay only as `cupy-dsa needle` results (schema {needle.SCHEMA!r}); "
                                  f"{json_files[1]} is {docs[1].get('schema') if isinstance(docs[1], dict) else None!r}: "
                                  "give one bench or serve result", param_hint="JSON_FILE")
-    doc = docs[0]
-    from . import serve
-
-    if not isinstance(doc, dict):
-        doc = {"schema": None}
-
-    if doc.get("schema") == serve.SCHEMA:  # a `bench serve` run: its table, its README block
+    json_file, doc = json_files[0], docs[0]
+    is_serve = isinstance(doc, dict) and doc.get("schema") == serve.SCHEMA
+    if not is_serve and (not isinstance(doc, dict) or doc.get("schema") not in provenance.READABLE_SCHEMAS):
+        raise click.BadParameter(f"expected schema {provenance.SCHEMA!r}, {serve.SCHEMA!r} or {needle.SCHEMA!r}, got "
+                                 f"{doc.get('schema') if isinstance(doc, dict) else type(doc).__name__!r}",
+                                 param_hint="JSON_FILE")
+    if allow_cpu_or_quick and not readme_path:
+        raise click.BadParameter("goes with --readme (it accepts a CPU or --quick run for the README's blocks)",
+                                 param_hint="'--allow-cpu-or-quick'")
+    update = None
+    if readme_path:  # decided before anything is printed or written
+        try:
+            update = readme.readme_update(Path(readme_path).read_text(), doc,
+                                          readme.SERVE_README_BLOCKS if is_serve else readme.README_BLOCKS)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="'--readme'")
+        why = readme.not_gpu_figures(doc)
+        if update[1] and why and not allow_cpu_or_quick:
+            raise click.BadParameter(
+                f"{json_file} is {why}; the README's results blocks quote full-size GPU runs, so it would replace "
+                f"them ({', '.join('results:' + n for n in update[1])}). Pass --allow-cpu-or-quick to write them "
+                "anyway.", param_hint="'--readme'")
+    if is_serve:  # a `bench serve` run: its table, its README block
         if plot_path:
             serve.plot(doc, plot_path)
         if markdown_path:
             _write_markdown(serve.markdown(doc), markdown_path)
-        if readme_path:
-            Path(readme_path).write_text(readme.readme_with_results(Path(readme_path).read_text(), doc,
-                                                                    readme.SERVE_README_BLOCKS))
         if markdown_path != "-":
             click.echo(serve.markdown(doc))
-        return
-    if doc.get("schema") not in provenance.READABLE_SCHEMAS:
-        raise click.BadParameter(f"expected schema {provenance.SCHEMA!r}, {serve.SCHEMA!r} or {needle.SCHEMA!r}, got "
-                                 f"{doc.get('schema')!r}", param_hint="JSON_FILE")
-    report.print_all(_console(stderr=markdown_path == "-"), doc, [s for s in provenance.SECTIONS if doc.get(s)])
-    if markdown_path:
-        _write_markdown(report.markdown_headline(doc), markdown_path)
-    if plot_path:
-        plots.plot(doc, plot_path)
-    if readme_path:
-        try:
-            text = readme.readme_with_results(Path(readme_path).read_text(), doc)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--readme")
-        Path(readme_path).write_text(text)
+    else:
+        report.print_all(_console(stderr=markdown_path == "-"), doc, [s for s in provenance.SECTIONS if doc.get(s)])
+        if markdown_path:
+            _write_markdown(report.markdown_headline(doc), markdown_path)
+        if plot_path:
+            plots.plot(doc, plot_path)
+    if update is not None:
+        text, rewritten, kept = update
+        if rewritten:
+            Path(readme_path).write_text(text)
+            click.echo(f"{readme_path}: rewrote {', '.join('results:' + n for n in rewritten)}", err=True)
+        else:
+            click.echo(f"{readme_path}: nothing rewritten (the JSON holds data for none of its blocks)", err=True)
+        for name, why in kept.items():
+            click.echo(f"{readme_path}: kept results:{name} ({why})", err=True)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -178,6 +178,29 @@ def _store_panel(ax, doc, has_ceiling):
     ax.set_title("store_index_k", fontsize=9)
 
 
+def _query_panel(ax, rows, has_ceiling):
+    """prepare_index_q per T: % of the read stream (GPU) or GB/s (CPU), the fp4sim bf16 query next to fp8; each
+    bar labelled with its time."""
+    ts = sorted({r["n_tokens"] for r in rows})
+    for j, numerics in enumerate(("fp4sim", "fp8")):
+        at = {r["n_tokens"]: r for r in rows if r["numerics"] == numerics}
+        xs = [i + 0.4 * j for i, t in enumerate(ts) if t in at]
+        ys = [100 * (at[t].get("pct_read") or 0) if has_ceiling else at[t]["gbps"] for t in ts if t in at]
+        bars = ax.bar(xs, ys, width=0.4, label=f"{numerics} query" + (" (bf16-reference)" if numerics == "fp4sim"
+                                                                           else ""),
+                      color=FORMAT_STYLE["bf16-fp4sim" if numerics == "fp4sim" else "fp8"]["color"])
+        for bar, t in zip(bars, [t for t in ts if t in at]):
+            us = at[t]["time_us"]
+            ax.annotate(f"{us / 1e3:.2f} ms" if us >= 1e3 else f"{us:.1f} us",
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks([i + 0.2 for i in range(len(ts))])
+    ax.set_xticklabels([f"T = {_si(t)}" for t in ts], fontsize=8)
+    ax.set_ylabel("% of the read-only stream" if has_ceiling else "GB/s (no ceiling: CPU backend)")
+    ax.set_title("prepare_index_q per C4 layer (label: time)", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
+
+
 def _bytes_panel(ax, doc):
     rows = doc["bytes"]
     models = list(dict.fromkeys(r["model"] for r in rows))
@@ -220,6 +243,9 @@ def plot(doc: dict, path: str) -> None:
         panels.append(lambda ax: _routes_deepgemm_panel(ax, doc))
     if any(not r.get("error") for r in doc["store"]):
         panels.append(lambda ax: _store_panel(ax, doc, has_ceiling))
+    query = [r for r in doc.get("query", []) if not r.get("error")]
+    if query:
+        panels.append(lambda ax: _query_panel(ax, query, has_ceiling))
     if doc["bytes"]:
         panels.append(lambda ax: _bytes_panel(ax, doc))
     ncol = min(2, max(1, len(panels)))

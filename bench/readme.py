@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from typing import Callable
 
 from .provenance import commit_text
 from .report import (_decode_pairs, _f, _margin, _md_verdict, _ok, _pct, _recall_rows, _route_pairs, _si,
@@ -137,8 +139,18 @@ def readme_recall(doc) -> str:
     return "\n".join(lines)
 
 
-README_BLOCKS = {"environment": readme_environment, "recall": readme_recall, "headline": readme_headline, "decode": readme_decode,
-                 "verify-extend": readme_verify_extend, "prefill": readme_prefill}
+def readme_query(doc) -> str:
+    """prepare_index_q (what ``bf16-reference`` adds before each C4 layer's logits), with the run it came from:
+    a `bench query` run may be newer than the run the other blocks quote."""
+    rows = [r for r in doc.get("query", []) if not r.get("error")]
+    lines = [f"{doc['device']} ({doc['backend']}{', quick sizes' if doc['quick'] else ''}), {commit_text(doc)}, "
+             f"{doc['date'][:10]}: `prepare_index_q` per C4 layer and call (`fp4sim`: the bf16 query "
+             "`bf16-reference` serves; `fp8`: the same preparation to an fp8 query, for comparison).", "",
+             "| T tokens | query | time | GB/s | % of read stream |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {_si(r['n_tokens'])} | {r['numerics']} | {_us_or_ms(r['time_us'])} | {r['gbps']:.0f} | "
+                     f"{_pct(r.get('pct_read'))} |")
+    return "\n".join(lines)
 
 
 def _serve_block(doc) -> str:
@@ -147,15 +159,66 @@ def _serve_block(doc) -> str:
     return markdown(doc).rstrip("\n")
 
 
-# blocks rendered from a `bench serve` JSON (the other blocks: from a `bench logits` / `bench all` JSON)
-SERVE_README_BLOCKS = {"serve": _serve_block}
+# --------------------------------------------------------------------------------------------------
+# which blocks a results document holds data for
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Block:
+    """A README block: ``render(doc)`` its text; ``missing(doc)`` why ``doc`` holds no data for it (None: it does)."""
+    render: Callable[[dict], str]
+    missing: Callable[[dict], str | None]
 
 
-def readme_with_results(text: str, doc: dict, blocks: dict | None = None) -> str:
-    """``text`` with every ``<!-- results:NAME -->`` ... ``<!-- /results:NAME -->`` block of ``blocks`` (default
-    :data:`README_BLOCKS`) re-rendered from ``doc``; blocks of the other results file are left as they are."""
+def _none_if(rows, why):
+    return None if rows else why
+
+
+def _environment_missing(doc):
+    """The environment line describes the run every other block quotes: rewritten only with all of them."""
+    lacking = [n for n, b in README_BLOCKS.items() if n != "environment" and b.missing(doc)]
+    return (f"the JSON holds no data for results:{', results:'.join(lacking)}, which stay from the run this line "
+            "describes" if lacking else None)
+
+
+README_BLOCKS = {
+    "environment": Block(readme_environment, _environment_missing),
+    "recall": Block(readme_recall, lambda d: _none_if([r for r in _recall_rows(d) if not r.get("error")],
+                                                      "no recall rows")),
+    "headline": Block(readme_headline, lambda d: _none_if(_decode_pairs(d) or _route_pairs(d) or _ok(d, "prefill"),
+                                                          "no decode / verify / extend / prefill rows")),
+    "decode": Block(readme_decode, lambda d: _none_if(_decode_pairs(d), "no decode rows with both key layouts")),
+    "verify-extend": Block(readme_verify_extend, lambda d: _none_if(_route_pairs(d), "no verify / extend rows")),
+    "prefill": Block(readme_prefill, lambda d: _none_if(_ok(d, "prefill"), "no prefill rows")),
+    "query": Block(readme_query, lambda d: _none_if([r for r in d.get("query", []) if not r.get("error")],
+                                                    "no query rows (`cupy-dsa bench query` / `bench all` makes them)")),
+}
+
+# blocks rendered from a `bench serve` JSON (the other blocks: from a `bench` JSON)
+SERVE_README_BLOCKS = {
+    "serve": Block(_serve_block, lambda d: None if d.get("measured") and d.get("timings")
+                   else f"no timings ({d.get('not_measured') or 'nothing measured'})"),
+}
+
+
+def not_gpu_figures(doc: dict) -> str | None:
+    """Why ``doc`` is not a full-size GPU run (the README's figures are H200 runs), or None."""
+    if doc.get("schema", "").startswith("cupy-dsa-serve"):
+        return None if doc.get("measured") else "a run without a GPU (nothing measured)"
+    if doc.get("backend") != "cuda":
+        return f"a {doc.get('backend')}-backend run on {doc.get('device')}"
+    if doc.get("quick"):
+        return "a --quick run (smaller sizes)"
+    return None
+
+
+def readme_update(text: str, doc: dict, blocks: dict | None = None) -> tuple[str, list[str], dict[str, str]]:
+    """(``text`` with the blocks of ``blocks`` (default :data:`README_BLOCKS`) that ``doc`` holds data for
+    re-rendered, the names rewritten, {name: why kept} of the others). Blocks of the other results file are
+    left as they are (and not listed); an unknown block name is a ValueError."""
     blocks = README_BLOCKS if blocks is None else blocks
     known = {**README_BLOCKS, **SERVE_README_BLOCKS}
+    rewritten, kept = [], {}
 
     def render(m):
         name = m["name"]
@@ -163,6 +226,16 @@ def readme_with_results(text: str, doc: dict, blocks: dict | None = None) -> str
             raise ValueError(f"README block 'results:{name}': expected one of {', '.join(known)}")
         if name not in blocks:
             return m[0]
-        return f"{m[1]}{blocks[name](doc)}\n{m[4]}"
+        why = blocks[name].missing(doc)
+        if why:
+            kept[name] = why
+            return m[0]
+        rewritten.append(name)
+        return f"{m[1]}{blocks[name].render(doc)}\n{m[4]}"
 
-    return README_BLOCK.sub(render, text)
+    return README_BLOCK.sub(render, text), rewritten, kept
+
+
+def readme_with_results(text: str, doc: dict, blocks: dict | None = None) -> str:
+    """``text`` with every block of ``blocks`` that ``doc`` holds data for re-rendered (:func:`readme_update`)."""
+    return readme_update(text, doc, blocks)[0]

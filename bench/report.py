@@ -408,6 +408,12 @@ def markdown_headline(doc: dict) -> str:
         lines.append(f"| store {_si(r['n_tokens'])} tokens, {r['layout']} {r['numerics']} | {r['time_us']:.0f} us, "
                      f"{_num(r['gbps'])} GB/s | {_pct(r['pct_copy'])} of copy | "
                      f"{_target_pct(r.get('target_pct_copy'))} | {_md_verdict(r)} |")
+    for r in doc.get("query", []):
+        if r.get("error"):
+            continue
+        ratio = f"{_pct(r['pct_read'])} of read" if r.get("pct_read") is not None else "—"
+        lines.append(f"| prepare_index_q, T = {_si(r['n_tokens'])}, {r['numerics']} query | {r['time_us']:.1f} us, "
+                     f"{_num(r['gbps'])} GB/s | {ratio} | — | |")
     for r in doc["logits"]:
         if r.get("error"):
             continue

@@ -758,6 +758,8 @@ def mqa_logits_plan(cu_rows, *, rows=None, out=None):
     """
     start, end = (0, 2**31 - 1) if rows is None else _check_rows(rows, 2**31 - 1)
     _check_plan_cu_rows(cu_rows)
+    if not cu_rows.is_cuda:  # host offsets: refused as mqa_logits refuses them (device ones are not read)
+        _check_cu_rows(cu_rows, 2**31 - 1, cu_rows.device)
     B = cu_rows.shape[0] - 1
     if out is not None:
         _check_varlen_plan(out, cu_rows, cu_rows.device)

@@ -5,7 +5,8 @@
 Sylvester, scale ``128^-0.5``), all fp32; then
 
 * ``numerics="fp4sim"`` (DeepSeek-V4's reference): e2m1 with a power-of-two scale per 32 elements, bf16
-  ``[T, 64, 128]`` out; ``weights_out = float(w) * weight_scale``;
+  ``[T, 64, 128]`` out (a block of 32 that holds a NaN or an infinity comes out NaN);
+  ``weights_out = float(w) * weight_scale``;
 * ``numerics="fp8"`` (SGLang's ``fused_q_indexer_rope_hadamard_quant``): per (token, head)
   ``scale = max(amax, 1e-4) / 448``, ``float8_e4m3fn [T, 64, 128]`` out (RNE, saturating, of
   ``x * (1/scale)``); ``weights_out = (float(w) * weight_scale) * scale``.
@@ -66,6 +67,9 @@ def _check(q, weights, freqs_cis, positions, weight_scale, numerics, out):
         raise ValueError(f"numerics: expected one of {tuple(_NUMERICS_ID)}, got {numerics!r}")
     if isinstance(weight_scale, bool) or not isinstance(weight_scale, (int, float)):
         raise TypeError(f"weight_scale: expected a float, got {type(weight_scale).__name__}")
+    if not 0 < weight_scale < float("inf"):
+        raise ValueError(f"weight_scale: expected a finite float > 0 (SGLang passes 128^-0.5 * 64^-0.5), "
+                         f"got {weight_scale!r}")
     check_dtype("weights", weights, tuple(_W_TYPE))
     check_shape("weights", weights, f"[{t}, {INDEX_HEADS}] (T of q)", tuple(weights.shape) == (t, INDEX_HEADS))
     check_contiguous("weights", weights)

@@ -316,9 +316,12 @@ def _hadamard128(x: torch.Tensor) -> torch.Tensor:
 
 
 def _fp4sim(k: torch.Tensor) -> torch.Tensor:
-    """e2m1 rounding with a power-of-two (ue8m0) scale per 32 elements, ties to the even code."""
+    """e2m1 rounding with a power-of-two (ue8m0) scale per 32 elements, ties to the even code. A block that
+    holds a NaN or an infinity has no scale: every element of it becomes NaN (as the kernel does)."""
     kb = k.view(-1, HEAD_DIM // FP4_BLOCK, FP4_BLOCK)
-    amax = kb.abs().amax(dim=-1, keepdim=True)
+    amax = kb.abs().amax(dim=-1, keepdim=True)  # NaN when the block holds one
+    finite = torch.isfinite(amax)
+    amax = torch.where(finite, amax, torch.zeros_like(amax))
     # divide by a full tensor: torch on CUDA turns division by a Python scalar into a reciprocal multiply
     t = torch.clamp_min(amax, FP4_MIN_AMAX) / torch.full_like(amax, FP4_MAX)
     # exact ceil(log2(t)) for a normal fp32 t: exponent, +1 unless the mantissa is zero
@@ -331,7 +334,7 @@ def _fp4sim(k: torch.Tensor) -> torch.Tensor:
     r = torch.where(a <= 0.25, 0.0, torch.where(a < 0.75, 0.5, torch.where(a <= 1.25, 1.0, torch.where(
         a < 1.75, 1.5, torch.where(a <= 2.5, 2.0, torch.where(a < 3.5, 3.0, torch.where(a <= 5.0, 4.0, 6.0)))))))
     r = torch.copysign(r.to(torch.float32), q)
-    return (r * scale).view(-1, HEAD_DIM)
+    return torch.where(finite, r * scale, torch.full_like(q, float("nan"))).view(-1, HEAD_DIM)
 
 
 def fp4sim_reference(x: torch.Tensor) -> torch.Tensor:

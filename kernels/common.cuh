@@ -120,7 +120,8 @@ __device__ __forceinline__ void rope_v4(float (&x)[4], const float4& f, int lane
 
 
 // DeepSeek-V4 QAT: e2m1 value times a ue8m0 scale 2^ceil(log2(max(amax, 1e-4) / 6)) per 32 elements
-// (8 lanes); ties go to the even code. Every result is exact in bf16.
+// (8 lanes); ties go to the even code. Every result is exact in bf16. A block that holds a NaN or an
+// infinity has no scale: all of it becomes NaN (fmaxf would skip a NaN and an infinite scale wraps).
 __device__ __forceinline__ float e2m1_round(float q) {
   const float a = fabsf(q);
   float r;
@@ -135,9 +136,20 @@ __device__ __forceinline__ float e2m1_round(float q) {
   return copysignf(r, q);
 }
 
+__device__ __forceinline__ bool is_finite_f32(float v) {
+  return (__float_as_uint(v) & 0x7F800000u) != 0x7F800000u;
+}
+
 __device__ __forceinline__ void fp4_simulate(float (&x)[4]) {
+  const bool finite = is_finite_f32(x[0]) && is_finite_f32(x[1]) && is_finite_f32(x[2]) && is_finite_f32(x[3]);
   float amax = fmaxf(fmaxf(fabsf(x[0]), fabsf(x[1])), fmaxf(fabsf(x[2]), fabsf(x[3])));
-  amax = group_max<8>(amax);
+  if (!finite) amax = __int_as_float(0x7F800000);
+  amax = group_max<8>(amax);  // +inf when a lane of the block holds a NaN or an infinity
+  if (!is_finite_f32(amax)) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[i] = __int_as_float(0x7FFFFFFF);
+    return;
+  }
   const float t = fmaxf(amax, 1e-4f) / 6.f;
   const u32 bits = __float_as_uint(t);
   const int e = static_cast<int>((bits >> 23) & 0xFFu) - 127 + ((bits & 0x7FFFFFu) != 0u);  // ceil(log2 t)

@@ -1,0 +1,145 @@
+"""`cupy-dsa bench report --readme`: it rewrites only the README blocks the JSON holds data for, says which it
+rewrote and kept, and refuses CPU / --quick / unmeasured runs for the README's H200 blocks unless told."""
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cupy_dsa.bench import readme as readme_mod
+from cupy_dsa.bench.cli import SECTIONS_ALL, main
+from cupy_dsa.bench.provenance import SECTIONS
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+README = (REPO / "README.md").read_text()
+
+
+def _report(*args):
+    return CliRunner().invoke(main, ["bench", "report", *map(str, args)])
+
+
+def _blocks(text):
+    return {m["name"]: m["body"] for m in readme_mod.README_BLOCK.finditer(text)}
+
+
+def _changed(before, after):
+    a, b = _blocks(before), _blocks(after)
+    assert a.keys() == b.keys()
+    return {n for n in a if a[n] != b[n]}
+
+
+@pytest.fixture(scope="module")
+def cpu_runs(tmp_path_factory):
+    """CPU JSONs of `bench query`, `bench bytes` and `bench serve` (what a newcomer without a GPU makes)."""
+    d = tmp_path_factory.mktemp("readme")
+    out = {}
+    for name, args in (("query", ["bench", "query", "--backend", "cpu"]), ("bytes", ["bench", "bytes"]),
+                       ("serve", ["bench", "serve"])):
+        j = d / f"{name}.json"
+        res = CliRunner().invoke(main, args + ["--json", str(j)])
+        assert res.exit_code == 0, res.output
+        out[name] = j
+    return out
+
+
+def _gpu_query_doc():
+    """The committed H200 run plus synthetic query rows (as `bench all` on a GPU now records them)."""
+    doc = json.loads((RESULTS / "h200.json").read_text())
+    doc["query"] = [{"n_tokens": t, "numerics": n, "error": None, "time_us": 3.0 + t / 1000 + (n == "fp8"),
+                     "bytes_per_token_counted": 33412, "gbps": 123.0 + t / 100, "pct_read": 0.25, "timing": "graph"}
+                    for t in (1, 64, 4096, 16384) for n in ("fp4sim", "fp8")]
+    return doc
+
+
+@pytest.mark.parametrize("run", ["query", "bytes", "serve"])
+def test_cpu_runs_never_erase_the_h200_blocks(run, cpu_runs, tmp_path):
+    md = tmp_path / "README.md"
+    md.write_text(README)
+    res = _report(cpu_runs[run], "--readme", md)
+    assert md.read_text() == README
+    if run == "query":  # it holds data for the query block: refused, naming the way to accept it
+        assert res.exit_code == 2 and "cpu-backend run" in res.output and "--allow-cpu-or-quick" in res.output, \
+            res.output
+        assert "results:query" in res.output
+    else:  # no data for any block: nothing rewritten, and it says so
+        assert res.exit_code == 0, res.output
+        assert "nothing rewritten" in res.output and "kept results:" in res.output
+
+
+def test_cpu_query_run_rewrites_only_its_block_when_told(cpu_runs, tmp_path):
+    md = tmp_path / "README.md"
+    md.write_text(README)
+    res = _report(cpu_runs["query"], "--readme", md, "--allow-cpu-or-quick")
+    assert res.exit_code == 0, res.output
+    assert _changed(README, md.read_text()) == {"query"}
+    assert f"{md}: rewrote results:query" in res.output
+    assert "kept results:recall (no recall rows)" in res.output
+    assert "kept results:environment (the JSON holds no data for results:recall" in res.output
+    body = _blocks(md.read_text())["query"]
+    assert "| 64 | fp4sim |" in body and "| 1 | fp8 |" in body and "cpu" in body
+
+
+def test_gpu_query_rows_render_the_query_block(tmp_path):
+    """What the lead's H200 `bench all` JSON does to the README: every block has data; the committed figures
+    render as before, the query block gets its rows."""
+    j = tmp_path / "gpu.json"
+    j.write_text(json.dumps(_gpu_query_doc()))
+    md = tmp_path / "README.md"
+    md.write_text(README)
+    res = _report(j, "--readme", md)
+    assert res.exit_code == 0, res.output
+    assert _changed(README, md.read_text()) == {"query"}
+    assert "kept results:" not in res.output
+    assert all(f"results:{n}" in res.output.split("rewrote ")[1] for n in readme_mod.README_BLOCKS), res.output
+    body = _blocks(md.read_text())["query"]
+    assert "NVIDIA H200 (cuda)" in body
+    assert body.count("\n| ") == 9 and "| 16K | fp4sim | 19.4 us | 287 | 25.0% |" in body, body
+    assert "prepare_index_q, T = 4K, fp8 query" in _report(j, "--markdown", "-").output
+
+
+def test_quick_and_unmeasured_runs_are_refused(tmp_path):
+    doc = _gpu_query_doc()
+    doc["quick"] = True
+    j = tmp_path / "quick.json"
+    j.write_text(json.dumps(doc))
+    md = tmp_path / "README.md"
+    md.write_text(README)
+    res = _report(j, "--readme", md)
+    assert res.exit_code == 2 and "--quick run" in res.output and md.read_text() == README, res.output
+    serve = json.loads((RESULTS / "h200-serve.json").read_text())
+    unmeasured = dict(copy.deepcopy(serve), measured=False, timings=[], not_measured="no CUDA GPU")
+    j.write_text(json.dumps(unmeasured))
+    res = _report(j, "--readme", md)
+    assert res.exit_code == 0 and md.read_text() == README
+    assert "kept results:serve (no timings (no CUDA GPU))" in res.output, res.output
+
+
+def test_allow_flag_goes_with_readme():
+    res = _report(RESULTS / "h200.json", "--allow-cpu-or-quick")
+    assert res.exit_code == 2 and "--allow-cpu-or-quick" in res.output and "--readme" in res.output
+
+
+def test_all_runs_every_section():
+    assert set(SECTIONS_ALL) == set(SECTIONS) and "query" in SECTIONS_ALL
+
+
+def test_query_markdown_and_plot_hold_the_rows(tmp_path):
+    """`bench query --markdown --plot` writes the rows the console shows (it wrote a bare header and a blank
+    'no data' plot)."""
+    from cupy_dsa.bench import plots
+
+    md, png = tmp_path / "q.md", tmp_path / "q.png"
+    res = CliRunner().invoke(main, ["bench", "query", "--backend", "cpu", "--markdown", str(md), "--plot", str(png)])
+    assert res.exit_code == 0, res.output
+    rows = [ln for ln in md.read_text().splitlines() if ln.startswith("| prepare_index_q")]
+    assert len(rows) == 4 and any("T = 64, fp4sim query" in r for r in rows), md.read_text()
+    drawn = []
+    orig = plots._query_panel
+    try:
+        plots._query_panel = lambda ax, rows, has_ceiling: drawn.append(rows) or orig(ax, rows, has_ceiling)
+        plots.plot(_gpu_query_doc(), str(tmp_path / "g.png"))
+    finally:
+        plots._query_panel = orig
+    assert len(drawn) == 1 and len(drawn[0]) == 8
