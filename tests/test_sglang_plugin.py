@@ -836,6 +836,30 @@ def test_check_bf16_on_everything_holds(self_check, monkeypatch):
     assert "gpu checked for bf16" in lines["ok"]
 
 
+def test_check_self_test_runs_each_mode_on_cpu(monkeypatch):
+    """The self-test's store and logits in every mode's cache layout and query (CPU on both sides: the code path
+    a GPU runs, with a zero difference)."""
+    from cupy_dsa.sglang import check
+
+    seen = []
+    real = core.store_index_k_bf16
+    monkeypatch.setattr(core, "store_index_k_bf16", lambda *a, **k: seen.append(k["kvcache"].shape[1]) or real(*a, **k))
+    for mode in ("bf16", "bf16-fp4sim", "bf16-reference", "fp8-cupy"):
+        assert check.self_test(torch.device("cpu"), mode) == 0.0
+    assert seen == [layouts.BF16_PAGE_BYTES] * 6 + [layouts.FP8_PAGE_BYTES] * 2
+
+
+def test_check_fp8_cupy_mode_line(self_check, monkeypatch):
+    from cupy_dsa.sglang import check
+
+    monkeypatch.setenv(ENV, "fp8-cupy")
+    monkeypatch.setattr(check, "_gpu_lines", lambda mode: [(check.OK, f"gpu checked for {mode}")])
+    code, lines = self_check()
+    assert code == 0 and "gpu checked for fp8-cupy" in lines["ok"], lines
+    assert any(t.startswith(f"{ENV}=fp8-cupy -> fp8-cupy: SGLang's fp8 index keys (132 B per entry")
+               for t in lines["ok"]), lines
+
+
 def test_check_gpu_below_the_minimum_arch_is_a_problem(self_check, monkeypatch):
     # the runtime refuses the GPU by name: the check reports it instead of failing, and runs no self-test
     from cupy_dsa import runtime
@@ -898,7 +922,7 @@ def test_check_command_prints_lines_and_exit_code(self_check):
 def test_gpu_check_self_test():
     from cupy_dsa.sglang import check
 
-    for mode in ("bf16", "bf16-fp4sim"):
+    for mode in ("bf16", "bf16-fp4sim", "fp8-cupy"):
         assert check.self_test(torch.device("cuda"), mode) <= check.SELF_TEST_TOLERANCE
     code, lines = check.run()
     assert any("store + logits match the CPU reference" in t for s, t in lines if s == check.OK), lines
