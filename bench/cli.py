@@ -548,6 +548,8 @@ def needle_cmd(base_url, model, api_key, lengths, depths, trials, seed, max_toke
             raise click.BadParameter(str(e), param_hint=f"'{e.option}'") from None
         raise click.ClickException(str(e)) from None
     report.print_fitted(out, needle.table(doc))
+    for note in doc["notes"]:
+        err.print(f"[yellow]{note}[/]")
     if json_path:
         if json_path == "-":
             click.echo(json.dumps(doc, indent=1))

@@ -261,8 +261,8 @@ class Server:
     def _explain(self, e, what):
         return explain(e, what=what, base_url=self.base_url, timeout=self.timeout, retries=self.retries)
 
-    def ask(self, content: str, max_tokens: int, what: str) -> tuple[int, str]:
-        """One greedy chat completion: ``(usage.prompt_tokens, answer text)``."""
+    def ask(self, content: str, max_tokens: int, what: str) -> tuple[int, str, str | None]:
+        """One greedy chat completion: ``(usage.prompt_tokens, answer text, finish_reason)``."""
         openai = openai_module()
         kw = {"extra_body": self.extra_body} if self.extra_body else {}
         try:
@@ -278,7 +278,8 @@ class Server:
                               f"context length in the server's tokens and needs it")
         choices = getattr(r, "choices", None) or []
         message = getattr(choices[0], "message", None) if choices else None
-        return prompt_tokens, (getattr(message, "content", None) or "")
+        finish = getattr(choices[0], "finish_reason", None) if choices else None
+        return prompt_tokens, (getattr(message, "content", None) or ""), finish
 
 
 # --------------------------------------------------------------------------------------------------
@@ -384,7 +385,7 @@ def run(server: Server, settings: Settings, *, progress=None) -> dict:
 
     def measure(words):
         content, _ = haystack(settings.seed, 0, words, 0.5)
-        tokens, _ = server.ask(content, CAL_MAX_TOKENS, f"calibration ({words} filler words)")
+        tokens, _, _ = server.ask(content, CAL_MAX_TOKENS, f"calibration ({words} filler words)")
         return tokens
 
     cal = calibrate(measure, settings.lengths, on_request=lambda: tick("calibrate"))
@@ -394,9 +395,9 @@ def run(server: Server, settings: Settings, *, progress=None) -> dict:
     def one(cell):
         L, d, t = cell
         content, needle = haystack(settings.seed, t, cal["lengths"][L]["words"], d)
-        tokens, answer = server.ask(content, settings.max_tokens, f"length {L}, depth {d:g}, trial {t}")
+        tokens, answer, finish = server.ask(content, settings.max_tokens, f"length {L}, depth {d:g}, trial {t}")
         return {"length": L, "depth": d, "trial": t, "prompt_tokens": tokens, "needle": needle.value,
-                "found": found(answer, needle), "answer": answer[:200]}
+                "found": found(answer, needle), "finish_reason": finish, "answer": answer[:200]}
 
     trials = []
     if settings.concurrency <= 1:
@@ -426,9 +427,21 @@ def run(server: Server, settings: Settings, *, progress=None) -> dict:
                         "requests": cal["requests"],
                         "lengths": [{"length": L, **v} for L, v in sorted(cal["lengths"].items())]},
         "cells": summarize(trials, sorted(settings.lengths), list(settings.depths)),
+        "notes": notes(trials, settings),
         "trials": trials,
         "elapsed_s": time.perf_counter() - t0,
     }
+
+
+def notes(trials, settings: Settings) -> list[str]:
+    """What the operator should know before reading the recall: needles missed because the answer ran into
+    --max-tokens (a model that reasons first), which says nothing about the index."""
+    cut = [t for t in trials if not t["found"] and t.get("finish_reason") == "length"]
+    if not cut:
+        return []
+    return [f"{len(cut)} of {len(trials)} answers stopped at --max-tokens {settings.max_tokens} without the number "
+            f"(counted as missed): raise --max-tokens, or turn the model's reasoning off through its chat template "
+            f"(--extra-body)"]
 
 
 def summarize(trials, lengths, depths) -> list[dict]:

@@ -32,10 +32,11 @@ class FakeServer:
     """An OpenAI-compatible chat server with a fixed reading rule and switchable faults."""
 
     def __init__(self, *, window=300, models=("fake-dsv4",), max_model_len=1 << 20, list_models=True,
-                 list_max_len=True, fail=0, fail_status=500, delay=0.0, api_key=None, usage=True):
+                 list_max_len=True, fail=0, fail_status=500, delay=0.0, api_key=None, usage=True, reasons=0):
         self.window, self.models, self.max_model_len = window, list(models), max_model_len
         self.list_models, self.list_max_len = list_models, list_max_len
         self.fail, self.fail_status, self.delay, self.api_key, self.usage = fail, fail_status, delay, api_key, usage
+        self.reasons = reasons  # tokens of "reasoning" before the answer: max_tokens below it cuts the answer off
         self.requests = []            # chat request bodies, in arrival order
         self.lock = threading.Lock()
         outer = self
@@ -100,9 +101,11 @@ class FakeServer:
                 if prompt_tokens >= outer.max_model_len:
                     return self._error(400, f"The input ({prompt_tokens} tokens) is longer than the model's context "
                                             f"length ({outer.max_model_len} tokens).")
-                answer = outer.answer(body["messages"][-1]["content"])
+                answer, finish = outer.answer(body["messages"][-1]["content"]), "stop"
+                if body.get("max_tokens", 1 << 30) <= outer.reasons:
+                    answer, finish = "Let me think about where the secret", "length"
                 resp = {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
-                        "choices": [{"index": 0, "finish_reason": "stop",
+                        "choices": [{"index": 0, "finish_reason": finish,
                                      "message": {"role": "assistant", "content": answer}}]}
                 if outer.usage:
                     resp["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": 5,
@@ -333,6 +336,22 @@ def test_api_key(tmp_path):
         res, *_ = _run_needle(srv.url, tmp_path, "x", "--lengths", "256", "--depths", "0", "--trials", "1",
                               "--api-key", "sekrit")
         assert res.exit_code == 0, res.output
+
+
+def test_answers_cut_off_by_max_tokens_are_named(tmp_path):
+    """A model that reasons before answering: with --max-tokens below its reasoning every needle is missed and
+    the run says why; with room for the answer it finds them."""
+    with FakeServer(reasons=100) as srv:
+        res, j, *_ = _run_needle(srv.url, tmp_path, "x", "--lengths", "256", "--depths", "1", "--trials", "2",
+                                 "--max-tokens", "64")
+        doc = json.loads(j.read_text())
+        assert res.exit_code == 0 and doc["cells"][0]["found"] == 0, res.output
+        assert all(t["finish_reason"] == "length" for t in doc["trials"])
+        assert "2 of 2 answers stopped at --max-tokens 64" in res.output and doc["notes"], res.output
+        res, j, *_ = _run_needle(srv.url, tmp_path, "y", "--lengths", "256", "--depths", "1", "--trials", "2",
+                                 "--max-tokens", "200")
+        doc = json.loads(j.read_text())
+        assert doc["cells"][0]["found"] == 2 and doc["notes"] == [] and "--max-tokens" not in res.output, res.output
 
 
 def test_answers_without_usage(tmp_path):
