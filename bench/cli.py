@@ -498,7 +498,8 @@ def _extra_body_option(ctx, param, value):
 @click.option("--retries", type=click.IntRange(min=0), default=2, show_default=True,
               help="retries of a request that timed out, could not connect or got HTTP 408/409/429/5xx.")
 @click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
-              help="requests in flight at once (the server batches them; results do not depend on it).")
+              help="requests in flight at once (the server batches them; the prompts and their order in the results "
+                   "stay the same).")
 @click.option("--extra-body", default=None, callback=_extra_body_option, metavar="JSON",
               help="JSON object merged into every request, e.g. '{\"chat_template_kwargs\": {\"thinking\": false}}'.")
 @click.option("--label", default=None, help="name of this run in tables, plots and overlays, e.g. the index-key "
