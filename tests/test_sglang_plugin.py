@@ -58,7 +58,8 @@ CHECKS = {
                 "store_fp8_prefill_plan_matches_sglang", "store_fp8_via_sglang_call_site", "store_fp8cupy_strictness",
                 "indexer_topk_matches_sglang_fp8_decode", "indexer_topk_matches_sglang_fp8_extend_and_verify",
                 "indexer_fp8cupy_small_rows_and_padding", "indexer_fp8cupy_refuses_a_bf16_pool",
-                "pd_layout_and_hicache_fp8cupy", "resolution_fp8cupy", "check_command_describes_fp8cupy"],
+                "pd_layout_and_hicache_fp8cupy", "resolution_fp8cupy", "flag_and_yaml_key_take_fp8cupy",
+                "check_command_describes_fp8cupy"],
 }
 SCENARIO_ENV = {
     "on": {ENV: "bf16", "SGLANG_PLUGINS": "cupy_dsa", "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1",

@@ -386,6 +386,24 @@ def scenario_fp8cupy():
                 raise AssertionError(f"fp8-cupy accepted {fields}")
 
     @check
+    def flag_and_yaml_key_take_fp8cupy():
+        import tempfile
+
+        from sglang.srt.server_args import prepare_server_args
+
+        with mode_env(None):
+            prepare_server_args(["--model-path", "dummy", "--cupy-dsa-index-k-dtype", "FP8-Cupy"])
+            assert os.environ.get(ENV) == MODE and core.index_k_mode() == MODE, os.environ.get(ENV)
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+            f.write("model-path: dummy\ncupy-dsa-index-k-dtype: fp8-cupy\n")
+        try:
+            with mode_env(None):
+                prepare_server_args(["--config", f.name])
+                assert os.environ.get(ENV) == MODE, os.environ.get(ENV)
+        finally:
+            os.unlink(f.name)
+
+    @check
     def check_command_describes_fp8cupy():
         from cupy_dsa.sglang import check as check_cmd
 
