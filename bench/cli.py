@@ -6,8 +6,8 @@ subcommand runs ``all``.
 
 from __future__ import annotations
 
-import functools
 import json
+import math
 import os
 import platform
 import re
@@ -62,6 +62,18 @@ def _png_output(ctx, param, value):
     return _writable_output(ctx, param, _png_path(ctx, param, value))
 
 
+class FiniteFloatRange(click.FloatRange):
+    """A FloatRange that also refuses NaN and infinities (click's range lets NaN through every bound)."""
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return rv
+
+
+MAX_MEMORY = 1e6  # GB / GiB: far above any GPU, low enough that token counts stay exact integers
+SEED = click.IntRange(0, 2**32 - 1)  # the bench offsets seeds by small counts; torch takes up to 2**64 - 1
 MARKDOWN_HELP = "write the compact markdown headline table (what the README quotes) here; '-' prints it to stdout."
 QUICK_HELP = ("smaller sizes. GPU: every section (ceilings, store, logits, recall: 3 contexts x 8 needles). "
               "CPU backend: recall runs 2 contexts x 4 needles instead of 4 x 8 (up to 64K tokens); store and logits always run "
@@ -79,12 +91,13 @@ def common_options(f):
         click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
                      callback=_writable_output, help="write the results as JSON (schema cupy-dsa-bench/2)."),
         click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
-                     callback=_png_output, help="write a PNG plot (matplotlib); the name must end in .png."),
+                     callback=_png_output, help="write a PNG plot (matplotlib); the name must end in .png. With "
+                     "throughput and recall rows, the recall study goes to NAME-recall.png beside it."),
         click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
                      default=None, callback=_writable_output, help=MARKDOWN_HELP),
-        click.option("--seed", type=click.IntRange(min=0), default=None, help="random seed. [0]"),
-        click.option("--gpu-mem-gb", type=click.FloatRange(min=0, min_open=True), default=None,
-                     help="KV memory budget for `bytes` (GB = 1e9 B). [100]"),
+        click.option("--seed", type=SEED, default=None, help="random seed, 0 to 2^32 - 1. [0]"),
+        click.option("--gpu-mem-gb", type=FiniteFloatRange(min=0, min_open=True, max=MAX_MEMORY), default=None,
+                     help="KV memory budget for `bytes` (GB = 1e9 B), up to 1e6. [100]"),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -118,8 +131,31 @@ def bench(ctx, **opts):
     """Bytes/token, throughput and recall of the index-key layouts, side by side.
 
     Without a subcommand, runs `all` (bytes, store, query, logits, recall)."""
+    if ctx.invoked_subcommand in OWN_OPTIONS:
+        _refuse_group_options(ctx, ctx.invoked_subcommand)
     if ctx.invoked_subcommand is None:
         _run(ctx, SECTIONS_ALL, _merged_top(opts))
+
+
+OWN_OPTIONS = ("serve", "variants", "resources", "report")  # subcommands that take none of bench's options
+
+
+def _refuse_group_options(ctx: click.Context, sub: str) -> None:
+    """An option given to ``bench`` before one of :data:`OWN_OPTIONS` would be ignored: refused (rc 2) before any
+    work, naming where it belongs."""
+    given = [p.opts[0] for p in ctx.command.params if ctx.params.get(p.name) not in (None, False)]
+    if given:
+        raise click.UsageError(
+            f"{', '.join(given)} given to `bench` {'applies' if len(given) == 1 else 'apply'} to its sections "
+            f"(bytes, store, query, logits, recall, all), not to `bench {sub}`, which takes its own options after "
+            f"its name (cupy-dsa bench {sub} --help)",
+            ctx=ctx)
+
+
+def _write_text(path: str, text: str) -> None:
+    """A JSON file of a command; its folder is made as every output's is (the path was checked up front)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(text)
 
 
 def _merged_top(opts: dict) -> dict:
@@ -191,10 +227,10 @@ def _model_option(ctx, param, value):
 @click.option("--next-n", type=click.IntRange(1, 4), default=1, show_default=True,
               help="rows per request: 1 = plain decode, 2..4 = MTP verify.")
 @click.option("--chunk", type=click.IntRange(min=4), default=4096, show_default=True, help="tokens per prefill chunk.")
-@click.option("--memory-gib", type=click.FloatRange(min=0, min_open=True), default=80.0, show_default=True,
-              help="index-cache budget for the tokens-that-fit figure (GiB).")
+@click.option("--memory-gib", type=FiniteFloatRange(min=0, min_open=True, max=MAX_MEMORY), default=80.0,
+              show_default=True, help="index-cache budget for the tokens-that-fit figure (GiB), up to 1e6.")
 @click.option("--device", default=None, metavar="DEV", help="CUDA device, e.g. cuda:1 (default: the current one).")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="random seed.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="random seed, 0 to 2^32 - 1.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True), default=None,
               callback=_writable_output, help="write the results as JSON (schema cupy-dsa-serve/1); '-' = stdout.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
@@ -210,28 +246,34 @@ def serve_cmd(model, batch, contexts, next_n, chunk, memory_gib, device, seed, j
     from . import peers, provenance, serve
 
     out, err = _console(stderr=json_path == "-"), Console(stderr=True)
+    dev = None
+    if device is not None or torch.cuda.is_available():  # checked before any work
+        dev, _ = _resolve_device("cuda", device, has_backend_option=False)
     case_list = serve.cases(batch, contexts, next_n, chunk)
-    doc = {"schema": serve.SCHEMA, **provenance.provenance(), "model": {"name": model.name, "n_layers": model.n_layers, "index_layers": model.n_c4,
-                                             "index_topk": model.index_topk, "source": model.source,
-                                             "assumed": model.assumed},
+    model_doc = {"name": model.name, "n_layers": model.n_layers, "index_layers": model.n_c4,
+                 "index_topk": model.index_topk, "source": model.source, "assumed": model.assumed}
+    doc = {"schema": serve.SCHEMA, **provenance.provenance(), "model": model_doc,
            "batch": batch, "contexts": list(contexts), "next_n": next_n, "chunk": chunk,
+           "cases": [serve.case_label(c) for c in case_list],
            "memory": serve.memory_rows(model, memory_gib), "timings": [], "device": None,
            "measured": False, "not_measured": None, "deepgemm": None, "notes": [serve.COUNTED]}
     if model.assumed:
         err.print(f"[yellow]{model.name}: {model.assumed}[/]")
-    mem = Table(title=f"{model.name}: index cache, {model.n_c4} C4 layers of {model.n_layers}")
+    mem = Table(title=f"{model.name}: index cache, {model.n_c4} C4 layers of {model.n_layers} (per raw token: "
+                      f"one index entry per {serve.C4_RATIO} tokens in each C4 layer)")
     for col in ("layout", "B/entry", "B per token (all C4 layers)", f"tokens in {memory_gib:g} GiB"):
         mem.add_column(col, justify="right")
     for r in doc["memory"]:
         mem.add_row(r["layout"], str(r["bytes_per_entry"]), f"{r['index_bytes_per_token']:.1f}", f"{r['tokens_fit']:,}")
     out.print(mem)
-    if not torch.cuda.is_available() and device is None:
+    if dev is None:
         doc["not_measured"] = "no CUDA GPU: the ms per step / chunk need one and are not reported"
-        out.print(f"[yellow]Not measured: {doc['not_measured']}.[/]")
+        out.print(f"[yellow]Not measured: {doc['not_measured']}. Cases asked for (context in raw tokens): "
+                  f"{'; '.join(doc['cases'])}.[/]")
     else:
-        dev, _ = _resolve_device("cuda", device, has_backend_option=False)
         torch.cuda.set_device(dev)
         doc["device"] = _device_name(dev)
+        doc["driver"] = provenance.driver_version()
         dg, reason = peers.deepgemm()
         doc["deepgemm"] = reason or "live"
         if dg is None:
@@ -242,7 +284,8 @@ def serve_cmd(model, batch, contexts, next_n, chunk, memory_gib, device, seed, j
                 doc["timings"].append(serve.measure(c, model, dev, dg, seed, reps=10))
                 progress.advance(task)
         doc["measured"] = True
-        t = Table(title=f"indexer ms per forward (all {model.n_c4} C4 layers), {doc['device']}; top-k excluded")
+        t = Table(title=f"indexer ms per forward (all {model.n_c4} C4 layers), {doc['device']}; top-k excluded; "
+                        f"context in raw tokens (index entries = tokens / {serve.C4_RATIO})")
         for col in ("phase", "batch", "context", "next_n", "chunk", "bf16 ms", "fp8 ms", "added ms", "ratio",
                     "fp8-cupy ms", "fp8-cupy / fp8", "error"):
             t.add_column(col, justify="right")
@@ -266,7 +309,7 @@ def serve_cmd(model, batch, contexts, next_n, chunk, memory_gib, device, seed, j
         if json_path == "-":
             click.echo(text)
         else:
-            Path(json_path).write_text(text)
+            _write_text(json_path, text)
     if plot_path:
         if doc["measured"]:
             serve.plot(doc, plot_path)
@@ -277,7 +320,7 @@ def serve_cmd(model, batch, contexts, next_n, chunk, memory_gib, device, seed, j
 @bench.command(name="variants")
 @click.option("--device", default=None, metavar="DEV", help="CUDA device, e.g. cuda:1 (default: the current one).")
 @click.option("--quick", is_flag=True, default=False, help="two decode cases and a smaller prefill.")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="random seed.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="random seed, 0 to 2^32 - 1.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
               callback=_writable_output, help="write the rows as JSON.")
 def variants_cmd(device, quick, seed, json_path):
@@ -300,7 +343,7 @@ def variants_cmd(device, quick, seed, json_path):
                       f"{r['vs_product']:.3f}")
     report.print_fitted(_console(), table, keys=2)
     if json_path:
-        Path(json_path).write_text(json.dumps({"device": _device_name(dev), "rows": rows}, indent=1))
+        _write_text(json_path, json.dumps({"device": _device_name(dev), "rows": rows}, indent=1))
 
 
 def _archs_option(ctx, param, values):
@@ -334,8 +377,14 @@ def _archs_option(ctx, param, values):
 def resources_cmd(archs):
     """ptxas's registers / spills / shared memory of every product kernel config per target arch (NVRTC, no
     GPU), as the README's markdown table."""
+    from cupy_dsa import runtime
+
     from . import resources
 
+    try:  # before any compile: without the CUDA extra this is the whole message, not a traceback's last line
+        runtime.cupy_module()
+    except ImportError as exc:
+        raise click.ClickException(f"bench resources compiles the kernels with NVRTC through CuPy: {exc}") from None
     click.echo(resources.markdown(resources.rows(archs or resources.ARCHS)))
 
 
@@ -407,7 +456,8 @@ def report_cmd(json_files, markdown_path, plot_path, readme_path, allow_cpu_or_q
         if markdown_path:
             _write_markdown(report.markdown_headline(doc), markdown_path)
         if plot_path:
-            plots.plot(doc, plot_path)
+            for written in plots.plot(doc, plot_path):
+                click.echo(f"wrote {written}", err=True)
     if update is not None:
         text, rewritten, kept = update
         if rewritten:
@@ -614,12 +664,11 @@ def _resolve_device(backend: str, device: str | None, *, has_backend_option: boo
     dev = None
     asked_for_cuda = "'--backend'" if backend == "cuda" and has_backend_option else None
     if device is not None:
-        if not re.fullmatch(r"cpu|cuda(:\d+)?|\d+", device.strip()):
-            raise click.BadParameter(f"expected 'cpu', 'cuda', 'cuda:N' or N, got {device!r}", param_hint="'--device'")
+        forms = "'cpu', 'cuda', 'cuda:N' or N" if has_backend_option else \
+            "a CUDA device: 'cuda', 'cuda:N' or N (the command times CUDA kernels)"
+        if not re.fullmatch(r"cpu|cuda(:\d+)?|\d+" if has_backend_option else r"cuda(:\d+)?|\d+", device.strip()):
+            raise click.BadParameter(f"expected {forms}, got {device!r}", param_hint="'--device'")
         dev = torch.device(f"cuda:{device}" if device.isdigit() else device.strip())
-        if not has_backend_option and dev.type != "cuda":
-            raise click.BadParameter(f"expected a CUDA device (the command times CUDA kernels), got {device!r}",
-                                     param_hint="'--device'")
         if backend == "auto":
             backend = dev.type
         elif backend != dev.type:
@@ -699,6 +748,7 @@ def _run(ctx: click.Context, sections, o: dict) -> dict:
                                   device_name=_device_name(dev) if needs_device else "none (arithmetic)",
                                   quick=quick, seed=seed, gpu_mem_gb=float(o["gpu_mem_gb"]))
     doc["sections"] = list(sections)
+    doc["driver"] = provenance.driver_version() if dev.type == "cuda" else None
     if not doc["git_commit"]:
         doc["notes"].setdefault("general", []).append(doc["commit_note"])
     if backend == "cpu":
@@ -757,8 +807,8 @@ def _run(ctx: click.Context, sections, o: dict) -> dict:
         if o["markdown_path"] != "-":
             err.print(f"wrote {o['markdown_path']}")
     if o["plot_path"]:
-        plots.plot(doc, o["plot_path"])
-        err.print(f"wrote {o['plot_path']}")
+        for written in plots.plot(doc, o["plot_path"]):
+            err.print(f"wrote {written}")
     err.print(f"[dim]done in {doc['elapsed_s']:.1f} s[/]")
     return doc
 

@@ -87,6 +87,18 @@ def provenance() -> dict:
             "cupy_dsa_version": getattr(cupy_dsa, "__version__", None), "torch_version": torch.__version__}
 
 
+def driver_version() -> str | None:
+    """``driver <version>`` of the NVIDIA driver as nvidia-smi reports it, or None where it cannot be read (no
+    nvidia-smi, no GPU)."""
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = r.stdout.strip().splitlines()
+    return f"driver {lines[0].strip()}" if r.returncode == 0 and lines and lines[0].strip() else None
+
+
 def new_document(*, backend: str, device_name: str, quick: bool, seed: int, gpu_mem_gb: float) -> dict:
     return {
         "schema": SCHEMA,

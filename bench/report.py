@@ -175,7 +175,8 @@ DECODE_KEYS = 4  # batch, next_n, layout, q: what identifies a decode row
 
 
 def decode_table(doc) -> Table:
-    t = Table(title="paged_mqa_logits, decode (index entries per request; width = max_context_len)")
+    t = Table(title="paged_mqa_logits, decode (context in index entries per request, one per 4 raw tokens of a "
+                    "C4 layer; `bench serve` counts raw tokens; width = max_context_len)")
     for col in ("batch", "next_n", "layout", "q", "time", "% read", "target", "result", "DeepGEMM", "ours/DG",
                 "vs fp8", "entries", "key GB/s", "plan", "DG rel L2", "torch", "speed-up", "mem ours"):
         t.add_column(col, justify="right")

@@ -19,7 +19,7 @@ import torch
 
 from cupy_dsa.layouts import BYTES_PER_TOKEN, HEAD_DIM, N_HEADS, PAGE_SLOTS
 
-from .bytes import C4_RATIO, v4_compress_ratios
+from .bytes import C4_RATIO, C128_RATIO, v4_compress_ratios
 
 SCHEMA = "cupy-dsa-serve/1"
 GIB = 2**30
@@ -58,11 +58,19 @@ BUILTIN = {
 }
 
 
+RATIOS = (0, C4_RATIO, C128_RATIO)  # what a DeepSeek-V4 layer compresses by (0: window only)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true / false are not counts
+
+
 def parse_config(path: str) -> ServeModel:
-    """A DeepSeek-V4 HF ``config.json``: ``compress_ratios`` (one entry per layer; the ratio-4 layers carry the
-    indexer), the layer count from ``num_hidden_layers`` (HF) or ``n_layers`` (DeepSeek's inference config) when
-    present (ratios past it, e.g. an MTP layer's, are not counted), ``index_topk``, and ``index_n_heads`` /
-    ``index_head_dim`` which must be 64 / 128 (the kernels' shape). Raises ValueError naming the field."""
+    """A DeepSeek-V4 HF ``config.json``: ``compress_ratios`` (one entry per layer, each 0, 4 or 128; the ratio-4
+    layers carry the indexer), the layer count from ``num_hidden_layers`` (HF) or ``n_layers`` (DeepSeek's
+    inference config) when present (ratios past it, e.g. an MTP layer's, are not counted), ``index_topk``, and
+    ``index_n_heads`` / ``index_head_dim`` which must be 64 / 128 (the kernels' shape). Raises ValueError naming
+    the field. The model is named by ``_name_or_path``, else by the config's path."""
     try:
         cfg = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
@@ -70,24 +78,28 @@ def parse_config(path: str) -> ServeModel:
     if not isinstance(cfg, dict):
         raise ValueError(f"{path!r}: expected a JSON object, got {type(cfg).__name__}")
     ratios = cfg.get("compress_ratios")
-    if not isinstance(ratios, list) or not ratios or not all(isinstance(r, int) for r in ratios):
-        raise ValueError(f"{path!r}: expected 'compress_ratios', a non-empty list of ints (one per layer; 4 = "
-                         f"indexer layer), got {ratios!r}")
+    if not isinstance(ratios, list) or not ratios or not all(_is_int(r) and r in RATIOS for r in ratios):
+        bad = [r for r in ratios if not (_is_int(r) and r in RATIOS)] if isinstance(ratios, list) else None
+        raise ValueError(f"{path!r}: expected 'compress_ratios', a non-empty list with one of 0, 4, 128 per layer "
+                         f"(4 = indexer layer), got {ratios!r}" + (f" ({', '.join(map(repr, bad))} not one of them)"
+                                                                   if bad else ""))
     n_layers = cfg.get("num_hidden_layers", cfg.get("n_layers", len(ratios)))
-    if not isinstance(n_layers, int) or not 0 < n_layers <= len(ratios):
-        raise ValueError(f"{path!r}: expected 'num_hidden_layers' (or 'n_layers') in 1..{len(ratios)} (the length "
-                         f"of compress_ratios), got {n_layers!r}")
+    if not _is_int(n_layers) or not 0 < n_layers <= len(ratios):
+        raise ValueError(f"{path!r}: expected 'num_hidden_layers' (or 'n_layers') an int in 1..{len(ratios)} (the "
+                         f"length of compress_ratios), got {n_layers!r}")
+    n_c4 = ratios[:n_layers].count(C4_RATIO)
+    if n_c4 == 0:
+        raise ValueError(f"{path!r}: no indexer layer: compress_ratios has no ratio-4 layer in its first {n_layers} "
+                         f"(num_hidden_layers), so there is no index cache to measure")
     for field, want in (("index_n_heads", N_HEADS), ("index_head_dim", HEAD_DIM)):
-        if cfg.get(field, want) != want:
+        if field in cfg and not (_is_int(cfg[field]) and cfg[field] == want):
             raise ValueError(f"{path!r}: expected {field} = {want} (the indexer shape the kernels take), "
                              f"got {cfg[field]!r}")
     topk = cfg.get("index_topk")
-    if not isinstance(topk, int) or topk <= 0:
+    if not _is_int(topk) or topk <= 0:
         raise ValueError(f"{path!r}: expected 'index_topk', a positive int, got {topk!r}")
-    n_c4 = ratios[:n_layers].count(C4_RATIO)
-    if n_c4 == 0:
-        raise ValueError(f"{path!r}: compress_ratios has no ratio-4 (indexer) layer in its first {n_layers}")
-    return ServeModel(str(cfg.get("_name_or_path") or Path(path).parent.name or path), n_layers, n_c4, topk,
+    name = cfg.get("_name_or_path")
+    return ServeModel(name if isinstance(name, str) and name else str(path), n_layers, n_c4, topk,
                       f"config {path}", None)
 
 
@@ -119,6 +131,14 @@ class Case:
     @property
     def new_entries(self) -> int:
         return self.chunk // C4_RATIO if self.phase == "prefill" else math.ceil(self.batch * self.next_n / C4_RATIO)
+
+
+def case_label(c: Case) -> str:
+    """What a case measures, in raw tokens: 'decode 32 x 8K', 'verify 32 x 8K, next_n 2', 'prefill chunk of
+    4,096 after 8K'."""
+    if c.phase == "prefill":
+        return f"prefill chunk of {c.chunk:,} after {_tokens(c.context)}"
+    return f"{c.phase} {c.batch} x {_tokens(c.context)}" + (f", next_n {c.next_n}" if c.phase == "verify" else "")
 
 
 def cases(batch: int, contexts, next_n: int, chunk: int) -> list[Case]:
@@ -275,33 +295,43 @@ def measure(case: Case, model: ServeModel, device, dg, seed: int, reps: int) -> 
 
 
 def plot(doc: dict, path: str) -> None:
-    """ms per decode (or verify) step over context, bf16 vs fp8, and the added ms."""
+    """ms per decode (or verify) step and per prefill chunk over context, bf16 vs fp8, and the added ms: one row
+    of two panels per phase the run measured."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in doc["timings"] if r["phase"] != "prefill" and r["bf16_ms"] is not None]
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for layout, style, label in (("bf16", "o-", "bf16 index keys"),
-                                 ("fp8_cupy", "^:", "fp8 index keys, cupy_dsa kernels (fp8-cupy)"),
-                                 ("fp8", "s--", "fp8 index keys, DeepGEMM")):
-        pts = [(r["context"], r.get(f"{layout}_ms")) for r in rows if r.get(f"{layout}_ms") is not None]
-        if pts:
-            ax.plot(*zip(*pts), style, label=label)
-    added = [(r["context"], r["added_ms"]) for r in rows if r["added_ms"] is not None]
-    if added:
-        ax2.plot(*zip(*added), "o-", color="tab:red")
-    for a in (ax, ax2):
-        a.set_xscale("log", base=2)
-        a.set_xlabel("context (tokens per request)")
-        a.grid(alpha=0.3)
     step = "verify" if doc["next_n"] > 1 else "decode"
-    ax.set_ylabel(f"indexer ms per {step} step (all C4 layers)")
-    ax.legend()
-    ax2.set_ylabel("added ms (bf16 - fp8)")
-    fig.suptitle(f"{doc['model']['name']}, batch {doc['batch']}, next_n {doc['next_n']}, {doc['device']}")
-    fig.tight_layout()
+    phases = [(ph, [r for r in doc["timings"] if (r["phase"] == "prefill") == (ph == "prefill")
+                    and r["bf16_ms"] is not None]) for ph in (step, "prefill")]
+    phases = [(ph, rows) for ph, rows in phases if rows] or [(step, [])]
+    with plt.rc_context({"font.size": 9, "xtick.labelsize": 8, "ytick.labelsize": 8, "legend.fontsize": 8}):
+        fig, axes = plt.subplots(len(phases), 2, figsize=(11, 4 * len(phases)), squeeze=False)
+        for (phase, rows), (ax, ax2) in zip(phases, axes):
+            for layout, style, label in (("bf16", "o-", "bf16 index keys"),
+                                         ("fp8_cupy", "^:", "fp8 index keys, cupy_dsa kernels (fp8-cupy)"),
+                                         ("fp8", "s--", "fp8 index keys, DeepGEMM")):
+                pts = [(r["context"], r.get(f"{layout}_ms")) for r in rows if r.get(f"{layout}_ms") is not None]
+                if pts:
+                    ax.plot(*zip(*pts), style, label=label)
+            added = [(r["context"], r["added_ms"]) for r in rows if r["added_ms"] is not None]
+            if added:
+                ax2.plot(*zip(*added), "o-", color="tab:red")
+            unit = (f"prefill chunk of {rows[0]['chunk']:,} tokens" if phase == "prefill" and rows
+                    else f"{phase} step, batch {doc['batch']}")
+            for a in (ax, ax2):
+                a.set_xscale("log", base=2)
+                a.set_xlabel("context (raw tokens per request)" if phase != "prefill" else "prefix (raw tokens)")
+                a.grid(alpha=0.3)
+            ax.set_ylabel(f"indexer ms per {phase} (all C4 layers)")
+            ax.set_title(unit)
+            if rows:
+                ax.legend()
+            ax2.set_ylabel("added ms (bf16 - fp8)")
+            ax2.set_title(f"{phase}: what bf16 keys add")
+        fig.suptitle(f"{doc['model']['name']}, batch {doc['batch']}, next_n {doc['next_n']}, {doc['device']}")
+        fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -310,13 +340,14 @@ def plot(doc: dict, path: str) -> None:
 def markdown(doc: dict) -> str:
     """The run as a markdown table (the README's cost table is this, generated from the results file)."""
     m = doc["model"]
-    head = (f"{m['name']} ({m['index_layers']} C4 layers), {doc.get('device') or 'no GPU'}, commit "
+    head = (f"{m['name']} ({m['index_layers']} C4 layers), {doc.get('device') or 'no GPU'}, torch "
+            f"{doc.get('torch_version') or 'not recorded'}, commit "
             f"`{(doc.get('git_commit') or 'not recorded')[:12]}`: indexer ms per forward over every C4 layer "
             f"(store + logits + the schedule; top-k excluded); fp8 = DeepGEMM as SGLang calls it.")
     # runs from before fp8-cupy have no fp8_cupy_ms: their table stays as it was
     cupy8 = any(r.get("fp8_cupy_ms") is not None for r in doc["timings"])
     extra_head, extra_rule = (" fp8 keys, cupy_dsa (fp8-cupy) | fp8-cupy / DeepGEMM |", "---|---|") if cupy8 else ("", "")
-    lines = [head, "", f"| step | batch x context | bf16 keys | fp8 keys | added | ratio |{extra_head}",
+    lines = [head, "", f"| step | batch x context (tokens) | bf16 keys | fp8 keys | added | ratio |{extra_head}",
              f"|---|---|---|---|---|---|{extra_rule}"]
     for r in doc["timings"]:
         step = {"decode": "decode", "verify": f"verify, next_n {r['next_n']}",
@@ -336,7 +367,8 @@ def markdown(doc: dict) -> str:
                       f"{f['index_bytes_per_token']:.0f} B with fp8; {b['memory_gib']:g} GiB hold "
                       f"{b['tokens_fit'] / 1e6:.1f}M tokens of index keys (bf16) or {f['tokens_fit'] / 1e6:.1f}M (fp8)."]
     if not doc.get("measured"):
-        lines += ["", f"Not measured: {doc.get('not_measured')}."]
+        asked = f" Cases asked for: {'; '.join(doc['cases'])}." if doc.get("cases") else ""
+        lines += ["", f"Not measured: {doc.get('not_measured')}.{asked}"]
     return "\n".join(lines) + "\n"
 
 

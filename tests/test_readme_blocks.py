@@ -143,3 +143,21 @@ def test_query_markdown_and_plot_hold_the_rows(tmp_path):
     finally:
         plots._query_panel = orig
     assert len(drawn) == 1 and len(drawn[0]) == 8
+
+
+def test_driver_is_recorded_for_gpu_runs(monkeypatch):
+    """The environment line says the driver of the run (the H200 JSON had none to say)."""
+    import subprocess
+
+    from cupy_dsa.bench import provenance
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, "580.159.04\n", ""))
+    assert provenance.driver_version() == "driver 580.159.04"
+    doc = dict(json.loads((RESULTS / "h200.json").read_text()), driver=provenance.driver_version())
+    assert readme_mod.readme_environment(doc).startswith("NVIDIA H200 (cuda, driver 580.159.04), torch 2.11.0")
+
+    def missing(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(subprocess, "run", missing)
+    assert provenance.driver_version() is None

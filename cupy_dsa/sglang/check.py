@@ -3,7 +3,8 @@ index keys, one ``ok`` / ``PROBLEM`` / ``note`` line per fact, each problem with
 everything the server needs holds.
 
 Checks, in order: SGLang's plugin loader finds cupy_dsa (entry point group, ``SGLANG_PLUGINS``), the mode from
-``SGLANG_CUPY_DSA_INDEX_K`` and the CLI flag, the installed SGLang against the hooks' fingerprint, the GPUs and
+``SGLANG_CUPY_DSA_INDEX_K`` or ``--mode`` (what the server flag or its YAML key sets) and the CLI flag, the PD
+layout tag, the installed SGLang against the hooks' fingerprint, the GPUs and
 their archs, and on each GPU the kernels the mode uses (compiled and loaded) and a small store + logits run
 against the CPU reference.
 """
@@ -53,8 +54,9 @@ def _loader_lines() -> list[tuple[str, str]]:
     return lines
 
 
-def _mode_lines() -> tuple[str | None, list[tuple[str, str]]]:
-    """(mode, lines); mode None when the variable's value is refused."""
+def _mode_lines(flag: str | None = None) -> tuple[str | None, list[tuple[str, str]]]:
+    """(mode, lines); mode None when the variable's value is refused, or disagrees with ``flag`` (the mode the
+    server gets from --cupy-dsa-index-k-dtype or its --config YAML key: ``check --mode``)."""
     from . import hooks
 
     raw = os.environ.get(ENV_NAME)
@@ -63,15 +65,24 @@ def _mode_lines() -> tuple[str | None, list[tuple[str, str]]]:
     except ValueError as e:
         return None, [(PROBLEM, f"{e}. SGLang start-up is refused with this value: set {ENV_NAME} to one of "
                                 f"{', '.join(MODES)}.")]
+    if flag is not None:
+        flag = core.parse_mode(flag)
+        if raw and raw.strip() and mode != flag:
+            return None, [(PROBLEM, f"{CLI_FLAG} {flag} (--mode) and {ENV_NAME}={raw} differ: SGLang start-up is "
+                                    f"refused with both values named. Unset {ENV_NAME} or make the two agree.")]
+        if not (raw and raw.strip()):
+            raw = flag  # what the flag sets in the launcher before the schedulers start
+        mode = flag
+    source = f" (from {CLI_FLAG} {flag}, --mode)" if flag is not None else ""
     if mode == "fp8":
-        shown = f"{ENV_NAME}={raw}" if raw and raw.strip() else f"{ENV_NAME} unset"
+        shown = f"{ENV_NAME}={raw}{source}" if raw and raw.strip() else f"{ENV_NAME} unset"
         lines = [(OK, f"{shown} -> fp8: the switch is off, SGLang runs unchanged with its fp8 "
                       f"index keys (set {ENV_NAME}=bf16 or pass {CLI_FLAG} bf16 to turn it on)")]
     elif core.cache_layout(mode) == "fp8":
-        lines = [(OK, f"{ENV_NAME}={raw} -> {mode}: SGLang's fp8 index keys (132 B per entry, SGLang's bytes) "
+        lines = [(OK, f"{ENV_NAME}={raw}{source} -> {mode}: SGLang's fp8 index keys (132 B per entry, SGLang's bytes) "
                        f"written by cupy_dsa's store and scored by cupy_dsa's kernels, SGLang's fp8 query")]
     else:
-        lines = [(OK, f"{ENV_NAME}={raw} -> {mode}: bf16 index keys ({core.numerics_of(mode)} numerics), "
+        lines = [(OK, f"{ENV_NAME}={raw}{source} -> {mode}: bf16 index keys ({core.numerics_of(mode)} numerics), "
                        f"{'SGLang' + chr(39) + 's fp8 query' if core.query_is_fp8(mode) else 'DeepSeek-V4 reference query (FP4-simulated bf16)'}")]
     parser = argparse.ArgumentParser()
     hooks._add_cli_args_hook(None, parser)
@@ -82,6 +93,7 @@ def _mode_lines() -> tuple[str | None, list[tuple[str, str]]]:
         lines.append((OK, f"server flag {CLI_FLAG} {{{','.join(MODES)}}} (also a --config key): {rule}"))
     else:
         lines.append((PROBLEM, f"the {CLI_FLAG} flag hook did not add the flag with choices {MODES}: reinstall cupy_dsa."))
+    lines.append((NOTE, core.pd_layout_hint(mode).removeprefix("cupy_dsa: ")))
     return mode, lines
 
 
@@ -195,18 +207,18 @@ def self_test(device: torch.device, mode: str) -> float:
     return worst
 
 
-def run() -> tuple[int, list[tuple[str, str]]]:
-    """(exit code, lines)."""
+def run(flag: str | None = None) -> tuple[int, list[tuple[str, str]]]:
+    """(exit code, lines); ``flag``: the mode set by the server flag or YAML key (``check --mode``)."""
     lines = _loader_lines()
-    mode, mode_lines = _mode_lines()
+    mode, mode_lines = _mode_lines(flag)
     lines += mode_lines
     lines += _sglang_lines(mode)
     lines += _gpu_lines(mode)
     return (1 if any(status == PROBLEM for status, _ in lines) else 0), lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    code, lines = run()
+def main(argv: list[str] | None = None, mode: str | None = None) -> int:
+    code, lines = run(mode)
     for status, text in lines:
         print(f"{status:<8} {text}")
     print("cupy_dsa check: " + ("everything a server with cupy_dsa's index keys needs holds" if code == 0 else

@@ -121,6 +121,16 @@ def pd_layout_tag(mode: str) -> str:
     return f",c4idx:{mode}"
 
 
+def pd_layout_hint(mode: str) -> str:
+    """What a server logs at start-up about its PD layout: the tag (none for fp8) and, since SGLang's refusal of a
+    mismatched peer names only --dsv4-attn-backend and SGLANG_DSV4_KV_LAYOUT, the variable that must agree too."""
+    tag = f"appends {pd_layout_tag(mode)!r} to" if mode != "fp8" else "adds nothing to"
+    return (f"cupy_dsa: PD layout: {ENV_NAME}={mode} {tag} SGLang's KV layout string; prefill and decode servers "
+            f"must run the same {ENV_NAME}; otherwise SGLang refuses the pair with 'KV layout mismatch: prefill "
+            f"server has kv_layout=..., but decode server has kv_layout=... Both servers must use the same "
+            f"--dsv4-attn-backend and SGLANG_DSV4_KV_LAYOUT', where a differing c4idx part means {ENV_NAME}.")
+
+
 # --------------------------------------------------------------------------------------------------
 # Kernel warm-up (compile + module load outside any CUDA-graph capture)
 # --------------------------------------------------------------------------------------------------

@@ -129,6 +129,7 @@ def register() -> None:
         register_env_field()
         logger.info("cupy_dsa: %s=%s, hooks registered for %s (SGLang %s)", ENV_NAME, mode, core.describe(mode),
                     sglang_version())
+        logger.info("%s", core.pd_layout_hint(mode))
     elif mode == "fp8" and not _registered_always:
         try:
             _install(_always_entries(), resolution=True)

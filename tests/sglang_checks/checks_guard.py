@@ -53,6 +53,7 @@ def guard_checks():
             decode_side(fp8_layout, bf16_layout)
         except RuntimeError as e:
             assert "KV layout mismatch" in str(e) and "c4idx:bf16" in str(e), str(e)
+            INFO["pd_mismatch"] = str(e)  # the README quotes it (test_sglang_plugin.py checks)
         else:
             raise AssertionError("an fp8 decode peer accepted a bf16 prefill peer")
         try:

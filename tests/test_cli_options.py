@@ -1,0 +1,182 @@
+"""Option errors of `cupy-dsa bench` are click's (rc 2, the option named, no traceback), decided before any work;
+`bench serve` without a GPU names the cases it was asked for; tables say what they count."""
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cupy_dsa.bench import cli
+from cupy_dsa.bench.cli import main
+
+
+def _run(args):
+    return CliRunner().invoke(main, args)
+
+
+def _no_work(monkeypatch):
+    """Any measurement, row builder or writer that runs fails the test: the error must come first."""
+    def boom(*a, **k):
+        raise AssertionError("work started before the option error")
+
+    monkeypatch.setattr(cli, "_run", boom)
+    from cupy_dsa.bench import resources, serve
+
+    monkeypatch.setattr(serve, "memory_rows", boom)
+    monkeypatch.setattr(resources, "rows", boom)
+
+
+@pytest.mark.parametrize("args, option, words", [
+    (["bench", "serve", "--memory-gib", "nan"], "--memory-gib", "not a finite number"),
+    (["bench", "serve", "--memory-gib", "inf"], "--memory-gib", "range"),
+    (["bench", "serve", "--memory-gib", "-inf"], "--memory-gib", "range"),
+    (["bench", "bytes", "--gpu-mem-gb", "nan"], "--gpu-mem-gb", "not a finite number"),
+    (["bench", "bytes", "--gpu-mem-gb", "inf"], "--gpu-mem-gb", "range"),
+    (["bench", "bytes", "--gpu-mem-gb", "1e300"], "--gpu-mem-gb", "range"),
+    (["bench", "--gpu-mem-gb", "nan", "bytes"], "--gpu-mem-gb", "not a finite number"),
+    (["bench", "store", "--seed", "99999999999999999999"], "--seed", "range"),
+    (["bench", "serve", "--seed", str(2**32)], "--seed", "range"),
+    (["bench", "variants", "--seed", str(2**64)], "--seed", "range"),
+    (["bench", "serve", "--device", "cpu"], "--device", "expected a CUDA device"),
+    (["bench", "serve", "--device", "banana"], "--device", "expected a CUDA device"),
+    (["bench", "variants", "--device", "banana"], "--device", "expected a CUDA device"),
+])
+def test_bad_values_are_click_errors_before_any_work(args, option, words, monkeypatch):
+    _no_work(monkeypatch)
+    res = _run(args)
+    assert res.exit_code == 2, res.output
+    assert f"Invalid value for '{option}'" in res.output and words in res.output, res.output
+    assert "Traceback" not in res.output
+
+
+def test_device_wording_is_consistent():
+    """A command that times CUDA kernels lists only CUDA forms (it listed 'cpu' as valid, then refused it)."""
+    bad = _run(["bench", "serve", "--device", "banana"]).output
+    cpu = _run(["bench", "serve", "--device", "cpu"]).output
+    assert "'cpu'," not in bad and "'cpu'," not in cpu
+    with_backend = _run(["bench", "store", "--device", "banana"]).output
+    assert "expected 'cpu', 'cuda', 'cuda:N' or N" in with_backend
+
+
+@pytest.mark.parametrize("args, given, sub", [
+    (["bench", "--json", "g.json", "serve"], "--json", "serve"),
+    (["bench", "--json", "x", "--plot", "y.png", "resources"], "--json, --plot", "resources"),
+    (["bench", "--quick", "variants"], "--quick", "variants"),
+    (["bench", "--seed", "3", "report", "README.md"], "--seed", "report"),
+    (["bench", "--backend", "cpu", "--device", "cpu", "serve"], "--backend, --device", "serve"),
+])
+def test_group_options_before_a_command_that_ignores_them_are_refused(args, given, sub, monkeypatch, tmp_path):
+    _no_work(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    res = _run(args)
+    assert res.exit_code == 2, res.output
+    assert f"{given} given to `bench`" in res.output and f"not to `bench {sub}`" in res.output, res.output
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_group_options_still_reach_the_sections(monkeypatch):
+    seen = []
+    monkeypatch.setattr(cli, "_run", lambda ctx, sections, o: seen.append(o))
+    assert _run(["bench", "--seed", "5", "--gpu-mem-gb", "40", "bytes"]).exit_code == 0
+    assert seen[0]["seed"] == 5 and seen[0]["gpu_mem_gb"] == 40.0
+
+
+def test_serve_json_into_a_new_folder(tmp_path, monkeypatch):
+    """--json is checked when read; a folder that does not exist yet is made, as for every bench output (it
+    failed with a traceback after the run)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    j = tmp_path / "new" / "dir" / "s.json"
+    res = _run(["bench", "serve", "--json", str(j)])
+    assert res.exit_code == 0, res.output
+    assert json.loads(j.read_text())["schema"] == "cupy-dsa-serve/1"
+
+
+def test_serve_device_without_gpu_is_refused_before_the_tables(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    res = _run(["bench", "serve", "--device", "cuda:0"])
+    assert res.exit_code == 2 and "no CUDA device" in res.output, res.output
+    assert "index cache" not in res.output  # nothing printed before the error
+
+
+def test_resources_without_cupy_is_one_message(monkeypatch):
+    from cupy_dsa import runtime
+
+    def missing():
+        raise ImportError("cupy_dsa needs CuPy for its GPU kernels: install cupy_dsa with its [cu13] extra")
+
+    monkeypatch.setattr(runtime, "cupy_module", missing)
+    res = _run(["bench", "resources", "--arch", "sm_90"])
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    assert res.output.startswith("Error: bench resources compiles the kernels with NVRTC through CuPy: cupy_dsa "
+                                 "needs CuPy"), res.output
+
+
+def test_serve_on_cpu_names_the_cases_it_did_not_measure(monkeypatch):
+    """`--batch 64 --context 64K` without a GPU: the output and the JSON name the asked cases (it printed the
+    same as the defaults)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    asked = _run(["bench", "serve", "--batch", "64", "--context", "64K", "--next-n", "2", "--json", "-"])
+    default = _run(["bench", "serve"])
+    assert asked.exit_code == 0 and default.exit_code == 0
+    doc = json.loads(asked.stdout[asked.stdout.index("{"):])
+    assert doc["cases"] == ["verify 64 x 64K, next_n 2", "prefill chunk of 4,096 after 64K"]
+    assert "verify 64 x 64K, next_n 2; prefill chunk of 4,096 after 64K" in " ".join(asked.output.split())
+    assert "decode 32 x 8K; decode 32 x 32K; decode 32 x 128K" in " ".join(default.output.split())
+    from cupy_dsa.bench import serve
+
+    assert "Cases asked for: verify 64 x 64K, next_n 2" in serve.markdown(doc)
+
+
+def test_tables_say_whether_they_count_entries_or_tokens(monkeypatch):
+    from cupy_dsa.bench import provenance, report
+
+    decode = report.decode_table(provenance.new_document(backend="cpu", device_name="x", quick=True, seed=0,
+                                                         gpu_mem_gb=1.0))
+    assert "index entries per request" in decode.title and "`bench serve` counts raw tokens" in decode.title
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = " ".join(_run(["bench", "serve"]).output.split())
+    assert "per raw token: one index entry per 4 tokens" in out and "context in raw tokens" in out
+
+
+def _config(tmp_path, folder="some-folder", **fields):
+    cfg = {"num_hidden_layers": 7, "compress_ratios": [0, 0, 4, 128, 4, 128, 0, 4], "index_topk": 512,
+           "index_n_heads": 64, "index_head_dim": 128}
+    cfg.update(fields)
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    path = tmp_path / folder / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"compress_ratios": [4, 4, 7, -1], "num_hidden_layers": 4}, "7, -1 not one of them"),
+    ({"compress_ratios": [0, True, 4]}, "True not one of them"),
+    ({"num_hidden_layers": True}, "'num_hidden_layers' (or 'n_layers') an int"),
+    ({"num_hidden_layers": 3.0}, "'num_hidden_layers' (or 'n_layers') an int"),
+    ({"index_topk": True}, "'index_topk', a positive int"),
+    ({"index_head_dim": 128.5}, "index_head_dim = 128"),
+    ({"compress_ratios": [0, 128, 0, 128], "num_hidden_layers": 4, "index_topk": None}, "no indexer layer"),
+    ({"compress_ratios": [0, 128, 0, 4], "num_hidden_layers": 3}, "no indexer layer"),
+])
+def test_serve_config_is_checked_field_by_field(tmp_path, fields, words, monkeypatch):
+    _no_work(monkeypatch)
+    res = _run(["bench", "serve", "--model", _config(tmp_path, **fields)])
+    assert res.exit_code == 2 and "Invalid value for '--model'" in res.output, res.output
+    assert words in " ".join(res.output.split()), res.output
+
+
+def test_serve_config_names_the_model_by_its_config(tmp_path, monkeypatch):
+    """The title is _name_or_path, else the config's path (it was the parent folder's name)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    path = _config(tmp_path, folder="checkpoints")
+    doc = _json_of(["bench", "serve", "--model", path, "--json", "-"])
+    assert doc["model"]["name"] == path and doc["model"]["index_layers"] == 2
+    named = _config(tmp_path, folder="other", _name_or_path="deepseek-ai/DeepSeek-V4-Flash")
+    assert _json_of(["bench", "serve", "--model", named, "--json", "-"])["model"]["name"] == \
+        "deepseek-ai/DeepSeek-V4-Flash"
+
+
+def _json_of(args):
+    out = _run(args).stdout
+    return json.loads(out[out.index("{"):])
