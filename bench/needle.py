@@ -578,11 +578,16 @@ def plot(docs, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7.0, 4.4), layout="constrained")
     markers = "osD^vx<>p*"
+    styles = ("-", "--", "-.", ":")
     for i, d in enumerate(docs):
         per = length_recall(d)
         xs = [L for L, (_, n) in per.items() if n]
         ys = [per[L][0] / per[L][1] for L in xs]
-        ax.plot(xs, ys, marker=markers[i % len(markers)], linewidth=1.8, label=d["label"])
+        # runs with the same recall overlap: earlier runs are drawn thicker and below, later ones thinner, dashed
+        # and hollow on top, so every line stays visible
+        ax.plot(xs, ys, marker=markers[i % len(markers)], linestyle=styles[i % len(styles)],
+                linewidth=max(0.9, 3.2 - 0.7 * i), markersize=max(4.0, 9.0 - 1.5 * i),
+                fillstyle="full" if i == 0 else "none", zorder=2 + i, label=d["label"])
     ax.set_xscale("log", base=2)
     lengths = sorted({L for d in docs for L in length_recall(d)})
     if lengths:
