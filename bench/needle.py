@@ -239,7 +239,9 @@ class Server:
             raise self._explain(e, "listing the served models") from None
         if cards is None:
             if not model:
-                raise NeedleError(f"the server at {self.base_url} has no /models listing: pass --model", option="--model")
+                raise NeedleError(f"{self.base_url}/models answered HTTP 404: check --base-url (SGLang serves the "
+                                  f"OpenAI API under /v1), or pass --model for a server without a model listing",
+                                  option="--model")
             self.model = model
             return
         self.listed_models = [c.id for c in cards]
