@@ -75,7 +75,7 @@ class FiniteFloatRange(click.FloatRange):
 MAX_MEMORY = 1e6  # GB / GiB: far above any GPU, low enough that token counts stay exact integers
 SEED = click.IntRange(0, 2**32 - 1)  # the bench offsets seeds by small counts; torch takes up to 2**64 - 1
 MARKDOWN_HELP = "write the compact markdown headline table (what the README quotes) here; '-' prints it to stdout."
-QUICK_HELP = ("smaller sizes. GPU: every section (ceilings, store, logits, recall: 3 contexts x 8 needles). "
+QUICK_HELP = ("smaller sizes. GPU: every section (ceilings, store, query, logits, recall: 3 contexts x 8 needles). "
               "CPU backend: recall runs 2 contexts x 4 needles instead of 4 x 8 (up to 64K tokens); store and logits always run "
               "their tiny CPU sizes.")
 
