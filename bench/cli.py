@@ -236,9 +236,9 @@ def _model_option(ctx, param, value):
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
               callback=_png_output, help="PNG: ms per decode step over context, bf16 vs fp8, and the added ms.")
 def serve_cmd(model, batch, contexts, next_n, chunk, memory_gib, device, seed, json_path, plot_path):
-    """Indexer cost of one forward of a DeepSeek-V4 server with bf16 index keys vs SGLang's fp8: ms per decode
-    (verify) step and per prefill chunk over every C4 layer, KV bytes per token and tokens that fit. Without a
-    GPU it prints the memory figures only."""
+    """Indexer cost of one forward of a DeepSeek-V4 server with bf16 index keys vs SGLang's fp8 (DeepGEMM), and of
+    the fp8-cupy mode (SGLang's fp8 keys on cupy_dsa's kernels): ms per decode (verify) step and per prefill chunk
+    over every C4 layer, KV bytes per token and tokens that fit. Without a GPU it prints the memory figures only."""
     import torch
     from rich.console import Console
     from rich.table import Table
@@ -292,14 +292,16 @@ def serve_cmd(model, batch, contexts, next_n, chunk, memory_gib, device, seed, j
         doc["measured"] = True
         t = Table(title=f"indexer ms per forward (all {model.n_c4} C4 layers), {doc['device']}; top-k excluded; "
                         f"context in raw tokens (index entries = tokens / {serve.C4_RATIO})")
-        for col in ("phase", "batch", "context", "next_n", "chunk", "bf16 ms", "fp8 ms", "added ms", "ratio", "error"):
+        for col in ("phase", "batch", "context", "next_n", "chunk", "bf16 ms", "fp8 ms", "added ms", "ratio",
+                    "fp8-cupy ms", "fp8-cupy / fp8", "error"):
             t.add_column(col, justify="right")
         def f(v, p=3):
             return "-" if v is None else f"{v:.{p}f}"
 
         for r in doc["timings"]:
             t.add_row(r["phase"], str(r["batch"]), str(r["context"]), str(r["next_n"]), str(r["chunk"] or "-"),
-                      f(r["bf16_ms"]), f(r["fp8_ms"]), f(r["added_ms"]), f(r["ratio"], 2), r["error"] or "")
+                      f(r["bf16_ms"]), f(r["fp8_ms"]), f(r["added_ms"]), f(r["ratio"], 2), f(r["fp8_cupy_ms"]),
+                      f(r["fp8_cupy_ratio"], 2), r["error"] or "")
         out.print(t)
         for r in doc["timings"]:
             for layout, n in r["layer_caches"].items():
@@ -417,7 +419,7 @@ def resources_cmd(archs):
 
 
 @bench.command(name="report")
-@click.argument("json_file", type=click.Path(exists=True, dir_okay=False))
+@click.argument("json_files", metavar="JSON_FILE...", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
               default=None, callback=_writable_output, help=MARKDOWN_HELP)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
@@ -428,17 +430,32 @@ def resources_cmd(archs):
 @click.option("--allow-cpu-or-quick", is_flag=True, default=False,
               help="with --readme: accept a CPU-backend or --quick run (refused by default: the README's "
                    "figures are full-size GPU runs).")
-def report_cmd(json_file, markdown_path, plot_path, readme_path, allow_cpu_or_quick):
-    """Re-print the tables of a saved JSON result (and its markdown headline / plot / README blocks)."""
-    from . import plots, provenance, readme, report, serve
+def report_cmd(json_files, markdown_path, plot_path, readme_path, allow_cpu_or_quick):
+    """Re-print the tables of a saved JSON result (and its markdown headline / plot / README blocks).
 
-    try:
-        doc = json.loads(Path(json_file).read_text())
-    except ValueError as exc:
-        raise click.BadParameter(f"not a JSON file: {exc}", param_hint="JSON_FILE")
+    Several `cupy-dsa needle` results overlay: one table and one plot, a column / line per run (--label)."""
+    from . import needle, plots, provenance, readme, report, serve
+
+    docs = []
+    for json_file in json_files:
+        try:
+            docs.append(json.loads(Path(json_file).read_text()))
+        except ValueError as exc:
+            raise click.BadParameter(f"{json_file}: not a JSON file: {exc}", param_hint="JSON_FILE")
+    if any(needle.is_needle(d) for d in docs):
+        if allow_cpu_or_quick:
+            raise click.BadParameter("goes with --readme, which needle results do not take",
+                                     param_hint="'--allow-cpu-or-quick'")
+        _report_needle(json_files, docs, markdown_path, plot_path, readme_path)
+        return
+    if len(docs) > 1:
+        raise click.BadParameter(f"several files overlay only as `cupy-dsa needle` results (schema {needle.SCHEMA!r}); "
+                                 f"{json_files[1]} is {docs[1].get('schema') if isinstance(docs[1], dict) else None!r}: "
+                                 "give one bench or serve result", param_hint="JSON_FILE")
+    json_file, doc = json_files[0], docs[0]
     is_serve = isinstance(doc, dict) and doc.get("schema") == serve.SCHEMA
     if not is_serve and (not isinstance(doc, dict) or doc.get("schema") not in provenance.READABLE_SCHEMAS):
-        raise click.BadParameter(f"expected schema {provenance.SCHEMA!r} or {serve.SCHEMA!r}, got "
+        raise click.BadParameter(f"expected schema {provenance.SCHEMA!r}, {serve.SCHEMA!r} or {needle.SCHEMA!r}, got "
                                  f"{doc.get('schema') if isinstance(doc, dict) else type(doc).__name__!r}",
                                  param_hint="JSON_FILE")
     if allow_cpu_or_quick and not readme_path:
@@ -480,6 +497,179 @@ def report_cmd(json_file, markdown_path, plot_path, readme_path, allow_cpu_or_qu
             click.echo(f"{readme_path}: nothing rewritten (the JSON holds data for none of its blocks)", err=True)
         for name, why in kept.items():
             click.echo(f"{readme_path}: kept results:{name} ({why})", err=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# needle: recall of a running server
+# --------------------------------------------------------------------------------------------------
+
+def _lengths_option(ctx, param, value):
+    """--lengths: a comma list of token counts (K / M suffixes), each >= 64."""
+    if value is None:
+        return None
+    out = []
+    for part in str(value).split(","):
+        m = re.fullmatch(r"(\d+)([km]?)", part.strip().lower())
+        n = int(m.group(1)) * {"": 1, "k": 1024, "m": 2**20}[m.group(2)] if m else 0
+        if n < 64:
+            raise click.BadParameter(f"expected a comma list of token counts of at least 64 such as 4K,16K,64K, "
+                                     f"got {part.strip()!r} in {value!r}")
+        out.append(n)
+    return tuple(sorted(set(out)))
+
+
+def _depths_option(ctx, param, value):
+    """--depths: a comma list of fractions in [0, 1] (or percentages such as 25%) of the filler before the needle."""
+    if value is None:
+        return None
+    out = []
+    for part in str(value).split(","):
+        p = part.strip()
+        try:
+            d = float(p[:-1]) / 100 if p.endswith("%") else float(p)
+        except ValueError:
+            d = float("nan")
+        if not 0.0 <= d <= 1.0:
+            raise click.BadParameter(f"expected a comma list of depths in [0, 1] (or 0%..100%) such as "
+                                     f"0,0.25,0.5,0.75,1, got {p!r} in {value!r}")
+        out.append(d)
+    return tuple(dict.fromkeys(out))
+
+
+def _base_url_option(ctx, param, value):
+    from . import needle
+
+    try:
+        return needle.normalize_base_url(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _extra_body_option(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        body = json.loads(value)
+    except ValueError as e:
+        raise click.BadParameter(f"expected a JSON object such as '{{\"chat_template_kwargs\": {{\"thinking\": "
+                                 f"false}}}}', got {value!r} ({e})") from None
+    if not isinstance(body, dict):
+        raise click.BadParameter(f"expected a JSON object (fields added to each request), got {value!r}")
+    return body
+
+
+@main.command(name="needle")
+@click.option("--base-url", default="http://127.0.0.1:30000/v1", show_default=True, callback=_base_url_option,
+              metavar="URL", help="the server's OpenAI-compatible API (a URL without a path gets /v1).")
+@click.option("--model", default=None, help="served model name (default: the only model the server lists).")
+@click.option("--api-key", envvar="OPENAI_API_KEY", default="EMPTY", show_default=False,
+              help="the server's --api-key, if it was started with one. [$OPENAI_API_KEY or EMPTY]")
+@click.option("--lengths", default="4K,8K,16K,32K,64K", show_default=True, callback=_lengths_option,
+              help="context lengths in the server's tokens (comma list, K/M suffixes).")
+@click.option("--depths", default="0,0.25,0.5,0.75,1", show_default=True, callback=_depths_option,
+              help="where the needle sits: the fraction of the filler before it (comma list; 0 = start, 1 = end).")
+@click.option("--trials", type=click.IntRange(min=1), default=3, show_default=True,
+              help="needles per (length, depth) cell, each with its own filler, key and number.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="seed of filler and needles.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="output tokens per answer (raise it for a model that reasons before answering).")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+              help="seconds per request (a long prefill takes a while).")
+@click.option("--retries", type=click.IntRange(min=0), default=2, show_default=True,
+              help="retries of a request that timed out, could not connect or got HTTP 408/409/429/5xx.")
+@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
+              help="requests in flight at once (the server batches them; the prompts and their order in the results "
+                   "stay the same).")
+@click.option("--extra-body", default=None, callback=_extra_body_option, metavar="JSON",
+              help="JSON object merged into every request, e.g. '{\"chat_template_kwargs\": {\"thinking\": false}}'.")
+@click.option("--label", default=None, help="name of this run in tables, plots and overlays, e.g. the index-key "
+                                            "mode it was served with (fp8, fp8-cupy, bf16). [the model name]")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True), default=None,
+              callback=_writable_output, help="write the results as JSON (schema cupy-dsa-needle/1); '-' = stdout.")
+@click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
+              default=None, callback=_writable_output, help="write the recall table as markdown; '-' = stdout.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
+              callback=_png_output, help="PNG: recall against context length.")
+def needle_cmd(base_url, model, api_key, lengths, depths, trials, seed, max_tokens, timeout, retries, concurrency,
+               extra_body, label, json_path, markdown_path, plot_path):
+    """Needle-in-a-haystack recall of a running OpenAI-compatible server (SGLang's /v1/chat/completions).
+
+    Seeded filler text with one needle fact at each depth, for each context length counted in the server's own
+    tokens (calibrated from usage.prompt_tokens before the sweep); greedy answers, --trials needles per cell.
+    Prints recall per (length, depth); overlay several runs with `cupy-dsa bench report a.json b.json`."""
+    from rich.console import Console
+
+    from . import needle, report
+
+    to_stdout = "-" in (json_path, markdown_path)
+    if json_path == "-" and markdown_path == "-":
+        raise click.BadParameter("only one of --json and --markdown can be '-' (stdout)", param_hint="'--markdown'")
+    out, err = _console(stderr=to_stdout), Console(stderr=True)
+    server = needle.Server(base_url=base_url, api_key=api_key, timeout=timeout, retries=retries, extra_body=extra_body)
+    settings = needle.Settings(lengths=lengths, depths=depths, trials=trials, seed=seed, max_tokens=max_tokens,
+                               concurrency=concurrency, label=label)
+    try:
+        server.connect(model)
+        needle.check_lengths_fit(server, settings)
+        err.print(f"{server.model} at {base_url}"
+                  + (f", context length {server.max_model_len}" if server.max_model_len else ""))
+        with _progress(err) as progress:
+            tasks = {"calibrate": progress.add_task("calibrate", total=None),
+                     "ask": progress.add_task("needles", total=len(lengths) * len(depths) * trials, start=False)}
+
+            def tick(kind, advance=1, total=None):
+                if kind == "ask" and total is not None:
+                    progress.update(tasks["calibrate"], total=progress.tasks[tasks["calibrate"]].completed)
+                    progress.start_task(tasks["ask"])
+                progress.update(tasks[kind], advance=advance)
+
+            doc = needle.run(server, settings, progress=tick)
+    except needle.NeedleError as e:
+        if e.option:
+            raise click.BadParameter(str(e), param_hint=f"'{e.option}'") from None
+        raise click.ClickException(str(e)) from None
+    report.print_fitted(out, needle.table(doc))
+    for note in doc["notes"]:
+        err.print(f"[yellow]{note}[/]")
+    if json_path:
+        if json_path == "-":
+            click.echo(json.dumps(doc, indent=1))
+        else:
+            needle.write_json(doc, json_path)
+            err.print(f"wrote {json_path}")
+    if markdown_path:
+        _write_markdown(needle.markdown(doc), markdown_path)
+    if plot_path:
+        needle.plot([doc], plot_path)
+        err.print(f"wrote {plot_path}")
+
+
+def _report_needle(json_files, docs, markdown_path, plot_path, readme_path):
+    from . import needle, report
+
+    if readme_path:
+        raise click.BadParameter("needle results have no README blocks; use --markdown", param_hint="'--readme'")
+    for name, d in zip(json_files, docs):
+        try:
+            needle.check_document(d, name)
+        except ValueError as e:
+            raise click.BadParameter(f"{e} (needle results overlay only with other needle results)",
+                                     param_hint="JSON_FILE") from None
+    labels = [d["label"] for d in docs]
+    if len(set(labels)) != len(labels):  # keep columns and legend apart: label i of a repeated name gets its file
+        docs = [dict(d, label=f"{d['label']} ({Path(n).name})") if labels.count(d["label"]) > 1 else d
+                for n, d in zip(json_files, docs)]
+    out = _console(stderr=markdown_path == "-")
+    if len(docs) == 1:
+        report.print_fitted(out, needle.table(docs[0]))
+        md = needle.markdown(docs[0])
+    else:
+        report.print_fitted(out, needle.overlay_table(docs))
+        md = needle.overlay_markdown(docs)
+    if markdown_path:
+        _write_markdown(md, markdown_path)
+    if plot_path:
+        needle.plot(docs, plot_path)
 
 
 def _write_markdown(md: str, path: str) -> None:

@@ -3,8 +3,9 @@
 One forward's indexer work on every C4 layer (one cache per layer, as the server keeps them): the store of the
 forward's new index entries, the logits of the layer, and the schedule built once per forward (ForwardPlans).
 bf16 runs our ops on the plugin's routes (decode rows, grouped verify next_n = n, varlen extend for a prefill
-chunk); fp8 runs DeepGEMM's ``fp8_paged_mqa_logits`` on one row per token as SGLang calls it, with our store op
-writing the fp8 layout standing in for SGLang's fp8 store kernel. Top-k is the same in both and left out.
+chunk); fp8-cupy runs the same ops and routes on SGLang's fp8 layout (the plugin's fp8-cupy mode); fp8 runs
+DeepGEMM's ``fp8_paged_mqa_logits`` on one row per token as SGLang calls it, with our store op writing the fp8
+layout standing in for SGLang's fp8 store kernel. Top-k is the same in all three and left out.
 """
 
 from __future__ import annotations
@@ -28,8 +29,12 @@ COUNTED = ("one forward = per C4 layer: store of the forward's new index entries
            "per forward; top-k is identical for bf16 and fp8 and excluded. New entries per forward: decode/verify "
            "ceil(batch * next_n / 4) (on average one entry per 4 tokens), prefill chunk / 4. fp8 = DeepGEMM "
            "fp8_paged_mqa_logits on one row per token (SGLang's call) + our store op writing SGLang's fp8 layout "
-           "(standing in for SGLang's fp8 store kernel). A prefill chunk is one request of --chunk tokens after a "
-           "prefix of --context tokens.")
+           "(standing in for SGLang's fp8 store kernel); fp8-cupy = the plugin's fp8-cupy mode, our store and "
+           "logits on the bf16 routes over SGLang's fp8 layout (same bytes as fp8, our kernels). A prefill chunk is "
+           "one request of --chunk tokens after a prefix of --context tokens.")
+
+# What `measure` times: (layout name, cache layout); "fp8" is DeepGEMM's call, the others are our ops.
+TIMED = (("bf16", "bf16"), ("fp8-cupy", "fp8"), ("fp8", "fp8"))
 
 
 @dataclass(frozen=True)
@@ -179,13 +184,16 @@ def _tables(case: Case, device, g):
 
 
 def _forward(case: Case, layout: str, model: ServeModel, device, g, dg):
-    """(forward callable, layers with their own cache) for one layout."""
+    """(forward callable, layers with their own cache) for one layout of :data:`TIMED`: ``bf16`` and
+    ``fp8-cupy`` run our ops on the plugin's routes (bf16 rows, or SGLang's fp8 rows), ``fp8`` DeepGEMM."""
     import cupy_dsa
 
     from . import peers
     from .sweeps import make_freqs
 
-    caches, pages = _layer_caches(case, layout, model.n_c4, device, g)
+    cache_layout = dict(TIMED)[layout]
+    ours = layout != "fp8"
+    caches, pages = _layer_caches(case, cache_layout, model.n_c4, device, g)
     n_new = case.new_entries
     kv = torch.randn(n_new, HEAD_DIM, device=device, generator=g)
     positions = torch.arange(n_new, dtype=torch.int32, device=device)
@@ -207,7 +215,7 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg):
         q = torch.randn(T, N_HEADS, HEAD_DIM, device=device, generator=g).to(torch.float8_e4m3fn)
         weights = torch.rand(T, N_HEADS, device=device, generator=g) / math.sqrt(N_HEADS * HEAD_DIM)
         lens = (prefix + (torch.arange(T, device=device) + 1) // C4_RATIO).to(torch.int32)
-        if layout == "bf16":
+        if ours:
             ks = torch.zeros(T, dtype=torch.int32, device=device)
             cu_rows = torch.tensor([0, T], dtype=torch.int32, device=device)
 
@@ -226,7 +234,7 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg):
         q = torch.randn(B, n, N_HEADS, HEAD_DIM, device=device, generator=g).to(torch.float8_e4m3fn)
         weights = torch.rand(B * n, N_HEADS, device=device, generator=g) / math.sqrt(N_HEADS * HEAD_DIM)
         lens = lens_2d.reshape(-1) if n == 1 else lens_2d
-        if layout == "bf16":
+        if ours:
             def layer_logits(cache, plan):
                 return cupy_dsa.paged_mqa_logits(q, cache, weights, lens, table, width, plan=plan)
 
@@ -236,7 +244,7 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg):
             q_rows = q.view(B * n, 1, N_HEADS, HEAD_DIM)
             row_table, lens_rows = table.repeat_interleave(n, 0), lens_2d.reshape(-1).contiguous()
 
-    if layout == "fp8":
+    if not ours:
         schedule, _ = peers.deepgemm_decode(dg, q_rows, caches[0], weights, lens_rows[:, None], row_table, width)
         calls = [peers.deepgemm_decode(dg, q_rows, c, weights, lens_rows[:, None], row_table, width)[1] for c in caches]
 
@@ -256,20 +264,21 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg):
 
 
 def measure(case: Case, model: ServeModel, device, dg, seed: int, reps: int) -> dict:
-    """ms of one forward for bf16 and (with DeepGEMM) fp8, for one case."""
+    """ms of one forward for bf16, fp8-cupy and (with DeepGEMM) fp8, for one case."""
     from .sweeps import _gen
     from .timing import time_calls
 
     row = {"phase": case.phase, "batch": case.batch, "context": case.context, "next_n": case.next_n,
            "chunk": case.chunk, "new_entries": case.new_entries, "bf16_ms": None, "fp8_ms": None,
-           "added_ms": None, "ratio": None, "layer_caches": {}, "timing": None, "error": None}
-    for layout in ("bf16", "fp8"):
+           "fp8_cupy_ms": None, "added_ms": None, "ratio": None, "fp8_cupy_ratio": None, "layer_caches": {},
+           "timing": None, "error": None}
+    for layout, _ in TIMED:
         if layout == "fp8" and dg is None:
             continue
         try:
             fwd, n_caches = _forward(case, layout, model, device, _gen(device, seed), dg)
             t = time_calls([fwd], device, reps=reps)
-            row[f"{layout}_ms"] = t.seconds * 1e3
+            row[f"{layout.replace('-', '_')}_ms"] = t.seconds * 1e3
             row["layer_caches"][layout] = n_caches
             row["timing"] = t.method
             del fwd
@@ -280,6 +289,8 @@ def measure(case: Case, model: ServeModel, device, dg, seed: int, reps: int) -> 
     if row["bf16_ms"] is not None and row["fp8_ms"] is not None:
         row["added_ms"] = row["bf16_ms"] - row["fp8_ms"]
         row["ratio"] = row["bf16_ms"] / row["fp8_ms"]
+    if row["fp8_cupy_ms"] is not None and row["fp8_ms"] is not None:
+        row["fp8_cupy_ratio"] = row["fp8_cupy_ms"] / row["fp8_ms"]  # our kernels against DeepGEMM, same bytes
     return row
 
 
@@ -298,10 +309,12 @@ def plot(doc: dict, path: str) -> None:
     with plt.rc_context({"font.size": 9, "xtick.labelsize": 8, "ytick.labelsize": 8, "legend.fontsize": 8}):
         fig, axes = plt.subplots(len(phases), 2, figsize=(11, 4 * len(phases)), squeeze=False)
         for (phase, rows), (ax, ax2) in zip(phases, axes):
-            for layout, style in (("bf16", "o-"), ("fp8", "s--")):
-                pts = [(r["context"], r[f"{layout}_ms"]) for r in rows if r[f"{layout}_ms"] is not None]
+            for layout, style, label in (("bf16", "o-", "bf16 index keys"),
+                                         ("fp8_cupy", "^:", "fp8 index keys, cupy_dsa kernels (fp8-cupy)"),
+                                         ("fp8", "s--", "fp8 index keys, DeepGEMM")):
+                pts = [(r["context"], r.get(f"{layout}_ms")) for r in rows if r.get(f"{layout}_ms") is not None]
                 if pts:
-                    ax.plot(*zip(*pts), style, label=f"{layout} index keys")
+                    ax.plot(*zip(*pts), style, label=label)
             added = [(r["context"], r["added_ms"]) for r in rows if r["added_ms"] is not None]
             if added:
                 ax2.plot(*zip(*added), "o-", color="tab:red")
@@ -331,15 +344,22 @@ def markdown(doc: dict) -> str:
             f"{doc.get('torch_version') or 'not recorded'}, commit "
             f"`{(doc.get('git_commit') or 'not recorded')[:12]}`: indexer ms per forward over every C4 layer "
             f"(store + logits + the schedule; top-k excluded); fp8 = DeepGEMM as SGLang calls it.")
-    lines = [head, "", "| step | batch x context (tokens) | bf16 keys | fp8 keys | added | ratio |",
-             "|---|---|---|---|---|---|"]
+    # runs from before fp8-cupy have no fp8_cupy_ms: their table stays as it was
+    cupy8 = any(r.get("fp8_cupy_ms") is not None for r in doc["timings"])
+    extra_head, extra_rule = (" fp8 keys, cupy_dsa (fp8-cupy) | fp8-cupy / DeepGEMM |", "---|---|") if cupy8 else ("", "")
+    lines = [head, "", f"| step | batch x context (tokens) | bf16 keys | fp8 keys | added | ratio |{extra_head}",
+             f"|---|---|---|---|---|---|{extra_rule}"]
     for r in doc["timings"]:
         step = {"decode": "decode", "verify": f"verify, next_n {r['next_n']}",
                 "prefill": f"prefill chunk of {r['chunk']:,}"}[r["phase"]]
-        ms = [f"{r[k]:.2f} ms" if r[k] is not None else "—" for k in ("bf16_ms", "fp8_ms", "added_ms")]
+        ms = [f"{r[k]:.2f} ms" if r.get(k) is not None else "—" for k in ("bf16_ms", "fp8_ms", "added_ms", "fp8_cupy_ms")]
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else "—"
         ctx = f"{r['batch']} x {_tokens(r['context'])}" if r["phase"] != "prefill" else f"after {_tokens(r['context'])}"
-        lines.append(f"| {step} | {ctx} | {ms[0]} | {ms[1]} | {ms[2]} | {ratio} |")
+        extra = ""
+        if cupy8:
+            r8 = f"{r['fp8_cupy_ratio']:.2f}x" if r.get("fp8_cupy_ratio") is not None else "—"
+            extra = f" {ms[3]} | {r8} |"
+        lines.append(f"| {step} | {ctx} | {ms[0]} | {ms[1]} | {ms[2]} | {ratio} |{extra}")
     mem = {r["layout"]: r for r in doc["memory"]}
     if {"bf16", "fp8"} <= mem.keys():
         b, f = mem["bf16"], mem["fp8"]

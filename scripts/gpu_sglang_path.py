@@ -29,7 +29,15 @@ launch); a one-request extend (varlen); decode (rows); target verify with next_n
 one ``torch.cuda.graph`` capture (two C4 layers sharing the batch's balanced schedule) replayed twice with new
 lengths and inputs; then next_n 4 target verify captured once and replayed twice with new lengths. Checked: cache bytes (<= 1 bf16 ulp,
 same slots written), logits (valid columns), top-k overlap (>= 0.99 per row), page indices = the slot
-transform of the raw indices. Last line: ``SGLANG GPU PATH: PASS ...`` or ``FAIL ...``.
+transform of the raw indices.
+
+The ``fp8-cupy`` phase repeats all of it (store, extend batch, one-request extend, decode, verify next_n 2 and 4,
+decode and verify CUDA graphs) with ``SGLANG_CUPY_DSA_INDEX_K=fp8-cupy``: SGLang's 8448-byte fp8 pool written by
+cupy_dsa's store (device bytes = the CPU path's, an e4m3 code at most one step apart and the fp32 scale a few ulp
+where the device's ``rsqrtf`` differs from torch's) and scored by cupy_dsa's fp8-key kernels; on decode, extend
+and verify it also runs SGLang's own fp8 forward on the device (its torch fp8 logits) and checks that the two
+top-k agree up to ties at SGLang's bf16 precision against an fp64 oracle. Last line: ``SGLANG GPU PATH: PASS ...``
+or ``FAIL ...``.
 """
 from __future__ import annotations
 
@@ -176,12 +184,17 @@ class World:
         self.sg, self.device = sg, torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # tensors report cuda:N, never bare cuda
             self.device = torch.device("cuda", torch.cuda.current_device())
+        from cupy_dsa import layouts
+        from cupy_dsa.sglang import core
+
         pool = sg.DeepSeekV4IndexerPool(N_PAGES * 64, 64, torch.bfloat16, 128, 1, str(self.device), False,
                                         use_fp4_indexer=False, global_page_size=256)
         self.pool = pool
         self.cache = pool.index_k_with_scale_buffer[0]
-        if tuple(self.cache.shape[1:]) != (16384,) or self.cache.dtype != torch.uint8 or self.cache.device != self.device:
-            raise RuntimeError(f"pool page rows {tuple(self.cache.shape)} {self.cache.dtype} on {self.cache.device}")
+        row_bytes = layouts.page_bytes(core.cache_layout(core.index_k_mode()))  # the mode's rows, sized by SGLang
+        if tuple(self.cache.shape[1:]) != (row_bytes,) or self.cache.dtype != torch.uint8 or self.cache.device != self.device:
+            raise RuntimeError(f"pool page rows {tuple(self.cache.shape)} {self.cache.dtype} on {self.cache.device}, "
+                               f"expected [P, {row_bytes}] uint8 on {self.device}")
         self.norm_w = norm_w.to(self.device)
         self.freq_cis = freq_cis.to(self.device)
         self.kv_score_buffer = torch.zeros(8, 512, device=self.device)
@@ -294,12 +307,41 @@ def check(cond, msg):
 
 def compare_caches(name, dev, ref):
     got, exp = dev.cache.cpu(), ref.cache.cpu()
+    if got.shape[1] == FP8_PAGE:
+        return compare_fp8_caches(name, got, exp)
     d = ulp_diff(got.view(torch.bfloat16), exp.view(torch.bfloat16))
     w_got = set((got.view(-1, 256) != 0).any(1).nonzero().flatten().tolist())
     w_exp = set((exp.view(-1, 256) != 0).any(1).nonzero().flatten().tolist())
     check(w_got == w_exp, f"{name}: written slots differ ({len(w_got ^ w_exp)} of {len(w_exp)})")
     check(int(d.max()) <= 1, f"{name}: cache max {int(d.max())} bf16 ulp from the CPU path, {int((d > 0).sum())} differ")
     log(f"  {name}: {len(w_exp)} slots written, max {int(d.max())} ulp")
+
+
+FP8_PAGE = 8448
+
+
+def e4m3_steps(a, b):
+    """Code steps between e4m3 bytes (uint8 tensors): the magnitude codes are monotone, so steps are their
+    difference for one sign and their sum across signs."""
+    a, b = a.long(), b.long()
+    ma, mb = a & 0x7F, b & 0x7F
+    return torch.where((a >> 7) == (b >> 7), (ma - mb).abs(), ma + mb)
+
+
+def compare_fp8_caches(name, got, exp):
+    """SGLang's fp8 rows: the same slots written, codes at most one e4m3 step and scales a few fp32 ulp from the
+    CPU path (the device's rsqrtf against torch's), most slots byte-identical."""
+    sg_, se_ = got[:, 8192:].contiguous().view(torch.float32).reshape(-1), exp[:, 8192:].contiguous().view(torch.float32).reshape(-1)
+    w_got, w_exp = set(sg_.nonzero().flatten().tolist()), set(se_.nonzero().flatten().tolist())
+    check(w_got == w_exp, f"{name}: written slots differ ({len(w_got ^ w_exp)} of {len(w_exp)})")
+    steps = e4m3_steps(got[:, :8192].reshape(-1, 128), exp[:, :8192].reshape(-1, 128))
+    rel = ((sg_.double() - se_.double()).abs() / se_.double().abs().clamp_min(1e-30)).max().item()
+    check(int(steps.max()) <= 1, f"{name}: an e4m3 code {int(steps.max())} steps from the CPU path")
+    check(rel <= 1e-6, f"{name}: an fp8 scale {rel:.2e} (relative) from the CPU path")
+    idx = torch.tensor(sorted(w_exp), dtype=torch.long)
+    same = int(((steps[idx] == 0).all(1) & (sg_[idx] == se_[idx])).sum()) if len(idx) else 0
+    log(f"  {name}: {len(w_exp)} fp8 slots written, {same} byte-identical to the CPU path, max {int(steps.max())} "
+        f"code step, scales within {rel:.1e}")
 
 
 def compare_logits(name, got, ref, lens, tol=2e-3):
@@ -367,9 +409,46 @@ class LogitsSpy:
             setattr(self.core, name, f)
 
 
+# SGLang's torch fp8 logits round each head's dot product to bf16 (torch.bmm of bf16): 2^-9 relative per head
+SGLANG_TIE = 4e-3
+
+
+def fp8_oracle(cache, q, w, pt):
+    """fp64 logits over an fp8 cache's keys as stored (dequantized), [rows, width]."""
+    values = cache[:, :8192].reshape(cache.shape[0], 64, 128).view(torch.float8_e4m3fn).double()
+    scales = cache[:, 8192:].contiguous().view(torch.float32).double()
+    k = (values * scales[..., None])[pt.long()].reshape(pt.shape[0], -1, 128)
+    return (torch.relu(torch.einsum("rhd,rnd->rhn", q.double(), k)) * w.double()[:, :, None]).sum(1)
+
+
+def compare_with_sglang_fp8(name, ours, theirs, oracle, lens):
+    """fp8-cupy's top-k against SGLang's own fp8 forward's, on the same keys: equal up to ties at SGLang's bf16
+    precision (a key one selects and the other does not scores within SGLANG_TIE of the oracle's k-th)."""
+    overlap = 1.0
+    for r, n in enumerate(lens.tolist()):
+        a = set(ours.c4_sparse_raw_indices[r].cpu().tolist()) - {-1}
+        b = set(theirs.c4_sparse_raw_indices[r].cpu().tolist()) - {-1}
+        k = min(TOPK, n)
+        if not check(len(a) == len(b) == k, f"{name}: row {r} selected {len(a)} (cupy_dsa) / {len(b)} (SGLang), "
+                                            f"expected {k}"):
+            continue
+        if n <= TOPK or n == 0:
+            check(a == b, f"{name}: row {r} (len {n} <= top-k) selections differ")
+            continue
+        scores = oracle[r, :n]
+        kth = scores.topk(k).values[-1].item()
+        tol = SGLANG_TIE * scores.abs().max().item()
+        far = [i for i in sorted(a ^ b) if abs(scores[i].item() - kth) > tol]
+        check(not far, f"{name}: row {r}: cupy_dsa's and SGLang's fp8 top-k differ beyond ties at {far[:8]}")
+        overlap = min(overlap, len(a & b) / k)
+    log(f"  {name}: top-k equals SGLang's own fp8 forward's up to ties (min overlap {overlap:.4f})")
+
+
 def indexer_phase(name, sg, worlds, batch, tokens, mode, batch_size, g, expect_kind="rows", extend_lens=None,
-                  draft=None, reference=False):
-    """reference: in bf16-reference mode, the query built by the hook from the layer's projections."""
+                  draft=None, reference=False, sglang_baseline=False):
+    """reference: in bf16-reference mode, the query built by the hook from the layer's projections.
+    sglang_baseline (fp8-cupy): SGLang's own fp8 forward_c4_indexer runs too, on the device world's fp8 pool, and
+    the two top-k are compared up to ties."""
     from cupy_dsa.sglang import core
 
     lens, pt = batch.rows_of(tokens)
@@ -387,6 +466,20 @@ def indexer_phase(name, sg, worlds, batch, tokens, mode, batch_size, g, expect_k
             with LogitsSpy(core) as spy:
                 mds.append(world.run_indexer(b, layer_fields=world.reference_layer(q_raw, w_raw) if reference else None))
             spies.append(spy.out)
+        if sglang_baseline:
+            world = worlds[0]
+            b = world.indexer_backend(world.to(q), world.to(w), world.to(lens), world.to(pt), mode, batch_size,
+                                      extend_lens=extend_lens, draft=draft)
+            saved = os.environ[core.ENV_NAME]
+            os.environ[core.ENV_NAME] = "fp8"  # the hook hands the call to SGLang's own body
+            core.reset_mode()
+            try:
+                theirs = world.run_indexer(b)
+            finally:
+                os.environ[core.ENV_NAME] = saved
+                core.reset_mode()
+            oracle = fp8_oracle(world.cache.cpu(), q, w, pt)  # the keys both forwards read
+            compare_with_sglang_fp8(f"{name} vs SGLang's fp8", mds[0], theirs, oracle, lens)
     finally:
         sg.ix.get_parallel = orig
     kinds = [k for k, _ in spies[0]]
@@ -531,7 +624,11 @@ def graph_phase(sg, worlds, batch, g, capture):
                            f"graph replay {replay + 1} (lens {lens.tolist()})", batch.page_table, lens)
 
 
-def run(device, seed):
+# the phases that need no earlier phase's state (the others build on the prompt store and on each other)
+STANDALONE_PHASES = ("fp8-cupy",)
+
+
+def run(device, seed, only=None):
     t0 = time.time()
     sg = load_sglang()
     from cupy_dsa.sglang import core
@@ -551,6 +648,8 @@ def run(device, seed):
     phases = []
 
     def phase(name, fn):
+        if only and name not in only:
+            return
         log(f"[{name}]")
         try:
             fn()
@@ -559,7 +658,7 @@ def run(device, seed):
             PROBLEMS.append(f"{name}: {traceback.format_exc().strip().splitlines()[-1]}")
             log(traceback.format_exc())
 
-    def prompt_store():
+    def prompt_store(worlds=worlds, batch=batch):
         tokens = [(b, p) for b, n in enumerate(PROMPTS) for p in range(n)]
         rows, loc = batch.store_plan(tokens)
         kv = torch.randn(rows.shape[0], 128, generator=g).bfloat16()  # the model dtype
@@ -567,19 +666,19 @@ def run(device, seed):
             world.store(world.prefill_plan, world.to(rows), world.to(kv), world.to(loc))
         compare_caches("prompt store (extend plan)", worlds[0], worlds[1])
 
-    def extend_batch():
+    def extend_batch(worlds=worlds, batch=batch, **kw):
         # 3 requests, different prefixes and new-token counts, request 0 with no prefix: one varlen launch
         tokens = [(b, p) for b, (n, e) in enumerate(zip(PROMPTS, EXTEND)) for p in range(n - e, n)]
         indexer_phase("extend, 3 requests", sg, worlds, batch, tokens, sg.ForwardMode.EXTEND, 3, g,
-                      expect_kind="varlen", extend_lens=EXTEND)
+                      expect_kind="varlen", extend_lens=EXTEND, **kw)
 
-    def extend_one():
+    def extend_one(worlds=worlds, batch=batch, **kw):
         b, n = 2, PROMPTS[2]
         tokens = [(b, p) for p in range(n - 67, n)]
         indexer_phase("extend, 1 request", sg, worlds, batch, tokens, sg.ForwardMode.EXTEND, 1, g,
-                      expect_kind="varlen", extend_lens=(67,))
+                      expect_kind="varlen", extend_lens=(67,), **kw)
 
-    def decode():
+    def decode(worlds=worlds, batch=batch, **kw):
         rows, loc = batch.decode_plan()
         kv = torch.randn(len(PROMPTS), 128, generator=g).bfloat16()
         for world in worlds:
@@ -587,9 +686,9 @@ def run(device, seed):
         compare_caches("decode store", worlds[0], worlds[1])
         batch.lens = [n + 1 for n in batch.lens]
         tokens = [(b, n - 1) for b, n in enumerate(batch.lens)]
-        indexer_phase("decode", sg, worlds, batch, tokens, sg.ForwardMode.DECODE, len(PROMPTS), g)
+        indexer_phase("decode", sg, worlds, batch, tokens, sg.ForwardMode.DECODE, len(PROMPTS), g, **kw)
 
-    def verify():
+    def verify(worlds=worlds, batch=batch, **kw):
         for n in (2, 4):
             tokens = [(b, m + i) for b, m in enumerate(batch.lens) for i in range(n)]
             rows, loc = batch.store_plan(tokens)
@@ -598,7 +697,7 @@ def run(device, seed):
                 world.store(world.prefill_plan, world.to(rows), world.to(kv), world.to(loc))
             compare_caches(f"verify store (next_n {n})", worlds[0], worlds[1])
             indexer_phase(f"target verify, next_n {n}", sg, worlds, batch, tokens, sg.ForwardMode.TARGET_VERIFY,
-                          len(PROMPTS), g, expect_kind="grouped", draft=n)
+                          len(PROMPTS), g, expect_kind="grouped", draft=n, **kw)
         # the drafts were rejected: the requests go on from their decode lengths (the slots get rewritten)
 
     def reference_mode():
@@ -620,6 +719,29 @@ def run(device, seed):
             os.environ[core.ENV_NAME] = "bf16"
             core.reset_mode()
 
+    def fp8_cupy():
+        # SGLang's fp8 index keys (SGLang's pool, 8448-byte rows) on cupy_dsa's store and kernels: every step above
+        # again, in new pools, with SGLang's own fp8 forward on the device as the top-k baseline
+        os.environ[core.ENV_NAME] = "fp8-cupy"
+        core.reset_mode()
+        try:
+            worlds8 = [World(sg, device, norm_w, freq_cis), World(sg, "cpu", norm_w, freq_cis)]
+            batch8 = Batch(g)
+            if device != "cpu":
+                t = time.time()
+                core.ensure_warm(torch.device(device))
+                log(f"  fp8-cupy kernels warmed in {time.time() - t:.1f} s")
+            prompt_store(worlds8, batch8)
+            extend_batch(worlds8, batch8, sglang_baseline=True)
+            extend_one(worlds8, batch8, sglang_baseline=True)
+            decode(worlds8, batch8, sglang_baseline=True)
+            verify(worlds8, batch8, sglang_baseline=True)
+            graph_phase(sg, worlds8, batch8, g, capture=device != "cpu")
+            graph_verify_phase(sg, worlds8, batch8, g, capture=device != "cpu")
+        finally:
+            os.environ[core.ENV_NAME] = "bf16"
+            core.reset_mode()
+
     phase("prompt store", prompt_store)
     phase("extend batch", extend_batch)
     phase("extend one request", extend_one)
@@ -630,6 +752,7 @@ def run(device, seed):
           lambda: graph_phase(sg, worlds, batch, g, capture=device != "cpu"))
     phase("verify cuda graph" if device != "cpu" else "verify graph step (eager on cpu)",
           lambda: graph_verify_phase(sg, worlds, batch, g, capture=device != "cpu"))
+    phase("fp8-cupy", fp8_cupy)
     return phases, time.time() - t0
 
 
@@ -637,6 +760,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=int(os.environ.get("CUPY_DSA_SEED", "0")))
+    ap.add_argument("--only", choices=STANDALONE_PHASES, action="append",
+                    help="run only this phase (repeatable); every phase runs by default")
     args = ap.parse_args()
     where = args.device
     if where.startswith("cuda"):
@@ -646,7 +771,7 @@ def main():
         where = f"{args.device} ({torch.cuda.get_device_name(0)}, torch {torch.__version__})"
     log(f"device {where}, seed {args.seed}")
     try:
-        phases, secs = run(args.device, args.seed)
+        phases, secs = run(args.device, args.seed, only=args.only)
     except BaseException:  # noqa: BLE001 - set-up failed (imports, hooks, pool)
         log(traceback.format_exc())
         print(f"SGLANG GPU PATH: FAIL (set-up: {traceback.format_exc().strip().splitlines()[-1]})")
@@ -656,7 +781,7 @@ def main():
     if PROBLEMS:
         print(f"SGLANG GPU PATH: FAIL ({len(PROBLEMS)} problems: {' | '.join(PROBLEMS)}){mode}")
         return 1
-    print(f"SGLANG GPU PATH: PASS ({len(phases)} phases: {', '.join(phases)}; {where}; {secs:.0f} s; "
+    print(f"SGLANG GPU PATH: PASS ({len(phases)} phase{'' if len(phases) == 1 else 's'}: {', '.join(phases)}; {where}; {secs:.0f} s; "
           f"stubbed: {','.join(STUBBED) or 'none'}{notes}){mode}")
     return 0
 

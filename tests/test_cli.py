@@ -642,20 +642,45 @@ def test_serve_config_errors(tmp_path, fields, needle):
 
 
 def test_serve_bf16_forward_runs_on_the_reference():
-    """The GPU path's bf16 forward (store + logits per C4 layer, the plan once) built and run on the torch
-    reference at tiny sizes: shapes, out_loc and the routes' arguments are consistent."""
+    """The GPU path's bf16 and fp8-cupy forwards (store + logits per C4 layer, the plan once) built and run on the
+    torch reference at tiny sizes: shapes, out_loc and the routes' arguments are consistent; fp8-cupy stores
+    into SGLang's fp8 rows."""
     from cupy_dsa.bench import serve
     from cupy_dsa.layouts import bf16_view
 
     model = serve.ServeModel("tiny", 5, 2, 512, "test", None)
     dev = torch.device("cpu")
     for case in serve.cases(3, (300,), 1, 16) + serve.cases(2, (260,), 3, 8):
-        g = torch.Generator().manual_seed(0)
-        forward, n_caches = serve._forward(case, "bf16", model, dev, g, None)
-        assert n_caches == 2
-        forward()
+        for layout in ("bf16", "fp8-cupy"):
+            g = torch.Generator().manual_seed(0)
+            forward, n_caches = serve._forward(case, layout, model, dev, g, None)
+            assert n_caches == 2
+            forward()
+    seen = []
+    real = serve._layer_caches
+    serve._layer_caches = lambda case, layout, *a: seen.append(layout) or real(case, layout, *a)
+    try:
+        serve._forward(serve.cases(2, (260,), 1, 8)[0], "fp8-cupy", model, dev, torch.Generator(), None)
+    finally:
+        serve._layer_caches = real
+    assert seen == ["fp8"]
     caches, _ = serve._layer_caches(serve.Case("decode", 2, 64, 1, 0), "bf16", 3, dev, torch.Generator())
     assert len(caches) == 3 and all(bf16_view(c).abs().sum() > 0 for c in caches)
+
+
+def test_serve_markdown_has_fp8_cupy_columns_only_when_measured():
+    from cupy_dsa.bench import serve
+
+    row = {"phase": "decode", "batch": 8, "context": 32768, "next_n": 1, "chunk": 0, "bf16_ms": 2.0, "fp8_ms": 1.0,
+           "added_ms": 1.0, "ratio": 2.0}
+    doc = {"model": {"name": "m", "index_layers": 21}, "device": "gpu", "git_commit": "abc", "timings": [row],
+           "memory": [], "measured": True}
+    old = serve.markdown(doc)
+    assert "fp8-cupy" not in old and "| decode | 8 x 32K | 2.00 ms | 1.00 ms | 1.00 ms | 2.00x |\n" in old
+    doc["timings"] = [dict(row, fp8_cupy_ms=1.5, fp8_cupy_ratio=1.5)]
+    new = serve.markdown(doc)
+    assert "| fp8 keys, cupy_dsa (fp8-cupy) | fp8-cupy / DeepGEMM |" in new
+    assert "| decode | 8 x 32K | 2.00 ms | 1.00 ms | 1.00 ms | 2.00x | 1.50 ms | 1.50x |" in new
 
 
 def test_serve_plot_writes_png(tmp_path):

@@ -1,7 +1,9 @@
 """Every `cupy-dsa` / `python -m cupy_dsa...` line of the README's bash blocks, run as written on the CPU (what CI
 has), so the README's commands and what it says of them stay true. `--quick` is added to the lines that run the
 recall section (its full CPU size takes minutes; on the CPU backend --quick shrinks recall only). Lines that need
-a GPU must say so; the README files they rewrite are copies."""
+a GPU must say so; the README files they rewrite are copies. `cupy-dsa needle` lines (they need a running server)
+run against the small OpenAI-compatible server of tests/needle_server.py on 127.0.0.1, their --base-url pointed
+at it and their sweep shrunk; a `bench report` line over needle results finds those files made that way."""
 import json
 import os
 import re
@@ -16,6 +18,7 @@ import torch
 from click.testing import CliRunner
 
 from cupy_dsa.bench import cli, provenance
+from needle_server import FakeServer
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -58,6 +61,14 @@ def test_readme_markdown_claim_matches_the_commands():
         README.split())
 
 
+def _against(srv, args):
+    """A needle command line pointed at the local test server, with a small sweep."""
+    if "--base-url" in args:
+        i = args.index("--base-url")
+        args = args[:i] + args[i + 2:]
+    return args + ["--base-url", srv.url, "--lengths", "256,512", "--depths", "0,1", "--trials", "1"]
+
+
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
     """A folder holding copies of README.md and bench/results (what the report lines read and rewrite)."""
@@ -88,6 +99,21 @@ def test_readme_command_line_runs_on_cpu(line, workdir, monkeypatch):
     from cupy_dsa.bench.cli import main
 
     args = words[1:]
+    if args[:1] == ["needle"]:  # a running server's: the local test server stands in, a small sweep
+        with FakeServer() as srv:
+            args = _against(srv, args)
+            res = CliRunner().invoke(main, args)
+        assert res.exit_code == 0 and "Traceback" not in res.output, (line, res.output[-3000:])
+        assert json.loads((workdir / args[args.index("--json") + 1]).read_text())["label"] == args[
+            args.index("--label") + 1]
+        return
+    needle_files = [a for a in args[2:] if a.startswith("needle-") and a.endswith(".json")] if args[:2] == [
+        "bench", "report"] else []
+    if needle_files:  # the needle runs the line overlays, made as the README's needle lines make them
+        with FakeServer() as srv:
+            for name in needle_files:
+                made = CliRunner().invoke(main, _against(srv, ["needle", "--label", name[7:-5], "--json", name]))
+                assert made.exit_code == 0, made.output
     sub = next((a for a in args[1:] if not a.startswith("-")), None) if args[:1] == ["bench"] else None
     if args[:1] == ["bench"] and sub in (None, "all", "recall"):
         args = args + ["--quick"]

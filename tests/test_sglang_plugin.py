@@ -54,6 +54,12 @@ CHECKS = {
                  "resolution_hook_failure_undoes_hooks",
                  "invalid_value_direct_load_plugins", "invalid_value_engine", "invalid_value_ray_worker_hook",
                  "switch_off_hook_failure_leaves_sglang_unchanged", "registers_after_refusals"],
+    "fp8cupy": ["hooks_applied_fp8cupy", "pool_and_budget_are_sglangs", "store_fp8_decode_plan_matches_sglang",
+                "store_fp8_prefill_plan_matches_sglang", "store_fp8_via_sglang_call_site", "store_fp8cupy_strictness",
+                "indexer_topk_matches_sglang_fp8_decode", "indexer_topk_matches_sglang_fp8_extend_and_verify",
+                "indexer_fp8cupy_small_rows_and_padding", "indexer_fp8cupy_refuses_a_bf16_pool",
+                "pd_layout_and_hicache_fp8cupy", "resolution_fp8cupy", "flag_and_yaml_key_take_fp8cupy",
+                "check_command_describes_fp8cupy"],
 }
 SCENARIO_ENV = {
     "on": {ENV: "bf16", "SGLANG_PLUGINS": "cupy_dsa", "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1",
@@ -61,6 +67,9 @@ SCENARIO_ENV = {
     "off": {},
     "excluded": {ENV: "bf16", "SGLANG_PLUGINS": "someone_else"},
     "refusals": {ENV: "bf16", "SGLANG_PLUGINS": "cupy_dsa"},
+    # SGLang's own fp8 forward (the baseline of the top-k checks) runs its torch fp8 logits on CPU
+    "fp8cupy": {ENV: "fp8-cupy", "SGLANG_PLUGINS": "cupy_dsa", "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1",
+                "SGLANG_OPT_USE_TOPK_V2": "0"},
 }
 _CLEARED = (ENV, "SGLANG_PLUGINS", "SGLANG_PLATFORM", "SGLANG_OPT_DSV4_NONPAGED_INDEXER",
             "SGLANG_OPT_DSV4_NONPAGED_INDEXER_MIN_QUERY_TOKENS", "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH",
@@ -252,7 +261,7 @@ def test_gpu_sglang_path_dry_mode():
     rc, out, err = _background("gpu_script_dry")
     last = out.strip().splitlines()[-1] if out.strip() else ""
     assert rc == 0 and last.startswith("SGLANG GPU PATH: PASS"), f"{out[-4000:]}\n{err[-3000:]}"
-    assert "8 phases" in last and "bf16-reference" in last, last
+    assert "9 phases" in last and "bf16-reference" in last and "fp8-cupy" in last, last
 
 
 # --------------------------------------------------------------------------------------------------
@@ -290,6 +299,43 @@ def test_switch_values(monkeypatch):
         core.index_k_mode()
     core.reset_mode()
     assert core.numerics_of("bf16-fp4sim") == "fp4sim" and core.numerics_of("bf16") == "exact"
+
+
+def test_fp8_cupy_mode_keeps_sglangs_format(monkeypatch):
+    """fp8-cupy: a value of the switch (any case), SGLang's fp8 rows and query, exact numerics, its own PD tag;
+    the index-cache helpers tell the two row formats from SGLang's other caches."""
+    monkeypatch.setenv(ENV, " FP8-Cupy ")
+    core.reset_mode()
+    assert core.index_k_mode() == "fp8-cupy" and core.enabled()
+    core.reset_mode()
+    assert [core.cache_layout(m) for m in core.MODES] == ["fp8", "bf16", "bf16", "bf16", "fp8"]
+    assert core.numerics_of("fp8-cupy") == "exact" and core.query_is_fp8("fp8-cupy")
+    assert core.pd_layout_tag("fp8-cupy") == ",c4idx:fp8-cupy"
+    assert "cupy_dsa" in core.describe("fp8-cupy") and core.describe("bf16") == "bf16 C4 index keys"
+    with pytest.raises(ValueError, match="fp8-cupy keeps SGLang's 132-byte fp8 keys"):
+        core.parse_mode("fp8cupy")
+    u8 = torch.uint8
+    assert core.index_cache_layout(torch.zeros(2, layouts.FP8_PAGE_BYTES, dtype=u8)) == "fp8"
+    assert core.index_cache_layout(torch.zeros(2, layouts.BF16_PAGE_BYTES, dtype=u8)) == "bf16"
+    for other in (torch.zeros(2, 64 * 584, dtype=u8), torch.zeros(2, 4352, dtype=u8),
+                  torch.zeros(2, layouts.FP8_PAGE_BYTES, dtype=torch.int8), torch.zeros(2, 64, 1, 132, dtype=u8), None):
+        assert core.index_cache_layout(other) is None, other
+
+
+def test_warm_expressions_fp8_cupy():
+    """fp8-cupy warms the fp8-layout store (exact numerics) and the fp8-key logits, nothing of the bf16 layout."""
+    from cupy_dsa import launch, logits, store
+
+    for arch in ("sm_80", "sm_90", "sm_120"):
+        exprs = core.warm_expressions(arch, mode="fp8-cupy", next_ns=(1, 2), kv_dtypes=(torch.bfloat16,))
+        assert exprs[core.STORE_SOURCE] == store.product_instantiations(
+            layouts=("fp8",), numerics=("exact",), in_dtypes=(torch.bfloat16,), sources=("decode", "prefill"))
+        assert exprs[core.LOGITS_SOURCE] == logits.product_instantiations(arch, q_fp8=(1,), next_ns=(1, 2),
+                                                                          layouts=("fp8",))
+        assert not set(exprs[core.LOGITS_SOURCE]) & set(core.warm_expressions(arch, mode="bf16")[core.LOGITS_SOURCE]
+                                                        ) - {e for e in exprs[core.LOGITS_SOURCE] if "plan" in e}
+        assert set(exprs[core.STORE_SOURCE]) <= set(launch.product_expressions(arch)[core.STORE_SOURCE])
+        assert core.QUERY_SOURCE not in exprs
 
 
 def test_switch_is_cached_until_reset(monkeypatch):
@@ -784,7 +830,8 @@ def test_check_switch_off(self_check):
     code, lines = self_check()
     assert any(f"{ENV} unset -> fp8: the switch is off" in t for t in lines["ok"]), lines
     assert any("entry point cupy_dsa = cupy_dsa.sglang.plugin:register" in t for t in lines["ok"]), lines
-    assert any(t.startswith("server flag --cupy-dsa-index-k-dtype {fp8,bf16,bf16-fp4sim,bf16-reference}") for t in lines["ok"])
+    assert any(t.startswith("server flag --cupy-dsa-index-k-dtype {fp8,bf16,bf16-fp4sim,bf16-reference,fp8-cupy}")
+               for t in lines["ok"])
     assert lines["PROBLEM"] == [p for p in lines["PROBLEM"] if p.startswith("no CUDA GPU visible")] != [], lines
     assert code == 1
 
@@ -800,6 +847,30 @@ def test_check_bf16_on_everything_holds(self_check, monkeypatch):
     assert f"{ENV}=BF16 -> bf16: bf16 index keys (exact numerics), SGLang's fp8 query" in lines["ok"], lines
     assert any("the flag must name the same mode or start-up is refused" in t for t in lines["ok"]), lines
     assert "gpu checked for bf16" in lines["ok"]
+
+
+def test_check_self_test_runs_each_mode_on_cpu(monkeypatch):
+    """The self-test's store and logits in every mode's cache layout and query (CPU on both sides: the code path
+    a GPU runs, with a zero difference)."""
+    from cupy_dsa.sglang import check
+
+    seen = []
+    real = core.store_index_k_bf16
+    monkeypatch.setattr(core, "store_index_k_bf16", lambda *a, **k: seen.append(k["kvcache"].shape[1]) or real(*a, **k))
+    for mode in ("bf16", "bf16-fp4sim", "bf16-reference", "fp8-cupy"):
+        assert check.self_test(torch.device("cpu"), mode) == 0.0
+    assert seen == [layouts.BF16_PAGE_BYTES] * 6 + [layouts.FP8_PAGE_BYTES] * 2
+
+
+def test_check_fp8_cupy_mode_line(self_check, monkeypatch):
+    from cupy_dsa.sglang import check
+
+    monkeypatch.setenv(ENV, "fp8-cupy")
+    monkeypatch.setattr(check, "_gpu_lines", lambda mode: [(check.OK, f"gpu checked for {mode}")])
+    code, lines = self_check()
+    assert code == 0 and "gpu checked for fp8-cupy" in lines["ok"], lines
+    assert any(t.startswith(f"{ENV}=fp8-cupy -> fp8-cupy: SGLang's fp8 index keys (132 B per entry")
+               for t in lines["ok"]), lines
 
 
 def test_check_gpu_below_the_minimum_arch_is_a_problem(self_check, monkeypatch):
@@ -879,7 +950,8 @@ def gpu_stub(monkeypatch):
 def test_check_mode_stands_for_the_flag_or_yaml_key(self_check, gpu_stub, mode):
     code, lines = self_check(mode.upper())
     assert code == 0 and "PROBLEM" not in lines, lines
-    assert any(t.startswith(f"{ENV}={mode} (from --cupy-dsa-index-k-dtype {mode}, --mode) -> {mode}: bf16 index keys")
+    keys = "bf16 index keys" if core.cache_layout(mode) == "bf16" else "SGLang's fp8 index keys (132 B per entry"
+    assert any(t.startswith(f"{ENV}={mode} (from --cupy-dsa-index-k-dtype {mode}, --mode) -> {mode}: {keys}")
                for t in lines["ok"]), lines
     assert f"gpu self-test for {mode}" in lines["ok"]
 
@@ -957,7 +1029,7 @@ def test_startup_logs_the_pd_layout_tag_with_the_variable(monkeypatch, caplog):
 def test_gpu_check_self_test():
     from cupy_dsa.sglang import check
 
-    for mode in ("bf16", "bf16-fp4sim"):
+    for mode in ("bf16", "bf16-fp4sim", "fp8-cupy"):
         assert check.self_test(torch.device("cuda"), mode) <= check.SELF_TEST_TOLERANCE
     code, lines = check.run()
     assert any("store + logits match the CPU reference" in t for s, t in lines if s == check.OK), lines

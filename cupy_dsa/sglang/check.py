@@ -78,6 +78,9 @@ def _mode_lines(flag: str | None = None) -> tuple[str | None, list[tuple[str, st
         shown = f"{ENV_NAME}={raw}{source}" if raw and raw.strip() else f"{ENV_NAME} unset"
         lines = [(OK, f"{shown} -> fp8: the switch is off, SGLang runs unchanged with its fp8 "
                       f"index keys (set {ENV_NAME}=bf16 or pass {CLI_FLAG} bf16 to turn it on)")]
+    elif core.cache_layout(mode) == "fp8":
+        lines = [(OK, f"{ENV_NAME}={raw}{source} -> {mode}: SGLang's fp8 index keys (132 B per entry, SGLang's bytes) "
+                       f"written by cupy_dsa's store and scored by cupy_dsa's kernels, SGLang's fp8 query")]
     else:
         lines = [(OK, f"{ENV_NAME}={raw}{source} -> {mode}: bf16 index keys ({core.numerics_of(mode)} numerics), "
                        f"{'SGLang' + chr(39) + 's fp8 query' if core.query_is_fp8(mode) else 'DeepSeek-V4 reference query (FP4-simulated bf16)'}")]
@@ -109,7 +112,7 @@ def _sglang_lines(mode: str | None) -> list[tuple[str, str]]:
     status = NOTE if mode == "fp8" else PROBLEM
     details = "".join(f"\n{'':9}- {p}" for p in problems[1:])
     return [(status, f"{problems[0]} (the hooks were written for SGLang {', '.join(guard.SUPPORTED_SGLANG)}): "
-                     f"start-up with bf16 index keys is refused.{details}\n{'':9}{guard.remedy(problems)} Or run "
+                     f"start-up with cupy_dsa's index-key hooks is refused.{details}\n{'':9}{guard.remedy(problems)} Or run "
                      f"with {ENV_NAME}=fp8 (SGLang unchanged).")]
 
 
@@ -161,7 +164,7 @@ def _device_self_test(idx: int, mode: str) -> list[tuple[str, str]]:
         return lines + [(PROBLEM, f"cuda:{idx}: the store + logits self-test failed ({type(e).__name__}: {e})")]
     if worst > SELF_TEST_TOLERANCE:
         return lines + [(PROBLEM, f"cuda:{idx}: store + logits differ from the CPU reference by {worst:.2e} "
-                                  f"(relative, limit {SELF_TEST_TOLERANCE:.0e}): do not serve with bf16 keys here")]
+                                  f"(relative, limit {SELF_TEST_TOLERANCE:.0e}): do not serve with {mode} here")]
     return lines + [(OK, f"cuda:{idx}: store + logits match the CPU reference (worst relative error {worst:.1e})")]
 
 
@@ -169,9 +172,9 @@ SELF_TEST_TOLERANCE = 2e-3
 
 
 def self_test(device: torch.device, mode: str) -> float:
-    """Store 128 keys (two pages) through a prefill plan, score 2 rows of the mode's q (fp8, or bf16 for
-    bf16-reference) over them, on ``device`` and on
-    the CPU reference; the largest logit difference relative to the row's largest reference logit."""
+    """Store 128 keys (two pages of the mode's cache layout) through a prefill plan, score 2 rows of the mode's q
+    (fp8, or bf16 for bf16-reference) over them, on ``device`` and on the CPU reference; the largest logit
+    difference relative to the row's largest reference logit."""
     import numpy as np
 
     gen = torch.Generator().manual_seed(0)
@@ -190,7 +193,7 @@ def self_test(device: torch.device, mode: str) -> float:
     page_table = torch.tensor([[1, 0], [0, 1]], dtype=torch.int32)
     logits = []
     for dev in (torch.device("cpu"), device):
-        cache = torch.zeros(n_pages, layouts.BF16_PAGE_BYTES, dtype=torch.uint8, device=dev)
+        cache = torch.zeros(n_pages, layouts.page_bytes(core.cache_layout(mode)), dtype=torch.uint8, device=dev)
         core.store_index_k_bf16(kv.to(dev), plan.to(dev), is_decode=False, compress_ratio=4,
                                 norm_weight=norm_w.to(dev), norm_eps=1e-6, freq_cis=freq_cis.to(dev),
                                 out_loc=out_loc.to(dev), kvcache=cache, mode=mode)
@@ -218,6 +221,6 @@ def main(argv: list[str] | None = None, mode: str | None = None) -> int:
     code, lines = run(mode)
     for status, text in lines:
         print(f"{status:<8} {text}")
-    print("cupy_dsa check: " + ("everything a bf16-capable server needs holds" if code == 0 else
+    print("cupy_dsa check: " + ("everything a server with cupy_dsa's index keys needs holds" if code == 0 else
                                 "problems above; fix them before starting the server"))
     return code

@@ -16,16 +16,19 @@ import threading
 
 import torch
 
-from cupy_dsa.layouts import BF16_PAGE_BYTES, PAGE_SLOTS
+from cupy_dsa.layouts import BF16_PAGE_BYTES, FP8_PAGE_BYTES, PAGE_SLOTS
 
 logger = logging.getLogger(__name__)
 
 ENV_NAME = "SGLANG_CUPY_DSA_INDEX_K"
 CLI_FLAG = "--cupy-dsa-index-k-dtype"
-MODES = ("fp8", "bf16", "bf16-fp4sim", "bf16-reference")
+MODES = ("fp8", "bf16", "bf16-fp4sim", "bf16-reference", "fp8-cupy")
 # bf16-reference: DeepSeek-V4's own indexer numerics (its reference inference code): FP4-simulated keys in bf16
 # and an FP4-simulated bf16 query (cupy_dsa.prepare_index_q), fp32 scores; the other modes keep SGLang's fp8 q
 REFERENCE_MODE = "bf16-reference"
+# fp8-cupy: SGLang's fp8 index keys (132 B per entry, the bytes SGLang's store writes, same pool memory) written
+# by cupy_dsa's store and scored by cupy_dsa's kernels: the format of fp8, the kernels of bf16 (a diagnosis mode)
+FP8_CUPY_MODE = "fp8-cupy"
 DEFAULT_MODE = "fp8"
 
 # Without SGLang's row-chunk plan (SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1 builds none) an eager call still
@@ -40,7 +43,8 @@ def parse_mode(value) -> str:
     v = str(value).strip().lower()
     if v not in MODES:
         raise ValueError(f"{ENV_NAME}={value!r}: expected one of {', '.join(MODES)} "
-                         f"(fp8 leaves SGLang unchanged; bf16 / bf16-fp4sim / bf16-reference store 256-byte bf16 index keys)")
+                         f"(fp8 leaves SGLang unchanged; bf16 / bf16-fp4sim / bf16-reference store 256-byte bf16 index "
+                         f"keys; fp8-cupy keeps SGLang's 132-byte fp8 keys on cupy_dsa's kernels)")
     return v
 
 
@@ -89,6 +93,19 @@ def enabled() -> bool:
     return index_k_mode() != "fp8"
 
 
+def cache_layout(mode: str) -> str:
+    """The index-cache row format of a mode: ``"fp8"`` (SGLang's 132 B per entry: fp8 and fp8-cupy) or ``"bf16"``
+    (256 B per entry)."""
+    return "fp8" if mode in ("fp8", FP8_CUPY_MODE) else "bf16"
+
+
+def describe(mode: str) -> str:
+    """What a mode serves, for messages."""
+    if mode == FP8_CUPY_MODE:
+        return "SGLang's fp8 C4 index keys on cupy_dsa's store and kernels"
+    return "bf16 C4 index keys"
+
+
 def numerics_of(mode: str) -> str:
     """The store's key numerics of a mode."""
     return "fp4sim" if mode in ("bf16-fp4sim", REFERENCE_MODE) else "exact"
@@ -124,20 +141,22 @@ QUERY_SOURCE = "prepare_index_q.cu"
 
 
 def warm_expressions(arch: str, *, mode: str, next_ns=(1,), kv_dtypes=(torch.bfloat16,)) -> dict[str, list[str]]:
-    """The kernel instantiations one SGLang server launches, ``{source_file: [name expressions]}``: the bf16
-    layout, fp8 q, the given ``next_ns`` (1, plus the MTP draft count), the mode's store numerics on
-    SGLang's decode and prefill plan rows for the model's kv dtype. Everything else compiles on first use.
+    """The kernel instantiations one SGLang server launches, ``{source_file: [name expressions]}``: the mode's
+    cache layout (:func:`cache_layout`), fp8 q, the given ``next_ns`` (1, plus the MTP draft count), the mode's
+    store numerics on SGLang's decode and prefill plan rows for the model's kv dtype. Everything else compiles
+    on first use.
     The logits expressions are ``cupy_dsa.logits.product_instantiations``; bf16-reference adds the query prep
     for bf16 head weights (``weights_proj``'s dtype) and takes the bf16-query logits."""
     from cupy_dsa import launch, logits, query, store
 
     product = launch.product_expressions(arch)
     kv_dtypes = tuple(d for d in kv_dtypes if d in (torch.float32, torch.bfloat16)) or (torch.bfloat16,)
+    layout = cache_layout(mode)
     out = {STORE_SOURCE: store.product_instantiations(
-        layouts=("bf16",), numerics=(numerics_of(mode),), key_styles=("v4",), hadamard=(True,),
+        layouts=(layout,), numerics=(numerics_of(mode),), key_styles=("v4",), hadamard=(True,),
         in_dtypes=kv_dtypes, sources=("decode", "prefill"))}
     out[LOGITS_SOURCE] = logits.product_instantiations(arch, q_fp8=(int(query_is_fp8(mode)),),
-                                                       next_ns=tuple(sorted(set(next_ns))), layouts=("bf16",))
+                                                       next_ns=tuple(sorted(set(next_ns))), layouts=(layout,))
     if not query_is_fp8(mode):
         out[QUERY_SOURCE] = query.product_instantiations(numerics=("fp4sim",), weight_dtypes=(torch.bfloat16,))
     for filename, exprs in out.items():
@@ -201,12 +220,19 @@ def ensure_warm(device: torch.device) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Store (H2): SGLang's compress_norm_rope_store arguments -> the plan-native bf16 store
+# Store (H2): SGLang's compress_norm_rope_store arguments -> the plan-native store (bf16 or SGLang's fp8 rows)
 # --------------------------------------------------------------------------------------------------
 
+def index_cache_layout(kvcache) -> str | None:
+    """``"bf16"`` for uint8 ``[P, 16384]`` page rows, ``"fp8"`` for SGLang's uint8 ``[P, 8448]``, else None (the
+    main C4 / C128 KV caches, fp4 index caches and anything else)."""
+    if isinstance(kvcache, torch.Tensor) and kvcache.dtype == torch.uint8 and kvcache.dim() == 2:
+        return {BF16_PAGE_BYTES: "bf16", FP8_PAGE_BYTES: "fp8"}.get(int(kvcache.shape[1]))
+    return None
+
+
 def is_bf16_index_cache(kvcache: torch.Tensor) -> bool:
-    return (isinstance(kvcache, torch.Tensor) and kvcache.dtype == torch.uint8 and kvcache.dim() == 2
-            and kvcache.shape[1] == BF16_PAGE_BYTES)
+    return index_cache_layout(kvcache) == "bf16"
 
 
 def rope_table(freq_cis: torch.Tensor) -> torch.Tensor:
@@ -220,7 +246,9 @@ def rope_table(freq_cis: torch.Tensor) -> torch.Tensor:
 def store_index_k_bf16(kv: torch.Tensor, plan_rows: torch.Tensor, *, is_decode: bool, compress_ratio: int,
                        norm_weight: torch.Tensor, norm_eps: float, freq_cis: torch.Tensor,
                        out_loc: torch.Tensor, kvcache: torch.Tensor, mode: str) -> None:
-    """Write bf16 index keys for SGLang's plan rows (uint8 ``[N, 16]``) into ``kvcache`` (uint8 ``[P, 16384]``)."""
+    """Write index keys for SGLang's plan rows (uint8 ``[N, 16]``) into ``kvcache``: bf16 rows (uint8
+    ``[P, 16384]``) in the mode's numerics, or SGLang's fp8 rows (uint8 ``[P, 8448]``, fp8-cupy), the layout
+    taken from the cache as the store does."""
     import cupy_dsa
 
     if kv.is_cuda:

@@ -1,6 +1,6 @@
-"""The bf16 forward of SGLang's ``C4IndexerBackendMixin.forward_c4_indexer`` (the H3 hook calls it): SGLang's
-steps in SGLang's order, with the logits from cupy_dsa, and the route that picks how a forward's rows are
-launched. Imports SGLang only inside functions."""
+"""cupy_dsa's forward of SGLang's ``C4IndexerBackendMixin.forward_c4_indexer`` (the H3 hook calls it): SGLang's
+steps in SGLang's order, with the logits from cupy_dsa over the mode's index cache (bf16 rows, or SGLang's fp8 rows
+in fp8-cupy), and the route that picks how a forward's rows are launched. Imports SGLang only inside functions."""
 
 from __future__ import annotations
 
@@ -77,7 +77,8 @@ def _uniform_verify_rows(self, forward_batch, rows: int) -> int:
 def forward_c4_indexer_bf16(self, *, x, q_lora, c4_indexer, forward_batch, alt_streams=None,
                             enable_multi_stream=False, q_lora_ready=None, skip_compressor=False,
                             q_lora_quant=None) -> None:
-    """``C4IndexerBackendMixin.forward_c4_indexer`` with bf16 index keys (same steps, same order)."""
+    """``C4IndexerBackendMixin.forward_c4_indexer`` with cupy_dsa's logits (same steps, same order) over bf16 index
+    keys, or over SGLang's fp8 keys in fp8-cupy (the name predates that mode)."""
     from sglang.srt.layers.attention.dsv4 import indexer as ix
 
     if forward_batch.forward_mode.is_idle():
@@ -160,12 +161,14 @@ def forward_c4_indexer_bf16(self, *, x, q_lora, c4_indexer, forward_batch, alt_s
             ix.topk_transform_paged(logits, lens[r], page_table[r], page_indices[r], page_size, raw)
 
     kvcache = pool.get_index_k_with_scale_buffer(layer_id=c4_indexer.layer_id)  # keeps HiCache's layer wait
-    if not core.is_bf16_index_cache(kvcache):
+    expected = core.cache_layout(index_k_mode())
+    if core.index_cache_layout(kvcache) != expected:
         raise RuntimeError(
             f"cupy_dsa ({ENV_NAME}={index_k_mode()}): the C4 index cache of layer {c4_indexer.layer_id} has "
-            f"{tuple(kvcache.shape)} {kvcache.dtype} page rows, expected uint8 [P, {layouts.BF16_PAGE_BYTES}]. "
-            f"The pool was sized with the switch off: set {ENV_NAME} before SGLang starts (every scheduler "
-            f"process must see it) and check that SGLANG_PLUGINS, if set, lists cupy_dsa.")
+            f"{tuple(kvcache.shape)} {kvcache.dtype} page rows, expected uint8 [P, {layouts.page_bytes(expected)}] "
+            f"({expected} index keys). The pool was sized in another mode (or with the switch off): set {ENV_NAME} "
+            f"before SGLang starts (every scheduler process must see it) and check that SGLANG_PLUGINS, if set, "
+            f"lists cupy_dsa.")
 
     width = indexer_metadata.max_compressed_seq_len
     capturing = _capturing(q.device)

@@ -173,7 +173,7 @@ def refusal_message(mode: str, problems: list[str], patched_so_far: str) -> str:
     """The start-up refusal for :func:`compatibility_problems`; ``patched_so_far`` says what of cupy_dsa is
     already in SGLang in this process."""
     supported = ", ".join(SUPPORTED_SGLANG)
-    return (f"cupy_dsa ({ENV_NAME}={mode}): refusing to start. The bf16 index-key hooks were written for "
+    return (f"cupy_dsa ({ENV_NAME}={mode}): refusing to start. cupy_dsa's index-key hooks were written for "
             f"SGLang {supported}; " + problems[0] + "." + "".join(f"\n  - {p}" for p in problems[1:])
             + f"\n{patched_so_far} " + remedy(problems) + " " + off_hint())
 

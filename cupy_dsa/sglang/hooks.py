@@ -1,10 +1,12 @@
-"""SGLang 0.5.23 general plugin: bf16 index keys for DeepSeek-V4's C4 indexer.
+"""SGLang 0.5.23 general plugin: bf16 index keys for DeepSeek-V4's C4 indexer (or SGLang's fp8 keys on cupy_dsa's kernels).
 
 Entry point ``cupy_dsa = cupy_dsa.sglang.plugin:register`` in group ``sglang.srt.plugins``; SGLang calls
 :func:`register` in every process that runs ``load_plugins()`` (launcher, each scheduler, DP controller,
 detokenizer). The switch is ``SGLANG_CUPY_DSA_INDEX_K`` (``fp8`` = SGLang unchanged, the default;
-``bf16``; ``bf16-fp4sim``), or the server flag ``--cupy-dsa-index-k-dtype`` (also a ``--config`` YAML key),
-which sets the variable in the launcher before the schedulers are spawned.
+``bf16``; ``bf16-fp4sim``; ``bf16-reference``; ``fp8-cupy``: SGLang's 132-byte fp8 keys, the same bytes and pool
+memory, written by cupy_dsa's store and scored by cupy_dsa's kernels), or the server flag
+``--cupy-dsa-index-k-dtype`` (also a ``--config`` YAML key), which sets the variable in the launcher before the
+schedulers are spawned.
 
 Start-up is all or nothing. With the switch on, :func:`register` first checks that the installed SGLang is
 one the hooks were written for (:data:`~cupy_dsa.sglang.guard.SUPPORTED_SGLANG` and
@@ -24,17 +26,19 @@ Always installed (they are how the switch gets turned on and checked):
 Installed when the switch is on at ``register()`` time (the schedulers inherit the variable; the switch is
 read once per process), each delegating to SGLang's original when it is off:
 
-* H1 AROUND ``get_dsv4_indexer_bytes_per_token``: 256 B/token for the non-FP4 pool, which sizes both the
-  allocation and the KV memory budget (the hook registry re-points ``pool_configurator``'s imported name);
-* H2 AROUND ``compress_norm_rope_store``: a store into a bf16 index cache (uint8 rows of 16384 bytes) goes
-  to ``cupy_dsa.store_index_k_from_plan`` on SGLang's own plan rows, and any call there it does not
-  recognise raises; every other cache goes to SGLang unchanged;
+* H1 AROUND ``get_dsv4_indexer_bytes_per_token``: 256 B/token for the non-FP4 pool in the bf16 modes, which
+  sizes both the allocation and the KV memory budget (the hook registry re-points ``pool_configurator``'s
+  imported name); SGLang's 132 B/token in fp8-cupy;
+* H2 AROUND ``compress_norm_rope_store``: a store into the mode's index cache (uint8 rows of 16384 bytes, or
+  SGLang's 8448-byte fp8 rows in fp8-cupy) goes to ``cupy_dsa.store_index_k_from_plan`` on SGLang's own plan
+  rows, and any call there it does not recognise raises; every other cache goes to SGLang unchanged;
 * H3 AROUND ``C4IndexerBackendMixin.forward_c4_indexer``: SGLang's body order, with the logits from
   ``cupy_dsa.paged_mqa_logits`` (decode / verify / extend) or ``cupy_dsa.mqa_logits`` (single-request
   eager prefill, where SGLang would run its non-paged fp8 reader); SGLang's top-k backends, raw indices,
   HiSparse epilogue and top-k capturer are called as SGLang calls them;
 * H4 AFTER ``DeepSeekV4TokenToKVPool.pd_kv_layout``: appends ``,c4idx:<mode>`` so PD peers with
-  different index-key formats refuse to pair;
+  different index-key formats refuse to pair (fp8-cupy too: its pages are SGLang's bytes, but a prefill peer on
+  SGLang's kernel would pick that side's top-k, and a run labelled fp8-cupy would not be cupy_dsa's kernels);
 * HiCache: AFTER ``_dsv4_indexer_regions`` (bf16 index pages move page-aligned only) and AROUND
   ``HiCacheStorageConfig.__post_init__`` (a distinct L3 namespace: ``model_name`` gets ``_c4idx-<mode>``,
   so fp8 pages persisted by another server are never read as bf16);
@@ -114,7 +118,7 @@ def register() -> None:
     flag and the launcher check are installed; if they cannot be, SGLang runs without them (unchanged)."""
     global _registered_always, _registered_switched
     mode = _resolve_switch()
-    if mode != "fp8" and not _registered_switched:
+    if mode != "fp8" and not _registered_switched:  # bf16 modes and fp8-cupy: every hook
         require_compatible_sglang(mode)
         entries = [] if _registered_always else _always_entries()
         try:
@@ -123,7 +127,7 @@ def register() -> None:
             raise StartupRefused(f"cupy_dsa ({ENV_NAME}={mode}): {e}; start-up stops. {off_hint()}") from e
         _registered_always = _registered_switched = True
         register_env_field()
-        logger.info("cupy_dsa: %s=%s, bf16 C4 index-key hooks registered (SGLang %s)", ENV_NAME, mode,
+        logger.info("cupy_dsa: %s=%s, hooks registered for %s (SGLang %s)", ENV_NAME, mode, core.describe(mode),
                     sglang_version())
         logger.info("%s", core.pd_layout_hint(mode))
     elif mode == "fp8" and not _registered_always:
@@ -282,7 +286,8 @@ def _require_supported_platform() -> None:
 
 
 def refusal_reasons(cfg, mode: str) -> list[str]:
-    """Why this (resolved) server configuration cannot run with bf16 index keys; empty if it can."""
+    """Why this (resolved) server configuration cannot run in ``mode`` (bf16 index keys, or fp8-cupy's cupy_dsa
+    kernels on SGLang's fp8 keys); empty if it can. fp8-cupy is refused where the bf16 modes are."""
     reasons = []
     if getattr(cfg, "enable_deepseek_v4_fp4_indexer", False):
         reasons.append(
@@ -290,10 +295,12 @@ def refusal_reasons(cfg, mode: str) -> list[str]:
             f"which {ENV_NAME}={mode} does not replace. Drop --enable-deepseek-v4-fp4-indexer (use "
             f"{ENV_NAME}=bf16-fp4sim to keep FP4-rounded keys in bf16), or set {ENV_NAME}=fp8.")
     if getattr(cfg, "enable_nvidia_megakernel", False):
+        what = ("its decode and verify steps would score the keys with the megakernel's indexer, not cupy_dsa's"
+                if core.cache_layout(mode) == "fp8" else
+                f"which are 256-byte bf16 pages with {ENV_NAME}={mode}")
         reasons.append(
             f"--enable-nvidia-megakernel: the megakernel runs its own fp8 indexer over SGLang's 132-byte "
-            f"index pages, which are 256-byte bf16 pages with {ENV_NAME}={mode}. Drop "
-            f"--enable-nvidia-megakernel, or set {ENV_NAME}=fp8.")
+            f"index pages; {what}. Drop --enable-nvidia-megakernel, or set {ENV_NAME}=fp8.")
     problem = _platform_problem(getattr(cfg, "device", None))
     if problem:
         reasons.append(problem)
@@ -312,7 +319,7 @@ def validate_config(server_args, previous) -> None:
 
     reasons = refusal_reasons(resolving_view(server_args), mode)
     if reasons:
-        raise ValueError(f"cupy_dsa ({ENV_NAME}={mode}, bf16 C4 index keys) cannot run with this "
+        raise ValueError(f"cupy_dsa ({ENV_NAME}={mode}, {core.describe(mode)}) cannot run with this "
                          "configuration:\n  - " + "\n  - ".join(reasons))
     # No environment is written: SGLang's fp8-only non-paged prefill reader is reached only from SGLang's
     # own forward_c4_indexer body, which the H3 hook does not call while the switch is on.
@@ -328,8 +335,9 @@ def _add_cli_args_hook(result, *args, **kwargs):
         return None
     parser.add_argument(
         CLI_FLAG, type=str.lower, choices=MODES, default=None,
-        help=(f"[cupy_dsa plugin] DeepSeek-V4 C4 index-key format: fp8 (SGLang's, default), bf16 or "
-              f"bf16-fp4sim (256-byte bf16 keys, cupy_dsa kernels). Same as {ENV_NAME}."))
+        help=(f"[cupy_dsa plugin] DeepSeek-V4 C4 index-key format: fp8 (SGLang's, default), bf16, bf16-fp4sim or "
+              f"bf16-reference (256-byte bf16 keys, cupy_dsa kernels), fp8-cupy (SGLang's 132-byte fp8 keys on "
+              f"cupy_dsa's store and kernels). Same as {ENV_NAME}."))
     return None
 
 
@@ -368,8 +376,9 @@ def _bytes_args(index_head_dim, use_fp4_indexer):
 
 def _bytes_per_token_hook(original, *args, **kwargs):
     index_head_dim, use_fp4 = _bytes_args(*args, **kwargs)
-    if use_fp4 or not core.enabled():
-        return original(*args, **kwargs)  # fp4 pools (incl. V4.1 low-ratio, forced fp4) stay as they are
+    if use_fp4 or core.cache_layout(index_k_mode()) != "bf16":
+        # fp4 pools (incl. V4.1 low-ratio, forced fp4) stay as they are; fp8 and fp8-cupy keep SGLang's 132 B
+        return original(*args, **kwargs)
     _require_supported_platform()
     return 2 * int(index_head_dim)
 
@@ -379,7 +388,8 @@ def _bytes_per_token_hook(original, *args, **kwargs):
 # --------------------------------------------------------------------------------------------------
 
 # The keywords SGLang 0.5.23's compressor passes (compressor_v2.py) and the value each must have for a C4
-# index-key store into a bf16 page; anything else on a bf16 cache is refused, never handed to SGLang's fp8 store.
+# index-key store into the mode's page (bf16, or fp8 in fp8-cupy); anything else on that cache is refused, never
+# handed to SGLang's fp8 store.
 _STORE_DEFAULTS = {"use_fp4": False, "bf16_store": False, "kvcache_scale": None, "rope_cache": None,
                    "fp4_k_write_metadata": None, "fp8_2buff": False, "kvcache_rope": None}
 _STORE_REQUIRED = ("norm_weight", "norm_eps", "freq_cis", "out_loc", "kvcache")
@@ -416,17 +426,21 @@ def _unrecognised_store_call(kv, plan, args, kwargs) -> list[str]:
 
 def _store_hook(original, kv, plan, *args, **kwargs):
     kvcache = kwargs.get("kvcache")
-    if not core.is_bf16_index_cache(kvcache):
-        return original(kv, plan, *args, **kwargs)  # SGLang's formats (fp8 / fp4 index keys, main KV) unchanged
+    layout = core.index_cache_layout(kvcache)
     mode = index_k_mode()
+    if layout is None or (layout == "fp8" and mode != core.FP8_CUPY_MODE):
+        # SGLang's formats (fp8 index keys outside fp8-cupy, fp4 index keys, main KV) unchanged
+        return original(kv, plan, *args, **kwargs)
     bad = _unrecognised_store_call(kv, plan, args, kwargs)
-    if mode == "fp8":
-        bad.insert(0, f"{ENV_NAME}=fp8 in this process")
+    if core.cache_layout(mode) != layout:
+        bad.insert(0, f"{ENV_NAME}={mode} in this process")
     if bad:
+        why = ("let SGLang's fp8 store write into bf16 pages" if layout == "bf16" else
+               f"hand it to SGLang's store: {ENV_NAME}={mode} writes every index key with cupy_dsa's store")
         raise RuntimeError(
-            f"cupy_dsa store: compress_norm_rope_store was called on a bf16 index cache (uint8 "
-            f"[P, {layouts.BF16_PAGE_BYTES}]) with a call it does not recognise: {'; '.join(bad)}. Refusing to "
-            f"let SGLang's fp8 store write into bf16 pages.")
+            f"cupy_dsa store: compress_norm_rope_store was called on a {layout} index cache (uint8 "
+            f"[P, {layouts.page_bytes(layout)}]) with a call it does not recognise: {'; '.join(bad)}. Refusing to "
+            f"{why}.")
     _require_supported_platform()
     core.store_index_k_bf16(
         kv, plan[1], is_decode=bool(plan.is_decode), compress_ratio=int(plan.compress_ratio),

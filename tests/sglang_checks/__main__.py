@@ -10,6 +10,8 @@ Scenarios (the environment is set by the caller):
   off       switch unset, SGLANG_PLUGINS unset: SGLang unchanged; CLI flag and YAML key
   excluded  switch on but SGLANG_PLUGINS names another plugin only: nothing installed
   refusals  switch on: start-up refusals leave nothing patched
+  fp8cupy   SGLANG_CUPY_DSA_INDEX_K=fp8-cupy, SGLANG_PLUGINS=cupy_dsa: SGLang's fp8 keys on cupy_dsa's store and
+            kernels (bytes and top-k against SGLang's fp8 path)
   refuse_installed  the installed SGLang must refuse start-up (exit status 3 if it did not)
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ import sys
 import harness  # first: makes SGLang importable on a CPU-only machine
 import torch
 
+from scenario_fp8cupy import scenario_fp8cupy
 from scenario_off import scenario_excluded, scenario_off
 from scenario_on import scenario_on
 from scenario_refusals import refuse_installed, scenario_refusals
@@ -31,5 +34,5 @@ if __name__ == "__main__":
         refuse_installed()
         sys.exit(0)
     {"on": scenario_on, "off": scenario_off, "excluded": scenario_excluded,
-     "refusals": scenario_refusals}[sys.argv[1]]()
+     "refusals": scenario_refusals, "fp8cupy": scenario_fp8cupy}[sys.argv[1]]()
     print("RESULTS_JSON:" + json.dumps({"results": harness.RESULTS, "info": harness.INFO}), flush=True)

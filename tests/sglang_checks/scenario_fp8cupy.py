@@ -1,0 +1,413 @@
+"""Scenario "fp8cupy": SGLANG_CUPY_DSA_INDEX_K=fp8-cupy, SGLANG_PLUGINS=cupy_dsa: SGLang's fp8 index keys (its
+pool, its 132-byte entries) written by cupy_dsa's store and scored by cupy_dsa's logits, through SGLang's real
+classes.
+
+* the pool and the KV budget are SGLang's (132 B per entry);
+* the store writes the bytes SGLang's fp8 store writes: a stand-in of SGLang's store (its quantization
+  ``scale = max(amax, 1e-4) / 448``, ``e4m3(RNE(k * (1 / scale)))``, and SGLang's own page packing
+  ``fp8_mqa_logits_make_fused_kv``, at SGLang's plan addressing) applied to the same fp32 key gives the same
+  pages, and the stored key is the fp64 index key up to fp8 rounding;
+* the top-k of SGLang's forward with cupy_dsa's logits equals the top-k of SGLang's own fp8 forward (its torch
+  fp8 logits) up to ties at SGLang's bf16 precision, on decode, varlen extend, grouped verify and small rows,
+  and each route is the one the plugin picks;
+* PD tag, HiCache namespace, refusals and strictness as for the bf16 modes.
+"""
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+
+from cupy_dsa import rotate_index_k_reference
+from cupy_dsa.sglang import core, guard, hooks
+
+from checks_indexer import _indexer_setup
+from checks_store import i32, key_f64, plan_rows, store_inputs, u16x2
+from checks_strictness import Spy, _store_call
+from harness import ENV, INFO, check, load, make_index_pool, mode_env, patched
+
+MODE = "fp8-cupy"
+FP8_PAGE = 8448
+
+
+# --------------------------------------------------------------------------------------------------
+# SGLang's fp8 store, stood in on CPU (its JIT kernel needs CUDA)
+# --------------------------------------------------------------------------------------------------
+
+def sglang_fp8_pages(num_pages, items, kv, w, fc, eps=1e-6):
+    """The page rows SGLang's fp8 index-key store leaves in a zeroed cache after writing ``items`` (row of kv,
+    out_loc, position): SGLang's per-token quantization of the fp32 key, packed by SGLang's own
+    ``fp8_mqa_logits_make_fused_kv`` (values block then fp32 scale block per 64-slot page)."""
+    from sglang.srt.layers.attention.dsa.utils import fp8_mqa_logits_make_fused_kv
+
+    codes = torch.zeros(num_pages * 64, 128, dtype=torch.float8_e4m3fn)
+    scales = torch.zeros(num_pages * 64, dtype=torch.float32)
+    rows = torch.tensor([r for r, _, _ in items])
+    locs = torch.tensor([loc for _, loc, _ in items])
+    pos = torch.tensor([p for _, _, p in items])
+    k = rotate_index_k_reference(kv[rows], pos, w, core.rope_table(fc), eps=eps)  # fp32 [n, 128], the kernel's key
+    amax = k.abs().amax(-1)
+    scale = torch.maximum(amax, torch.tensor(1e-4)) / torch.tensor(448.0)  # plain fp32, not UE8M0
+    inv = torch.tensor(1.0) / scale
+    codes[locs] = (k * inv[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)  # RNE, saturating
+    scales[locs] = scale
+    fused = fp8_mqa_logits_make_fused_kv(codes.view(num_pages, 64, 128), scales.view(num_pages, 64), 64, 128)
+    return fused.reshape(num_pages, FP8_PAGE)
+
+
+def _check_fp8_store(plan, kv, w, fc, out_loc, expected, via_call_site=False):
+    """The hooked store into an SGLang fp8 index pool (through compressor_v2's binding, as SGLang calls it):
+    bytes equal to SGLang's store stand-in, keys equal to the fp64 key up to fp8 rounding."""
+    from sglang.srt.layers.attention.dsv4 import compressor_v2
+
+    cache = make_index_pool(size=256).index_k_with_scale_buffer[0]
+    assert tuple(cache.shape[1:]) == (FP8_PAGE,), cache.shape
+    compressor_v2.compress_norm_rope_store(kv, plan, norm_weight=w, norm_eps=1e-6, freq_cis=fc, out_loc=out_loc,
+                                          kvcache=cache, page_size=64)
+    want = sglang_fp8_pages(cache.shape[0], expected, kv, w, fc)
+    diff = (cache != want).nonzero()
+    assert diff.numel() == 0, f"{diff.shape[0]} bytes differ from SGLang's fp8 store, first at (page, byte) {diff[0].tolist()}"
+    values = cache[:, :8192].reshape(-1, 128).view(torch.float8_e4m3fn)
+    scales = cache[:, 8192:].contiguous().view(torch.float32).reshape(-1)
+    written = sorted(int(i) for i in (scales != 0).nonzero().flatten())
+    assert written == sorted(loc for _, loc, _ in expected), (written, expected)
+    for row, loc, p in expected:
+        ref = key_f64(kv[row:row + 1], torch.tensor([p]), w, fc)[0]
+        got = values[loc].double() * float(scales[loc])
+        err = ((got - ref).abs() - ref.abs() / 16 - 2.0 ** -9 * float(scales[loc])).max().item()
+        assert err <= 1e-6, f"slot {loc}: the stored key is not the index key up to fp8 rounding ({err:.3g})"
+
+
+# --------------------------------------------------------------------------------------------------
+# Top-k up to ties
+# --------------------------------------------------------------------------------------------------
+
+def _oracle(q, w, pages, page_table, lens):
+    """fp64 logits over the fp8 keys as stored (dequantized): [rows, width]."""
+    values = pages[:, :8192].reshape(pages.shape[0], 64, 128).view(torch.float8_e4m3fn).double()
+    scales = pages[:, 8192:].contiguous().view(torch.float32).double()
+    k = (values * scales[..., None])[page_table.long()].reshape(page_table.shape[0], -1, 128)
+    logits = (torch.relu(torch.einsum("rhd,rnd->rhn", q.double(), k)) * w.double()[:, :, None]).sum(1)
+    return logits
+
+
+def _setup(**kw):
+    """checks_indexer's setup (one set of keys in a bf16 pool and in an SGLang fp8 pool, the rows' q, weights and
+    page table, a runner of SGLang's forward), its bf16 pool sized as in a bf16 mode."""
+    with mode_env("bf16"):
+        return _indexer_setup(**kw)
+
+
+def _selected(md, r):
+    return {int(i) for i in md.c4_sparse_raw_indices[r].tolist() if i >= 0}
+
+
+def _same_up_to_ties(ours, theirs, oracle, lens, topk, what, tol_rel):
+    """Per row: both selections hold the trivial 0..len-1 when len <= topk; otherwise every key in one selection
+    and not the other scores within ``tol_rel * max|logit|`` of the oracle's k-th score (a tie at that
+    precision), and each selection reaches the oracle's k-th score up to the same tolerance."""
+    stats = []
+    for r, n in enumerate(lens):
+        a, b = _selected(ours, r), _selected(theirs, r)
+        k = min(topk, n)
+        assert len(a) == k and len(b) == k, (what, r, len(a), len(b), k)
+        if n <= topk:
+            assert a == b == set(range(n)), (what, r)
+            continue
+        scores = oracle[r, :n]
+        kth = scores.topk(k).values[-1].item()
+        tol = tol_rel * scores.abs().max().item()
+        for name, sel in (("cupy_dsa", a), ("SGLang", b)):
+            worst = scores[sorted(sel)].min().item()
+            assert worst >= kth - tol, f"{what} row {r}: {name} selected a key {kth - worst:.3g} below the k-th"
+        off = sorted(a ^ b)
+        far = [i for i in off if abs(scores[i].item() - kth) > tol]
+        assert not far, f"{what} row {r}: selections differ beyond ties at keys {far[:8]} (k-th {kth:.6g})"
+        stats.append(len(a & b) / k)
+    return stats
+
+
+def _run_both(mode_, batch, **setup):
+    """SGLang's own fp8 forward and the hooked fp8-cupy forward on the same SGLang fp8 pool, q and weights, with
+    spies on cupy_dsa's three logits routes: (ours, theirs, oracle, lens, routes taken, page table)."""
+    from sglang.srt.layers.attention.dsv4 import indexer as ix
+
+    run, _, _, fp8_pool, lens = _setup(**setup)
+    taken, seen = [], {}
+    real = {name: getattr(core, name) for name in ("paged_logits", "verify_logits", "extend_logits")}
+
+    def spy(name):
+        def f(*a, **k):
+            taken.append(name)
+            seen.setdefault("qw", (a[0], a[1]))
+            return real[name](*a, **k)
+        return f
+
+    def nonpaged_reader(*a, **k):
+        raise AssertionError("SGLang's fp8 non-paged reader was consulted with fp8-cupy on")
+
+    orig_gp = ix.get_parallel
+    mixin = ix.C4IndexerBackendMixin
+    orig_np = mixin._can_use_nonpaged_indexer, mixin._get_nonpaged_indexer_plan
+    ix.get_parallel = lambda: types.SimpleNamespace(attn_cp_size=1)
+    try:
+        with mode_env("fp8"):   # SGLang's own forward_c4_indexer (torch fp8 logits: SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1)
+            theirs, page_table = run(fp8_pool, mode_, batch)
+        for name in real:
+            setattr(core, name, spy(name))
+        mixin._can_use_nonpaged_indexer = mixin._get_nonpaged_indexer_plan = nonpaged_reader
+        ours, _ = run(fp8_pool, mode_, batch)
+    finally:
+        for name, f in real.items():
+            setattr(core, name, f)
+        ix.get_parallel = orig_gp
+        mixin._can_use_nonpaged_indexer, mixin._get_nonpaged_indexer_plan = orig_np
+    q, w = seen["qw"]
+    oracle = _oracle(q, w, fp8_pool.index_k_with_scale_buffer[0], page_table, lens)
+    return ours, theirs, oracle, lens, taken, page_table
+
+
+# SGLang's torch fp8 logits round each head's dot product to bf16 (torch.bmm of bf16): 2^-9 relative per head
+SGLANG_TIE = 4e-3
+
+
+def scenario_fp8cupy():
+    load()
+
+    @check
+    def hooks_applied_fp8cupy():
+        missing = [t for t in hooks.ALWAYS_TARGETS + hooks.SWITCHED_TARGETS if not patched(t)]
+        assert not missing, f"not patched: {missing}"
+        from sglang.srt.arg_groups.resolution_hooks import _HOOKS
+        from sglang.srt.environ import envs
+
+        assert hooks.validate_config in _HOOKS.get(guard.RESOLUTION_STEP, []), "H5 not registered"
+        assert envs.SGLANG_CUPY_DSA_INDEX_K.get() == MODE and core.index_k_mode() == MODE
+
+    @check
+    def pool_and_budget_are_sglangs():
+        from sglang.srt.mem_cache import deepseek_v4_memory_pool as mp
+        from sglang.srt.model_executor import pool_configurator as pc
+
+        assert hasattr(mp.get_dsv4_indexer_bytes_per_token, "__wrapped__"), "H1 not in place"
+        for fn in (mp.get_dsv4_indexer_bytes_per_token, pc.get_dsv4_indexer_bytes_per_token):
+            assert fn(128, False) == 132 and fn(128, use_fp4_indexer=True) == 68
+        cfg = object.__new__(pc.DSV4PoolConfigurator)
+        cfg.c4_shrink_factor = 1
+        cfg._get_paged_kv_bytes_per_token = lambda ratio: 0
+        cfg.indexer_bytes_per_token = pc.get_dsv4_indexer_bytes_per_token(128, False)
+        assert cfg._compressed_bytes_per_full_token(4) == 33  # 132 / 4, as stock
+        pool = make_index_pool(layers=2)
+        assert [tuple(b.shape) for b in pool.contiguous_page_row_buffers()] == [(44, FP8_PAGE)] * 2
+        assert pool.get_bytes_per_token() == 132
+
+    @check
+    def store_fp8_decode_plan_matches_sglang():
+        from sglang.kernels.ops.attention.dsv4.compress import CompressorDecodePlan
+
+        kv, w, fc = store_inputs(5)
+        kv[4] *= 1e-6  # a key whose amax is below 1e-4 (SGLang's scale floor)
+        plan = CompressorDecodePlan(4, plan_rows([(s, i32(0), 0, 0) for s in (8, 9, 12, 400, 16)]))
+        out_loc = torch.tensor([5, 6, 7, 70, 130], dtype=torch.int64)
+        _check_fp8_store(plan, kv, w, fc, out_loc, [(0, 5, 4), (2, 7, 8), (3, 70, 396), (4, 130, 12)])
+
+    @check
+    def store_fp8_prefill_plan_matches_sglang():
+        from sglang.kernels.ops.attention.dsv4.compress import CompressorPrefillPlan
+
+        kv, w, fc = store_inputs(4)
+        kv[1] *= 300.0  # a large key: the scale carries it, the codes stay in range
+        rows = [(4, 2), (0xFFFFFFFF, 0), (16, 5), (64, 1)]
+        plan = CompressorPrefillPlan(4, plan_rows([(s, u16x2(r, 4), 0, 0) for s, r in rows]),
+                                     torch.zeros(4, 8, dtype=torch.uint8))
+        out_loc = torch.tensor([100, 101, 102, 103, 104, 105, 106, 107], dtype=torch.int64)
+        _check_fp8_store(plan, kv, w, fc, out_loc, [(0, 102, 0), (2, 105, 12), (3, 101, 60)])
+
+    @check
+    def store_fp8_via_sglang_call_site():
+        from sglang.kernels.ops.attention.dsv4.compress import CompressorDecodePlan
+        from sglang.srt.layers.attention.dsv4 import compressor_v2
+
+        kv, w, fc = store_inputs(3)
+        plan = CompressorDecodePlan(4, plan_rows([(s, i32(0), 0, 0) for s in (16, 18, 20)]))
+        cache = make_index_pool(size=256).index_k_with_scale_buffer[0]
+
+        class Backend(compressor_v2.CompressorBackendMixin):
+            forward_metadata = types.SimpleNamespace(c4_compress_metadata=plan)
+
+        stores = []
+        real = core.store_index_k_bf16
+
+        def spy(*a, **k):
+            stores.append(k["kvcache"])
+            return real(*a, **k)
+
+        orig = compressor_v2.compress_forward
+        compressor_v2.compress_forward = lambda **kw: kv
+        core.store_index_k_bf16 = spy
+        try:
+            Backend()._forward_compress_all_in_one(
+                kv_score_buffer=torch.zeros(8, 512), kv_score_input=torch.zeros(3, 512), ape=torch.zeros(4, 128),
+                head_dim=128, norm=types.SimpleNamespace(weight=w, variance_epsilon=1e-6), freqs_cis_cache=fc,
+                kv_cache=cache, is_indexer=True, rotate=True, compress_ratio=4, page_size=64,
+                out_loc=torch.tensor([11, 12, 13]))
+        finally:
+            compressor_v2.compress_forward = orig
+            core.store_index_k_bf16 = real
+        assert len(stores) == 1 and stores[0] is cache, "the fp8 index cache did not go to cupy_dsa's store"
+        want = sglang_fp8_pages(cache.shape[0], [(0, 11, 12), (2, 13, 16)], kv, w, fc)
+        assert torch.equal(cache, want), "pages differ from SGLang's fp8 store"
+
+    @check
+    def store_fp8cupy_strictness():
+        from sglang.kernels.ops.attention.dsv4 import compress
+
+        cache = make_index_pool(size=256).index_k_with_scale_buffer[0]
+        for extra, fragment in ((dict(use_fp4=True), "use_fp4=True"), (dict(page_size=256), "page_size=256"),
+                                (dict(new_option=1), "unknown keyword new_option")):
+            kv, plan, kw = _store_call(cache, **extra)
+            try:
+                compress.compress_norm_rope_store(kv, plan, **kw)
+            except RuntimeError as e:
+                assert fragment in str(e) and "does not recognise" in str(e) and "fp8 index cache" in str(e), str(e)
+            else:
+                raise AssertionError(f"an fp8-cupy store with {extra} was accepted (or handed to SGLang)")
+        assert not cache.any(), "a refused call wrote the cache"
+        bf16_cache = torch.zeros(44, 16384, dtype=torch.uint8)  # a bf16 cache cannot be this mode's
+        kv, plan, kw = _store_call(bf16_cache)
+        spy = Spy()
+        try:
+            hooks._store_hook(spy, kv, plan, **kw)
+        except RuntimeError as e:
+            assert f"{ENV}={MODE} in this process" in str(e), str(e)
+        else:
+            raise AssertionError("fp8-cupy wrote a bf16 cache")
+        assert not spy.calls and not bf16_cache.any()
+        main_kv = torch.zeros(4, 64 * 584, dtype=torch.uint8)  # SGLang's other caches: its own store
+        kv, plan, kw = _store_call(main_kv)
+        assert hooks._store_hook(spy, kv, plan, **kw) == "original" and len(spy.calls) == 1
+
+    @check
+    def indexer_topk_matches_sglang_fp8_decode():
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        ours, theirs, oracle, lens, taken, pt = _run_both(ForwardMode.DECODE, 3)
+        assert taken == ["paged_logits"], taken
+        INFO["fp8cupy_overlap_decode"] = _same_up_to_ties(ours, theirs, oracle, lens, 512, "decode", SGLANG_TIE)
+        # cupy_dsa's own selection is the oracle's up to fp32 accumulation
+        _same_up_to_ties(ours, ours, oracle, lens, 512, "decode vs oracle", 1e-5)
+        raw = ours.c4_sparse_raw_indices.long()
+        exp = torch.where(raw >= 0, pt.long().gather(1, raw.clamp(min=0) // 64) * 64 + raw % 64, -1)
+        assert torch.equal(ours.c4_sparse_page_indices.long(), exp), "page indices are not SGLang's slot transform"
+
+    @check
+    def indexer_topk_matches_sglang_fp8_extend_and_verify():
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        cases = (("extend", ForwardMode.EXTEND, 3, dict(lens=(900, 901, 1300, 600, 601, 602, 2000), groups=(2, 4, 1)),
+                  ["extend_logits"]),
+                 ("prefill, one request", ForwardMode.EXTEND, 1, dict(lens=(700, 701, 702, 703, 1500),
+                                                                      one_request=True), ["extend_logits"]),
+                 ("verify n=2", ForwardMode.TARGET_VERIFY, 3,
+                  dict(lens=(1000, 1001, 1300, 1301, 1600, 1601), groups=(2, 2, 2)), ["verify_logits"]),
+                 ("verify n=4", ForwardMode.TARGET_VERIFY, 2,
+                  dict(lens=(1000, 1001, 1001, 1002, 1300, 1301, 1301, 1302), groups=(4, 4)), ["verify_logits"]),
+                 ("ragged verify", ForwardMode.TARGET_VERIFY, 2, dict(lens=(900, 901, 902), groups=(2, 1)),
+                  ["paged_logits"]))
+        for what, mode_, batch, setup, route in cases:
+            ours, theirs, oracle, lens, taken, _ = _run_both(mode_, batch, **setup)
+            assert taken == route, (what, taken)
+            INFO[f"fp8cupy_overlap_{what}"] = _same_up_to_ties(ours, theirs, oracle, lens, 512, what, SGLANG_TIE)
+
+    @check
+    def indexer_fp8cupy_small_rows_and_padding():
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        ours, theirs, oracle, lens, *_ = _run_both(ForwardMode.DECODE, 2, lens=(300, 64))
+        _same_up_to_ties(ours, theirs, oracle, lens, 512, "small rows", SGLANG_TIE)
+
+    @check
+    def indexer_fp8cupy_refuses_a_bf16_pool():
+        run, _, bf16_pool, _, _ = _setup(lens=(700, 900))
+        try:
+            run(bf16_pool)
+        except RuntimeError as e:
+            assert f"expected uint8 [P, {FP8_PAGE}]" in str(e) and f"{ENV}={MODE}" in str(e), str(e)
+        else:
+            raise AssertionError("fp8-cupy scored a bf16 pool")
+
+    @check
+    def pd_layout_and_hicache_fp8cupy():
+        from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout
+        from sglang.srt.disaggregation.utils import get_pd_kv_layout
+        from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+        from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _dsv4_indexer_regions
+
+        pool = object.__new__(DeepSeekV4TokenToKVPool)
+        pool.uniform_fp8 = True
+        assert get_pd_kv_layout(pool) == KVLayout.UNIFORM_FP8.value + ",c4idx:fp8-cupy", get_pd_kv_layout(pool)
+        with mode_env("fp8"):
+            assert get_pd_kv_layout(pool) == KVLayout.UNIFORM_FP8.value
+        (region,) = _dsv4_indexer_regions(types.SimpleNamespace(c4_indexer_kv_pool=make_index_pool()), 256)
+        assert region.item_bytes == FP8_PAGE and region.page_aligned_only is False, region  # SGLang's, unchanged
+        kw = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=True,
+                  enable_storage_metrics=False, is_page_first_layout=False, model_name="deepseek-ai/DeepSeek-V4")
+        assert HiCacheStorageConfig(**kw).model_name == "deepseek-ai/DeepSeek-V4_c4idx-fp8-cupy"
+
+    @check
+    def resolution_fp8cupy():
+        from sglang.srt.arg_groups.resolution_hooks import run_hook
+        from sglang.srt.server_args import ServerArgs
+
+        def handle_model_specific_adjustments(server_args):  # SGLang's step, by name
+            server_args._builtin_ran = True
+
+        def resolve(**fields):
+            sa = ServerArgs(model_path="dummy", **fields)
+            run_hook(handle_model_specific_adjustments, sa)
+            assert sa._builtin_ran, "SGLang's own step must run first"
+            return sa
+
+        before = dict(os.environ)
+        resolve()
+        changed = {k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}
+        assert not changed, f"the resolution hook wrote the environment: {changed}"
+        for fields, fragment in ((dict(enable_deepseek_v4_fp4_indexer=True), "--enable-deepseek-v4-fp4-indexer"),
+                                 (dict(enable_nvidia_megakernel=True), "--enable-nvidia-megakernel"),
+                                 (dict(device="npu"), "NPU")):
+            try:
+                resolve(**fields)
+            except ValueError as e:
+                msg = str(e)
+                assert fragment in msg and f"{ENV}={MODE}" in msg and "fp8 C4 index keys on cupy_dsa" in msg, msg
+            else:
+                raise AssertionError(f"fp8-cupy accepted {fields}")
+
+    @check
+    def flag_and_yaml_key_take_fp8cupy():
+        import tempfile
+
+        from sglang.srt.server_args import prepare_server_args
+
+        with mode_env(None):
+            prepare_server_args(["--model-path", "dummy", "--cupy-dsa-index-k-dtype", "FP8-Cupy"])
+            assert os.environ.get(ENV) == MODE and core.index_k_mode() == MODE, os.environ.get(ENV)
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+            f.write("model-path: dummy\ncupy-dsa-index-k-dtype: fp8-cupy\n")
+        try:
+            with mode_env(None):
+                prepare_server_args(["--config", f.name])
+                assert os.environ.get(ENV) == MODE, os.environ.get(ENV)
+        finally:
+            os.unlink(f.name)
+
+    @check
+    def check_command_describes_fp8cupy():
+        from cupy_dsa.sglang import check as check_cmd
+
+        mode, lines = check_cmd._mode_lines()
+        assert mode == MODE
+        text = " ".join(t for _, t in lines)
+        assert "SGLang's fp8 index keys (132 B per entry" in text and "cupy_dsa's kernels" in text, text
