@@ -287,7 +287,9 @@ def _case_config(r) -> str:
         return r["config"].split("<")[0]
     extra = " ".join(x for x in r["config"].split(">", 1)[1].split() if x)
     prefetch = ", prefetch" if r.get("prefetch") else ""
-    return f"{r['warps']} warps, MT {r['mt']}{prefetch}" + (f", {extra}" if extra else "")
+    min_blocks = r["config"].split(">", 1)[0].split(",")[-1].strip()   # the last template parameter
+    blocks = f", MinBlocks {min_blocks}" if r["warps"] == 4 else ""
+    return f"{r['warps']} warps, MT {r['mt']}{prefetch}{blocks}" + (f", {extra}" if extra else "")
 
 
 def emulate_markdown(doc: dict) -> str:
@@ -302,9 +304,11 @@ def emulate_markdown(doc: dict) -> str:
              f"% roofline at {target}'s | vs this GPU's product |",
              "|---|---|---|---|---|---|---|---|---|"]
     own = {(r["op"], r["case"]): r for r in doc["rows"] if r["target"] != target}
+    seen = set()
     for r in doc["rows"]:
-        if r["target"] != target:
+        if r["target"] != target or (r["case"], r["config"]) in seen:   # a variant equal to the product: once
             continue
+        seen.add((r["case"], r["config"]))
         ref = own.get((r["op"], r["case"]))
         vs = f"{r['us_emulated'] / ref['us_full']:.2f}x" if ref else "-"
         res = f"{r['target_ctas']} x {r['target_warps'] // max(r['target_ctas'], 1)} warps ({r['target_binding']})"

@@ -37,8 +37,9 @@ def test_cases_are_served_by_the_target_product_configs():
                 assert any(c.kernel is cfg.kernel and c.template == cfg.template for c in family.declared("sm_90"))
 
 
-def _row(target, product, warps, us_full, us_emul, case="64 x 32K, next_n 4"):
-    return dict(op="verify", case=case, target=target, config="mqa_logits_decode_kernel<...>", product=product,
+def _row(target, product, warps, us_full, us_emul, case="64 x 32K, next_n 4",
+         config="mqa_logits_decode_kernel<0, 1, 4, 8, 1, 0, 2, 0, 1>"):
+    return dict(op="verify", case=case, target=target, config=config, product=product,
                 warps=warps, mt=1, target_ctas=1 if target == "sm_120" else None,
                 target_warps=warps if target == "sm_120" else None, target_binding="shared memory",
                 held_ctas=1, natural_ctas=2, smem_pad=1000, us_full=us_full, us_emulated=us_emul,
@@ -47,14 +48,17 @@ def _row(target, product, warps, us_full, us_emul, case="64 x 32K, next_n 4"):
 
 
 def test_markdown_table():
-    rows = [_row("sm_120", True, 8, 300.0, 330.0), _row("sm_120", False, 4, 280.0, 400.0),
+    rows = [_row("sm_120", True, 8, 300.0, 330.0),
+            _row("sm_120", False, 4, 280.0, 400.0, config="mqa_logits_decode_kernel<0, 1, 4, 4, 1, 0, 2, 0, 3>"),
+            _row("sm_120", True, 8, 300.0, 330.0),            # the product again (a variant equal to it): shown once
             _row("sm_90", True, None, 250.0, None)]
-    rows[2]["config"] = "mqa_logits_sm90_decode_kernel<1, 4, 2, 2, 2>"
+    rows[3]["config"] = "mqa_logits_sm90_decode_kernel<1, 4, 2, 2, 2>"
     md = variants.emulate_markdown(variants.emulate_document("NVIDIA H200", "sm_120", False, 0, rows, {}))
     lines = md.splitlines()
     assert "| verify | 64 x 32K, next_n 4 | * 8 warps, MT 1 | 1 x 8 warps (shared memory) | 300.0 | 330.0 | 1.10 |" \
         in md
     assert "| 1.32x |" in md and "| 1.60x |" in md                    # vs this GPU's product (250 us)
+    assert md.count("* 8 warps, MT 1 |") == 1 and "| 4 warps, MT 1, MinBlocks 3 |" in md
     assert lines[-1].startswith("This GPU's own product configs") and "next_n 4: 250.0 us" in lines[-1]
 
 
