@@ -132,17 +132,24 @@ def padded_for(cfg, target: str, resources: dict, device_index: int):
     return want, padded, padded.resident_ctas_per_sm(device_index)
 
 
-def _decode_case(device, g, lens, next_n):
-    pages = [-(-n // layouts.PAGE_SLOTS) for n in lens]
-    B, table_w = len(lens), max(pages)
+def _paged_keys(device, g, entries):
+    """A bf16 cache holding ``entries[b]`` random keys per request on shuffled pages, the block table
+    ``[B, max pages]`` (unused entries 0), the pages per request."""
+    pages = [-(-n // layouts.PAGE_SLOTS) for n in entries]
     cache = layouts.empty_cache(sum(pages), "bf16", device=device)
     layouts.bf16_view(cache).copy_(0.3 * torch.randn(sum(pages), layouts.PAGE_SLOTS, DIM, device=device, generator=g))
     perm = torch.randperm(sum(pages), device=device, generator=g).to(torch.int32)
-    bt = torch.zeros(B, table_w, dtype=torch.int32, device=device)
+    bt = torch.zeros(len(entries), max(pages), dtype=torch.int32, device=device)
     off = 0
     for b, n in enumerate(pages):
         bt[b, :n] = perm[off:off + n]
         off += n
+    return cache, bt, pages
+
+
+def _decode_case(device, g, lens, next_n):
+    cache, bt, pages = _paged_keys(device, g, lens)
+    B, table_w = len(lens), max(pages)
     q = torch.randn(B, next_n, HEADS, DIM, device=device, generator=g).to(torch.float8_e4m3fn)
     w = torch.rand(B * next_n, HEADS, device=device, generator=g) / (HEADS * DIM) ** 0.5
     ctx = torch.tensor(lens, dtype=torch.int32, device=device)
@@ -167,17 +174,8 @@ def _prefill_case(device, g, T, S):
 
 def _extend_case(device, g, requests):
     """Varlen extend: (prefix entries, new rows) per request, row j seeing prefix + (j + 1) // 4 entries."""
-    seen = [p + (n + 1) // 4 for p, n in requests]
-    pages = [-(-x // layouts.PAGE_SLOTS) for x in seen]
-    B, table_w = len(requests), max(pages)
-    cache = layouts.empty_cache(sum(pages), "bf16", device=device)
-    layouts.bf16_view(cache).copy_(0.3 * torch.randn(sum(pages), layouts.PAGE_SLOTS, DIM, device=device, generator=g))
-    perm = torch.randperm(sum(pages), device=device, generator=g).to(torch.int32)
-    bt = torch.zeros(B, table_w, dtype=torch.int32, device=device)
-    off = 0
-    for b, n in enumerate(pages):
-        bt[b, :n] = perm[off:off + n]
-        off += n
+    cache, bt, pages = _paged_keys(device, g, [p + (n + 1) // 4 for p, n in requests])
+    table_w = max(pages)
     T = sum(n for _, n in requests)
     q = torch.randn(T, HEADS, DIM, device=device, generator=g).to(torch.float8_e4m3fn)
     w = torch.rand(T, HEADS, device=device, generator=g) / (HEADS * DIM) ** 0.5
