@@ -56,9 +56,9 @@ def test_readme_bench_line_names_every_section():
 def test_readme_markdown_claim_matches_the_commands():
     """The options paragraph says which commands take --markdown."""
     with_md = {name for name, cmd in cli.bench.commands.items() if any("--markdown" in p.opts for p in cmd.params)}
-    assert with_md == {"bytes", "store", "query", "logits", "recall", "all", "report"}, with_md
-    assert "`bench`, its sections and `report` take it, `serve`, `variants` and `resources` do not" in " ".join(
-        README.split())
+    assert with_md == {"bytes", "store", "query", "logits", "recall", "all", "report", "variants"}, with_md
+    assert ("`bench`, its sections, `report` and `variants` (with `--emulate`) take it, `serve` and `resources` do "
+            "not") in " ".join(README.split())
 
 
 def _against(srv, args):
