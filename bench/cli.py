@@ -328,7 +328,7 @@ def serve_cmd(model, batch, contexts, next_n, chunk, memory_gib, device, seed, j
 @click.option("--quick", is_flag=True, default=False, help="two decode cases and a smaller prefill.")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="random seed, 0 to 2^32 - 1.")
 @click.option("--emulate", "emulate_arch", default=None, metavar="ARCH",
-              type=click.Choice(["sm_86", "sm_89", "sm_120", "sm_121"]),
+              type=click.Choice(["sm_120"]),   # the archs every arch declares the product configs of
               help="run ARCH's product configs (and their variants) on this GPU held to ARCH's CTAs per SM "
                    "(padded shared memory), against this GPU's natural residency and its own product configs.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,

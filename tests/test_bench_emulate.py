@@ -63,8 +63,13 @@ def test_markdown_table():
 
 
 def test_cli_emulate_needs_a_gpu_and_a_known_arch():
-    r = CliRunner().invoke(main, ["bench", "variants", "--emulate", "sm_90"])
-    assert r.exit_code == 2 and "sm_120" in r.output
+    from cupy_dsa.bench.cli import variants_cmd
+
+    emulate = next(p for p in variants_cmd.params if p.name == "emulate_arch")
+    assert tuple(emulate.type.choices) == heuristics.EMULATED_ARCHS   # only archs whose configs are declared here
+    for arch in ("sm_90", "sm_89"):
+        r = CliRunner().invoke(main, ["bench", "variants", "--emulate", arch])
+        assert r.exit_code == 2 and "sm_120" in r.output
     r = CliRunner().invoke(main, ["bench", "variants", "--markdown", "-"])
     assert r.exit_code == 2 and "--emulate" in r.output
 
