@@ -1,12 +1,14 @@
-"""Scenario "on", part: forward_c4_indexer, SGLang's own (fp8) vs hooked (bf16)."""
+"""Scenario "on", part: forward_c4_indexer, SGLang's own (fp8) vs hooked (bf16); the indexer set-up and the
+route spies the fp8cupy scenario uses too."""
 from __future__ import annotations
 
+import contextlib
 import os
 import types
 
 import torch
 
-from cupy_dsa.sglang import forward, hooks
+from cupy_dsa.sglang import core, forward
 
 from harness import check, INFO, make_index_pool, mode_env
 
@@ -132,6 +134,51 @@ def _reference_layer(c4, rows, g, max_pos=4096):
     return q_ref, w_raw.double() * weight_scale, layer
 
 
+@contextlib.contextmanager
+def one_attention_cp_rank():
+    """SGLang's extend and verify paths ask get_parallel() for the attention context-parallel size, which only a
+    server sets up: one rank here."""
+    from sglang.srt.layers.attention.dsv4 import indexer as ix
+
+    orig = ix.get_parallel
+    ix.get_parallel = lambda: types.SimpleNamespace(attn_cp_size=1)
+    try:
+        yield
+    finally:
+        ix.get_parallel = orig
+
+
+@contextlib.contextmanager
+def spied_logits_routes(keys):
+    """Spies on cupy_dsa's three logits routes, yielding the calls they get [(route, args)], with SGLang's fp8
+    non-paged reader refused: the hooked forward must never consult it (``keys``: what its failure names)."""
+    from sglang.srt.layers.attention.dsv4 import indexer as ix
+
+    calls = []
+    real = {name: getattr(core, name) for name in ("paged_logits", "verify_logits", "extend_logits")}
+
+    def spy(name):
+        def f(*a, **k):
+            calls.append((name, a))
+            return real[name](*a, **k)
+        return f
+
+    def nonpaged_reader(*a, **k):
+        raise AssertionError(f"SGLang's fp8 non-paged reader was consulted {keys}")
+
+    mixin = ix.C4IndexerBackendMixin
+    orig_np = mixin._can_use_nonpaged_indexer, mixin._get_nonpaged_indexer_plan
+    for name in real:
+        setattr(core, name, spy(name))
+    mixin._can_use_nonpaged_indexer = mixin._get_nonpaged_indexer_plan = nonpaged_reader
+    try:
+        yield calls
+    finally:
+        for name, f in real.items():
+            setattr(core, name, f)
+        mixin._can_use_nonpaged_indexer, mixin._get_nonpaged_indexer_plan = orig_np
+
+
 def _recall(raw, ref_sets):
     out = []
     for r, ref in enumerate(ref_sets):
@@ -160,40 +207,13 @@ def indexer_checks():
     def _route_run(mode_, batch, **setup):
         """Run the hooked forward in mode_ with spies on the three logits routes; (metadata, routes taken, the
         top-k of the same rows through the one-row-per-token route)."""
-        from sglang.srt.layers.attention.dsv4 import indexer as ix
-        from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
         run, _, bf16_pool, _, _ = _indexer_setup(**setup)
         rows_md, _ = run(bf16_pool)  # DECODE: every row its own request (SGLang's paged path as it calls it)
-        taken = []
-        real = {name: getattr(hooks.core, name) for name in ("paged_logits", "verify_logits", "extend_logits")}
-
-        def spy(name):
-            def f(*a, **k):
-                taken.append(name)
-                return real[name](*a, **k)
-            return f
-
-        def nonpaged_reader(*a, **k):
-            raise AssertionError("SGLang's fp8 non-paged reader was consulted with bf16 keys")
-
-        orig_gp = ix.get_parallel
-        mixin = ix.C4IndexerBackendMixin
-        orig_np = mixin._can_use_nonpaged_indexer, mixin._get_nonpaged_indexer_plan
-        for name in real:
-            setattr(hooks.core, name, spy(name))
-        ix.get_parallel = lambda: types.SimpleNamespace(attn_cp_size=1)
-        mixin._can_use_nonpaged_indexer = mixin._get_nonpaged_indexer_plan = nonpaged_reader
-        try:
+        with one_attention_cp_rank(), spied_logits_routes("with bf16 keys") as calls:
             md, _ = run(bf16_pool, mode_, batch)
-        finally:
-            for name, f in real.items():
-                setattr(hooks.core, name, f)
-            ix.get_parallel = orig_gp
-            mixin._can_use_nonpaged_indexer, mixin._get_nonpaged_indexer_plan = orig_np
         got = [set(r.tolist()) - {-1} for r in md.c4_sparse_raw_indices]
         exp = [set(r.tolist()) - {-1} for r in rows_md.c4_sparse_raw_indices]
-        return got, exp, taken
+        return got, exp, [route for route, _ in calls]
 
     @check
     def indexer_extend_varlen_path():
@@ -227,15 +247,12 @@ def indexer_checks():
     def indexer_reference_mode_matches_the_reference_oracle():
         # bf16-reference through SGLang's forward: the query from the layer's projections (prepare_index_q), FP4
         # keys, on the decode, varlen extend and grouped verify routes; top-k = the fp64 oracle's up to ties
-        from sglang.srt.layers.attention.dsv4 import indexer as ix
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
         cases = ((ForwardMode.DECODE, dict(lens=(2000, 1500, 2560))),
                  (ForwardMode.EXTEND, dict(lens=(900, 901, 1300, 600, 601, 602, 2000), groups=(2, 4, 1))),
                  (ForwardMode.TARGET_VERIFY, dict(lens=(1000, 1001, 1300, 1301), groups=(2, 2))))
-        orig_gp = ix.get_parallel
-        ix.get_parallel = lambda: types.SimpleNamespace(attn_cp_size=1)
-        try:
+        with one_attention_cp_rank():
             with mode_env("bf16-reference"):
                 for mode_, setup in cases:
                     run, oracle, pool, lens = _indexer_setup(reference=True, **setup)
@@ -249,8 +266,6 @@ def indexer_checks():
                         worst = scores[got].min()
                         # selected keys score at least the oracle's k-th, up to fp32-accumulation ties
                         assert worst >= kth - 1e-5 * scores.abs().max(), (mode_, r, float(worst), float(kth))
-        finally:
-            ix.get_parallel = orig_gp
 
     @check
     def indexer_small_rows_and_padding():

@@ -1,7 +1,10 @@
-"""Store helpers of the "on" scenario: SGLang compressor plans written byte by byte, an independent float64
-index key, the hooked store through compressor_v2's binding compared with it."""
+"""Store helpers of the "on" and "fp8cupy" scenarios: SGLang compressor plans written byte by byte, the store
+cases both key layouts are checked on, the two ways SGLang reaches the hooked store (compressor_v2's binding and
+its own call site), an independent float64 index key and the bf16 cache compared with it."""
 from __future__ import annotations
 
+import types
+from typing import NamedTuple
 
 import torch
 
@@ -52,19 +55,97 @@ def store_inputs(n, max_pos=512):
     return kv, w, fc
 
 
-def check_store(plan, kv, w, fc, out_loc, expected):
-    """Run the hooked store (through compressor_v2's binding, as SGLang calls it) and compare."""
+def decode_plan(seq_lens):
+    """SGLang's decode plan, one request per row at its seq_len."""
+    from sglang.kernels.ops.attention.dsv4.compress import CompressorDecodePlan
+
+    return CompressorDecodePlan(4, plan_rows([(s, i32(0), 0, 0) for s in seq_lens]))
+
+
+class StoreCase(NamedTuple):
+    """A store call's inputs and the slots it must write: ``expected`` = [(row of kv, slot, position)]. The bf16
+    and fp8-cupy store checks share the cases (the plan decides the slots whatever the key layout) and compare
+    the bytes with their own layout's oracle."""
+    kv: torch.Tensor
+    w: torch.Tensor
+    fc: torch.Tensor
+    plan: object
+    out_loc: torch.Tensor
+    expected: list
+
+
+def decode_case():
+    # seq_len 9 is not a compression boundary: skipped; position = seq_len - 4; slot 130 is in another page
+    kv, w, fc = store_inputs(5)
+    return StoreCase(kv, w, fc, decode_plan((8, 9, 12, 400, 16)), torch.tensor([5, 6, 7, 70, 130]),
+                     [(0, 5, 4), (2, 7, 8), (3, 70, 396), (4, 130, 12)])
+
+
+def prefill_case():
+    # invalid entry skipped; location = out_loc[ragged_id]
+    from sglang.kernels.ops.attention.dsv4.compress import CompressorPrefillPlan
+
+    kv, w, fc = store_inputs(4)
+    rows = [(4, 2), (0xFFFFFFFF, 0), (16, 5), (64, 1)]
+    plan = CompressorPrefillPlan(4, plan_rows([(s, u16x2(r, 4), 0, 0) for s, r in rows]),
+                                 torch.zeros(4, 8, dtype=torch.uint8))
+    return StoreCase(kv, w, fc, plan, torch.arange(100, 108), [(0, 102, 0), (2, 105, 12), (3, 101, 60)])
+
+
+def call_site_case():
+    kv, w, fc = store_inputs(3)
+    return StoreCase(kv, w, fc, decode_plan((16, 18, 20)), torch.tensor([11, 12, 13]), [(0, 11, 12), (2, 13, 16)])
+
+
+def index_cache():
+    """Layer 0's index-key cache of a fresh pool of this process's mode (bf16 or SGLang's fp8 pages)."""
+    return make_index_pool(size=256).index_k_with_scale_buffer[0]
+
+
+def store_through_binding(case):
+    """The hooked store through compressor_v2's binding, as SGLang calls it; the cache it wrote."""
     from sglang.srt.layers.attention.dsv4 import compressor_v2
 
-    pool = make_index_pool(size=256)
-    cache = pool.index_k_with_scale_buffer[0]
-    compressor_v2.compress_norm_rope_store(kv, plan, norm_weight=w, norm_eps=1e-6, freq_cis=fc, out_loc=out_loc,
-                                          kvcache=cache, page_size=64)
+    cache = index_cache()
+    compressor_v2.compress_norm_rope_store(case.kv, case.plan, norm_weight=case.w, norm_eps=1e-6, freq_cis=case.fc,
+                                          out_loc=case.out_loc, kvcache=cache, page_size=64)
+    return cache
+
+
+def store_through_sglang_call_site(case, cache):
+    """SGLang's own CompressorBackendMixin._forward_compress_all_in_one (indexer branch) with its CUDA-JIT
+    compress_forward replaced by a stand-in that returns the compressed rows: the hooked store must accept
+    exactly the keywords SGLang passes and write the planned slots of ``cache``."""
+    from sglang.srt.layers.attention.dsv4 import compressor_v2
+
+    class Backend(compressor_v2.CompressorBackendMixin):
+        forward_metadata = types.SimpleNamespace(c4_compress_metadata=case.plan)
+
+    seen = {}
+
+    def fake_compress_forward(**kw):
+        seen["plan"] = kw["plan"]
+        return case.kv
+
+    orig = compressor_v2.compress_forward
+    compressor_v2.compress_forward = fake_compress_forward
+    try:
+        rows = case.kv.shape[0]
+        Backend()._forward_compress_all_in_one(
+            kv_score_buffer=torch.zeros(8, 512), kv_score_input=torch.zeros(rows, 512), ape=torch.zeros(4, 128),
+            head_dim=128, norm=types.SimpleNamespace(weight=case.w, variance_epsilon=1e-6), freqs_cis_cache=case.fc,
+            kv_cache=cache, is_indexer=True, rotate=True, compress_ratio=4, page_size=64, out_loc=case.out_loc)
+    finally:
+        compressor_v2.compress_forward = orig
+    assert seen["plan"] is case.plan
+
+
+def assert_bf16_keys(cache, case):
+    """The bf16 cache holds the float64 index key (to bf16 precision) at exactly the expected slots."""
     flat = cache.view(torch.bfloat16).view(-1, 128)
     written = sorted(int(i) for i in (cache.view(-1, 256) != 0).any(1).nonzero().flatten())
-    assert written == sorted(loc for _, loc, _ in expected), f"written slots {written}, expected {expected}"
-    for row, loc, pos in expected:
-        ref = key_f64(kv[row:row + 1], torch.tensor([pos]), w, fc)[0]
-        got = flat[loc].double()
-        err = (got - ref).abs().max().item()
+    assert written == sorted(loc for _, loc, _ in case.expected), f"written slots {written}, expected {case.expected}"
+    for row, loc, pos in case.expected:
+        ref = key_f64(case.kv[row:row + 1], torch.tensor([pos]), case.w, case.fc)[0]
+        err = (flat[loc].double() - ref).abs().max().item()
         assert err <= 1e-2 * ref.abs().max().item() + 1e-3, f"slot {loc}: max error {err:.3g}"

@@ -1,4 +1,5 @@
-"""Scenario "on", part: never the wrong format; the switch is read once; off means SGLang's own code."""
+"""Scenario "on", part: never the wrong format; the switch is read once; off means SGLang's own code. The store
+refusal assertions serve the fp8cupy scenario too."""
 from __future__ import annotations
 
 import os
@@ -8,8 +9,8 @@ import torch
 
 from cupy_dsa.sglang import core, guard, hooks
 
-from checks_store import i32, plan_rows, store_inputs
-from harness import check, ENV, make_index_pool, mode_env
+from checks_store import decode_plan, index_cache, store_inputs
+from harness import assert_refused, check, ENV, mode_env
 
 
 class Spy:
@@ -22,13 +23,29 @@ class Spy:
 
 
 def _store_call(cache, **extra):
-    from sglang.kernels.ops.attention.dsv4.compress import CompressorDecodePlan
-
     kv, w, fc = store_inputs(2)
-    plan = CompressorDecodePlan(4, plan_rows([(8, i32(0), 0, 0), (12, i32(0), 0, 0)]))
+    plan = decode_plan((8, 12))
     kw = dict(norm_weight=w, norm_eps=1e-6, freq_cis=fc, out_loc=torch.tensor([3, 9]), kvcache=cache, page_size=64)
     kw.update(extra)
     return kv, plan, kw
+
+
+def assert_stores_refused(cache, cases, fragments, what):
+    """A store into ``cache`` with each case's extra keywords raises, naming the case's fragment, "does not
+    recognise" and ``fragments``: the hook neither stores nor hands a call it does not recognise to SGLang."""
+    from sglang.kernels.ops.attention.dsv4 import compress
+
+    for extra, fragment in cases:
+        kv, plan, kw = _store_call(cache, **extra)
+        assert_refused(lambda: compress.compress_norm_rope_store(kv, plan, **kw),
+                       (fragment, "does not recognise", *fragments), f"{what} with {extra} was accepted")
+
+
+def assert_hook_refuses(kv, plan, kw, fragment, accepted):
+    """The store hook raises, naming ``fragment``, and never calls SGLang's store."""
+    spy = Spy()
+    assert_refused(lambda: hooks._store_hook(spy, kv, plan, **kw), (fragment,), accepted)
+    assert not spy.calls, "a refused store went to SGLang's store"
 
 
 def strictness_checks():
@@ -44,41 +61,23 @@ def strictness_checks():
         from sglang.kernels.ops.attention.dsv4 import compress
         from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout
 
-        cache = make_index_pool(size=256).index_k_with_scale_buffer[0]
-        for extra, fragment in ((dict(use_fp4=True), "use_fp4=True"), (dict(page_size=256), "page_size=256"),
-                                (dict(layout=KVLayout.V41), "layout="), (dict(fp8_2buff=True), "fp8_2buff=True"),
-                                (dict(bf16_store=True), "bf16_store=True"),
-                                (dict(rope_cache=(torch.zeros(1), torch.zeros(1))), "rope_cache="),
-                                (dict(new_option=1), "unknown keyword new_option")):
-            kv, plan, kw = _store_call(cache, **extra)
-            try:
-                compress.compress_norm_rope_store(kv, plan, **kw)
-            except RuntimeError as e:
-                assert fragment in str(e) and "does not recognise" in str(e), str(e)
-            else:
-                raise AssertionError(f"a bf16-cache store with {extra} was accepted")
+        cache = index_cache()
+        assert_stores_refused(cache, ((dict(use_fp4=True), "use_fp4=True"), (dict(page_size=256), "page_size=256"),
+                                      (dict(layout=KVLayout.V41), "layout="), (dict(fp8_2buff=True), "fp8_2buff=True"),
+                                      (dict(bf16_store=True), "bf16_store=True"),
+                                      (dict(rope_cache=(torch.zeros(1), torch.zeros(1))), "rope_cache="),
+                                      (dict(new_option=1), "unknown keyword new_option")), (), "a bf16-cache store")
         kv, plan, kw = _store_call(cache)
-        try:
-            compress.compress_norm_rope_store(kv[:, :64].contiguous(), plan, **kw)
-        except RuntimeError as e:
-            assert "kv of shape (2, 64)" in str(e), str(e)
-        else:
-            raise AssertionError("a 64-wide kv was stored into a bf16 index cache")
+        assert_refused(lambda: compress.compress_norm_rope_store(kv[:, :64].contiguous(), plan, **kw),
+                       ("kv of shape (2, 64)",), "a 64-wide kv was stored into a bf16 index cache")
         assert not cache.any(), "a refused call wrote the cache"
         with mode_env("fp8"):  # switch off but a bf16 cache: still never SGLang's fp8 store
-            spy = Spy()
-            try:
-                hooks._store_hook(spy, kv, plan, **kw)
-            except RuntimeError as e:
-                assert f"{ENV}=fp8" in str(e), str(e)
-            else:
-                raise AssertionError("switch off: a bf16 cache went to SGLang's store")
-            assert not spy.calls
+            assert_hook_refuses(kv, plan, kw, f"{ENV}=fp8", "switch off: a bf16 cache went to SGLang's store")
 
     @check
     def store_fp8_cache_goes_to_sglang_unchanged():
         with mode_env("fp8"):
-            cache = make_index_pool(size=256).index_k_with_scale_buffer[0]
+            cache = index_cache()
         assert tuple(cache.shape[1:]) == (8448,)
         for mode in ("fp8", "bf16"):
             with mode_env(mode):

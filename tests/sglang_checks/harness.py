@@ -1,5 +1,6 @@
 """What every scenario shares: the check registry (each check isolated: one failing check does not hide the
-others), the switch set for a block, SGLang's plugin loading, an indexer pool, whether a hook is in place.
+others), a refusal's assertion, the switch set for a block, SGLang's plugin loading, an indexer pool, whether a
+hook is in place (one, every one, none).
 
 Importing it makes SGLang importable on a CPU-only machine first (``scripts/_sglang_env.py``)."""
 from __future__ import annotations
@@ -30,6 +31,16 @@ def check(fn):
     except BaseException:  # noqa: BLE001 - every failure is reported, not raised
         RESULTS[fn.__name__] = {"ok": False, "error": traceback.format_exc()}
     return fn
+
+
+def assert_refused(call, fragments, accepted):
+    """call() raises RuntimeError with every fragment in its message; ``accepted``: the failure if it returns."""
+    try:
+        call()
+    except RuntimeError as e:
+        assert all(f in str(e) for f in fragments), str(e)
+    else:
+        raise AssertionError(accepted)
 
 
 class mode_env:
@@ -76,6 +87,16 @@ def _is_wrapped(target):
     owner, attr, raw, _ = guard.resolve_target(target)
     fn = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
     return hasattr(fn, "__wrapped__")
+
+
+def every_hook_in_place():
+    """Every cupy_dsa hook is in place (what nothing_patched denies): every target wrapped, the resolution hook
+    registered."""
+    from sglang.srt.arg_groups.resolution_hooks import _HOOKS
+
+    missing = [t for t in hooks.ALWAYS_TARGETS + hooks.SWITCHED_TARGETS if not patched(t)]
+    assert not missing, f"not patched: {missing}"
+    assert hooks.validate_config in _HOOKS.get(guard.RESOLUTION_STEP, []), "H5 not registered"
 
 
 def nothing_patched():

@@ -20,12 +20,13 @@ import types
 import torch
 
 from cupy_dsa import rotate_index_k_reference
-from cupy_dsa.sglang import core, guard, hooks
+from cupy_dsa.sglang import core, hooks
 
-from checks_indexer import _indexer_setup
-from checks_store import i32, key_f64, plan_rows, store_inputs, u16x2
-from checks_strictness import Spy, _store_call
-from harness import ENV, INFO, check, load, make_index_pool, mode_env, patched
+from checks_indexer import _indexer_setup, one_attention_cp_rank, spied_logits_routes
+from checks_store import (call_site_case, decode_case, index_cache, key_f64, prefill_case, store_through_binding,
+                          store_through_sglang_call_site)
+from checks_strictness import Spy, _store_call, assert_hook_refuses, assert_stores_refused
+from harness import ENV, INFO, check, every_hook_in_place, load, make_index_pool, mode_env
 
 MODE = "fp8-cupy"
 FP8_PAGE = 8448
@@ -56,15 +57,11 @@ def sglang_fp8_pages(num_pages, items, kv, w, fc, eps=1e-6):
     return fused.reshape(num_pages, FP8_PAGE)
 
 
-def _check_fp8_store(plan, kv, w, fc, out_loc, expected, via_call_site=False):
-    """The hooked store into an SGLang fp8 index pool (through compressor_v2's binding, as SGLang calls it):
-    bytes equal to SGLang's store stand-in, keys equal to the fp64 key up to fp8 rounding."""
-    from sglang.srt.layers.attention.dsv4 import compressor_v2
-
-    cache = make_index_pool(size=256).index_k_with_scale_buffer[0]
+def assert_sglang_fp8_pages(cache, case):
+    """An SGLang fp8 index cache after the hooked store: bytes equal to SGLang's store stand-in, keys equal to the
+    fp64 key up to fp8 rounding at exactly the expected slots."""
     assert tuple(cache.shape[1:]) == (FP8_PAGE,), cache.shape
-    compressor_v2.compress_norm_rope_store(kv, plan, norm_weight=w, norm_eps=1e-6, freq_cis=fc, out_loc=out_loc,
-                                          kvcache=cache, page_size=64)
+    kv, w, fc, expected = case.kv, case.w, case.fc, case.expected
     want = sglang_fp8_pages(cache.shape[0], expected, kv, w, fc)
     diff = (cache != want).nonzero()
     assert diff.numel() == 0, f"{diff.shape[0]} bytes differ from SGLang's fp8 store, first at (page, byte) {diff[0].tolist()}"
@@ -131,41 +128,15 @@ def _same_up_to_ties(ours, theirs, oracle, lens, topk, what, tol_rel):
 def _run_both(mode_, batch, **setup):
     """SGLang's own fp8 forward and the hooked fp8-cupy forward on the same SGLang fp8 pool, q and weights, with
     spies on cupy_dsa's three logits routes: (ours, theirs, oracle, lens, routes taken, page table)."""
-    from sglang.srt.layers.attention.dsv4 import indexer as ix
-
     run, _, _, fp8_pool, lens = _setup(**setup)
-    taken, seen = [], {}
-    real = {name: getattr(core, name) for name in ("paged_logits", "verify_logits", "extend_logits")}
-
-    def spy(name):
-        def f(*a, **k):
-            taken.append(name)
-            seen.setdefault("qw", (a[0], a[1]))
-            return real[name](*a, **k)
-        return f
-
-    def nonpaged_reader(*a, **k):
-        raise AssertionError("SGLang's fp8 non-paged reader was consulted with fp8-cupy on")
-
-    orig_gp = ix.get_parallel
-    mixin = ix.C4IndexerBackendMixin
-    orig_np = mixin._can_use_nonpaged_indexer, mixin._get_nonpaged_indexer_plan
-    ix.get_parallel = lambda: types.SimpleNamespace(attn_cp_size=1)
-    try:
+    with one_attention_cp_rank():
         with mode_env("fp8"):   # SGLang's own forward_c4_indexer (torch fp8 logits: SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1)
             theirs, page_table = run(fp8_pool, mode_, batch)
-        for name in real:
-            setattr(core, name, spy(name))
-        mixin._can_use_nonpaged_indexer = mixin._get_nonpaged_indexer_plan = nonpaged_reader
-        ours, _ = run(fp8_pool, mode_, batch)
-    finally:
-        for name, f in real.items():
-            setattr(core, name, f)
-        ix.get_parallel = orig_gp
-        mixin._can_use_nonpaged_indexer, mixin._get_nonpaged_indexer_plan = orig_np
-    q, w = seen["qw"]
+        with spied_logits_routes("with fp8-cupy on") as calls:
+            ours, _ = run(fp8_pool, mode_, batch)
+    q, w = calls[0][1][:2]  # the rows' q and weights, as the hooked forward passed them to cupy_dsa's logits
     oracle = _oracle(q, w, fp8_pool.index_k_with_scale_buffer[0], page_table, lens)
-    return ours, theirs, oracle, lens, taken, page_table
+    return ours, theirs, oracle, lens, [route for route, _ in calls], page_table
 
 
 # SGLang's torch fp8 logits round each head's dot product to bf16 (torch.bmm of bf16): 2^-9 relative per head
@@ -177,12 +148,9 @@ def scenario_fp8cupy():
 
     @check
     def hooks_applied_fp8cupy():
-        missing = [t for t in hooks.ALWAYS_TARGETS + hooks.SWITCHED_TARGETS if not patched(t)]
-        assert not missing, f"not patched: {missing}"
-        from sglang.srt.arg_groups.resolution_hooks import _HOOKS
         from sglang.srt.environ import envs
 
-        assert hooks.validate_config in _HOOKS.get(guard.RESOLUTION_STEP, []), "H5 not registered"
+        every_hook_in_place()
         assert envs.SGLANG_CUPY_DSA_INDEX_K.get() == MODE and core.index_k_mode() == MODE
 
     @check
@@ -204,38 +172,19 @@ def scenario_fp8cupy():
 
     @check
     def store_fp8_decode_plan_matches_sglang():
-        from sglang.kernels.ops.attention.dsv4.compress import CompressorDecodePlan
-
-        kv, w, fc = store_inputs(5)
-        kv[4] *= 1e-6  # a key whose amax is below 1e-4 (SGLang's scale floor)
-        plan = CompressorDecodePlan(4, plan_rows([(s, i32(0), 0, 0) for s in (8, 9, 12, 400, 16)]))
-        out_loc = torch.tensor([5, 6, 7, 70, 130], dtype=torch.int64)
-        _check_fp8_store(plan, kv, w, fc, out_loc, [(0, 5, 4), (2, 7, 8), (3, 70, 396), (4, 130, 12)])
+        case = decode_case()
+        case.kv[4] *= 1e-6  # a key whose amax is below 1e-4 (SGLang's scale floor)
+        assert_sglang_fp8_pages(store_through_binding(case), case)
 
     @check
     def store_fp8_prefill_plan_matches_sglang():
-        from sglang.kernels.ops.attention.dsv4.compress import CompressorPrefillPlan
-
-        kv, w, fc = store_inputs(4)
-        kv[1] *= 300.0  # a large key: the scale carries it, the codes stay in range
-        rows = [(4, 2), (0xFFFFFFFF, 0), (16, 5), (64, 1)]
-        plan = CompressorPrefillPlan(4, plan_rows([(s, u16x2(r, 4), 0, 0) for s, r in rows]),
-                                     torch.zeros(4, 8, dtype=torch.uint8))
-        out_loc = torch.tensor([100, 101, 102, 103, 104, 105, 106, 107], dtype=torch.int64)
-        _check_fp8_store(plan, kv, w, fc, out_loc, [(0, 102, 0), (2, 105, 12), (3, 101, 60)])
+        case = prefill_case()
+        case.kv[1] *= 300.0  # a large key: the scale carries it, the codes stay in range
+        assert_sglang_fp8_pages(store_through_binding(case), case)
 
     @check
     def store_fp8_via_sglang_call_site():
-        from sglang.kernels.ops.attention.dsv4.compress import CompressorDecodePlan
-        from sglang.srt.layers.attention.dsv4 import compressor_v2
-
-        kv, w, fc = store_inputs(3)
-        plan = CompressorDecodePlan(4, plan_rows([(s, i32(0), 0, 0) for s in (16, 18, 20)]))
-        cache = make_index_pool(size=256).index_k_with_scale_buffer[0]
-
-        class Backend(compressor_v2.CompressorBackendMixin):
-            forward_metadata = types.SimpleNamespace(c4_compress_metadata=plan)
-
+        case, cache = call_site_case(), index_cache()
         stores = []
         real = core.store_index_k_bf16
 
@@ -243,49 +192,28 @@ def scenario_fp8cupy():
             stores.append(k["kvcache"])
             return real(*a, **k)
 
-        orig = compressor_v2.compress_forward
-        compressor_v2.compress_forward = lambda **kw: kv
         core.store_index_k_bf16 = spy
         try:
-            Backend()._forward_compress_all_in_one(
-                kv_score_buffer=torch.zeros(8, 512), kv_score_input=torch.zeros(3, 512), ape=torch.zeros(4, 128),
-                head_dim=128, norm=types.SimpleNamespace(weight=w, variance_epsilon=1e-6), freqs_cis_cache=fc,
-                kv_cache=cache, is_indexer=True, rotate=True, compress_ratio=4, page_size=64,
-                out_loc=torch.tensor([11, 12, 13]))
+            store_through_sglang_call_site(case, cache)
         finally:
-            compressor_v2.compress_forward = orig
             core.store_index_k_bf16 = real
         assert len(stores) == 1 and stores[0] is cache, "the fp8 index cache did not go to cupy_dsa's store"
-        want = sglang_fp8_pages(cache.shape[0], [(0, 11, 12), (2, 13, 16)], kv, w, fc)
-        assert torch.equal(cache, want), "pages differ from SGLang's fp8 store"
+        assert_sglang_fp8_pages(cache, case)
 
     @check
     def store_fp8cupy_strictness():
-        from sglang.kernels.ops.attention.dsv4 import compress
-
-        cache = make_index_pool(size=256).index_k_with_scale_buffer[0]
-        for extra, fragment in ((dict(use_fp4=True), "use_fp4=True"), (dict(page_size=256), "page_size=256"),
-                                (dict(new_option=1), "unknown keyword new_option")):
-            kv, plan, kw = _store_call(cache, **extra)
-            try:
-                compress.compress_norm_rope_store(kv, plan, **kw)
-            except RuntimeError as e:
-                assert fragment in str(e) and "does not recognise" in str(e) and "fp8 index cache" in str(e), str(e)
-            else:
-                raise AssertionError(f"an fp8-cupy store with {extra} was accepted (or handed to SGLang)")
+        cache = index_cache()
+        assert_stores_refused(cache, ((dict(use_fp4=True), "use_fp4=True"), (dict(page_size=256), "page_size=256"),
+                                      (dict(new_option=1), "unknown keyword new_option")),
+                              ("fp8 index cache",), "an fp8-cupy store")
         assert not cache.any(), "a refused call wrote the cache"
         bf16_cache = torch.zeros(44, 16384, dtype=torch.uint8)  # a bf16 cache cannot be this mode's
         kv, plan, kw = _store_call(bf16_cache)
-        spy = Spy()
-        try:
-            hooks._store_hook(spy, kv, plan, **kw)
-        except RuntimeError as e:
-            assert f"{ENV}={MODE} in this process" in str(e), str(e)
-        else:
-            raise AssertionError("fp8-cupy wrote a bf16 cache")
-        assert not spy.calls and not bf16_cache.any()
+        assert_hook_refuses(kv, plan, kw, f"{ENV}={MODE} in this process", "fp8-cupy wrote a bf16 cache")
+        assert not bf16_cache.any()
         main_kv = torch.zeros(4, 64 * 584, dtype=torch.uint8)  # SGLang's other caches: its own store
         kv, plan, kw = _store_call(main_kv)
+        spy = Spy()
         assert hooks._store_hook(spy, kv, plan, **kw) == "original" and len(spy.calls) == 1
 
     @check

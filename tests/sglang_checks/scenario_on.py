@@ -2,17 +2,15 @@
 from __future__ import annotations
 
 import os
-import types
 
 import torch
 
-from cupy_dsa.sglang import guard, hooks
-
 from checks_guard import guard_checks
 from checks_indexer import indexer_checks
-from checks_store import check_store, i32, key_f64, plan_rows, store_inputs, u16x2
+from checks_store import (assert_bf16_keys, call_site_case, decode_case, decode_plan, index_cache, prefill_case,
+                          store_inputs, store_through_binding, store_through_sglang_call_site)
 from checks_strictness import strictness_checks
-from harness import check, ENV, load, make_index_pool, mode_env, patched
+from harness import check, ENV, every_hook_in_place, load, make_index_pool, mode_env
 
 
 def scenario_on():
@@ -20,11 +18,7 @@ def scenario_on():
 
     @check
     def hooks_applied():
-        missing = [t for t in hooks.ALWAYS_TARGETS + hooks.SWITCHED_TARGETS if not patched(t)]
-        assert not missing, f"not patched: {missing}"
-        from sglang.srt.arg_groups.resolution_hooks import _HOOKS
-
-        assert hooks.validate_config in _HOOKS.get(guard.RESOLUTION_STEP, []), "H5 not registered"
+        every_hook_in_place()
         import sglang.kernels.ops.attention.dsv4 as dsv4_pkg
         from sglang.kernels.ops.attention.dsv4 import compress
         from sglang.srt.layers.attention import deepseek_v4_backend
@@ -74,74 +68,27 @@ def scenario_on():
 
     @check
     def store_decode_plan():
-        from sglang.kernels.ops.attention.dsv4.compress import CompressorDecodePlan
-
-        kv, w, fc = store_inputs(4)
-        seq = [8, 9, 12, 400]
-        plan = CompressorDecodePlan(4, plan_rows([(s, i32(0), 0, 0) for s in seq]))
-        out_loc = torch.tensor([5, 6, 7, 70], dtype=torch.int64)
-        # seq_len 9 is not a compression boundary: skipped; position = seq_len - 4
-        check_store(plan, kv, w, fc, out_loc, [(0, 5, 4), (2, 7, 8), (3, 70, 396)])
+        case = decode_case()
+        assert_bf16_keys(store_through_binding(case), case)
 
     @check
     def store_prefill_plan():
-        from sglang.kernels.ops.attention.dsv4.compress import CompressorPrefillPlan
-
-        kv, w, fc = store_inputs(4)
-        rows = [(4, 2), (0xFFFFFFFF, 0), (16, 5), (64, 1)]
-        plan = CompressorPrefillPlan(4, plan_rows([(s, u16x2(r, 4), 0, 0) for s, r in rows]),
-                                     torch.zeros(4, 8, dtype=torch.uint8))
-        out_loc = torch.tensor([100, 101, 102, 103, 104, 105, 106, 107], dtype=torch.int64)
-        # invalid entry skipped; location = out_loc[ragged_id]
-        check_store(plan, kv, w, fc, out_loc, [(0, 102, 0), (2, 105, 12), (3, 101, 60)])
+        case = prefill_case()
+        assert_bf16_keys(store_through_binding(case), case)
 
     @check
     def store_via_sglang_call_site():
-        # SGLang's own CompressorBackendMixin._forward_compress_all_in_one (indexer branch) with its CUDA-JIT
-        # compress_forward replaced by a stand-in that returns the compressed rows: the hooked store must
-        # accept exactly the keywords SGLang passes and write the planned slots.
-        from sglang.kernels.ops.attention.dsv4.compress import CompressorDecodePlan
-        from sglang.srt.layers.attention.dsv4 import compressor_v2
-
-        kv, w, fc = store_inputs(3)
-        plan = CompressorDecodePlan(4, plan_rows([(s, i32(0), 0, 0) for s in (16, 18, 20)]))
-        cache = make_index_pool(size=256).index_k_with_scale_buffer[0]
-
-        class Backend(compressor_v2.CompressorBackendMixin):
-            forward_metadata = types.SimpleNamespace(c4_compress_metadata=plan)
-
-        seen = {}
-
-        def fake_compress_forward(**kw):
-            seen["plan"] = kw["plan"]
-            return kv
-
-        orig = compressor_v2.compress_forward
-        compressor_v2.compress_forward = fake_compress_forward
-        try:
-            Backend()._forward_compress_all_in_one(
-                kv_score_buffer=torch.zeros(8, 512), kv_score_input=torch.zeros(3, 512), ape=torch.zeros(4, 128),
-                head_dim=128, norm=types.SimpleNamespace(weight=w, variance_epsilon=1e-6), freqs_cis_cache=fc,
-                kv_cache=cache, is_indexer=True, rotate=True, compress_ratio=4, page_size=64,
-                out_loc=torch.tensor([11, 12, 13]))
-        finally:
-            compressor_v2.compress_forward = orig
-        assert seen["plan"] is plan
-        written = sorted(int(i) for i in (cache.view(-1, 256) != 0).any(1).nonzero().flatten())
-        assert written == [11, 13], written
-        for row, loc, pos in ((0, 11, 12), (2, 13, 16)):
-            ref = key_f64(kv[row:row + 1], torch.tensor([pos]), w, fc)[0]
-            err = (cache.view(torch.bfloat16).view(-1, 128)[loc].double() - ref).abs().max().item()
-            assert err <= 1e-2 * ref.abs().max().item() + 1e-3, f"slot {loc}: max error {err:.3g}"
+        case, cache = call_site_case(), index_cache()
+        store_through_sglang_call_site(case, cache)
+        assert_bf16_keys(cache, case)
 
     @check
     def store_fp4sim():
-        from sglang.kernels.ops.attention.dsv4.compress import CompressorDecodePlan
         from sglang.srt.layers.attention.dsv4 import compressor_v2
 
         kv, w, fc = store_inputs(2)
-        plan = CompressorDecodePlan(4, plan_rows([(8, i32(0), 0, 0), (12, i32(0), 0, 0)]))
-        cache = make_index_pool(size=256).index_k_with_scale_buffer[0]
+        plan = decode_plan((8, 12))
+        cache = index_cache()
         with mode_env("bf16-fp4sim"):
             compressor_v2.compress_norm_rope_store(kv, plan, norm_weight=w, norm_eps=1e-6, freq_cis=fc,
                                                   out_loc=torch.tensor([3, 9]), kvcache=cache, page_size=64)

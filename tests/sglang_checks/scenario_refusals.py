@@ -9,7 +9,7 @@ import sys
 
 from cupy_dsa.sglang import guard, hooks
 
-from harness import check, ENV, INFO, mode_env, nothing_patched, patched
+from harness import check, ENV, every_hook_in_place, INFO, mode_env, nothing_patched
 
 
 def _load_expect_refusal(*fragments, loader=None):
@@ -178,8 +178,7 @@ def scenario_refusals():
 
         sp._plugins_loaded = False
         sp.load_plugins()
-        missing = [t for t in hooks.ALWAYS_TARGETS + hooks.SWITCHED_TARGETS if not patched(t)]
-        assert not missing, missing
+        every_hook_in_place()
         from sglang.srt.mem_cache import deepseek_v4_memory_pool as mp
         from sglang.srt.model_executor import pool_configurator as pc
 
