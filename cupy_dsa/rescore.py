@@ -183,7 +183,8 @@ def rescore_topk_reference(q, weights, hi_cache, lo_cache, context_lens, block_t
     1 - j)`` keys) or ``[B, next_n]``, block_table int32 ``[B, max_pages]``. ``index_topk >= 1`` keys per row,
     chosen among each row's ``k_prime >= index_topk`` best stage-1 (fp8) keys. ``stage1_logits``: the fp8 logits
     ``[B * next_n, >= visible width]`` if the caller already has them (columns past a row's length are ignored).
-    Returns :class:`RescoreTopK` (row order = stage-2 score order; trivial rows ``0..len-1``)."""
+    Returns :class:`RescoreTopK` (row order = stage-2 score order; trivial rows ``0..len-1``); a non-trivial row
+    never selects a key whose block-table entry is not a page of the caches."""
     _check_pair(hi_cache, lo_cache)
     try:
         _check_paged(q, hi_cache, weights, context_lens, block_table, 0)
@@ -243,7 +244,7 @@ def rescore_topk_reference(q, weights, hi_cache, lo_cache, context_lens, block_t
         # stage-2 order; ties by stage-1 rank (the candidates are in stage-1 order, so a stable sort does it)
         sel = torch.sort(s2, dim=1, descending=True, stable=True).indices[:, :min(index_topk, kp)]
         raw = cand.gather(1, sel)
-        ok = cand_ok.gather(1, sel)
+        ok = pages_ok.gather(1, sel)                                                # keys of invalid pages: never
         trivial = n_r[:, 0] <= index_topk
         if bool(trivial.any()):
             seq = torch.arange(min(index_topk, L), device=dev)[None, :].expand(r1 - r0, -1)

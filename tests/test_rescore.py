@@ -232,6 +232,18 @@ def test_small_k_prime_misses_a_constructed_key():
     assert bool((miss.fp8_rank[0] < n_b).all())
 
 
+def test_keys_of_invalid_pages_are_never_selected():
+    kv, pos, w, freqs = _keys(128, 20.0, seed=9)
+    k = store.rotate_index_k_reference(kv, pos, w, freqs).view(1, 128, 128)
+    hi, lo, table = _paged(k, seed=2)
+    table = torch.tensor([[int(table[0, 0]), -1]], dtype=torch.int32)   # the second page is not in the caches
+    q, wt = _query(1, 1, seed=4)
+    res = rescore.rescore_topk_reference(q, wt, hi, lo, torch.tensor([128], dtype=torch.int32), table, 80, 128)
+    raw = res.raw_indices[0]
+    assert sorted(raw[raw >= 0].tolist()) == list(range(64)) and bool((raw[64:] == -1).all())
+    assert bool((res.page_indices[0][64:] == -1).all()) and bool((res.fp8_rank[0][64:] == -1).all())
+
+
 def test_stage1_logits_given_or_computed_agree():
     q, w, hi, lo, table, a = _miss_case()
     lens = torch.tensor([64], dtype=torch.int32)
