@@ -17,11 +17,12 @@ costs 132 B (hi) + 132 B (lo) = 264 B, 1.03x bf16's 256 B::
 Why int8 and not an e4m3 or a bf16 residual: the fp8 residual ``r_e`` is bounded by half an e4m3 step of the
 element's own binade, so residuals of large elements are large and those of small elements small, but every
 ``|r_e| <= 16 * hi_scale`` (half the step of the top binade, [256, 448)). A uniform (int8) grid over
-``[-max|r|, max|r|]`` gives every element the same absolute error (<= max|r| / 254), about 2^-13 of the row's
-absolute maximum: that is finer than bf16's half-ulp for every element above 1/32 of the row's maximum, which
-carries nearly all of a dot product. Measured on the recall bench's synthetic keys (8,192 Hadamard-rotated keys
-through ``rotate_index_k_reference``, 4 outlier channels x20; ``tests/test_rescore.py`` checks these bounds on
-its own keys), relative L2 error ``|k_hat - k| / |k|``, mean / worst over keys:
+``[-max|r|, max|r|]`` gives every element the same absolute error (<= max|r| / 254 <= 16 * hi_scale / 254, 1.4e-4
+of the row's absolute maximum): finer than bf16's half-ulp (>= 2^-9 |x|) for every element above 1/14 of the row's
+maximum, i.e. for most elements of a Hadamard-rotated key and nearly all of its dot products. Measured on the
+recall bench's synthetic keys (8,192 Hadamard-rotated keys through ``rotate_index_k_reference``, 4 outlier
+channels x20; ``tests/test_rescore.py`` checks these bounds on its own keys), relative L2 error
+``|k_hat - k| / |k|``, mean / worst over keys:
 
 ==============================  ===================  =====================
 key copy                        rel. L2 mean / max   bytes per entry
@@ -34,7 +35,13 @@ fp8 + e4m3 residual + scale     6.3e-4 / 8.7e-4      264
 
 The dot-product error ``|q . (k_hat - k)| / (|q| |k|)`` for random q follows the same order (mean 1.3e-5 for
 int8 vs 1.2e-4 for bf16), so the rescoring is about 9x more precise than a bf16 key at 1.03x its bytes; a bf16
-residual would also be precise enough, but at 388 B per entry.
+residual would be finer still, at 388 B per entry. Measured and not chosen (yet): an int8 residual
+relative to each element's own e4m3 step (``lo * 2^(max(E, 1) - 18)`` in hi-scale units, E the code's exponent
+field; no lo scale, 260 B per entry) has 1.7x less error again (rel. L2 1.1e-4 mean); on the recall bench's
+near-duplicate stress suite (K' = 4k, k = 512, 8 queries) it missed 8 instead of 12 of the 4,096 exact top-k
+entries at 64K tokens, and 19 instead of 18 at 16K. On that suite (near-duplicates at the top-k boundary) neither
+residual keeps 99.99% of the exact top-k (99.5-99.9% at K' = 4k); stage 2 from the unrounded fp32 keys keeps
+99.988-100% with a bf16 q and 99.85-99.98% with the fp8 q.
 
 Selection (:func:`rescore_topk_reference`): stage 1 ranks a row's visible keys by their fp8 logit
 (``paged_mqa_logits_reference`` on the hi cache: ``k_scale * sum_h relu(q_h . k_fp8) * w_h``), ties broken by
