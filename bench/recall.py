@@ -162,7 +162,8 @@ def _rest_scores(q, w, k):
     return torch.einsum("bhn,bh->bn", s, w[:, 1:])
 
 
-def run(device: torch.device, quick: bool, seed: int, progress=None, outlier_scale: float = OUTLIER_SCALE) -> list[dict]:
+def run(device: torch.device, quick: bool, seed: int, progress=None,
+        outlier_scale: float = OUTLIER_SCALE) -> list[dict]:
     """Recall rows per (context, format, k). ``outlier_scale``: the factor of the 4 outlier channels of the raw keys
     (1 = none; RECALL_NOTE describes the default, 20); every row records it."""
     ctxs, n_queries = contexts(device, quick)
@@ -463,7 +464,6 @@ def _rescore(acc, fp8, k_all, q8, w8, out_loc, num_pages, lens, table_rows, need
     hi, lo = empty_cache(num_pages, "fp8", device), empty_lo_cache(num_pages, device)
     store_two_level_reference(k_all.reshape(B * n, DIM), hi, lo, out_loc)
     s1 = fp8.reshape(B * M, n).contiguous()
-    ar_b = torch.arange(B, device=device)
     # fp8 rank of every key on the largest-margin rows (ties: lower position first, as stage 1)
     order = torch.sort(fp8[:, last], dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order)
