@@ -29,6 +29,9 @@ FORMAT_STYLE = {
     "fp4": dict(color="C4", marker="v", linestyle=":", linewidth=1.0, markersize=5, fillstyle="none"),
     "bf16-fp4sim+q-fp4": dict(color="C5", marker="x", linestyle=":", linewidth=1.0, markersize=5),
     "exact": dict(color="0.3", marker=".", linestyle="-.", linewidth=0.8, markersize=4),
+    "fp8-rescore-2x": dict(color="C8", marker="<", linestyle=":", linewidth=1.0, markersize=5),
+    "fp8-rescore-3x": dict(color="C8", marker=">", linestyle="--", linewidth=1.0, markersize=5),
+    "fp8-rescore-4x": dict(color="C8", marker="*", linestyle="-", linewidth=1.6, markersize=7),
     "reference": dict(color="0.6", marker=".", linestyle="-.", linewidth=0.8, markersize=4),
 }
 

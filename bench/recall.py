@@ -13,7 +13,9 @@ Two oracles score every haystack:
 
 Formats cupy_dsa implements (fp8 and bf16 layouts, exact and fp4sim keys) run through ``store_index_k`` and
 ``paged_mqa_logits`` (the CUDA kernels on a GPU, their torch references on CPU); the query-side roundings
-(fp8, bf16, fp4) are simulated in torch.
+(fp8, bf16, fp4) are simulated in torch. ``fp8-rescore-Nx`` (two-level keys, issue 26) is scored by its torch
+reference only (``cupy_dsa.rescore``, no kernels yet): stage 1 = the fp8 format's logits, K' = N x k candidates,
+stage 2 = fp8 q against fp8 + int8-residual keys; its rows add the missed exact top-k entries and their fp8 ranks.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from .sweeps import DIM, HEADS, make_freqs
 TOPKS = (512, 1024)
 MARGINS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.02, 0.05, 0.1)
 RESOLUTION_RATE = 0.99           # a format "resolves" a margin when it keeps >= 99% of the needles
-FORMATS = ("fp8", "fp4", "bf16", "bf16-fp4sim", "bf16+q-bf16", "bf16-reference")
+RESCORE_MULTIPLES = {"fp8-rescore-2x": 2, "fp8-rescore-3x": 3, "fp8-rescore-4x": 4}   # K' = multiple x k
+FORMATS = ("fp8", "fp4", "bf16", "bf16-fp4sim", "bf16+q-bf16", "bf16-reference") + tuple(RESCORE_MULTIPLES)
 ORACLES = ("exact", "reference")
 FORMAT_NOTES = {
     "fp8": "SGLang's default: fp8 keys (132 B layout) and fp8 q, one scale per (row, head) folded into the weights",
@@ -43,10 +46,15 @@ FORMAT_NOTES = {
     "bf16-reference": "what the plugin serves with SGLANG_CUPY_DSA_INDEX_K=bf16-reference, DeepSeek-V4's own indexer "
                       "numerics: fp4sim keys in the bf16 layout, q fp4-simulated in bf16 as prepare_index_q rounds "
                       "it (its RoPE and Hadamard are the bench's rotated basis), fp32 accumulation in the logits op",
+    **{f: f"two-level keys (CPU reference, no kernels yet): fp8 logits pick each row's top {m} x k candidates "
+          f"(ties: lower position), which are rescored with fp8 q (scale in the weights) against fp8 + int8-residual "
+          f"keys (264 B per entry) in fp32; missed = exact top-k entries outside the selection, with their fp8 rank "
+          f"(0-based; the K' that would have kept one is its rank + 1)" for f, m in RESCORE_MULTIPLES.items()},
     "exact": "oracle: fp64 scores of the fp32 rotated keys and fp32 q",
     "reference": "oracle: DeepSeek-V4 reference numerics (fp4-simulated q and keys, fp32 scores)",
 }
 N_OUTLIERS = 4
+OUTLIER_SCALE = 20.0             # the outlier channels' factor (run(outlier_scale=...) changes it)
 RANK = 16
 NEEDLE_HEADS = range(1, 17)      # heads that look for the cluster; head 0 is the needle's own head
 CLUSTER_SIGMAS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02)
@@ -93,11 +101,11 @@ def contexts(device: torch.device, quick: bool) -> tuple[list[int], int]:
 class _World:
     """Fixed 'model' statistics shared by every haystack: channel scales, mean, factors, norm weight."""
 
-    def __init__(self, device, seed):
+    def __init__(self, device, seed, outlier_scale=OUTLIER_SCALE):
         g = torch.Generator(device="cpu")
         g.manual_seed(seed)
         s = torch.exp(0.75 * torch.randn(DIM, generator=g))
-        s[torch.randperm(DIM, generator=g)[:N_OUTLIERS]] *= 20.0
+        s[torch.randperm(DIM, generator=g)[:N_OUTLIERS]] *= outlier_scale
         self.scale = s.to(device)
         self.mu = torch.randn(DIM, generator=g).to(device)
         self.U = (torch.randn(DIM, RANK, generator=g) / math.sqrt(RANK)).to(device)
@@ -154,9 +162,12 @@ def _rest_scores(q, w, k):
     return torch.einsum("bhn,bh->bn", s, w[:, 1:])
 
 
-def run(device: torch.device, quick: bool, seed: int, progress=None) -> list[dict]:
+def run(device: torch.device, quick: bool, seed: int, progress=None,
+        outlier_scale: float = OUTLIER_SCALE) -> list[dict]:
+    """Recall rows per (context, format, k). ``outlier_scale``: the factor of the 4 outlier channels of the raw keys
+    (1 = none; RECALL_NOTE describes the default, 20); every row records it."""
     ctxs, n_queries = contexts(device, quick)
-    world = _World(device, seed)
+    world = _World(device, seed, outlier_scale)
     freqs = make_freqs(4 * (max(ctxs) // 4), device)
     had = _hadamard_matrix(device)
     g = torch.Generator(device=device)
@@ -176,7 +187,7 @@ def run(device: torch.device, quick: bool, seed: int, progress=None) -> list[dic
                 done += B
         except Exception as exc:  # a failing op (or a broken construction) ends this context; the rows say why
             error = f"{type(exc).__name__}: {exc}"[:300]
-        rows += acc.rows(L, n, error)
+        rows += [dict(r, outlier_scale=float(outlier_scale)) for r in acc.rows(L, n, error)]
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if progress:
@@ -203,6 +214,8 @@ class _Acc:
         self.hits = {}
         self.recall = {}
         self.overlap = {}
+        self.missed = {}             # (rescore format, k): [missed entries, of them beyond K', fp8 ranks of misses]
+        self.rank_needed = {}        # k: per query, the fp8 rank + 1 that holds its whole exact top-k
         self.queries = 0
         self.margin_min = math.inf   # smallest achieved / nominal exact margin ratio (>= 1 by construction)
 
@@ -213,6 +226,21 @@ class _Acc:
         self.recall.setdefault((fmt, k), []).extend(recall)
         self.overlap.setdefault((fmt, k), []).extend(overlap)
 
+    def add_missed(self, fmt, k, ranks, k_prime):
+        m = self.missed.setdefault((fmt, k), [0, 0, []])
+        m[0] += len(ranks)
+        m[1] += sum(1 for r in ranks if r >= k_prime)
+        m[2].extend(ranks)
+
+    def _rescore_fields(self, fmt, k, n):
+        kp = RESCORE_MULTIPLES[fmt] * k
+        m = self.missed.get((fmt, k))
+        need = sorted(self.rank_needed.get(k, []))
+        return {"k_prime": kp, "missed_entries": m[0] if m else None, "missed_beyond_k_prime": m[1] if m else None,
+                "missed_fp8_rank_max": (max(m[2]) if m[2] else None) if m else None,
+                "fp8_rank_needed_max": need[-1] if need else None,
+                "fp8_rank_needed_median": need[len(need) // 2] if need else None}
+
     def rows(self, L, n, error):
         out = []
         for fmt in ORACLES + FORMATS:
@@ -221,13 +249,14 @@ class _Acc:
                 rates = [x / self.queries for x in h] if (h and self.queries) else None
                 res = resolution(rates)
                 rec, ov = self.recall.get((fmt, k), []), self.overlap.get((fmt, k), [])
+                extra = self._rescore_fields(fmt, k, n) if fmt in RESCORE_MULTIPLES else {}
                 out.append({
                     "context_tokens": L, "index_entries": n, "k": k, "format": fmt, "queries": self.queries,
                     "margins": list(MARGINS), "needle_rate": rates, "resolution": res,
                     "recall_mean": (sum(rec) / len(rec)) if rec else None, "recall_min": min(rec) if rec else None,
                     "ref_overlap_mean": (sum(ov) / len(ov)) if ov else None, "ref_overlap_min": min(ov) if ov else None,
                     "exact_margin_ratio_min": (self.margin_min if (fmt == "exact" and self.queries) else None),
-                    "trivial": n <= k, "error": error,
+                    "trivial": n <= k, "error": error, **extra,
                 })
         return out
 
@@ -409,6 +438,8 @@ def _chunk(world, freqs, had, B, n, device, g, acc):
         logits = cupy_dsa.paged_mqa_logits(qq[:, None].contiguous(), cache, ww.float().contiguous(), lens,
                                            table_rows, n, clean_logits=False)[:, :n]
         scores[fmt] = logits.view(B, M, n)
+    _rescore(acc, scores["fp8"], k_all, q8, w8, out_loc, num_pages, lens, table_rows, needles, top_exact, top_ref,
+             B, M, n, last)
     for fmt, s in scores.items():
         s_needle = s[ar_b, :, needles]                                                  # [B, M]
         ahead = (s >= s_needle[..., None]).sum(-1) - 1                                  # others at or above the needle
@@ -420,6 +451,38 @@ def _chunk(world, freqs, had, B, n, device, g, acc):
             overlap = _overlap(top, top_ref[k], n) / kk
             acc.add(fmt, k, hits, recall.tolist(), overlap.tolist())
     acc.queries += B
+
+
+def _rescore(acc, fp8, k_all, q8, w8, out_loc, num_pages, lens, table_rows, needles, top_exact, top_ref, B, M, n,
+             last):
+    """The fp8-rescore formats: two-level pages from the keys the store makes, stage 1 = the fp8 format's logits
+    (``fp8`` [B, M, n]), per k and K' the selection's needle hits, recall, reference overlap, and the missed exact
+    top-k entries with their fp8 ranks (on the largest-margin rows, as recall)."""
+    from cupy_dsa.rescore import empty_lo_cache, rescore_topk_reference, store_two_level_reference
+
+    device = fp8.device
+    hi, lo = empty_cache(num_pages, "fp8", device), empty_lo_cache(num_pages, device)
+    store_two_level_reference(k_all.reshape(B * n, DIM), hi, lo, out_loc)
+    s1 = fp8.reshape(B * M, n).contiguous()
+    # fp8 rank of every key on the largest-margin rows (ties: lower position first, as stage 1)
+    order = torch.sort(fp8[:, last], dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(n, device=device).expand(B, n).contiguous())
+    for k in TOPKS:
+        kk = min(k, n)
+        acc.rank_needed.setdefault(k, []).extend((rank.gather(1, top_exact[k]).amax(-1) + 1).tolist())
+        for fmt, mult in RESCORE_MULTIPLES.items():
+            sel = rescore_topk_reference(q8[:, None].contiguous(), w8.float().contiguous(), hi, lo, lens, table_rows,
+                                         k, mult * k, stage1_logits=s1).raw_indices.long().view(B, M, k)
+            hits = (sel == needles[:, None, None]).any(-1).sum(0).tolist()
+            top = sel[:, last, :kk]
+            recall = _overlap(top, top_exact[k], n) / kk
+            overlap = _overlap(top, top_ref[k], n) / kk
+            acc.add(fmt, k, hits, recall.tolist(), overlap.tolist())
+            kept = torch.zeros(B, n, dtype=torch.bool, device=device)
+            kept.scatter_(1, top, True)
+            miss = ~kept.gather(1, top_exact[k])
+            acc.add_missed(fmt, k, rank.gather(1, top_exact[k])[miss].tolist(), mult * k)
 
 
 def _overlap(a, b, n):

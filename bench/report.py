@@ -339,6 +339,25 @@ def recall_table(doc) -> Table:
         "recall_mean", cell)
 
 
+def rescore_table(doc) -> Table | None:
+    """fp8-rescore rows (recall runs that have them): per context, k and K', the share of the exact top-k kept, the
+    missed entries (of them beyond K') and the worst fp8 rank of a miss; None for older documents."""
+    rows = [r for r in _recall_rows(doc) if r.get("k_prime") is not None and not r["trivial"] and not r.get("error")]
+    if not rows:
+        return None
+    t = Table(title="fp8-rescore (two-level keys, CPU reference): exact top-k entries kept, misses and their fp8 "
+                    "ranks (largest-margin rows; ranks 0-based)")
+    for col in ("context", "k", "K'", "outliers", "kept of exact top-k", "missed", "beyond K'", "worst fp8 rank missed",
+                "fp8 rank holding the top-k (median / max)"):
+        t.add_column(col, justify="right")
+    for r in sorted(rows, key=lambda r: (r["context_tokens"], r["k"], r["k_prime"])):
+        t.add_row(f"{_si(r['context_tokens'])} tok", str(r["k"]), str(r["k_prime"]),
+                  _f(r.get("outlier_scale"), "x{:g}"), f"{100 * r['recall_mean']:.3f}%", str(r["missed_entries"]),
+                  str(r["missed_beyond_k_prime"]), _f(r["missed_fp8_rank_max"], "{:d}"),
+                  f"{r['fp8_rank_needed_median']} / {r['fp8_rank_needed_max']}")
+    return t
+
+
 def print_all(console, doc, sections) -> None:
     """Every table of ``sections``, each fitted to the console's width (:func:`fitted`)."""
     for n in doc["notes"].get("general", []):
@@ -374,6 +393,9 @@ def print_all(console, doc, sections) -> None:
         if nm is not None:
             print_fitted(console, nm, keys=3)
         print_fitted(console, recall_table(doc), keys=2)
+        rt = rescore_table(doc)
+        if rt is not None:
+            print_fitted(console, rt, keys=3)
         for n in doc["notes"]["recall"]:
             console.print(f"  [dim]- {n}[/]")
     errors = [r for s in ("store", "query", "logits", "recall") for r in doc.get(s, []) if r.get("error")]

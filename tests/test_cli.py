@@ -140,6 +140,18 @@ def test_recall_exact_scores_pass_every_needle(runs):
             assert r["ref_overlap_mean"] >= 0.99, r
         if r["trivial"]:
             assert r["recall_mean"] == 1.0 and r["needle_rate"] == [1.0] * len(recall.MARGINS), r
+        assert r["outlier_scale"] == recall.OUTLIER_SCALE
+        if r["format"] in recall.RESCORE_MULTIPLES:  # the misses account for the recall, their ranks for K'
+            kk, kp = min(r["k"], r["index_entries"]), r["k_prime"]
+            assert kp == recall.RESCORE_MULTIPLES[r["format"]] * r["k"], r
+            assert r["missed_entries"] == round(r["queries"] * kk * (1 - r["recall_mean"])), r
+            assert 0 <= r["missed_beyond_k_prime"] <= r["missed_entries"], r
+            assert (r["missed_fp8_rank_max"] is None) == (r["missed_entries"] == 0), r
+            if r["missed_beyond_k_prime"]:
+                assert r["missed_fp8_rank_max"] >= kp, r
+            assert kk <= r["fp8_rank_needed_median"] <= r["fp8_rank_needed_max"] <= r["index_entries"], r
+            if r["fp8_rank_needed_max"] <= kp:                 # K' held every row's exact top-k
+                assert r["missed_beyond_k_prime"] == 0, r
     out = runs["recall"][0].output
     assert "Needle resolution" in out and "DeepSeek-V4 reference" in out and "SYNTHETIC" in out
 
@@ -160,6 +172,15 @@ def test_recall_suite_on_gpu(monkeypatch):
             assert r["ref_overlap_mean"] >= 0.95, r
         if r["format"] == "bf16+q-bf16":
             assert r["recall_mean"] >= 0.8, r
+
+
+def test_rescore_table_only_for_documents_with_rescore_rows(runs):
+    from cupy_dsa.bench import report
+
+    doc = runs["recall"][1]
+    assert report.rescore_table(doc) is not None and "fp8-rescore" in runs["recall"][0].output
+    old = dict(doc, recall=[r for r in doc["recall"] if "k_prime" not in r])   # a document from before the formats
+    assert report.rescore_table(old) is None
 
 
 def test_recall_resolution_definition():
