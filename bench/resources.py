@@ -50,8 +50,7 @@ def residency_rows(archs=None) -> list[dict]:
         res = runtime.ptxas_resources(log, lowered)
         for what, cfg in cases:
             r = res[cfg.expr]
-            resid = arch_limits.residency(arch, threads=cfg.block[0], smem_bytes=cfg.smem + r["static_smem"],
-                                          registers=r["registers"])
+            resid = cfg.residency_on(arch, r)
             out.append(dict(arch=arch, op=what, kernel=cfg.kernel.name, config=str(cfg), registers=r["registers"],
                             smem=cfg.smem + r["static_smem"], ctas=resid.ctas, warps=resid.warps,
                             binding=resid.binding))

@@ -31,9 +31,13 @@ _ROW_TILE_ARGS = (("q", PTR), ("weights", PTR), ("kv", PTR), ("kv_pages", I64), 
 _PLAN_ARGS = (("plan", PTR), ("batch", I32))
 
 
+def _row_tile_bytes(rows: int) -> int:
+    """dsa::logits::kRowTileSmemBytes<rows>: q as 16-bit mma quads + weights, per row of the tile."""
+    return rows * (N_HEADS * HEAD_DIM * 2 + N_HEADS * 4)
+
+
 def _row_tile_smem(cfg) -> int:
-    """dsa::logits::kRowTileSmemBytes: q as 16-bit mma quads + weights, per row of the tile."""
-    return cfg.Rows * (N_HEADS * HEAD_DIM * 2 + N_HEADS * 4)
+    return _row_tile_bytes(cfg.Rows)
 
 
 def _row_tile_threads(cfg) -> int:
@@ -76,14 +80,15 @@ _SMALL_SMEM_DECODE = {2: (8, 2), 3: (8, 1), 4: (8, 1)}   # next_n -> (warps, MT)
 _SMALL_SMEM_KEYS_PER_CTA = 16384
 
 
-def _mma_warps(rows: int, min_blocks_4: int, arch: str) -> int:
-    """Warps per CTA of the mma.sync kernels: 4 where 4-warp CTAs keep MIN_WARPS_PER_SM resident (by shared
-    memory and by the CTAs per SM that ``min_blocks_4`` guarantees registers for), else 8 on one CTA."""
-    if rows > 4:
-        return 8
-    smem = _STATIC_SMEM + rows * (N_HEADS * HEAD_DIM * 2 + N_HEADS * 4)
-    ctas = min(arch_limits.ctas_by_smem(arch, smem), min_blocks_4)
-    return 4 if 4 * ctas >= arch_limits.MIN_WARPS_PER_SM else 8
+def _mma_shape(rows: int, min_blocks_4: int, arch: str, warps: int | None = None) -> tuple[int, int]:
+    """(warps per CTA, MinBlocks) of the mma.sync kernels. Warps (unless given): 4 where 4-warp CTAs keep
+    MIN_WARPS_PER_SM resident (by shared memory and by the CTAs per SM that ``min_blocks_4`` guarantees
+    registers for), else 8 on one CTA, which then takes the whole register file (MinBlocks 1, <= 255 per
+    thread)."""
+    if warps is None:
+        ctas = min(arch_limits.ctas_by_smem(arch, _STATIC_SMEM + _row_tile_bytes(rows)), min_blocks_4)
+        warps = 4 if rows <= 4 and 4 * ctas >= arch_limits.MIN_WARPS_PER_SM else 8
+    return warps, 1 if warps == 8 else min_blocks_4
 
 
 def _sm90_smem(cfg) -> int:
@@ -154,11 +159,7 @@ def _mma_decode(key_fp8: int, q_fp8: int, rows: int, arch: str, *, prefetch: int
     # 256 B 145.5 us, none 151.3 us), 256 B elsewhere
     if l2_hint is None:
         l2_hint = 1 if (q_fp8 and rows == 1) else 2
-    min_blocks = _decode_min_blocks(key_fp8, rows, prefetch, arch)
-    if warps is None:
-        warps = _mma_warps(rows, min_blocks, arch)
-    if warps == 8:
-        min_blocks = 1   # one 8-warp CTA per SM: the whole register file (<= 255 per thread)
+    warps, min_blocks = _mma_shape(rows, _decode_min_blocks(key_fp8, rows, prefetch, arch), arch, warps)
     return DECODE_KERNEL.config(KeyFp8=key_fp8, QFp8=q_fp8, Rows=rows, Warps=warps, MT=mt, Prefetch=prefetch,
                                 L2Hint=l2_hint, Mma8=mma8, MinBlocks=min_blocks)
 
@@ -251,11 +252,7 @@ def _prefill(layout: str, q_fp8: int, arch: str, *, rows: int = 4, prefetch: int
              keys_per_cta: int = 4096, warps: int | None = None, mt: int | None = None):
     # 4 rows per CTA (H200: 422 TFLOP/s at 4K x 64K with 4 warps, 3 CTAs per SM) over 8 (8 warps, ~129 KiB of
     # shared memory, which sm_86 / sm_89 / sm_120 do not have; 376 TFLOP/s there); 4096 keys per CTA.
-    min_blocks = 1 if rows > 4 else (2 if prefetch else 3)
-    if warps is None:
-        warps = _mma_warps(rows, min_blocks, arch)
-    if warps == 8:
-        min_blocks = 1
+    warps, min_blocks = _mma_shape(rows, 2 if prefetch else 3, arch, warps)
     if mt is None:
         mt = 2 if rows > 4 else 1
     return PREFILL_KERNEL.config(KeyFp8=_LAYOUT_KEY_FP8[layout], QFp8=q_fp8, Rows=rows, Warps=warps, MT=mt,

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
+from . import arch as arch_limits
 from . import runtime
 
 # Kernel-argument types: a tensor's data pointer (None for a null one), 32/64-bit ints, fp32. Scalars become
@@ -161,6 +162,12 @@ class Config:
 
     def resident_ctas_per_sm(self, device_index: int) -> int:
         return runtime.resident_ctas_per_sm(self.kernel.source, self.expr, device_index, self.block[0], self.smem)
+
+    def residency_on(self, arch: str, ptxas: dict) -> "arch_limits.Residency":
+        """CTAs and warps per SM on ``arch`` (its limits table), from ``ptxas``: this config's entry of
+        :func:`runtime.ptxas_resources` compiled for that arch (registers, static shared memory)."""
+        return arch_limits.residency(arch, threads=self.block[0], smem_bytes=self.smem + ptxas["static_smem"],
+                                     registers=ptxas["registers"])
 
 
 def _bad_argument(kernel: Kernel, args: dict) -> str | None:

@@ -72,8 +72,7 @@ def product_residency(arch):
     for fam in launch.families().values():
         for cfg in fam.product(arch):
             r = product_resources(cfg.source, arch)[cfg.expr]
-            out[cfg] = arch_limits.residency(arch, threads=cfg.block[0], smem_bytes=cfg.smem + r["static_smem"],
-                                             registers=r["registers"])
+            out[cfg] = cfg.residency_on(arch, r)
     return out
 
 
