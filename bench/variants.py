@@ -112,8 +112,7 @@ def padded_for(cfg, target: str, resources: dict, device_index: int):
     """``(target Residency, config with smem_pad, CTAs per SM this GPU holds of it)``: the pad that leaves
     this GPU the target's CTAs per SM (none when this GPU holds no more than the target anyway)."""
     r = resources[cfg.expr]
-    want = arch_limits.residency(target, threads=cfg.block[0], smem_bytes=cfg.smem + r["static_smem"],
-                                 registers=r["registers"])
+    want = cfg.residency_on(target, r)
     natural = cfg.resident_ctas_per_sm(device_index)
     if want.ctas <= 0 or natural <= want.ctas:
         return want, cfg, natural
@@ -132,30 +131,16 @@ def padded_for(cfg, target: str, resources: dict, device_index: int):
     return want, padded, padded.resident_ctas_per_sm(device_index)
 
 
-def _paged_keys(device, g, entries):
-    """A bf16 cache holding ``entries[b]`` random keys per request on shuffled pages, the block table
-    ``[B, max pages]`` (unused entries 0), the pages per request."""
-    pages = [-(-n // layouts.PAGE_SLOTS) for n in entries]
-    cache = layouts.empty_cache(sum(pages), "bf16", device=device)
-    layouts.bf16_view(cache).copy_(0.3 * torch.randn(sum(pages), layouts.PAGE_SLOTS, DIM, device=device, generator=g))
-    perm = torch.randperm(sum(pages), device=device, generator=g).to(torch.int32)
-    bt = torch.zeros(len(entries), max(pages), dtype=torch.int32, device=device)
-    off = 0
-    for b, n in enumerate(pages):
-        bt[b, :n] = perm[off:off + n]
-        off += n
-    return cache, bt, pages
-
-
 def _decode_case(device, g, lens, next_n):
-    cache, bt, pages = _paged_keys(device, g, lens)
-    B, table_w = len(lens), max(pages)
-    q = torch.randn(B, next_n, HEADS, DIM, device=device, generator=g).to(torch.float8_e4m3fn)
-    w = torch.rand(B * next_n, HEADS, device=device, generator=g) / (HEADS * DIM) ** 0.5
-    ctx = torch.tensor(lens, dtype=torch.int32, device=device)
-    width = table_w * layouts.PAGE_SLOTS
+    """Decode / grouped verify of requests seeing ``lens`` entries: the inputs of ``bench logits``'s decode cases
+    (one rotation: these batches are larger than L2)."""
+    from .sweeps import DecodeBatch, _decode_inputs
+
+    pages = [-(-n // layouts.PAGE_SLOTS) for n in lens]
+    width = max(pages) * layouts.PAGE_SLOTS
+    cache, (bt,), q, w, ctx = _decode_inputs(device, DecodeBatch("emulate", lens, width), next_n, "bf16", "fp8", 1, g)
     plan = logits.paged_mqa_logits_plan(ctx, next_n)
-    out = torch.empty(B * next_n, width, device=device)
+    out = torch.empty(len(lens) * next_n, width, device=device)
     key_bytes = sum(pages) * layouts.BF16_PAGE_BYTES
     flops = 2 * HEADS * DIM * next_n * sum(lens)
     return (lambda: logits.paged_mqa_logits(q, cache, w, ctx, bt, width, plan=plan, out=out)), key_bytes, flops
@@ -174,8 +159,12 @@ def _prefill_case(device, g, T, S):
 
 def _extend_case(device, g, requests):
     """Varlen extend: (prefix entries, new rows) per request, row j seeing prefix + (j + 1) // 4 entries."""
-    cache, bt, pages = _paged_keys(device, g, [p + (n + 1) // 4 for p, n in requests])
+    from .sweeps import _paged_tables, _random_cache
+
+    pages = [-(-(p + (n + 1) // 4) // layouts.PAGE_SLOTS) for p, n in requests]
     table_w = max(pages)
+    cache = _random_cache(sum(pages), "bf16", device, g)
+    (bt,), _ = _paged_tables(pages, 1, table_w, device, g)
     T = sum(n for _, n in requests)
     q = torch.randn(T, HEADS, DIM, device=device, generator=g).to(torch.float8_e4m3fn)
     w = torch.rand(T, HEADS, device=device, generator=g) / (HEADS * DIM) ** 0.5
