@@ -227,6 +227,7 @@ def emulate_rows(device, target: str, quick: bool, seed: int, progress=None) -> 
                          and (c.Warps, c.MT, c.Prefetch) != (product.Warps, product.MT, product.Prefetch)]
             if product.kernel is logits.PREFILL_KERNEL:   # longer key ranges per CTA: fewer q stagings and tails
                 variants += [product.replace(keys_per_cta=k) for k in (8192, 16384)]
+        variants = list(dict.fromkeys(variants))     # the product is one of them: timed once
         resources = _target_resources(variants, target)
         for cfg in variants:
             want, padded, held = padded_for(cfg, target, resources, device.index)
