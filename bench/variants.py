@@ -306,4 +306,30 @@ def emulate_markdown(doc: dict) -> str:
     lines += ["", "This GPU's own product configs on the same inputs: " + "; ".join(
         f"{r['op']} {r['case']}: {r['us_full']:.1f} us ({r['pct_roofline']:.0f}% of the roofline, "
         f"{_case_config(r)})" for r in own.values()) + "."]
-    return "\n".join(lines)
+    summary = _emulate_summary([r for r in doc["rows"] if r["target"] == target], target)
+    return "\n".join(lines + ([""] + [summary] if summary else []))
+
+
+def _emulate_summary(rows: list[dict], target: str) -> str:
+    """One sentence of the table's figures: what the target's residency costs its product configs and the
+    4-warp ones, the prefill rate and the verify share of the roofline."""
+    def span(values, fmt):
+        return f"{fmt.format(min(values))}-{fmt.format(max(values))}" if values else "-"
+
+    products = [r for r in rows if r["product"]]
+    four = [r for r in rows if not r["product"] and r["warps"] == 4 and not r.get("prefetch")]
+    text = (f"At {target}'s residency its product configs lose {span([r['emulated_vs_full'] for r in products], '{:.2f}')}x "
+            f"against the same config at this GPU's residency, the 4-warp configs "
+            f"{span([r['emulated_vs_full'] for r in four], '{:.2f}')}x.")
+    prefill = next((r for r in products if r["op"] == "prefill"), None)
+    prefill4 = next((r for r in four if r["op"] == "prefill"), None)
+    if prefill:
+        text += f" Prefill {prefill['case']}: {prefill['tflops_emulated']:.0f} TFLOP/s at {target}'s residency"
+        if prefill4:
+            text += (f" (4 warps: {prefill4['tflops_emulated']:.0f}; 4 warps at this GPU's residency: "
+                     f"{prefill4['flops'] / prefill4['us_full'] / 1e6:.0f})")
+        text += "."
+    verify = [r["pct_roofline"] for r in products if r["op"] == "verify"]
+    if verify:
+        text += f" Grouped verify: {span(verify, '{:.0f}')}% of max(read, matmul) time."
+    return text

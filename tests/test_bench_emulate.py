@@ -59,7 +59,11 @@ def test_markdown_table():
         in md
     assert "| 1.32x |" in md and "| 1.60x |" in md                    # vs this GPU's product (250 us)
     assert md.count("* 8 warps, MT 1 |") == 1 and "| 4 warps, MT 1, MinBlocks 3 |" in md
-    assert lines[-1].startswith("This GPU's own product configs") and "next_n 4: 250.0 us" in lines[-1]
+    own = lines[-3]
+    assert own.startswith("This GPU's own product configs") and "next_n 4: 250.0 us" in own
+    assert lines[-1] == ("At sm_120's residency its product configs lose 1.10-1.10x against the same config at this "
+                         "GPU's residency, the 4-warp configs 1.43-1.43x. Grouped verify: 50-50% of max(read, "
+                         "matmul) time.")
 
 
 def test_cli_emulate_needs_a_gpu_and_a_known_arch():
