@@ -92,17 +92,20 @@ def _mma_shape(rows: int, min_blocks_4: int, arch: str, warps: int | None = None
 
 
 def _sm90_smem(cfg) -> int:
-    """dsa::sm90::Smem<NextN, Stages>::kBytes: 1 KiB alignment slack, q tiles, key stages, weights."""
-    return 1024 + cfg.NextN * N_HEADS * HEAD_DIM * 2 + cfg.Stages * BF16_PAGE_BYTES + cfg.NextN * N_HEADS * 4
+    """dsa::sm90::Smem<NextN, Stages, KeyGroups>::kBytes: 1 KiB alignment slack, q tiles, each key group's
+    stages, weights."""
+    return (1024 + cfg.NextN * N_HEADS * HEAD_DIM * 2 + cfg.KeyGroups * cfg.Stages * BF16_PAGE_BYTES
+            + cfg.NextN * N_HEADS * 4)
 
 
 SM90_DECODE_KERNEL = launch.Kernel(
-    _SRC, "mqa_logits_sm90_decode_kernel", params=("QFp8", "NextN", "Stages", "MinBlocks", "Split"),
+    _SRC, "mqa_logits_sm90_decode_kernel", params=("QFp8", "NextN", "Stages", "MinBlocks", "Split", "KeyGroups", "Turns"),
     host={"ctas_per_sm": 0},       # CTAs per SM of the one-wave grid (0: as many as fit)
     args=(("q", PTR), ("weights", PTR), ("kv", PTR), ("kv_pages", I64), ("block_table", PTR), ("bt_stride", I64),
           ("bt_width", I32), ("lens", PTR), ("lens_2d", I32), ("width", I32), ("out", PTR), ("out_stride", I64),
           ("clean", I32)) + _PLAN_ARGS,
-    threads=lambda cfg: 128, smem=_sm90_smem, smem_check="dsa::sm90::Smem<{NextN}, {Stages}>::kBytes")
+    threads=lambda cfg: 128 * cfg.KeyGroups, smem=_sm90_smem,
+    smem_check="dsa::sm90::Smem<{NextN}, {Stages}, {KeyGroups}>::kBytes")
 PLAN_KERNEL = launch.Kernel(
     _SRC, "paged_mqa_logits_plan_kernel",
     args=(("lens", PTR), ("lens_2d", I32), ("batch", I32), ("next_n", I32), ("plan", PTR)), threads=lambda cfg: 1024)
@@ -125,13 +128,30 @@ _LAYOUT_KEY_FP8 = {"bf16": 0, "fp8": 1, "contiguous": 0}
 # next_n 2: (2, 3, 1) 170 / 131 / 41.7 / 7.0; (3, 2, 1) 187 / 154 / 46.1 / 6.7; mma.sync 199 / 152 / 50.9 / 9.5.
 # next_n 3: (2, 2, 3) 263 / 214 / 62.6 / 8.4; (3, 2, 3) 268 / 218 / 64.4 / 8.4; mma.sync 275 / 212 / 66.4 / 11.1.
 # next_n 4: (2, 2, 2) 279 / 237 / 69.5 / 9.6; (2, 2, 4) 323 / 263 / 78.2 / 9.9; mma.sync 377 / 285 / 91.4 / 14.1.
-_SM90_CONFIG = {1: (3, 3, 1), 2: (2, 3, 1), 3: (2, 2, 3), 4: (2, 2, 2)}
+# Verify (next_n 2-4) with two key groups per CTA sharing the staged q (KeyGroups 2): next_n -> (stages per
+# group, CTAs per SM, chunks, key groups, turns).
+_SM90_CONFIG = {1: (3, 3, 1, 1, 0), 2: (2, 2, 1, 2, 1), 3: (2, 1, 1, 2, 1), 4: (2, 1, 1, 2, 1)}
+_SM90_SMEM_PER_SM = 227 * 1024   # sm_90's shared memory per SM for CTAs (1 KiB of it is reserved per CTA)
 
 
-def _sm90_decode(q_fp8: int, next_n: int, ctas_per_sm: int | None = None):
-    stages, ctas, split = _SM90_CONFIG[next_n]
+def _sm90_decode(q_fp8: int, next_n: int, ctas_per_sm: int | None = None, config=None):
+    stages, ctas, split, key_groups, turns = config or _SM90_CONFIG[next_n]
     return SM90_DECODE_KERNEL.config(QFp8=q_fp8, NextN=next_n, Stages=stages, MinBlocks=ctas, Split=split,
+                                     KeyGroups=key_groups, Turns=turns,
                                      ctas_per_sm=ctas if ctas_per_sm is None else ctas_per_sm)
+
+
+def _sm90_verify_variants(next_n: int):
+    """The sm_90 decode configs tried for next_n >= 2: one key group (the previous product, several CTAs per
+    SM, wgmma chunks) and two key groups with 2-4 stages each, taking turns or free-running, as many CTAs as
+    shared memory holds (<= 2). Chunks (Split > 1) with two key groups lost 5-20% everywhere (H200,
+    2026-12-02) and are not declared."""
+    yield {2: (2, 3, 1, 1, 0), 3: (2, 2, 3, 1, 0), 4: (2, 2, 2, 1, 0)}[next_n]
+    q_bytes = 1024 + next_n * N_HEADS * (HEAD_DIM * 2 + 4)
+    for stages in (2, 3, 4):
+        ctas = min(2, _SM90_SMEM_PER_SM // (q_bytes + 2 * stages * BF16_PAGE_BYTES + 1024))
+        for turns in (1, 0):
+            yield stages, ctas, 1, 2, turns
 
 
 # (key_fp8, rows) of the mma.sync decode that need more than 168 registers (MinBlocks 2), by arch family
@@ -194,6 +214,9 @@ def _decode_experimental(arch):
             yield _mma_decode(kf, q_fp8, next_n, arch, mma8=1)
         if layout == "bf16" and arch == "sm_90":
             yield _sm90_decode(q_fp8, next_n, ctas_per_sm=1)  # a smaller wave: other segment cuts
+            if next_n >= 2 and q_fp8:
+                for config in _sm90_verify_variants(next_n):
+                    yield _sm90_decode(q_fp8, next_n, config=config)
         if next_n >= 2 and q_fp8:                            # one 8-warp CTA: 4 or 8 live accumulator chains,
             for mt in (1, 2):                                # and the register double-buffer of the next tile
                 yield _mma_decode(kf, q_fp8, next_n, arch, warps=8, mt=mt)

@@ -16,20 +16,21 @@
 // holds 16 heads of 2 keys per row: relu * w summed in-thread, then over the 4 lanes sharing gid (2 xor
 // shuffles, deterministic), and the logits stored straight from registers.
 //
-// Pipeline (one warpgroup, 128 threads): every thread streams 8 of a block's 1024 16-byte chunks with
-// cp.async.cg into a Stages-deep ring of 16 KiB stages (Stages-1 blocks in flight), writing the swizzled
-// layout directly; q and the weights are staged once per row tile. Per block: wait for its cp.async group,
-// fence.proxy.async (generic-proxy smem writes -> wgmma's async proxy), warpgroup barrier, issue the next
-// block's copies into the stage freed by the previous block, then the wgmma: with Split > 1 the B rows are
+// Pipeline (per key group of one warpgroup, 128 threads): every thread streams 8 of a block's 1024 16-byte
+// chunks with cp.async.cg into the group's Stages-deep ring of 16 KiB stages (Stages-1 blocks in flight),
+// writing the swizzled layout directly; q and the weights are staged once per row tile for all groups. Per
+// block: wait for its cp.async group, fence.proxy.async (generic-proxy smem writes -> wgmma's async proxy),
+// the group's barrier, then the wgmma, then the next block's copies into the stage freed by the previous
+// block: with Split > 1 the B rows are
 // cut into Split chunks (rows / Split query rows each), one commit group per chunk, and chunk c's epilogue
 // runs after wgmma.wait_group(Split-1-c), overlapping the tensor-core work of the later chunks. Every group
-// retires before the next block; other warpgroups (several CTAs per SM in decode, two warpgroups per CTA in
-// prefill) overlap one warpgroup's epilogue with another's wgmma. (Keeping a group in flight across the loop
+// retires before the next block; other warpgroups (several CTAs per SM, or a CTA's two key groups taking
+// turns at the tensor cores) overlap one warpgroup's epilogue with another's wgmma. (Keeping a group in flight across the loop
 // back-edge, or issuing and waiting under separate branches, makes ptxas serialize every wgmma: C7514.)
 //
 // Decode schedule: one wave of CTAs over the batch's plan (common.cuh): CTA c runs the request segments of
-// its even share of all computed pages (run_pages per segment), so the time depends on the pages in all, not
-// on the mix of lengths. Masking as in mqa_logits.cu (decode): row r sees keys [0, hi_r), hi_r = lens[b] -
+// its even share of all computed pages (run_pages per segment; with two key groups they take a segment's
+// pages alternately), so the time depends on the pages in all, not on the mix of lengths. Masking as in mqa_logits.cu (decode): row r sees keys [0, hi_r), hi_r = lens[b] -
 // (next_n-1-r) (1-D lens) or lens[b*next_n + r] (2-D), clipped to [0, width]; a page is read only when its
 // block-table index is < bt_width, its entry is in [0, P) and some row sees one of its keys; every column of a
 // computed page below `width` is written (value or -inf); with `clean`, the pages no row sees are written
@@ -52,11 +53,11 @@ constexpr int kStageBytes = kBf16PageBytes;   // one block of 64 keys: two [64 x
 constexpr int kHalfTileBytes = kStageBytes / 2;
 
 // Dynamic shared memory of the decode kernel (host mirror in the caller): 1 KiB alignment slack, q tiles,
-// stages, weights.
-template <int NextN, int Stages>
+// each key group's stages, weights.
+template <int NextN, int Stages, int KeyGroups>
 struct Smem {
   static constexpr int kQBytes = NextN * kHeads * kHeadDim * 2;
-  static constexpr int kBytes = 1024 + kQBytes + Stages * kStageBytes + NextN * kHeads * 4;
+  static constexpr int kBytes = 1024 + kQBytes + KeyGroups * Stages * kStageBytes + NextN * kHeads * 4;
 };
 
 // Prefill: 4 query rows per CTA (B = 256 (row, head) pairs: the keys of a block are read from L2 once per 4
@@ -150,6 +151,33 @@ __device__ __forceinline__ void wgmma_m64n128k16_bf16_ss(float (&d)[64], u64 da,
       : "l"(da), "l"(db), "r"(scale_d));
 }
 
+__device__ __forceinline__ void wgmma_m64n192k16_bf16_ss(float (&d)[96], u64 da, u64 db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "setp.ne.b32 p, %98, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+      "}, %96, %97, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
 __device__ __forceinline__ void wgmma_m64n256k16_bf16_ss(float (&d)[128], u64 da, u64 db, int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\n"
@@ -185,9 +213,10 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16_ss(float (&d)[128], u64 da
 
 template <int N>
 __device__ __forceinline__ void wgmma_bf16_ss(float (&d)[N / 2], u64 da, u64 db, int scale_d) {
-  static_assert(N == 64 || N == 128 || N == 256, "wgmma shapes n64, n128, n256");
+  static_assert(N == 64 || N == 128 || N == 192 || N == 256, "wgmma shapes n64, n128, n192, n256");
   if constexpr (N == 64) wgmma_m64n64k16_bf16_ss(d, da, db, scale_d);
   else if constexpr (N == 128) wgmma_m64n128k16_bf16_ss(d, da, db, scale_d);
+  else if constexpr (N == 192) wgmma_m64n192k16_bf16_ss(d, da, db, scale_d);
   else wgmma_m64n256k16_bf16_ss(d, da, db, scale_d);
 }
 // cp.async of 16 bytes that reads src_bytes (16 or 0) and zero-fills the rest.
@@ -268,19 +297,25 @@ __device__ __forceinline__ void mma_key_block(u32 a_addr, u32 b_addr, int c0, fl
 }
 
 // Logits of one query row for this thread's keys 16w + gid (s0) and +8 (s1), from the row's 32 accumulators
-// x (heads 8jj + 2t, +1) and its 64 weights in shared memory: relu * w over the 16 heads in-thread, then over
-// the 4 lanes t (2 xor shuffles, fixed order).
-__device__ __forceinline__ void row_logits(const float* x, const float* w_row, int t, float& s0, float& s1) {
-  const float2* w2 = reinterpret_cast<const float2*>(w_row);
+// x (heads 8jj + 2t, +1) and its 64 weights in shared memory, permuted so that lane t's 16 are contiguous
+// (wp[16 t + 2 jj + e] = w[8 jj + 2 t + e], see row_pair_logit): relu * w over the 16 heads in-thread, then
+// over the 4 lanes t (2 xor shuffles, fixed order).
+__device__ __forceinline__ void row_logits(const float* x, const float* wp_row, int t, float& s0, float& s1) {
+  const float* w = wp_row + 16 * t;
   s0 = 0.0f;
   s1 = 0.0f;
 #pragma unroll
-  for (int jj = 0; jj < 8; ++jj) {
-    const float2 w = w2[4 * jj + t];  // heads 8jj + 2t, +1
-    s0 = fmaf(fmaxf(x[4 * jj + 0], 0.0f), w.x, s0);
-    s0 = fmaf(fmaxf(x[4 * jj + 1], 0.0f), w.y, s0);
-    s1 = fmaf(fmaxf(x[4 * jj + 2], 0.0f), w.x, s1);
-    s1 = fmaf(fmaxf(x[4 * jj + 3], 0.0f), w.y, s1);
+  for (int q4 = 0; q4 < 4; ++q4) {
+    const float4 wv = *reinterpret_cast<const float4*>(w + 4 * q4);  // jj = 2 q4 (x, y), 2 q4 + 1 (z, w)
+    const float* xx = x + 8 * q4;
+    s0 = fmaf(fmaxf(xx[0], 0.0f), wv.x, s0);
+    s0 = fmaf(fmaxf(xx[1], 0.0f), wv.y, s0);
+    s1 = fmaf(fmaxf(xx[2], 0.0f), wv.x, s1);
+    s1 = fmaf(fmaxf(xx[3], 0.0f), wv.y, s1);
+    s0 = fmaf(fmaxf(xx[4], 0.0f), wv.z, s0);
+    s0 = fmaf(fmaxf(xx[5], 0.0f), wv.w, s0);
+    s1 = fmaf(fmaxf(xx[6], 0.0f), wv.z, s1);
+    s1 = fmaf(fmaxf(xx[7], 0.0f), wv.w, s1);
   }
   s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
   s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
@@ -288,172 +323,6 @@ __device__ __forceinline__ void row_logits(const float* x, const float* w_row, i
   s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
 }
 
-#endif  // __CUDA_ARCH_FEAT_SM90_ALL
-
-struct Args {
-  const unsigned char* q;
-  const float* weights;
-  const unsigned char* kv;
-  long long kv_pages;
-  const int* block_table;
-  long long bt_stride;
-  int bt_width;
-  const int* lens;
-  int lens_2d;
-  int width;
-  float* out;
-  long long out_stride;
-  int clean;
-};
-
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Visible length of row r of request b (clipped to [0, width]).
-template <int NextN>
-__device__ __forceinline__ int row_len(const Args& A, int b, int r) {
-  const int h = A.lens_2d ? A.lens[b * NextN + r] : A.lens[b] - (NextN - 1 - r);
-  return min(max(h, 0), A.width);
-}
-
-// Pages [p_begin, p_end) of request b (a segment of the plan: pages some row sees). Called by all 128
-// threads; may be called again for another range after a __syncthreads().
-template <int QFp8, int NextN, int Stages, int Split>
-__device__ __forceinline__ void run_pages(const Args& A, int b, int p_begin, int p_end,
-                                          unsigned char* smem_raw) {
-  static_assert(NextN >= 1 && NextN <= 4 && Stages >= 2, "config");
-  constexpr int N = NextN * kHeads;  // B rows: (row, head)
-  static_assert(NextN % Split == 0, "Split must divide NextN");
-  constexpr int NC = N / Split;      // B rows per wgmma (chunk of NextN / Split query rows)
-  constexpr int RC = NC / 2;         // accumulator registers per thread and chunk
-  const unsigned char* __restrict__ kv = A.kv;
-  const long long kv_pages = A.kv_pages;
-  const int bt_width = A.bt_width;
-  const int width = A.width;
-  float* __restrict__ out = A.out;
-  const long long out_stride = A.out_stride;
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int gid = lane >> 2, t = lane & 3;
-  // The plan's pages are those some row sees, so the copies are issued before the lengths arrive (they
-  // are needed by the epilogue only); pages at or past `width` have no column to write.
-  const int cnt_c = max(0, min(p_end, (width + kPageSlots - 1) / kPageSlots) - p_begin);
-  if (cnt_c == 0) return;  // CTA-uniform
-  int hi[NextN];  // row lengths, loaded once the first copies are in flight
-
-  // ---- shared memory: [align][q: 2 x N x 128 B][stages][weights] (tiles 1024-aligned) ----
-  const u32 raw_addr = static_cast<u32>(__cvta_generic_to_shared(smem_raw));
-  const u32 pad = ((raw_addr + 1023u) & ~1023u) - raw_addr;
-  unsigned char* sbase = smem_raw + pad;
-  const u32 q_addr = raw_addr + pad;
-  const u32 st_addr = q_addr + Smem<NextN, Stages>::kQBytes;
-  float* s_w = reinterpret_cast<float*>(sbase + Smem<NextN, Stages>::kQBytes + Stages * kStageBytes);
-
-  const int* bt = A.block_table + static_cast<i64>(b) * A.bt_stride;
-  // Block-table entry of page p, or -1 when it must not be read (beyond the table / out of [0, P)).
-  auto entry_of = [&](int p) -> int {
-    if (p >= bt_width) return -1;
-    const int e = __ldg(bt + p);
-    return (e >= 0 && static_cast<i64>(e) < kv_pages) ? e : -1;
-  };
-  // Issue page j's copies (if it exists and some row sees it) into its stage; always one commit group.
-  auto issue = [&](int j) {
-    if (j < cnt_c) {
-      const int e = entry_of(p_begin + j);
-      if (e >= 0)
-        copy_key_block<false>(st_addr + static_cast<u32>(j % Stages) * kStageBytes,
-                              kv + static_cast<i64>(e) * kBf16PageBytes, kPageSlots, tid);
-    }
-    cp_async_commit();
-  };
-
-  const i64 row0 = static_cast<i64>(b) * NextN;
-  const float kNegInf = __int_as_float(0xff800000);
-  const int key_in_page0 = 16 * warp + gid;  // this thread's keys in a page: +0 and +8
-  auto page_live = [&](int j) -> bool { return entry_of(p_begin + j) >= 0; };  // CTA-uniform
-  // Rows of chunk c: logits of this thread's two keys per row; masked store.
-  auto epilogue = [&](int j, int c, const float (&a)[RC], bool live) {
-    const int p = p_begin + j;
-    const int n0 = p * kPageSlots + key_in_page0;
-#pragma unroll
-    for (int rr = 0; rr < NextN / Split; ++rr) {
-      const int r = c * (NextN / Split) + rr;
-      float s0 = 0.0f, s1 = 0.0f;
-      if (live) row_logits(a + 32 * rr, s_w + r * kHeads, t, s0, s1);
-      // lanes t = 2 (r & 1) + half store key n0 + 8 half of row r (rows alternate between lane pairs)
-      if ((t >> 1) == (r & 1)) {
-        const int half = t & 1;
-        const int n = n0 + 8 * half;
-        const float v = half ? s1 : s0;
-        if (n < width) out[(row0 + r) * out_stride + n] = (live && n < hi[r]) ? v : kNegInf;
-      }
-    }
-  };
-
-  float acc[Split][RC];
-#pragma unroll
-  for (int c = 0; c < Split; ++c)
-#pragma unroll
-    for (int i = 0; i < RC; ++i) acc[c][i] = 0.0f;
-#pragma unroll
-  for (int j = 0; j < Stages - 1; ++j) issue(j);
-#pragma unroll
-  for (int r = 0; r < NextN; ++r) hi[r] = row_len<NextN>(A, b, r);
-  // q (swizzled B operand) and weights while the first pages stream in
-  stage_q_operand<QFp8, N>(sbase, A.q, row0 * kHeads, N, tid, 128);
-  for (int i = tid; i < N; i += 128) s_w[i] = A.weights[row0 * kHeads + i];
-  for (int j = 0; j < cnt_c; ++j) {
-    cp_async_wait<Stages - 2>();  // page j's group (this thread's copies) has landed
-    fence_proxy_async_smem();     // make them (and q) visible to the async proxy
-    __syncthreads();              // all threads' copies; every thread is past page j-1's wgmma
-    issue(j + Stages - 1);        // into the stage page j-1 used
-    const bool live = page_live(j);
-    const u32 a_addr = st_addr + static_cast<u32>(j % Stages) * kStageBytes;
-    if (live) {
-      wgmma_fence();
-#pragma unroll
-      for (int c = 0; c < Split; ++c) mma_key_block<N, NC>(a_addr, q_addr, c * NC, acc[c]);
-      // chunk c's epilogue overlaps the wgmma of chunks c+1.. (all groups retired before the next page)
-#pragma unroll
-      for (int c = 0; c < Split; ++c) {
-        wgmma_wait_dyn(Split - 1 - c);
-        fence_regs<RC>(acc[c]);
-        epilogue(j, c, acc[c], true);
-      }
-    } else {
-#pragma unroll
-      for (int c = 0; c < Split; ++c) epilogue(j, c, acc[c], false);
-    }
-  }
-  cp_async_wait<0>();  // no copy may outlive the segment
-}
-
-#endif  // __CUDA_ARCH_FEAT_SM90_ALL
-
-// ---- prefill --------------------------------------------------------------------------------------
-
-struct PrefillArgs {
-  const unsigned char* q;        // [T, 64, 128] fp8 or bf16
-  const float* weights;          // [T, 64]
-  const unsigned char* kv;       // Paged: bf16 cache pages [kv_pages, 16384]; else keys [num_keys, 128] bf16
-  long long kv_pages;
-  const int* block_table;        // Paged: [bt_width] (num_keys = 64 * bt_width); varlen: [batch, bt_stride]
-  long long bt_stride;           // varlen: block-table row stride of a request
-  int bt_width;
-  const int* ks;                 // [T]: row i sees keys [ks[i], ke[i])
-  const int* ke;
-  int row_start;                 // rows row_start .. row_end-1; out row = row - row_start
-  int row_end;
-  int num_keys;
-  float* out;
-  long long out_stride;
-  int width;                     // columns: num_keys, or max_seqlen_k when compressed
-  int compressed;                // column = key - ks[row]
-  int clean;                     // full width: -inf in every column a row does not see
-  const long long* tile_plan;    // varlen (non-null): the tiles of `batch` requests (common.cuh)
-  const int* cu_rows;            // varlen: request b owns rows [cu_rows[b], cu_rows[b + 1])
-  int batch;
-};
-
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Logits of a pair of query rows (r, r+1) for this thread's keys 16w + gid (+0, +8) from the rows' 32
 // accumulators each (heads 8jj + 2t, +1) and their weights in shared memory, permuted so that lane t's 16
 // weights of a row are contiguous (wp[16 t + 2 jj + e] = w[8 jj + 2 t + e]): relu * w over the 16 heads
@@ -492,6 +361,216 @@ __device__ __forceinline__ float row_pair_logit(const float* x0, const float* x1
   return v;
 }
 
+// The 64 weights of each of `rows` query rows (from global row `first`) into shared memory, permuted for
+// row_logits / row_pair_logit: wp[64 r + 16 t + k] = w[r][8 (k >> 1) + 2 t + (k & 1)]; rows >= valid are zero.
+__device__ __forceinline__ void stage_weights_permuted(float* wp, const float* __restrict__ weights, i64 first,
+                                                       int rows, int valid, int tid, int nthreads) {
+  for (int i = tid; i < rows * kHeads; i += nthreads) {
+    const int r = i / kHeads, k = i % 16, tt = (i % kHeads) / 16;
+    const int head = 8 * (k >> 1) + 2 * tt + (k & 1);
+    wp[i] = r < valid ? weights[(first + r) * kHeads + head] : 0.0f;
+  }
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+struct Args {
+  const unsigned char* q;
+  const float* weights;
+  const unsigned char* kv;
+  long long kv_pages;
+  const int* block_table;
+  long long bt_stride;
+  int bt_width;
+  const int* lens;
+  int lens_2d;
+  int width;
+  float* out;
+  long long out_stride;
+  int clean;
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Visible length of row r of request b (clipped to [0, width]).
+template <int NextN>
+__device__ __forceinline__ int row_len(const Args& A, int b, int r) {
+  const int h = A.lens_2d ? A.lens[b * NextN + r] : A.lens[b] - (NextN - 1 - r);
+  return min(max(h, 0), A.width);
+}
+
+// Pages [p_begin, p_end) of request b (a segment of the plan: pages some row sees). Called by all 128 *
+// KeyGroups threads; may be called again for another range after a __syncthreads(). Key group kg (warpgroup
+// kg) takes the segment's pages kg + KeyGroups * i into its own stage ring; the q tile and the weights are
+// staged once for all groups. With two groups and Turns they take turns issuing their wgmma (named barriers
+// 3 + kg), so one group's epilogue and copies run under the other's tensor-core work: a verify row tile (n
+// rows x 64 heads as B) then keeps the tensor cores busy where one warpgroup alternated MMA and epilogue;
+// without Turns the groups run free.
+template <int QFp8, int NextN, int Stages, int Split, int KeyGroups, int Turns>
+__device__ __forceinline__ void run_pages(const Args& A, int b, int p_begin, int p_end,
+                                          unsigned char* smem_raw) {
+  static_assert(NextN >= 1 && NextN <= 4 && Stages >= 2 && (KeyGroups == 1 || KeyGroups == 2) &&
+                (KeyGroups == 2 || !Turns), "config");
+  constexpr int N = NextN * kHeads;  // B rows: (row, head)
+  static_assert(NextN % Split == 0, "Split must divide NextN");
+  constexpr int NC = N / Split;      // B rows per wgmma (chunk of NextN / Split query rows)
+  constexpr int RC = NC / 2;         // accumulator registers per thread and chunk
+  constexpr int RPC = NextN / Split; // query rows per chunk
+  constexpr int kThreads = 128 * KeyGroups;
+  constexpr bool kTurns = Turns != 0;
+  const unsigned char* __restrict__ kv = A.kv;
+  const long long kv_pages = A.kv_pages;
+  const int bt_width = A.bt_width;
+  const int width = A.width;
+  float* __restrict__ out = A.out;
+  const long long out_stride = A.out_stride;
+
+  const int tid = threadIdx.x, kg = tid >> 7, gtid = tid & 127, lane = tid & 31, warp = (tid >> 5) & 3;
+  const int gid = lane >> 2, t = lane & 3;
+  // The plan's pages are those some row sees, so the copies are issued before the lengths arrive (they
+  // are needed by the epilogue only); pages at or past `width` have no column to write.
+  const int cnt_c = max(0, min(p_end, (width + kPageSlots - 1) / kPageSlots) - p_begin);
+  if (cnt_c == 0) return;  // CTA-uniform
+  const int cnt = max(0, (cnt_c - kg + KeyGroups - 1) / KeyGroups);  // this group's pages
+  auto page_of = [&](int i) { return kg + KeyGroups * i; };          // its i-th, in the segment
+  int hi[NextN];  // row lengths, loaded once the first copies are in flight
+
+  // ---- shared memory: [align][q: 2 x N x 128 B][key groups x stages][weights] (tiles 1024-aligned) ----
+  using S = Smem<NextN, Stages, KeyGroups>;
+  const u32 raw_addr = static_cast<u32>(__cvta_generic_to_shared(smem_raw));
+  const u32 pad = ((raw_addr + 1023u) & ~1023u) - raw_addr;
+  unsigned char* sbase = smem_raw + pad;
+  const u32 q_addr = raw_addr + pad;
+  const u32 st_addr = q_addr + S::kQBytes + static_cast<u32>(kg * Stages * kStageBytes);
+  float* s_w = reinterpret_cast<float*>(sbase + S::kQBytes + KeyGroups * Stages * kStageBytes);
+
+  const int* bt = A.block_table + static_cast<i64>(b) * A.bt_stride;
+  // Block-table entry of page p, or -1 when it must not be read (beyond the table / out of [0, P)).
+  auto entry_of = [&](int p) -> int {
+    if (p >= bt_width) return -1;
+    const int e = __ldg(bt + p);
+    return (e >= 0 && static_cast<i64>(e) < kv_pages) ? e : -1;
+  };
+  // Issue this group's page i's copies (if it exists and may be read) into its stage; always one commit group.
+  auto issue = [&](int i) {
+    if (i < cnt) {
+      const int e = entry_of(p_begin + page_of(i));
+      if (e >= 0)
+        copy_key_block<false>(st_addr + static_cast<u32>(i % Stages) * kStageBytes,
+                              kv + static_cast<i64>(e) * kBf16PageBytes, kPageSlots, gtid);
+    }
+    cp_async_commit();
+  };
+
+  const i64 row0 = static_cast<i64>(b) * NextN;
+  const float kNegInf = __int_as_float(0xff800000);
+  const int key_in_page0 = 16 * warp + gid;  // this thread's keys in a page: +0 and +8
+  // Rows of chunk c of segment page j: row pairs by the transposing reduction (lane t stores row t >> 1,
+  // key +8 (t & 1)), an odd last row by lanes 0-1; a page that must not be read is -inf.
+  auto epilogue = [&](int j, int c, const float (&a)[RC], bool live) {
+    const int n0 = (p_begin + j) * kPageSlots + key_in_page0;
+#pragma unroll
+    for (int pr = 0; pr < RPC / 2; ++pr) {
+      const int r = c * RPC + 2 * pr;
+      const float v = live ? row_pair_logit(a + 64 * pr, a + 64 * pr + 32, s_w + r * kHeads,
+                                            s_w + (r + 1) * kHeads, t)
+                           : 0.0f;
+      const int mine = t >> 1, n = n0 + 8 * (t & 1);
+      const int h = mine ? hi[r + 1] : hi[r];
+      if (n < width) out[(row0 + r + mine) * out_stride + n] = (live && n < h) ? v : kNegInf;
+    }
+    if (RPC % 2) {
+      const int r = c * RPC + RPC - 1;
+      float s0 = 0.0f, s1 = 0.0f;
+      if (live) row_logits(a + 32 * (RPC - 1), s_w + r * kHeads, t, s0, s1);
+      const int n = n0 + 8 * t;
+      if (t < 2 && n < width) out[(row0 + r) * out_stride + n] = (live && n < hi[r]) ? (t ? s1 : s0) : kNegInf;
+    }
+  };
+
+  float acc[Split][RC];
+#pragma unroll
+  for (int c = 0; c < Split; ++c)
+#pragma unroll
+    for (int i = 0; i < RC; ++i) acc[c][i] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < Stages - 1; ++i) issue(i);
+#pragma unroll
+  for (int r = 0; r < NextN; ++r) hi[r] = row_len<NextN>(A, b, r);
+  // q (swizzled B operand) and weights while the first pages stream in
+  stage_q_operand<QFp8, N>(sbase, A.q, row0 * kHeads, N, tid, kThreads);
+  stage_weights_permuted(s_w, A.weights, row0, NextN, NextN, tid, kThreads);
+  fence_proxy_async_smem();  // q -> the async proxy
+  __syncthreads();           // q and weights of all threads
+  // Per page: its copies landed (cp.async group + the group's barrier), the turn (two groups), all chunks
+  // issued, chunk c's epilogue after wgmma.wait_group(Split-1-c); every group retires before the next page (a
+  // group in flight across the loop back-edge makes ptxas serialize, C7514). With turns both groups run
+  // ceil(pages / 2) iterations (the barrier counts must match); the second may have one page less.
+  const int iters = kTurns ? (cnt_c + 1) / 2 : cnt;
+  if (kTurns && kg == 1) named_arrive(3, kThreads);
+  for (int i = 0; i < iters; ++i) {
+    cp_async_wait<Stages - 2>();  // page i's group (this thread's copies) has landed
+    fence_proxy_async_smem();     // make them visible to the async proxy
+    named_sync(1 + kg, 128);      // the group's copies of page i; page i-1 retired by all of the group
+    if (kTurns) named_sync(3 + kg, kThreads);
+    const bool signal = kTurns && !(kg == 1 && i == iters - 1);
+    if (i < cnt) {
+      const int j = page_of(i);
+      const bool live = entry_of(p_begin + j) >= 0;  // uniform over the group
+      const u32 a_addr = st_addr + static_cast<u32>(i % Stages) * kStageBytes;
+      if (live) {  // issue and wait under one branch (else ptxas serializes the wgmma: C7514 / C7518)
+        wgmma_fence();
+#pragma unroll
+        for (int c = 0; c < Split; ++c) mma_key_block<N, NC>(a_addr, q_addr, c * NC, acc[c]);
+        if (signal) named_arrive(4 - kg, kThreads);
+        issue(i + Stages - 1);  // into the stage page i-1 used
+#pragma unroll
+        for (int c = 0; c < Split; ++c) {
+          wgmma_wait_dyn(Split - 1 - c);
+          fence_regs<RC>(acc[c]);
+          epilogue(j, c, acc[c], true);
+        }
+      } else {
+        if (signal) named_arrive(4 - kg, kThreads);
+        issue(i + Stages - 1);
+#pragma unroll
+        for (int c = 0; c < Split; ++c) epilogue(j, c, acc[c], false);
+      }
+    } else {
+      if (signal) named_arrive(4 - kg, kThreads);
+      issue(i + Stages - 1);
+    }
+  }
+  cp_async_wait<0>();  // no copy may outlive the segment
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// ---- prefill --------------------------------------------------------------------------------------
+
+struct PrefillArgs {
+  const unsigned char* q;        // [T, 64, 128] fp8 or bf16
+  const float* weights;          // [T, 64]
+  const unsigned char* kv;       // Paged: bf16 cache pages [kv_pages, 16384]; else keys [num_keys, 128] bf16
+  long long kv_pages;
+  const int* block_table;        // Paged: [bt_width] (num_keys = 64 * bt_width); varlen: [batch, bt_stride]
+  long long bt_stride;           // varlen: block-table row stride of a request
+  int bt_width;
+  const int* ks;                 // [T]: row i sees keys [ks[i], ke[i])
+  const int* ke;
+  int row_start;                 // rows row_start .. row_end-1; out row = row - row_start
+  int row_end;
+  int num_keys;
+  float* out;
+  long long out_stride;
+  int width;                     // columns: num_keys, or max_seqlen_k when compressed
+  int compressed;                // column = key - ks[row]
+  int clean;                     // full width: -inf in every column a row does not see
+  const long long* tile_plan;    // varlen (non-null): the tiles of `batch` requests (common.cuh)
+  const int* cu_rows;            // varlen: request b owns rows [cu_rows[b], cu_rows[b + 1])
+  int batch;
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // The row tile of rows row0 + r (r < 4, row < rend) against the paged keys of block-table row `bt` (or the
 // contiguous keys), part `part` of `parts` of its key blocks. Called by all 128 WGs threads of the CTA. Key group kg (= warpgroup / (WGs / 2)) takes the blocks p_begin + kg + 2 i; its
 // WGs / 2 warpgroups share them and split the rows. Sched 2: the key groups take turns issuing their wgmma
@@ -605,11 +684,7 @@ __device__ __forceinline__ void prefill_row_tile(const PrefillArgs& A, const int
   for (int i = 0; i < Stages - 1; ++i) issue(i);
   // q (swizzled B operand, rows past row_end zero) and the permuted weights, shared by all warpgroups
   stage_q_operand<QFp8, N>(sbase, A.q, static_cast<i64>(row0) * kHeads, valid_rows * kHeads, tid, blockDim.x);
-  for (int i = tid; i < N; i += blockDim.x) {
-    const int r = i / kHeads, k = i % 16, tt = (i % kHeads) / 16;  // s_w[64 r + 16 tt + k]
-    const int head = 8 * (k >> 1) + 2 * tt + (k & 1);
-    s_w[i] = r < valid_rows ? A.weights[static_cast<i64>(row0 + r) * kHeads + head] : 0.0f;
-  }
+  stage_weights_permuted(s_w, A.weights, row0, R, valid_rows, tid, blockDim.x);
 
   const int key0 = 16 * warp + gid;  // this thread's keys in a block: +0 and +8
   // Chunk c (rows c*RPC .. of this warpgroup) of block i: each lane stores one (row, key) per row pair.
@@ -680,12 +755,12 @@ __device__ __forceinline__ void prefill_row_tile(const PrefillArgs& A, const int
       const int *__restrict__ lens, int lens_2d, int width, float *__restrict__ out, long long out_stride,   \
       int clean
 
-// Balanced schedule: grid (C) = one wave, block 128, same shared memory. CTA c runs the request segments of
+// Balanced schedule: grid (C) = one wave, block 128 * KeyGroups, shared memory Smem<NextN, Stages, KeyGroups>. CTA c runs the request segments of
 // its share of the batch's computed pages (plan: int64 [batch + 1], see for_each_decode_segment in
 // common.cuh), q and weights re-staged per segment; with `clean` it then writes -inf over its share of the
 // pages no CTA computes. The time no longer depends on the mix of lengths, only on the pages in all.
-template <int QFp8, int NextN, int Stages, int MinBlocks, int Split>
-__global__ void __launch_bounds__(128, MinBlocks)
+template <int QFp8, int NextN, int Stages, int MinBlocks, int Split, int KeyGroups, int Turns>
+__global__ void __launch_bounds__(128 * KeyGroups, MinBlocks)
     mqa_logits_sm90_decode_kernel(DSA_SM90_ARGS, const long long* __restrict__ plan, int batch) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace dsa::sm90;
@@ -693,7 +768,7 @@ __global__ void __launch_bounds__(128, MinBlocks)
   const Args A{q, weights, kv, kv_pages, block_table, bt_stride, bt_width, lens, lens_2d, width, out, out_stride,
                clean};
   dsa::for_each_decode_segment(plan, batch, [&](int b, int p_begin, int p_end) {
-    run_pages<QFp8, NextN, Stages, Split>(A, b, p_begin, p_end, smem_raw);
+    run_pages<QFp8, NextN, Stages, Split, KeyGroups, Turns>(A, b, p_begin, p_end, smem_raw);
   });
   if (clean) dsa::fill_uncomputed_pages(plan, batch, NextN, width, out, out_stride);
 #else

@@ -30,7 +30,7 @@ def test_product_instantiations_are_product_configs():
         assert set(ex) == product - contiguous, set(ex) ^ (product - contiguous)
         assert any("sm90" in e for e in ex) == (arch == "sm_90")
     one = L.product_instantiations("sm_90", q_fp8=(1,), next_ns=(1,), layouts=("bf16",))
-    assert one == ["paged_mqa_logits_plan_kernel", "mqa_logits_plan_kernel", "mqa_logits_sm90_decode_kernel<1, 1, 3, 3, 1>",
+    assert one == ["paged_mqa_logits_plan_kernel", "mqa_logits_plan_kernel", "mqa_logits_sm90_decode_kernel<1, 1, 3, 3, 1, 1, 0>",
                    "mqa_logits_sm90_prefill_kernel<1, 1, 4, 1, 2, 2>"]
 
 
