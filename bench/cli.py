@@ -244,11 +244,13 @@ def _model_option(ctx, param, value):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True), default=None,
               callback=_writable_output, help="write the results as JSON (schema cupy-dsa-serve/1); '-' = stdout.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
-              callback=_png_output, help="PNG: ms per decode step over context, bf16 vs fp8, and the added ms.")
+              callback=_png_output, help="PNG: ms per step over context, bf16 vs fp8, and the added ms (a row per "
+                                          "kind of step).")
 def serve_cmd(model, batch, contexts, next_ns, chunks, memory_gib, device, seed, json_path, plot_path):
-    """Indexer cost of one forward of a DeepSeek-V4 server with bf16 index keys vs SGLang's fp8 (DeepGEMM), and of
-    the fp8-cupy mode (SGLang's fp8 keys on cupy_dsa's kernels): ms per decode (verify) step and per prefill chunk
-    over every C4 layer, KV bytes per token and tokens that fit. Without a GPU it prints the memory figures only."""
+    """Indexer cost of one forward of a DeepSeek-V4 server with bf16 index keys vs SGLang's fp8 (DeepGEMM on the
+    route SGLang 0.5.23 takes for the step), and of the fp8-cupy mode (SGLang's fp8 keys on cupy_dsa's kernels): ms
+    per decode (verify) step and per prefill chunk over every C4 layer, KV bytes per token and tokens that fit.
+    Without a GPU it prints the memory figures only."""
     import torch
     from rich.console import Console
     from rich.table import Table

@@ -455,7 +455,7 @@ def markdown(doc: dict) -> str:
             r8 = f"{r['fp8_cupy_ratio']:.2f}x" if r.get("fp8_cupy_ratio") is not None else "—"
             extra = f" {ms[3]} | {r8} |"
         if routes:
-            gather = f" (gather {r['fp8_gather_ms']:.2f} ms)" if r.get("fp8_gather_ms") is not None else ""
+            gather = f" (its gathers: {r['fp8_gather_ms']:.2f} ms)" if r.get("fp8_gather_ms") is not None else ""
             extra += f" {r['fp8_route'] + gather if r.get('fp8_ms') is not None else '—'} |"
         if targets:
             verdict = {"pass": "pass", "miss": "**miss**"}.get(r.get("verdict"), "not evaluated")

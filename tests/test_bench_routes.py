@@ -312,7 +312,7 @@ def test_serve_markdown_shows_routes_and_targets_of_runs_that_have_them():
     assert "| fp8 route | target |\n|---|---|---|---|---|---|---|---|\n" in new
     assert "| verify, next_n 4 | 64 x 32K | 2.00 ms | 1.00 ms | 1.00 ms | 2.00x | paged rows | <= 1.20x: **miss** |" in new
     assert ("| prefill chunk of 16,384 | after 32K | 2.00 ms | 1.00 ms | 1.00 ms | 2.00x | non-paged gather + "
-            "fp8_mqa_logits (gather 0.25 ms) | — |") in new
+            "fp8_mqa_logits (its gathers: 0.25 ms) | — |") in new
     assert "route SGLang 0.5.23 takes for the step" in new and "key gather: torch gather (x)." in new
 
 
@@ -362,3 +362,38 @@ def test_readme_serve_command_times_every_step_the_block_shows(monkeypatch):
     assert set(readme.README_SERVE_STEPS) <= {serve.step_label(c) for c in steps}
     assert set(serve.TARGETS) <= {(c.batch, c.next_n, c.context) for c in steps if c.phase == "verify"}
     assert any(serve.fp8_route(c) == serve.FP8_NONPAGED for c in steps)
+
+
+def test_serve_cli_on_a_gpu_records_routes_targets_and_the_gather(monkeypatch, tmp_path):
+    """`bench serve`'s GPU branch end to end, its GPU stood in for by the CPU (the ops' references, DeepGEMM's
+    stand-in, the torch gather) at a test model's size: the rows, table, notes and markdown carry the fp8 route of
+    every step, the gather of the non-paged one, and the verdict where a target matches."""
+    from cupy_dsa.bench import cli, provenance
+
+    _torch_gather(monkeypatch)
+    monkeypatch.setattr(serve, "NONPAGED_MIN_ROWS", 16)
+    monkeypatch.setattr(serve, "TARGETS", {(2, 2, 256): 1e9})
+    for name, value in (("is_available", lambda: True), ("current_device", lambda: 0), ("device_count", lambda: 1),
+                        ("set_device", lambda dev: None)):
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(cli, "_device_name", lambda dev: "stand-in GPU")
+    monkeypatch.setattr(provenance, "driver_version", lambda: None)
+    monkeypatch.setattr(peers, "deepgemm", lambda: (FakeDeepGEMM(), None))
+    real = serve.measure
+    monkeypatch.setattr(serve, "measure", lambda case, model, dev, dg, seed, reps: real(case, model, CPU, dg, seed, 1))
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"num_hidden_layers": 3, "compress_ratios": [4, 0, 4], "index_topk": 66}))
+    res = CliRunner().invoke(main, ["bench", "serve", "--model", str(cfg), "--batch", "2", "--context", "256",
+                                    "--next-n", "1,2", "--chunk", "8,32", "--json", "-"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout[res.stdout.index("{"):])
+    by_step = {serve.step_label(r): r for r in doc["timings"]}
+    assert list(by_step) == ["decode", "verify, next_n 2", "prefill chunk of 8", "prefill chunk of 32"]
+    assert all(r["error"] is None and r["bf16_ms"] and r["fp8_ms"] for r in doc["timings"]), doc["timings"]
+    assert [r["fp8_route"] for r in by_step.values()] == [serve.FP8_PAGED] * 3 + [serve.FP8_NONPAGED]
+    assert by_step["prefill chunk of 32"]["fp8_gather"] == "torch gather (test)"
+    assert [r["verdict"] for r in by_step.values()] == [None, "pass", None, None]
+    assert "fp8 non-paged route: keys gathered by torch gather (test)" in doc["notes"]
+    md = serve.markdown(doc)
+    assert "| fp8 route | target |" in md and "| verify, next_n 2 | 2 x 256 |" in md and "<= 1000000000.00x: pass" in md
+    assert "fp8 route" in res.stderr or "fp8 route" in res.output
