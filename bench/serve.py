@@ -39,8 +39,9 @@ COUNTED = ("one forward = per C4 layer: store of the forward's new index entries
            "rows only when the logits exceed its memory budget); + our store op writing SGLang's fp8 layout "
            "(standing in for SGLang's fp8 store kernel); fp8-cupy = the plugin's fp8-cupy mode, our store and "
            "logits on the bf16 routes over SGLang's fp8 layout (same bytes as fp8, our kernels). A prefill chunk is "
-           "one request of --chunk tokens after a prefix of --context tokens; rows seeing <= index_topk entries get "
-           "an empty range on every route, as SGLang's default sgl-kernel top-k and the plugin pass them.")
+           "one request of --chunk tokens after a prefix of --context tokens; its rows seeing <= index_topk entries "
+           "get an empty range on the plugin's route and SGLang's non-paged one, as they pass them with SGLang's "
+           "default sgl-kernel top-k (SGLang's paged route passes every row whole).")
 
 # Targets on an H200, bf16 step time over the fp8 step's, by (batch, next_n, context tokens)
 TARGETS = {(64, 4, 32768): 1.2, (64, 4, 131072): 1.2, (64, 2, 16384): 1.5}
