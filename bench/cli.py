@@ -195,17 +195,23 @@ _subcommand("recall", ("recall",), "Needle suite with a controlled margin and a 
 _subcommand("all", SECTIONS_ALL, "Run bytes, store, query, logits and recall (the default).")
 
 
-def _contexts_option(ctx, param, values):
-    """--context: tokens per request, repeatable and/or comma lists; each a positive int."""
-    out = []
-    for value in values:
-        for part in str(value).split(","):
-            m = re.fullmatch(r"(\d+)([km]?)", part.strip().lower())
-            n = int(m.group(1)) * {"": 1, "k": 1024, "m": 2**20}[m.group(2)] if m else 0
-            if n <= 0:
-                raise click.BadParameter(f"expected positive token counts such as 8192,32K,128K, got {value!r}")
-            out.append(n)
-    return tuple(sorted(set(out))) or (8192, 32768, 131072)
+def _counts_option(default: tuple, what: str, lo: int = 1, hi: int | None = None):
+    """A repeatable option of comma lists of ints (K/M suffixes: x 1024 / x 2^20), each in [lo, hi]; sorted,
+    without repeats; ``default`` when not given."""
+    def parse(ctx, param, values):
+        out = []
+        for value in values:
+            for part in str(value).split(","):
+                m = re.fullmatch(r"(\d+)([km]?)", part.strip().lower())
+                n = int(m.group(1)) * {"": 1, "k": 1024, "m": 2**20}[m.group(2)] if m else None
+                if n is None or n < lo or (hi is not None and n > hi):
+                    raise click.BadParameter(f"expected {what}, got {value!r}")
+                out.append(n)
+        return tuple(sorted(set(out))) or default
+    return parse
+
+
+_contexts_option = _counts_option((8192, 32768, 131072), "positive token counts such as 8192,32K,128K")
 
 
 def _model_option(ctx, param, value):
@@ -224,9 +230,13 @@ def _model_option(ctx, param, value):
 @click.option("--batch", type=click.IntRange(min=1), default=32, show_default=True, help="requests per decode step.")
 @click.option("--context", "contexts", multiple=True, callback=_contexts_option,
               help="tokens per request (comma list or repeated; K/M suffixes). [8192,32768,131072]")
-@click.option("--next-n", type=click.IntRange(1, 4), default=1, show_default=True,
-              help="rows per request: 1 = plain decode, 2..4 = MTP verify.")
-@click.option("--chunk", type=click.IntRange(min=4), default=4096, show_default=True, help="tokens per prefill chunk.")
+@click.option("--next-n", "next_ns", multiple=True, callback=_counts_option((1,), "next_n values 1 to 4 such as 1,2,4",
+                                                                             lo=1, hi=4),
+              help="rows per request: 1 = plain decode, 2..4 = MTP verify; a comma list (or repeated) times "
+                   "each. [1]")
+@click.option("--chunk", "chunks", multiple=True, callback=_counts_option((4096,), "token counts of 4 or more such "
+                                                                          "as 4096,16K", lo=4),
+              help="tokens per prefill chunk; a comma list (or repeated, K suffix) times each. [4096]")
 @click.option("--memory-gib", type=FiniteFloatRange(min=0, min_open=True, max=MAX_MEMORY), default=80.0,
               show_default=True, help="index-cache budget for the tokens-that-fit figure (GiB), up to 1e6.")
 @click.option("--device", default=None, metavar="DEV", help="CUDA device, e.g. cuda:1 (default: the current one).")
@@ -234,26 +244,28 @@ def _model_option(ctx, param, value):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True), default=None,
               callback=_writable_output, help="write the results as JSON (schema cupy-dsa-serve/1); '-' = stdout.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
-              callback=_png_output, help="PNG: ms per decode step over context, bf16 vs fp8, and the added ms.")
-def serve_cmd(model, batch, contexts, next_n, chunk, memory_gib, device, seed, json_path, plot_path):
-    """Indexer cost of one forward of a DeepSeek-V4 server with bf16 index keys vs SGLang's fp8 (DeepGEMM), and of
-    the fp8-cupy mode (SGLang's fp8 keys on cupy_dsa's kernels): ms per decode (verify) step and per prefill chunk
-    over every C4 layer, KV bytes per token and tokens that fit. Without a GPU it prints the memory figures only."""
+              callback=_png_output, help="PNG: ms per step over context, bf16 vs fp8, and the added ms (a row per "
+                                          "kind of step).")
+def serve_cmd(model, batch, contexts, next_ns, chunks, memory_gib, device, seed, json_path, plot_path):
+    """Indexer cost of one forward of a DeepSeek-V4 server with bf16 index keys vs SGLang's fp8 (DeepGEMM on the
+    route SGLang 0.5.23 takes for the step), and of the fp8-cupy mode (SGLang's fp8 keys on cupy_dsa's kernels): ms
+    per decode (verify) step and per prefill chunk over every C4 layer, KV bytes per token and tokens that fit.
+    Without a GPU it prints the memory figures only."""
     import torch
     from rich.console import Console
     from rich.table import Table
 
-    from . import peers, provenance, serve
+    from . import peers, provenance, report, serve
 
     out, err = _console(stderr=json_path == "-"), Console(stderr=True)
     dev = None
     if device is not None or torch.cuda.is_available():  # checked before any work
         dev, _ = _resolve_device("cuda", device, has_backend_option=False)
-    case_list = serve.cases(batch, contexts, next_n, chunk)
+    case_list = serve.cases(batch, contexts, next_ns, chunks)
     model_doc = {"name": model.name, "n_layers": model.n_layers, "index_layers": model.n_c4,
                  "index_topk": model.index_topk, "source": model.source, "assumed": model.assumed}
     doc = {"schema": serve.SCHEMA, **provenance.provenance(), "model": model_doc,
-           "batch": batch, "contexts": list(contexts), "next_n": next_n, "chunk": chunk,
+           "batch": batch, "contexts": list(contexts), "next_n": list(next_ns), "chunk": list(chunks),
            "cases": [serve.case_label(c) for c in case_list],
            "memory": serve.memory_rows(model, memory_gib), "timings": [], "device": None,
            "measured": False, "not_measured": None, "deepgemm": None, "notes": [serve.COUNTED]}
@@ -293,16 +305,21 @@ def serve_cmd(model, batch, contexts, next_n, chunk, memory_gib, device, seed, j
         t = Table(title=f"indexer ms per forward (all {model.n_c4} C4 layers), {doc['device']}; top-k excluded; "
                         f"context in raw tokens (index entries = tokens / {serve.C4_RATIO})")
         for col in ("phase", "batch", "context", "next_n", "chunk", "bf16 ms", "fp8 ms", "added ms", "ratio",
-                    "fp8-cupy ms", "fp8-cupy / fp8", "error"):
+                    "target", "result", "fp8-cupy ms", "fp8-cupy / fp8", "fp8 route", "fp8 gather ms", "error"):
             t.add_column(col, justify="right")
         def f(v, p=3):
             return "-" if v is None else f"{v:.{p}f}"
 
         for r in doc["timings"]:
             t.add_row(r["phase"], str(r["batch"]), str(r["context"]), str(r["next_n"]), str(r["chunk"] or "-"),
-                      f(r["bf16_ms"]), f(r["fp8_ms"]), f(r["added_ms"]), f(r["ratio"], 2), f(r["fp8_cupy_ms"]),
-                      f(r["fp8_cupy_ratio"], 2), r["error"] or "")
-        out.print(t)
+                      f(r["bf16_ms"]), f(r["fp8_ms"]), f(r["added_ms"]), f(r["ratio"], 2),
+                      f"<= {r['target_ratio']:.2f}x" if r["target_ratio"] else "-", r["verdict"] or "-",
+                      f(r["fp8_cupy_ms"]), f(r["fp8_cupy_ratio"], 2), r["fp8_route"] if dg is not None else "-",
+                      f(r["fp8_gather_ms"]), r["error"] or "")
+        report.print_fitted(out, t, keys=5)
+        gather_ops = sorted({r["fp8_gather"] for r in doc["timings"] if r["fp8_gather"]})
+        if gather_ops:
+            doc["notes"].append(f"fp8 non-paged route: keys gathered by {'; '.join(gather_ops)}")
         for r in doc["timings"]:
             for layout, n in r["layer_caches"].items():
                 if n < model.n_c4:

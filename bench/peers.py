@@ -1,10 +1,15 @@
 """Peers measured live next to our kernels, never imported by the product: DeepGEMM's fp8 paged decode
-logits and fp8 prefill logits (what stock SGLang calls on Hopper). ``import deep_gemm`` may fail; the bench
-then says why."""
+logits and fp8 prefill logits (what stock SGLang calls on Hopper), and SGLang's gather of a request's fp8 keys
+out of the paged cache (its non-paged prefill route). ``import deep_gemm`` may fail; the bench then says why."""
 
 from __future__ import annotations
 
+import math
+from types import SimpleNamespace
+
 import torch
+
+from cupy_dsa.layouts import FP8_SCALE_OFFSET, HEAD_DIM, PAGE_SLOTS
 
 
 def deepgemm():
@@ -26,7 +31,7 @@ def deepgemm_decode(dg, q_fp8, fp8_cache, weights, lens, block_table, width):
     lens_2d = lens if lens.dim() == 2 else (lens[:, None] - (next_n - 1)
                                             + torch.arange(next_n, device=lens.device, dtype=lens.dtype)[None, :])
     lens_2d = lens_2d.clamp_min(0).to(torch.int32).contiguous()
-    n_sms = torch.cuda.get_device_properties(q_fp8.device).multi_processor_count
+    n_sms = _num_sms(dg, q_fp8.device)
     pages = fp8_cache.view(fp8_cache.shape[0], 64, 1, 132)
     meta = dg.get_paged_mqa_logits_metadata(lens_2d, 64, n_sms)
 
@@ -39,18 +44,66 @@ def deepgemm_decode(dg, q_fp8, fp8_cache, weights, lens, block_table, width):
     return schedule, logits
 
 
-def deepgemm_prefill(dg, q_fp8, keys, weights, ks, ke):
-    """DeepGEMM's fp8 prefill logits on the same rows and ranges, with ``keys`` (bf16 ``[S, 128]``) quantized
-    per token to e4m3 and an fp32 scale as SGLang's non-paged prefill passes them; clean_logits on. Returns
-    the call (None when this DeepGEMM has no fp8_mqa_logits)."""
+def _num_sms(dg, device) -> int:
+    """The SM count DeepGEMM schedules for (SGLang passes ``deep_gemm.get_num_sms()``)."""
+    if hasattr(dg, "get_num_sms"):
+        return dg.get_num_sms()
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def deepgemm_prefill(dg, q_fp8, keys, weights, ks, ke, *, clean_logits=True, max_seqlen_k=0):
+    """DeepGEMM's fp8 prefill logits (``fp8_mqa_logits``) on the same rows and ranges. ``keys``: bf16 ``[S, 128]``,
+    quantized here per token to e4m3 and an fp32 scale, or the ``(fp8 [S, 128], fp32 [S])`` pair SGLang's
+    non-paged route gathers. SGLang's non-paged call passes ``clean_logits=False`` and ``max_seqlen_k`` (its
+    compressed output). Returns the call (None when this DeepGEMM has no fp8_mqa_logits)."""
     if not hasattr(dg, "fp8_mqa_logits"):
         return None
-    kf = keys.float()
-    scale = (kf.abs().amax(1) / 448.0).clamp_min(1e-12)
-    k_fp8 = (kf / scale[:, None]).to(torch.float8_e4m3fn).contiguous()
-    scale = scale.contiguous()
+    if isinstance(keys, tuple):
+        k_fp8, scale = keys
+    else:
+        kf = keys.float()
+        scale = (kf.abs().amax(1) / 448.0).clamp_min(1e-12)
+        k_fp8 = (kf / scale[:, None]).to(torch.float8_e4m3fn).contiguous()
+        scale = scale.contiguous()
+
+    compressed = {"max_seqlen_k": max_seqlen_k} if max_seqlen_k else {}  # older DeepGEMMs lack the argument
 
     def logits():
-        return dg.fp8_mqa_logits(q_fp8, (k_fp8, scale), weights, ks, ke, True)
+        return dg.fp8_mqa_logits(q_fp8, (k_fp8, scale), weights, ks, ke, clean_logits, **compressed)
 
     return logits
+
+
+def torch_fp8_gather(fp8_cache, page_row, n_entries):
+    """A request's first ``n_entries`` fp8 keys out of the paged cache (uint8 ``[P, 8448]``, pages ``page_row``),
+    as ``(fp8 [n, 128], fp32 scales [n])``: what SGLang's gather returns, in torch (one page gather, then the
+    values and the scales split out)."""
+    pages = fp8_cache[page_row[:math.ceil(n_entries / PAGE_SLOTS)].long()]
+    values = pages[:, :FP8_SCALE_OFFSET].reshape(-1, HEAD_DIM)[:n_entries]
+    scales = pages[:, FP8_SCALE_OFFSET:].contiguous().view(torch.float32).reshape(-1)[:n_entries]
+    return values.view(torch.float8_e4m3fn), scales
+
+
+def fp8_gather():
+    """``(bind, what it is)``; ``bind(page_row, n_entries)`` returns ``gather(fp8_cache)`` of one request's keys.
+    SGLang's own gather when it imports here (``GetKAndS.triton`` of sglang.kernels.ops.kvcache.dsa_index_k_cache,
+    what the pool's ``get_index_k_scale_buffer`` runs on CUDA), else :func:`torch_fp8_gather`, saying why."""
+    try:
+        from sglang.kernels.ops.kvcache.dsa_index_k_cache import GetKAndS
+    except Exception as exc:  # SGLang not installed here, or one of its imports fails
+        return ((lambda page_row, n: lambda cache: torch_fp8_gather(cache, page_row, n)),
+                f"torch gather (SGLang's GetKAndS not importable: {type(exc).__name__}: {str(exc)[:120]})")
+    pool = SimpleNamespace(index_page_size=PAGE_SLOTS, index_head_dim=HEAD_DIM)  # what GetKAndS reads of the pool
+
+    def bind(page_row, n_entries):
+        pages = page_row.view(1, -1)  # SGLang passes the request's page-table row, [1, pages]
+        seq_len = torch.full((1,), n_entries, dtype=torch.int32, device=page_row.device)
+
+        def gather(fp8_cache):
+            k, s = GetKAndS.triton(pool, fp8_cache, page_indices=pages, seq_len_tensor=seq_len,
+                                   seq_len_sum=n_entries, max_seq_len=n_entries)
+            return k.view(torch.float8_e4m3fn), s.view(torch.float32).squeeze(-1)
+
+        return gather
+
+    return bind, "SGLang's GetKAndS.triton (sglang.kernels.ops.kvcache.dsa_index_k_cache)"

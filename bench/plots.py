@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .provenance import commit_text
-from .report import _ok, _recall_rows, _route_pairs, _si
+from .report import _ok, _recall_rows, _route_pairs, _si, prefill_shape
 
 # --------------------------------------------------------------------------------------------------
 # plot
@@ -147,7 +147,7 @@ def _decode_deepgemm_panel(ax, dec):
 
 
 def _prefill_panel(ax, pre):
-    labels = [f"{_si(r['rows'])} x {_si(r['keys'])}\n{r['kv']} {r['layout']}" for r in pre]
+    labels = [f"{prefill_shape(r)}\n{r['kv']} {r['layout']}" for r in pre]
     bars = ax.bar(range(len(pre)), [100 * r["pct_matmul"] if r.get("pct_matmul") else r["tflops"] for r in pre],
                   color=[FORMAT_STYLE[r["layout"]]["color"] if r["layout"] in FORMAT_STYLE else "C7" for r in pre])
     vs_dg = any(r.get("vs_deepgemm") for r in pre)

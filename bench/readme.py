@@ -9,7 +9,7 @@ from typing import Callable
 
 from .provenance import commit_text
 from .report import (_decode_pairs, _f, _margin, _md_verdict, _ok, _pct, _recall_rows, _route_pairs, _si,
-                     _target_pct)
+                     _target_pct, prefill_shape, prefill_target, route_target)
 
 
 README_BLOCK = re.compile(r"(<!-- results:(?P<name>[a-z-]+) -->\n)(?P<body>.*?)(<!-- /results:(?P=name) -->)", re.S)
@@ -44,16 +44,20 @@ def _us_or_ms(us):
 
 
 def readme_verify_extend(doc) -> str:
-    lines = ["| case | ours, rows | ours, grouped / varlen | DG rows (fp8) | ours / DG rows | target |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| case | ours, rows | ours, grouped / varlen | DG rows (fp8) | DG grouped (fp8) | ours / DG rows "
+             "| target |",
+             "|---|---|---|---|---|---|---|"]
     for m, b, n, rows, served in _route_pairs(doc):
-        extra = (f" ({_pct(served['pct_roofline'])} of roofline)" if m == "verify" and served.get("pct_roofline")
-                 else (f" ({served['tflops']:.0f} TF/s)" if served.get("tflops") else ""))
-        tgt = f"<= {served['target_vs_deepgemm_rows']:.2f}x" if served.get("target_vs_deepgemm_rows") else ""
-        if served.get("target_pct_matmul"):
-            tgt += f", {_target_pct(served['target_pct_matmul'])} of matmul"
+        if m == "verify":
+            shares = [f"{_pct(served[f'pct_{c}'])} of {c}" for c in ("read", "roofline") if served.get(f"pct_{c}")]
+            extra = f" ({', '.join(shares)})" if shares else ""
+        else:
+            extra = f" ({served['tflops']:.0f} TF/s)" if served.get("tflops") else ""
+        tgt = route_target(served)
+        dg_grouped = served.get("deepgemm_grouped_us")
         lines.append(f"| {m} {b}{f', n {n}' if m == 'verify' else ''} | {_us_or_ms(rows['time_us'])} | "
                      f"{_us_or_ms(served['time_us'])}{extra} | {_us_or_ms(served['deepgemm_rows_us'])} | "
+                     f"{_us_or_ms(dg_grouped) if dg_grouped else '—'} | "
                      f"{_f(served.get('vs_deepgemm_rows'), '{:.2f}x')} | {_md_target(served, tgt) if tgt else '—'} |")
     return "\n".join(lines)
 
@@ -62,9 +66,8 @@ def readme_prefill(doc) -> str:
     lines = ["| T x S | keys | time | TFLOP/s | % of bf16 matmul | DeepGEMM fp8 | ours / DG | vs contiguous | target |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in _ok(doc, "prefill"):
-        tgt = (_target_pct(r["target_pct_matmul"]) if r.get("target_pct_matmul")
-               else (f"<= {r['target_vs_contiguous']:.2f}x contiguous" if r.get("target_vs_contiguous") else ""))
-        lines.append(f"| {_si(r['rows'])} x {_si(r['keys'])} | {r['kv']} {r['layout']} | {r['time_us'] / 1e3:.2f} ms | "
+        tgt = prefill_target(r)
+        lines.append(f"| {prefill_shape(r)} | {r['kv']} {r['layout']} | {r['time_us'] / 1e3:.2f} ms | "
                      f"{r['tflops']:.0f} | {_pct(r['pct_matmul'])} | "
                      f"{_f(r.get('deepgemm_us') and r['deepgemm_us'] / 1e3, '{:.2f} ms')} | "
                      f"{_f(r.get('vs_deepgemm'), '{:.2f}x')} | {_f(r.get('vs_contiguous'), '{:.3f}x')} | "
@@ -153,10 +156,21 @@ def readme_query(doc) -> str:
     return "\n".join(lines)
 
 
-def _serve_block(doc) -> str:
-    from .serve import markdown
+# the steps the README's cost block shows; a serve run that did not time one of them says so under its table
+README_SERVE_STEPS = ("decode", "verify, next_n 2", "verify, next_n 4", "prefill chunk of 4,096",
+                      "prefill chunk of 16,384")
 
-    return markdown(doc).rstrip("\n")
+
+def _serve_block(doc) -> str:
+    from .serve import markdown, step_label
+
+    text = markdown(doc).rstrip("\n")
+    timed = {step_label(r) for r in doc["timings"] if r.get("bf16_ms") is not None}
+    missing = [step for step in README_SERVE_STEPS if step not in timed]
+    if missing:
+        text += (f"\n\nNot measured yet: {'; '.join(missing)} (not in this run; the `cupy-dsa bench serve` command "
+                 "under this table times every step the README shows).")
+    return text
 
 
 # --------------------------------------------------------------------------------------------------

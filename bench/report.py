@@ -204,26 +204,48 @@ def decode_table(doc) -> Table:
 PREFILL_KEYS = 3  # T x S, kv, layout
 
 
+def prefill_shape(r) -> str:
+    """'4K x 64K', or '16K x 16K, fresh prompt' (no prefix, SGLang's ranges)."""
+    return f"{_si(r['rows'])} x {_si(r['keys'])}" + (", fresh prompt" if r.get("prompt") == "fresh" else "")
+
+
+def prefill_target(r) -> str:
+    """The row's targets: % of the matmul, time over DeepGEMM's, over the contiguous keys' ('' when none)."""
+    parts = [_target_pct(r["target_pct_matmul"]) if r.get("target_pct_matmul") else "",
+             f"<= {r['target_vs_deepgemm']:.2f}x DG" if r.get("target_vs_deepgemm") else "",
+             f"<= {r['target_vs_contiguous']:.2f}x contiguous" if r.get("target_vs_contiguous") else ""]
+    return ", ".join(p for p in parts if p)
+
+
 def prefill_table(doc) -> Table:
-    t = Table(title="mqa_logits, prefill (causal: ks = 0, ke = S - T + i + 1; ragged: several extend requests)")
+    t = Table(title="mqa_logits, prefill (causal: ks = 0, ke = S - T + i + 1; fresh prompt: S = T, SGLang's ranges; "
+                    "ragged: several extend requests)")
     for col in ("T x S", "kv", "layout", "time", "% matmul", "target", "result", "DeepGEMM fp8", "ours/DG",
                 "vs contig", "TFLOP/s", "mem ours"):
         t.add_column(col, justify="right")
     for r in doc["logits"]:
         if r.get("mode") != "prefill":
             continue
-        shape = f"{_si(r['rows'])} x {_si(r['keys'])}"
+        shape = prefill_shape(r)
         if r.get("error"):
             t.add_row(shape, r["kv"], r["layout"], f"[red]{r['error'][:60]}[/]", *[""] * 8)
             continue
         dg = (f"{r['deepgemm_us'] / 1e3:.3f} ms" if r.get("deepgemm_us")
               else ("—" if r["kv"] == "paged" else (r.get("deepgemm_note") or "—")[:30]))
-        target = (_target_pct(r.get("target_pct_matmul")) if r.get("target_pct_matmul")
-                  else (f"<= {r['target_vs_contiguous']:.2f}x" if r.get("target_vs_contiguous") else "—"))
+        target = prefill_target(r) or "—"
         t.add_row(shape, r["kv"], r["layout"], f"{r['time_us'] / 1e3:.3f} ms", _pct(r["pct_matmul"]), target,
                   _verdict(r), dg, _f(r.get("vs_deepgemm"), "{:.2f}x"), _f(r.get("vs_contiguous"), "{:.3f}x"),
                   _num(r["tflops"], 1), _f(r.get("peak_extra_mb"), "{:.0f} MB"))
     return t
+
+
+def route_target(r, dg_rows: str = "") -> str:
+    """A verify / extend row's targets: time over DeepGEMM's rows (``dg_rows`` names them), share of the read
+    stream, the roofline or the matmul ('' when none)."""
+    parts = [f"<= {r['target_vs_deepgemm_rows']:.2f}x{dg_rows}" if r.get("target_vs_deepgemm_rows") else ""]
+    parts += [f"{_target_pct(r[f'target_pct_{c}'])} of {c}" for c in ("read", "roofline", "matmul")
+              if r.get(f"target_pct_{c}")]
+    return ", ".join(p for p in parts if p)
 
 
 def verify_extend_table(doc) -> Table:
@@ -238,9 +260,7 @@ def verify_extend_table(doc) -> Table:
         if r.get("error"):
             t.add_row(*head, f"[red]{r['error'][:60]}[/]", *[""] * 9)
             continue
-        tgt = f"<= {r['target_vs_deepgemm_rows']:.2f}x" if r.get("target_vs_deepgemm_rows") else "—"
-        if r.get("target_pct_matmul"):
-            tgt += f", {_target_pct(r['target_pct_matmul'])}"
+        tgt = route_target(r) or "—"
         if r.get("target_vs_fp8_query"):
             tgt = f"{r['vs_fp8_query']:.3f}x fp8 q, <= {r['target_vs_fp8_query']:.2f}x"
         t.add_row(*head, f"{r['time_us']:.1f} us", _pct(r.get("pct_read")), _pct(r.get("pct_roofline")),
@@ -445,9 +465,7 @@ def markdown_headline(doc: dict) -> str:
                   if r.get("vs_deepgemm_rows") else "")
             ratio = (f"{_pct(r.get('pct_read'))} of read, {_pct(r.get('pct_roofline'))} of roofline"
                      if r["mode"] == "verify" else f"{_pct(r.get('pct_matmul'))} of matmul")
-            tgt = f"<= {r['target_vs_deepgemm_rows']:.2f}x DG rows" if r.get("target_vs_deepgemm_rows") else "—"
-            if r.get("target_pct_matmul"):
-                tgt += f", {_target_pct(r['target_pct_matmul'])} of matmul"
+            tgt = route_target(r, " DG rows") or "—"
             lines.append(f"| {r['mode']} {r['batch_name']}, n {r['next_n']}, {r['route']} | {r['time_us']:.1f} us{dg} | "
                          f"{ratio} | {tgt} | {_md_verdict(r)} |")
             continue
@@ -465,9 +483,8 @@ def markdown_headline(doc: dict) -> str:
             dg = (f"; DeepGEMM fp8 {r['deepgemm_us'] / 1e3:.2f} ms, ours {r['vs_deepgemm']:.2f}x"
                   if r.get("vs_deepgemm") else "")
             vs = f", {r['vs_contiguous']:.3f}x contiguous" if r.get("vs_contiguous") else ""
-            tgt = (_target_pct(r.get("target_pct_matmul")) if r.get("target_pct_matmul")
-                   else (f"<= {r['target_vs_contiguous']:.2f}x contiguous" if r.get("target_vs_contiguous") else "—"))
-            lines.append(f"| prefill {_si(r['rows'])} x {_si(r['keys'])}, {r['kv']} {r['layout']} | "
+            tgt = prefill_target(r) or "—"
+            lines.append(f"| prefill {prefill_shape(r)}, {r['kv']} {r['layout']} | "
                          f"{r['time_us'] / 1e3:.2f} ms, {_num(r['tflops'])} TFLOP/s{dg} | "
                          f"{_pct(r['pct_matmul'])} of matmul{vs} | {tgt} | {_md_verdict(r)} |")
     rec = [r for r in _recall_rows(doc) if r.get("recall_mean") is not None and not r["trivial"]]

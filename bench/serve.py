@@ -4,8 +4,10 @@ One forward's indexer work on every C4 layer (one cache per layer, as the server
 forward's new index entries, the logits of the layer, and the schedule built once per forward (ForwardPlans).
 bf16 runs our ops on the plugin's routes (decode rows, grouped verify next_n = n, varlen extend for a prefill
 chunk); fp8-cupy runs the same ops and routes on SGLang's fp8 layout (the plugin's fp8-cupy mode); fp8 runs
-DeepGEMM's ``fp8_paged_mqa_logits`` on one row per token as SGLang calls it, with our store op writing the fp8
-layout standing in for SGLang's fp8 store kernel. Top-k is the same in all three and left out.
+DeepGEMM on the route SGLang 0.5.23 takes for the step (:func:`fp8_route`): a long single-request prefill chunk
+gathers the request's fp8 keys and runs ``fp8_mqa_logits``, every other step ``fp8_paged_mqa_logits`` on one row
+per token; our store op writing the fp8 layout stands in for SGLang's fp8 store kernel. Top-k is the same in
+all three and left out.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -27,11 +30,33 @@ CACHE_BUDGET_SHARE = 0.6  # share of free GPU memory the per-layer caches may ta
 
 COUNTED = ("one forward = per C4 layer: store of the forward's new index entries + logits, and the schedule once "
            "per forward; top-k is identical for bf16 and fp8 and excluded. New entries per forward: decode/verify "
-           "ceil(batch * next_n / 4) (on average one entry per 4 tokens), prefill chunk / 4. fp8 = DeepGEMM "
-           "fp8_paged_mqa_logits on one row per token (SGLang's call) + our store op writing SGLang's fp8 layout "
+           "ceil(batch * next_n / 4) (on average one entry per 4 tokens), prefill chunk / 4. fp8 = DeepGEMM on "
+           "SGLang 0.5.23's route for the step (fp8_route): a prefill chunk of >= 8192 tokens of one request "
+           "('non-paged gather + fp8_mqa_logits': per layer the request's fp8 keys gathered out of the paged cache, "
+           "then fp8_mqa_logits with SGLang's ranges, clean off, max_seqlen_k; SGLang runs it eagerly, timed here "
+           "in CUDA-graph replays like every step), every other step ('paged rows': fp8_paged_mqa_logits on one row "
+           "per token); the schedule SGLang builds once per forward on both routes; no row chunking (SGLang chunks "
+           "rows only when the logits exceed its memory budget); + our store op writing SGLang's fp8 layout "
            "(standing in for SGLang's fp8 store kernel); fp8-cupy = the plugin's fp8-cupy mode, our store and "
            "logits on the bf16 routes over SGLang's fp8 layout (same bytes as fp8, our kernels). A prefill chunk is "
-           "one request of --chunk tokens after a prefix of --context tokens.")
+           "one request of --chunk tokens after a prefix of --context tokens; its rows seeing <= index_topk entries "
+           "get an empty range on the plugin's route and SGLang's non-paged one, as they pass them with SGLang's "
+           "default sgl-kernel top-k (SGLang's paged route passes every row whole).")
+
+# Targets on an H200, bf16 step time over the fp8 step's, by (batch, next_n, context tokens)
+TARGETS = {(64, 4, 32768): 1.2, (64, 4, 131072): 1.2, (64, 2, 16384): 1.5}
+
+# SGLang 0.5.23 (srt/layers/attention/dsv4/indexer.py) runs the fp8 indexer of a step on its non-paged route when
+# `_get_nonpaged_indexer_plan` returns a plan: the forward has at least
+# SGLANG_OPT_DSV4_NONPAGED_INDEXER_MIN_QUERY_TOKENS query rows (8192 by default, per rank: one row per token), one
+# request extends by all of them, and `_can_use_nonpaged_indexer` holds: SGLANG_OPT_DSV4_NONPAGED_INDEXER on (the
+# default, srt/environ.py), CUDA, forward mode EXTEND (not MIXED, not rewritten, no two-batch-overlap split), batch
+# size 1, no prefill CUDA graph (eager, not capturing), no FP4 / TileLang / AITER / torch indexer, attn_cp_size 1,
+# no HiSparse. `forward_c4_indexer` then gathers the request's fp8 keys (`_gather_nonpaged_index_k`) and calls
+# DeepGEMM's fp8_mqa_logits (`_nonpaged_mqa_logits`); every other step calls fp8_paged_mqa_logits, one row per token.
+NONPAGED_MIN_ROWS = 8192
+FP8_NONPAGED = "non-paged gather + fp8_mqa_logits"
+FP8_PAGED = "paged rows"
 
 # What `measure` times: (layout name, cache layout); "fp8" is DeepGEMM's call, the others are our ops.
 TIMED = (("bf16", "bf16"), ("fp8-cupy", "fp8"), ("fp8", "fp8"))
@@ -120,6 +145,14 @@ def memory_rows(model: ServeModel, memory_gib: float) -> list[dict]:
     return out
 
 
+def fp8_route(case: "Case") -> str:
+    """The DeepGEMM route SGLang 0.5.23 takes for the step on an H200 (see :data:`NONPAGED_MIN_ROWS`): a prefill
+    chunk here is one request in an eager EXTEND forward, so its row count decides."""
+    if case.phase == "prefill" and case.batch == 1 and case.chunk >= NONPAGED_MIN_ROWS:
+        return FP8_NONPAGED
+    return FP8_PAGED
+
+
 @dataclass(frozen=True)
 class Case:
     phase: str       # "decode" (next_n 1), "verify" (next_n 2..4) or "prefill" (one chunk)
@@ -141,10 +174,21 @@ def case_label(c: Case) -> str:
     return f"{c.phase} {c.batch} x {_tokens(c.context)}" + (f", next_n {c.next_n}" if c.phase == "verify" else "")
 
 
-def cases(batch: int, contexts, next_n: int, chunk: int) -> list[Case]:
-    step = "decode" if next_n == 1 else "verify"
-    return ([Case(step, batch, c, next_n, 0) for c in contexts]
-            + [Case("prefill", 1, c, 1, chunk) for c in contexts])
+def cases(batch: int, contexts, next_n, chunk) -> list[Case]:
+    """Per next_n (an int or several) a decode (1) or verify step at each context, then per prefill chunk size (an
+    int or several) a chunk after each context."""
+    next_ns = (next_n,) if isinstance(next_n, int) else tuple(next_n)
+    chunks = (chunk,) if isinstance(chunk, int) else tuple(chunk)
+    return ([Case("decode" if n == 1 else "verify", batch, c, n, 0) for n in next_ns for c in contexts]
+            + [Case("prefill", 1, c, 1, ch) for ch in chunks for c in contexts])
+
+
+def step_label(r) -> str:
+    """What kind of step a case or a timing row is: 'decode', 'verify, next_n 2', 'prefill chunk of 4,096'."""
+    get = r.get if isinstance(r, dict) else (lambda k: getattr(r, k))
+    if get("phase") == "prefill":
+        return f"prefill chunk of {get('chunk'):,}"
+    return "decode" if get("phase") == "decode" else f"verify, next_n {get('next_n')}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -183,13 +227,23 @@ def _tables(case: Case, device, g):
     return perm.view(case.batch, w)
 
 
-def _forward(case: Case, layout: str, model: ServeModel, device, g, dg):
-    """(forward callable, layers with their own cache) for one layout of :data:`TIMED`: ``bf16`` and
-    ``fp8-cupy`` run our ops on the plugin's routes (bf16 rows, or SGLang's fp8 rows), ``fp8`` DeepGEMM."""
+@dataclass
+class Forward:
+    """One layout's forward of a case: ``run()`` is the timed step; the fp8 non-paged route also gives
+    ``gathers()``, its key gathers alone over every C4 layer, and what did them."""
+    run: Callable[[], None]
+    layer_caches: int
+    gathers: Callable[[], None] | None = None
+    gather_op: str | None = None
+
+
+def _forward(case: Case, layout: str, model: ServeModel, device, g, dg) -> Forward:
+    """One layout of :data:`TIMED`: ``bf16`` and ``fp8-cupy`` run our ops on the plugin's routes (bf16 rows, or
+    SGLang's fp8 rows), ``fp8`` DeepGEMM on SGLang's route for the step (:func:`fp8_route`)."""
     import cupy_dsa
 
     from . import peers
-    from .sweeps import make_freqs
+    from .sweeps import _sgl_topk_ranges, make_freqs
 
     cache_layout = dict(TIMED)[layout]
     ours = layout != "fp8"
@@ -205,6 +259,7 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg):
     req, entry = i % case.batch, case.context // C4_RATIO + i // case.batch
     out_loc = table[req, entry // PAGE_SLOTS].to(torch.int64) * PAGE_SLOTS + entry % PAGE_SLOTS
     width = table.shape[1] * PAGE_SLOTS
+    gathers = gather_op = None
 
     def store(cache):
         cupy_dsa.store_index_k(kv, cache, positions=positions, out_loc=out_loc, norm_weight=norm_w, freqs_cis=freqs)
@@ -215,12 +270,12 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg):
         q = torch.randn(T, N_HEADS, HEAD_DIM, device=device, generator=g).to(torch.float8_e4m3fn)
         weights = torch.rand(T, N_HEADS, device=device, generator=g) / math.sqrt(N_HEADS * HEAD_DIM)
         lens = (prefix + (torch.arange(T, device=device) + 1) // C4_RATIO).to(torch.int32)
+        ks, ke = _sgl_topk_ranges(torch.zeros(T, dtype=torch.int32, device=device), lens, model.index_topk)
         if ours:
-            ks = torch.zeros(T, dtype=torch.int32, device=device)
             cu_rows = torch.tensor([0, T], dtype=torch.int32, device=device)
 
             def layer_logits(cache, plan):
-                return cupy_dsa.mqa_logits(q, cache, weights, ks, lens, block_table=table, cu_rows=cu_rows,
+                return cupy_dsa.mqa_logits(q, cache, weights, ks, ke, block_table=table, cu_rows=cu_rows,
                                            plan=plan, clean_logits=False)
 
             def build_plan():
@@ -244,43 +299,77 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg):
             q_rows = q.view(B * n, 1, N_HEADS, HEAD_DIM)
             row_table, lens_rows = table.repeat_interleave(n, 0), lens_2d.reshape(-1).contiguous()
 
-    if not ours:
-        schedule, _ = peers.deepgemm_decode(dg, q_rows, caches[0], weights, lens_rows[:, None], row_table, width)
-        calls = [peers.deepgemm_decode(dg, q_rows, c, weights, lens_rows[:, None], row_table, width)[1] for c in caches]
-
-        def forward():
-            schedule()  # SGLang builds DeepGEMM's schedule once per forward
-            for i in range(model.n_c4):
-                store(caches[i % len(caches)])
-                calls[i % len(calls)]()
-    else:
+    if ours:
         def forward():
             plan = build_plan()  # ForwardPlans: the first C4 layer builds it, the others reuse it
             for i in range(model.n_c4):
                 store(caches[i % len(caches)])
                 layer_logits(caches[i % len(caches)], plan)
 
-    return forward, len(caches)
+        return Forward(forward, len(caches))
+
+    # SGLang builds the paged schedule once per forward on either route (PagedIndexerMetadata.__post_init__,
+    # srt/layers/attention/dsv4/metadata.py); DeepGEMM's stands in for it
+    schedule, _ = peers.deepgemm_decode(dg, q_rows, caches[0], weights, lens_rows[:, None], row_table, width)
+    if fp8_route(case) == FP8_NONPAGED:
+        n_keys = (case.context + case.chunk) // C4_RATIO           # the request's entries after this chunk
+        max_seqlen_k = math.ceil(n_keys / PAGE_SLOTS) * PAGE_SLOTS  # what SGLang passes: whole pages
+        bind, gather_op = peers.fp8_gather()
+        gather = bind(table[0], n_keys)
+        if gather_op.startswith("SGLang"):  # its gather must return what the torch one does on these pages
+            k, sc = gather(caches[0])
+            k_ref, sc_ref = peers.torch_fp8_gather(caches[0], table[0], n_keys)
+            if not (torch.equal(k.view(torch.uint8), k_ref.view(torch.uint8)) and torch.equal(sc, sc_ref)):
+                raise RuntimeError("SGLang's fp8 gather disagrees with the torch gather on the same pages")
+
+        def layer_logits(i):
+            keys = gather(caches[i % len(caches)])  # per layer, as SGLang gathers each layer's cache
+            return peers.deepgemm_prefill(dg, q, keys, weights, ks, ke, clean_logits=False,
+                                          max_seqlen_k=max_seqlen_k)()
+
+        def gathers():
+            for i in range(model.n_c4):
+                gather(caches[i % len(caches)])
+    else:
+        calls = [peers.deepgemm_decode(dg, q_rows, c, weights, lens_rows[:, None], row_table, width)[1]
+                 for c in caches]
+
+        def layer_logits(i):
+            return calls[i % len(calls)]()
+
+    def forward():
+        schedule()
+        for i in range(model.n_c4):
+            store(caches[i % len(caches)])
+            layer_logits(i)
+
+    return Forward(forward, len(caches), gathers, gather_op)
 
 
 def measure(case: Case, model: ServeModel, device, dg, seed: int, reps: int) -> dict:
-    """ms of one forward for bf16, fp8-cupy and (with DeepGEMM) fp8, for one case."""
-    from .sweeps import _gen
+    """ms of one forward for bf16, fp8-cupy and (with DeepGEMM) fp8, for one case; the fp8 row says its route
+    and, on the non-paged route, what gathered the keys and the ms the gathers take of the step."""
+    from .sweeps import _gen, _verdict
     from .timing import time_calls
 
     row = {"phase": case.phase, "batch": case.batch, "context": case.context, "next_n": case.next_n,
            "chunk": case.chunk, "new_entries": case.new_entries, "bf16_ms": None, "fp8_ms": None,
            "fp8_cupy_ms": None, "added_ms": None, "ratio": None, "fp8_cupy_ratio": None, "layer_caches": {},
-           "timing": None, "error": None}
+           "fp8_route": fp8_route(case), "fp8_gather": None, "fp8_gather_ms": None,
+           "target_ratio": TARGETS.get((case.batch, case.next_n, case.context)) if case.phase == "verify" else None,
+           "verdict": None, "timing": None, "error": None}
     for layout, _ in TIMED:
         if layout == "fp8" and dg is None:
             continue
         try:
-            fwd, n_caches = _forward(case, layout, model, device, _gen(device, seed), dg)
-            t = time_calls([fwd], device, reps=reps)
+            fwd = _forward(case, layout, model, device, _gen(device, seed), dg)
+            t = time_calls([fwd.run], device, reps=reps)
             row[f"{layout.replace('-', '_')}_ms"] = t.seconds * 1e3
-            row["layer_caches"][layout] = n_caches
+            row["layer_caches"][layout] = fwd.layer_caches
             row["timing"] = t.method
+            if fwd.gathers is not None:
+                row["fp8_gather"] = fwd.gather_op
+                row["fp8_gather_ms"] = time_calls([fwd.gathers], device, reps=reps).seconds * 1e3
             del fwd
         except Exception as exc:  # one case failing must not end the run
             failed = f"{layout}: {type(exc).__name__}: {str(exc)[:200]}"
@@ -289,26 +378,27 @@ def measure(case: Case, model: ServeModel, device, dg, seed: int, reps: int) -> 
     if row["bf16_ms"] is not None and row["fp8_ms"] is not None:
         row["added_ms"] = row["bf16_ms"] - row["fp8_ms"]
         row["ratio"] = row["bf16_ms"] / row["fp8_ms"]
+        row["verdict"] = _verdict(row["ratio"], row["target_ratio"], higher_is_better=False)
     if row["fp8_cupy_ms"] is not None and row["fp8_ms"] is not None:
         row["fp8_cupy_ratio"] = row["fp8_cupy_ms"] / row["fp8_ms"]  # our kernels against DeepGEMM, same bytes
     return row
 
 
 def plot(doc: dict, path: str) -> None:
-    """ms per decode (or verify) step and per prefill chunk over context, bf16 vs fp8, and the added ms: one row
-    of two panels per phase the run measured."""
+    """ms per step over context, bf16 vs fp8 (and fp8-cupy), and the added ms: one row of two panels per kind of
+    step the run measured (decode, each verify next_n, each prefill chunk size)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    step = "verify" if doc["next_n"] > 1 else "decode"
-    phases = [(ph, [r for r in doc["timings"] if (r["phase"] == "prefill") == (ph == "prefill")
-                    and r["bf16_ms"] is not None]) for ph in (step, "prefill")]
-    phases = [(ph, rows) for ph, rows in phases if rows] or [(step, [])]
+    measured = [r for r in doc["timings"] if r["bf16_ms"] is not None]
+    kinds = list(dict.fromkeys(step_label(r) for r in measured)) or ["decode"]
     with plt.rc_context({"font.size": 9, "xtick.labelsize": 8, "ytick.labelsize": 8, "legend.fontsize": 8}):
-        fig, axes = plt.subplots(len(phases), 2, figsize=(11, 4 * len(phases)), squeeze=False)
-        for (phase, rows), (ax, ax2) in zip(phases, axes):
+        fig, axes = plt.subplots(len(kinds), 2, figsize=(11, 4 * len(kinds)), squeeze=False)
+        for kind, (ax, ax2) in zip(kinds, axes):
+            rows = [r for r in measured if step_label(r) == kind]
+            prefill = kind.startswith("prefill")
             for layout, style, label in (("bf16", "o-", "bf16 index keys"),
                                          ("fp8_cupy", "^:", "fp8 index keys, cupy_dsa kernels (fp8-cupy)"),
                                          ("fp8", "s--", "fp8 index keys, DeepGEMM")):
@@ -318,19 +408,22 @@ def plot(doc: dict, path: str) -> None:
             added = [(r["context"], r["added_ms"]) for r in rows if r["added_ms"] is not None]
             if added:
                 ax2.plot(*zip(*added), "o-", color="tab:red")
-            unit = (f"prefill chunk of {rows[0]['chunk']:,} tokens" if phase == "prefill" and rows
-                    else f"{phase} step, batch {doc['batch']}")
             for a in (ax, ax2):
                 a.set_xscale("log", base=2)
-                a.set_xlabel("context (raw tokens per request)" if phase != "prefill" else "prefix (raw tokens)")
+                a.set_xlabel("prefix (raw tokens)" if prefill else "context (raw tokens per request)")
                 a.grid(alpha=0.3)
-            ax.set_ylabel(f"indexer ms per {phase} (all C4 layers)")
-            ax.set_title(unit)
+            ax.set_ylabel("indexer ms per forward (all C4 layers)")
+            if prefill:
+                ax.set_title(f"{kind} tokens")
+            else:  # 'decode step, batch 32', 'verify step, batch 64, next_n 4'
+                first = rows[0] if rows else {"phase": "decode"}
+                ax.set_title(f"{first['phase']} step, batch {first.get('batch', doc['batch'])}"
+                             + (f", next_n {first['next_n']}" if first["phase"] == "verify" else ""))
             if rows:
                 ax.legend()
             ax2.set_ylabel("added ms (bf16 - fp8)")
-            ax2.set_title(f"{phase}: what bf16 keys add")
-        fig.suptitle(f"{doc['model']['name']}, batch {doc['batch']}, next_n {doc['next_n']}, {doc['device']}")
+            ax2.set_title(f"{kind}: what bf16 keys add")
+        fig.suptitle(f"{doc['model']['name']}, {doc['device']}")
         fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -340,18 +433,21 @@ def plot(doc: dict, path: str) -> None:
 def markdown(doc: dict) -> str:
     """The run as a markdown table (the README's cost table is this, generated from the results file)."""
     m = doc["model"]
+    # columns a run holds data for: runs from before fp8-cupy, the fp8 routes or the targets keep their table
+    cupy8 = any(r.get("fp8_cupy_ms") is not None for r in doc["timings"])
+    routes = any(r.get("fp8_route") and r.get("fp8_ms") is not None for r in doc["timings"])
+    targets = any(r.get("target_ratio") for r in doc["timings"])
+    fp8 = ("DeepGEMM on the route SGLang 0.5.23 takes for the step (fp8 route)" if routes
+           else "DeepGEMM as SGLang calls it")
     head = (f"{m['name']} ({m['index_layers']} C4 layers), {doc.get('device') or 'no GPU'}, torch "
             f"{doc.get('torch_version') or 'not recorded'}, commit "
             f"`{(doc.get('git_commit') or 'not recorded')[:12]}`: indexer ms per forward over every C4 layer "
-            f"(store + logits + the schedule; top-k excluded); fp8 = DeepGEMM as SGLang calls it.")
-    # runs from before fp8-cupy have no fp8_cupy_ms: their table stays as it was
-    cupy8 = any(r.get("fp8_cupy_ms") is not None for r in doc["timings"])
-    extra_head, extra_rule = (" fp8 keys, cupy_dsa (fp8-cupy) | fp8-cupy / DeepGEMM |", "---|---|") if cupy8 else ("", "")
+            f"(store + logits + the schedule; top-k excluded); fp8 = {fp8}.")
+    extra_head = ((" fp8 keys, cupy_dsa (fp8-cupy) | fp8-cupy / DeepGEMM |" if cupy8 else "")
+                  + (" fp8 route |" if routes else "") + (" target |" if targets else ""))
     lines = [head, "", f"| step | batch x context (tokens) | bf16 keys | fp8 keys | added | ratio |{extra_head}",
-             f"|---|---|---|---|---|---|{extra_rule}"]
+             "|---|---|---|---|---|---|" + "---|" * extra_head.count("|")]
     for r in doc["timings"]:
-        step = {"decode": "decode", "verify": f"verify, next_n {r['next_n']}",
-                "prefill": f"prefill chunk of {r['chunk']:,}"}[r["phase"]]
         ms = [f"{r[k]:.2f} ms" if r.get(k) is not None else "—" for k in ("bf16_ms", "fp8_ms", "added_ms", "fp8_cupy_ms")]
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else "—"
         ctx = f"{r['batch']} x {_tokens(r['context'])}" if r["phase"] != "prefill" else f"after {_tokens(r['context'])}"
@@ -359,7 +455,17 @@ def markdown(doc: dict) -> str:
         if cupy8:
             r8 = f"{r['fp8_cupy_ratio']:.2f}x" if r.get("fp8_cupy_ratio") is not None else "—"
             extra = f" {ms[3]} | {r8} |"
-        lines.append(f"| {step} | {ctx} | {ms[0]} | {ms[1]} | {ms[2]} | {ratio} |{extra}")
+        if routes:
+            gather = f" (its gathers: {r['fp8_gather_ms']:.2f} ms)" if r.get("fp8_gather_ms") is not None else ""
+            extra += f" {r['fp8_route'] + gather if r.get('fp8_ms') is not None else '—'} |"
+        if targets:
+            verdict = {"pass": "pass", "miss": "**miss**"}.get(r.get("verdict"), "not evaluated")
+            target = f"<= {r['target_ratio']:.2f}x: {verdict}" if r.get("target_ratio") else "—"
+            extra += f" {target} |"
+        lines.append(f"| {step_label(r)} | {ctx} | {ms[0]} | {ms[1]} | {ms[2]} | {ratio} |{extra}")
+    gather_ops = sorted({r["fp8_gather"] for r in doc["timings"] if r.get("fp8_gather")})
+    if gather_ops:
+        lines += ["", f"The non-paged route's key gather: {'; '.join(gather_ops)}."]
     mem = {r["layout"]: r for r in doc["memory"]}
     if {"bf16", "fp8"} <= mem.keys():
         b, f = mem["bf16"], mem["fp8"]

@@ -13,6 +13,7 @@ import cupy_dsa
 from cupy_dsa.layouts import BYTES_PER_TOKEN, PAGE_SLOTS, bf16_view, empty_cache, fp8_views
 
 from . import peers
+from .serve import BUILTIN as SERVE_MODELS
 from .timing import peak_extra_bytes, rotations, time_calls
 
 HEADS, DIM = 64, 128
@@ -28,9 +29,16 @@ TARGETS = {
     # prefill, contiguous keys: TFLOP/s useful over the bf16 matmul, by (rows, keys); paged within 5% of it
     "prefill_pct_matmul": {"4096x65536": 0.70, "8192x131072": 0.70, "1024x16384": 0.60},
     "prefill_paged_vs_contiguous": 1.05,
-    # MTP verify grouped (>= 1M entries) and multi-request extend varlen: time over DeepGEMM's as SGLang calls
-    # it (one row per token); extend with >= 64M visible pairs also as a fraction of the bf16 matmul
-    "verify_vs_deepgemm_rows": {2: 1.6, 3: 1.2, 4: 1.2},
+    # a fresh prompt of 16K rows (no prefix), bf16 keys: TFLOP/s over the bf16 matmul, time over DeepGEMM's
+    # fp8_mqa_logits on the same rows (SGLang's non-paged route)
+    "fresh_prompt_pct_matmul": 0.70,
+    "fresh_prompt_vs_deepgemm": 1.6,
+    # MTP verify, grouped route, batches of >= 1M entries, by next_n: the share of the ceiling that binds (n 2:
+    # the read stream; n 3-4: the roofline max(read, matmul)) and the time over DeepGEMM's as stock SGLang calls
+    # it (one row per token)
+    "verify_grouped_pct": {2: ("read", 0.85), 3: ("roofline", 0.80), 4: ("roofline", 0.80)},
+    "verify_vs_deepgemm_rows": {2: 1.4, 3: 0.9, 4: 1.1},
+    # multi-request extend varlen: time over DeepGEMM's rows; with >= 64M visible pairs also of the bf16 matmul
     "extend_vs_deepgemm_rows": 1.6,
     "extend_small_vs_deepgemm_rows": 1.7,
     "extend_pct_matmul": 0.65,
@@ -91,15 +99,21 @@ def decode_batches(device: torch.device, quick: bool, seed: int) -> list:
 class Sizes:
     store_n: list
     prefill: list         # (T, S)
+    fresh: list           # (T, index_topk): a fresh prompt, T rows over T keys, rows seeing <= index_topk keys empty
     reps: int
 
 
+# V4-Flash's index_topk: the rows of a fresh prompt whose range is no longer than it get an empty range
+FRESH_PROMPT_TOPK = SERVE_MODELS["v4-flash"].index_topk
+
+
 def sizes(device: torch.device, quick: bool) -> Sizes:
-    if device.type != "cuda":  # CPU reference: tiny
-        return Sizes([256], [(64, 512)], 2)
+    if device.type != "cuda":  # CPU reference: tiny (index_topk shrunk with the prompt: rows on both sides of it)
+        return Sizes([256], [(64, 512)], [(128, 32)], 2)
     if quick:
-        return Sizes([2**18], [(1024, 16384)], 20)
-    return Sizes([2**20], [(4096, 65536), (8192, 131072), (1024, 16384)], 30)
+        return Sizes([2**18], [(1024, 16384)], [(16384, FRESH_PROMPT_TOPK)], 20)
+    return Sizes([2**20], [(4096, 65536), (8192, 131072), (1024, 16384)],
+                 [(8192, FRESH_PROMPT_TOPK), (16384, FRESH_PROMPT_TOPK)], 30)
 
 
 def make_freqs(max_pos: int, device) -> torch.Tensor:
@@ -123,6 +137,13 @@ def _verdict(value, target, higher_is_better=True):
     if value is None or target is None:
         return None
     return "pass" if ((value >= target) if higher_is_better else (value <= target)) else "miss"
+
+
+def _all_met(*verdicts):
+    """One verdict of a row with several targets: a miss if any was missed, a pass if every one evaluated
+    passed, None when none was evaluated."""
+    seen = [v for v in verdicts if v]
+    return ("miss" if "miss" in seen else "pass") if seen else None
 
 
 def _error_row(base: dict, exc: Exception) -> dict:
@@ -445,34 +466,59 @@ def _decode_case(device, batch, nn, layout, qd, seed, reps, ceilings, base, dg):
 
 def prefill_rows(device, quick, seed, ceilings, progress=None) -> list[dict]:
     sz = sizes(device, quick)
-    cases = []
+    cases = []  # (rows, keys, kv, layout, index_topk of a fresh prompt or None)
     for i, (T, S) in enumerate(sz.prefill):
-        cases.append((T, S, "contiguous", "bf16"))
+        cases.append((T, S, "contiguous", "bf16", None))
         if S >= 65536 or i == 0:
-            cases.append((T, S, "paged", "bf16"))
+            cases.append((T, S, "paged", "bf16", None))
         if i == 0:
-            cases.append((T, S, "paged", "fp8"))
+            cases.append((T, S, "paged", "fp8", None))
+    cases += [(T, T, kvk, "bf16", topk) for T, topk in sz.fresh for kvk in ("contiguous", "paged")]
     if device.type == "cuda" and not quick:
-        cases.append((sum(n for _, n in RAGGED_EXTEND), sum(p + n for p, n in RAGGED_EXTEND), "ragged", "bf16"))
+        cases.append((sum(n for _, n in RAGGED_EXTEND), sum(p + n for p, n in RAGGED_EXTEND), "ragged", "bf16", None))
     task = progress.add_task("logits (prefill)", total=len(cases)) if progress else None
     dg, dg_reason = peers.deepgemm() if device.type == "cuda" else (None, "no GPU")
     rows = []
-    for T, S, kvk, layout in cases:
+    for T, S, kvk, layout, topk in cases:
         base = {"mode": "prefill", "rows": T, "keys": S, "kv": kvk, "layout": layout, "q_dtype": "fp8",
                 "error": None}
+        if topk is not None:
+            base.update({"prompt": "fresh", "index_topk": topk})
         reps = max(5, sz.reps // 3) if device.type == "cuda" else sz.reps
         rows.append(_run_case(base, lambda: _prefill_case(device, T, S, kvk, layout, seed, reps, ceilings, base,
-                                                          dg, dg_reason), device, progress, task))
+                                                          dg, dg_reason, topk), device, progress, task))
     if device.type != "cuda":
         return rows  # the CPU reference's paged / contiguous times differ by noise: no ratio, no verdict
-    contiguous = {(r["rows"], r["keys"]): r for r in rows if r.get("kv") == "contiguous" and r.get("time_us")}
+    contiguous = {(r["rows"], r["keys"], r.get("prompt")): r for r in rows
+                  if r.get("kv") == "contiguous" and r.get("time_us")}
     for r in rows:
-        c = contiguous.get((r["rows"], r["keys"]))
+        c = contiguous.get((r["rows"], r["keys"], r.get("prompt")))
         if r.get("kv") == "paged" and r.get("layout") == "bf16" and c and r.get("time_us"):
             r["vs_contiguous"] = r["time_us"] / c["time_us"]
             r["target_vs_contiguous"] = TARGETS["prefill_paged_vs_contiguous"]
-            r["verdict"] = _verdict(r["vs_contiguous"], r["target_vs_contiguous"], higher_is_better=False)
+            if r.get("prompt") == "fresh":  # DeepGEMM ran once per prompt, on the contiguous row's keys
+                r.update({k: c.get(k) for k in ("deepgemm_us", "deepgemm_tflops", "deepgemm_note")})
+                r["vs_deepgemm"] = r["time_us"] / c["deepgemm_us"] if c.get("deepgemm_us") else None
+                r["verdict"] = _fresh_prompt_verdict(r)
+            else:
+                r["verdict"] = _verdict(r["vs_contiguous"], r["target_vs_contiguous"], higher_is_better=False)
     return rows
+
+
+def _fresh_prompt_verdict(row) -> str | None:
+    """A fresh prompt's targets (16K rows on a GPU): % of the bf16 matmul, time over DeepGEMM's fp8_mqa_logits,
+    and for the paged cache its time over the contiguous keys'."""
+    return _all_met(_verdict(row.get("pct_matmul"), row.get("target_pct_matmul")),
+                    _verdict(row.get("vs_deepgemm"), row.get("target_vs_deepgemm"), higher_is_better=False),
+                    _verdict(row.get("vs_contiguous"), row.get("target_vs_contiguous"), higher_is_better=False))
+
+
+def _sgl_topk_ranges(ks, ke, index_topk):
+    """The ranges SGLang 0.5.23 passes for a single request with its default sgl-kernel top-k: that top-k fills a
+    row whose range holds <= index_topk keys without reading its logits, so the row's range is empty
+    (``_get_nonpaged_indexer_plan`` in srt/layers/attention/dsv4/indexer.py; the plugin's varlen route does the
+    same, cupy_dsa/sglang/forward.py)."""
+    return ks, torch.where(ke - ks > index_topk, ke, ks)
 
 
 def _ragged_ranges(device):
@@ -485,8 +531,12 @@ def _ragged_ranges(device):
     return torch.cat(ks).to(device), torch.cat(ke).to(device)
 
 
-def _prefill_case(device, T, S, kvk, layout, seed, reps, ceilings, base, dg=None, dg_reason=None):
+def _prefill_case(device, T, S, kvk, layout, seed, reps, ceilings, base, dg=None, dg_reason=None, fresh_topk=None):
+    """One prefill row. ``fresh_topk`` set: a fresh prompt (S = T, row i sees keys [0, i + 1)) called as SGLang's
+    non-paged route and the plugin call it: the ranges SGLang passes (:func:`_sgl_topk_ranges`), clean_logits
+    off, the paged cache through the plugin's one-request varlen call; DeepGEMM with SGLang's arguments."""
     g = _gen(device, seed)
+    fresh = fresh_topk is not None
     q = torch.randn(T, HEADS, DIM, device=device, generator=g).to(torch.float8_e4m3fn)
     weights = torch.rand(T, HEADS, device=device, generator=g) / math.sqrt(HEADS * DIM)
     if kvk == "ragged":
@@ -494,6 +544,8 @@ def _prefill_case(device, T, S, kvk, layout, seed, reps, ceilings, base, dg=None
     else:
         ks = torch.zeros(T, dtype=torch.int32, device=device)
         ke = (S - T + 1 + torch.arange(T, device=device)).to(torch.int32)  # causal: row i ends at the diagonal
+    if fresh:
+        ks, ke = _sgl_topk_ranges(ks, ke, fresh_topk)
     keys = None
     if kvk in ("contiguous", "ragged"):
         kv = keys = (0.3 * torch.randn(S, DIM, device=device, generator=g)).to(torch.bfloat16)
@@ -502,9 +554,13 @@ def _prefill_case(device, T, S, kvk, layout, seed, reps, ceilings, base, dg=None
         pages = math.ceil(S / PAGE_SLOTS)
         kv = _random_cache(pages, layout, device, g)
         kwargs = {"block_table": torch.randperm(pages, device=device, generator=g).to(torch.int32)}
+        if fresh:  # the plugin's extend route: one request of the varlen launch
+            cu_rows = torch.tensor([0, T], dtype=torch.int32, device=device)
+            kwargs = {"block_table": kwargs["block_table"][None, :], "cu_rows": cu_rows,
+                      "plan": cupy_dsa.mqa_logits_plan(cu_rows)}
 
     def call():
-        return cupy_dsa.mqa_logits(q, kv, weights, ks, ke, clean_logits=True, **kwargs)
+        return cupy_dsa.mqa_logits(q, kv, weights, ks, ke, clean_logits=not fresh, **kwargs)
 
     t = time_calls([call], device, reps=reps)
     mem = peak_extra_bytes(call, device)
@@ -512,15 +568,29 @@ def _prefill_case(device, T, S, kvk, layout, seed, reps, ceilings, base, dg=None
     tflops = 2 * HEADS * DIM * pairs / t.seconds / 1e12
     mm = ceilings.get("matmul_tflops")
     pct = _pct(tflops, mm)
-    target = TARGETS["prefill_pct_matmul"].get(f"{T}x{S}") if (device.type == "cuda" and kvk == "contiguous") else None
+    on_gpu = device.type == "cuda"
+    if fresh:
+        target = TARGETS["fresh_prompt_pct_matmul"] if (on_gpu and T >= 16384) else None
+    else:
+        target = TARGETS["prefill_pct_matmul"].get(f"{T}x{S}") if (on_gpu and kvk == "contiguous") else None
     row = dict(base)
     row.update({"time_us": t.seconds * 1e6, "visible_pairs": pairs, "tflops": tflops, "pct_matmul": pct,
                 "gpairs_per_s": pairs / t.seconds / 1e9, "peak_extra_mb": None if mem is None else mem / 1e6,
                 "target_pct_matmul": target, "verdict": _verdict(pct, target), "timing": t.method,
                 "deepgemm_us": None, "vs_deepgemm": None, "deepgemm_note": dg_reason})
+    if fresh:
+        empty = int((ke == ks).sum())
+        row.update({"empty_rows": empty,
+                    "target_vs_deepgemm": TARGETS["fresh_prompt_vs_deepgemm"] if target else None,
+                    "note": f"{empty} rows that see <= {fresh_topk} keys (index_topk) get an empty range, as SGLang "
+                            "0.5.23 passes them with its sgl-kernel top-k (the default), which fills those rows "
+                            "without their logits; clean_logits off, as SGLang and the plugin call it"})
     if keys is not None and dg is not None:
         try:
-            dg_call = peers.deepgemm_prefill(dg, q, keys, weights, ks, ke)
+            # a fresh prompt: SGLang's non-paged call (_nonpaged_mqa_logits), keys rounded up to whole pages
+            sglang_args = ({"clean_logits": False, "max_seqlen_k": math.ceil(S / PAGE_SLOTS) * PAGE_SLOTS}
+                           if fresh else {})
+            dg_call = peers.deepgemm_prefill(dg, q, keys, weights, ks, ke, **sglang_args)
             if dg_call is None:
                 row["deepgemm_note"] = "deep_gemm has no fp8_mqa_logits"
             else:
@@ -529,6 +599,8 @@ def _prefill_case(device, T, S, kvk, layout, seed, reps, ceilings, base, dg=None
                             "deepgemm_tflops": 2 * HEADS * DIM * pairs / td.seconds / 1e12, "deepgemm_note": None})
         except Exception as exc:  # DeepGEMM present but failing here: say so, keep our figures
             row["deepgemm_note"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+    if fresh:
+        row["verdict"] = _fresh_prompt_verdict(row)
     return row
 
 
@@ -544,7 +616,11 @@ LOGITS_COUNTED = ("decode: key bytes = index entries of each request's longest r
                   "Prefill TFLOP/s = 2*64*128 per visible (row, key) pair, causal ks=0, ke=S-T+i+1, clean on; ragged = one "
                   "call over the concatenated keys of several extend requests (prefix + new entries each); "
                   "DeepGEMM = fp8_mqa_logits on the same rows with the keys in fp8 + per-token scales, clean on, "
-                  "timed the same way.")
+                  "timed the same way. Fresh prompt = one request with no prefix, row i sees keys [0, i + 1) of S = T, "
+                  "called as SGLang 0.5.23's non-paged route calls DeepGEMM (the same rows: rows seeing <= index_topk "
+                  "keys get an empty range, which its default sgl-kernel top-k fills without logits; clean off; "
+                  "max_seqlen_k = S rounded up to a page) and as the plugin calls ours (the same ranges, clean off; "
+                  "paged = the one-request varlen launch); TFLOP/s counts the pairs of the non-empty ranges.")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -571,16 +647,20 @@ class ExtendBatch:
     requests: list
 
 
+VERIFY_NEXT_N = (2, 3, 4)  # MTP draft tokens per request that SGLang verifies grouped
+
+
 def verify_batches(device, quick, seed) -> list:
+    """Every batch at next_n 2, 3 and 4 (index entries per request: equal, or long-tail lognormal)."""
     K = 1024
     if device.type != "cuda":
-        return [VerifyBatch("3 x 300", [300, 280, 64], 2)]
-    tail = long_tail(48, seed, max_len=256 * K, median=64 * K)
-    out = [VerifyBatch("64 x 32K", [32 * K] * 64, n) for n in (2, 3, 4)]
-    out += [VerifyBatch("48 long-tail", tail, n) for n in (2, 4)]
+        return [VerifyBatch("3 x 300", [300, 280, 64], n) for n in VERIFY_NEXT_N]
+    shapes = [("64 x 32K", [32 * K] * 64),
+              ("48 long-tail", long_tail(48, seed, max_len=256 * K, median=64 * K))]
     if not quick:
-        out += [VerifyBatch("128 x 8K", [8 * K] * 128, 2), VerifyBatch("16 x 128K", [128 * K] * 16, 3)]
-    return out
+        shapes[1:1] = [("128 x 8K", [8 * K] * 128)]
+        shapes += [("16 x 128K", [128 * K] * 16), ("256 x 2K", [2 * K] * 256)]
+    return [VerifyBatch(name, lens, n) for name, lens in shapes for n in VERIFY_NEXT_N]
 
 
 def extend_batches(device, quick, seed) -> list:
@@ -692,12 +772,22 @@ def _verify_case(device, vb, seed, reps, ceilings, dg, dg_reason, base):
             "vs_deepgemm_rows": (t.seconds * 1e6 / dg_rows_us) if dg_rows_us else None,
             "routes_rel_l2": routes_rel,
         })
-        target = TARGETS["verify_vs_deepgemm_rows"].get(n) if (route == "grouped" and vb.entries >= 2**20
-                                                              and device.type == "cuda") else None
-        row["target_vs_deepgemm_rows"] = target
-        row["verdict"] = _verdict(row["vs_deepgemm_rows"], target, higher_is_better=False) if target else None
-        out.append(row)
+        out.append(_verify_targets(row, device.type == "cuda"))
     return out
+
+
+def _verify_targets(row: dict, on_gpu: bool) -> dict:
+    """``row`` with its targets and verdict: the grouped route of a batch of >= 1M entries on a GPU has them."""
+    row.update({"target_pct_read": None, "target_pct_roofline": None, "target_vs_deepgemm_rows": None,
+                "verdict": None})
+    if row["route"] == "grouped" and row["entries"] >= 2**20 and on_gpu:
+        ceiling, share = TARGETS["verify_grouped_pct"][row["next_n"]]
+        row[f"target_pct_{ceiling}"] = share
+        row["target_vs_deepgemm_rows"] = TARGETS["verify_vs_deepgemm_rows"][row["next_n"]]
+        row["verdict"] = _all_met(_verdict(row[f"pct_{ceiling}"], share),
+                                  _verdict(row["vs_deepgemm_rows"], row["target_vs_deepgemm_rows"],
+                                           higher_is_better=False))
+    return row
 
 
 def extend_rows(device, quick, seed, ceilings, progress=None) -> list[dict]:
@@ -773,14 +863,14 @@ def _extend_case(device, eb, seed, reps, ceilings, dg, dg_reason, base):
                 target = TARGETS["extend_vs_deepgemm_rows"]
         row["target_vs_deepgemm_rows"] = target
         row["target_pct_matmul"] = TARGETS["extend_pct_matmul"] if (target and pairs >= 64 * 2**20) else None
-        verdicts = [v for v in (_verdict(row["vs_deepgemm_rows"], target, higher_is_better=False) if target else None,
-                                _verdict(row["pct_matmul"], row["target_pct_matmul"])) if v]
+        verdicts = [_verdict(row["vs_deepgemm_rows"], target, higher_is_better=False),
+                    _verdict(row["pct_matmul"], row["target_pct_matmul"])]
         if route == "varlen, q bf16":
             row["vs_fp8_query"] = t.seconds / t_v.seconds
             if device.type == "cuda":
                 row["target_vs_fp8_query"] = TARGETS["bf16_query_vs_fp8_query"]
                 verdicts = [_verdict(row["vs_fp8_query"], row["target_vs_fp8_query"], higher_is_better=False)]
-        row["verdict"] = ("miss" if "miss" in verdicts else "pass") if verdicts else None
+        row["verdict"] = _all_met(*verdicts)
         out.append(row)
     return out
 
@@ -789,7 +879,9 @@ VERIFY_EXTEND_COUNTED = (
     "verify: B requests x n draft rows, per-row compressed lengths stepping by at most one (C4); rows = SGLang's "
     "call (every row a next_n-1 request with its own page-table row), grouped = next_n n per request (2-D lengths, "
     "one block-table row); % read = bf16 key bytes of each request read once over the read-only stream; "
-    "% roofline = max(read time, bf16-matmul time of the visible pairs) / time. extend: one row per new token, "
+    "% roofline = max(read time, bf16-matmul time of the visible pairs) / time, both ceilings measured in this "
+    "run; targets (grouped, >= 1M entries): n 2 the read stream, n 3-4 the roofline, and the time over DeepGEMM "
+    "rows. extend: one row per new token, "
     "row j of a request sees prefix + (j + 1) // 4 entries; rows = SGLang's paged call, varlen = one mqa_logits "
     "launch over all requests (4-row tiles per request); % matmul = 2*64*128 per visible pair over the bf16 matmul. "
     "DeepGEMM rows = fp8_paged_mqa_logits on the same rows as stock SGLang calls it (fp8 cache, next_n 1, "

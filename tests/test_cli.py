@@ -323,7 +323,8 @@ def test_cpu_runs_evaluate_no_targets(runs):
     neither pass nor miss (the paged / contiguous prefill ratio used to flip between runs)."""
     from cupy_dsa.bench import report
 
-    target_keys = ("target_pct_copy", "target_pct_read", "target_us", "target_pct_matmul", "target_vs_contiguous")
+    target_keys = ("target_pct_copy", "target_pct_read", "target_us", "target_pct_matmul", "target_vs_contiguous",
+                   "target_pct_roofline", "target_vs_deepgemm_rows", "target_vs_deepgemm")
     for sub in ("store", "logits"):
         doc = runs[sub][1]
         for r in doc[sub]:
@@ -674,9 +675,9 @@ def test_serve_bf16_forward_runs_on_the_reference():
     for case in serve.cases(3, (300,), 1, 16) + serve.cases(2, (260,), 3, 8):
         for layout in ("bf16", "fp8-cupy"):
             g = torch.Generator().manual_seed(0)
-            forward, n_caches = serve._forward(case, layout, model, dev, g, None)
-            assert n_caches == 2
-            forward()
+            forward = serve._forward(case, layout, model, dev, g, None)
+            assert forward.layer_caches == 2 and forward.gathers is None
+            forward.run()
     seen = []
     real = serve._layer_caches
     serve._layer_caches = lambda case, layout, *a: seen.append(layout) or real(case, layout, *a)
