@@ -14,6 +14,10 @@ costs 132 B (hi) + 132 B (lo) = 264 B, 1.03x bf16's 256 B::
     lo_code  = clamp(RNE(r / lo_scale), -127, 127)             (int8, true division)
     k_hat    = float(e4m3(hi_code)) * hi_scale + lo_code * lo_scale   (fp32, two products then one sum)
 
+A key holding a NaN or an infinity gets zero lo codes and a NaN lo scale. The fused store
+(``store_index_k(..., lo_cache=)``, ``kernels/store_index_k.cu``) writes both pages in one launch with these
+operations in this order, so its hi page equals the fp8 store's and its lo page this reference's, bit for bit.
+
 Why int8 and not an e4m3 or a bf16 residual: the fp8 residual ``r_e`` is bounded by half an e4m3 step of the
 element's own binade, so residuals of large elements are large and those of small elements small, but every
 ``|r_e| <= 16 * hi_scale`` (half the step of the top binade, [256, 448)). A uniform (int8) grid over
@@ -90,9 +94,15 @@ def residual_encode_reference(k: torch.Tensor):
     kf = k.to(torch.float32)
     hi, hi_scale = fp8_quantize_reference(kf)
     r = kf - hi.view(torch.float8_e4m3fn).float() * hi_scale[:, None]
+    # a key holding a NaN or an infinity has no residual scale: zero codes, NaN scale (the store kernel's rule;
+    # otherwise the int8 conversion of a NaN code would be undefined)
+    finite = torch.isfinite(r).all(dim=-1)
     amax = r.abs().amax(dim=-1)
+    # true divisions (a full tensor: torch on CUDA turns division by a Python scalar into a reciprocal multiply)
     lo_scale = torch.where(amax > 0, amax / torch.full_like(amax, LO_MAX), torch.ones_like(amax))
-    lo = torch.round(r / lo_scale[:, None]).clamp_(-LO_MAX, LO_MAX).to(torch.int8)
+    lo_scale = torch.where(finite, lo_scale, torch.full_like(lo_scale, float("nan")))
+    codes = torch.round(r / lo_scale[:, None]).clamp_(-LO_MAX, LO_MAX)
+    lo = torch.where(finite[:, None], codes, torch.zeros_like(codes)).to(torch.int8)
     return hi, hi_scale, lo, lo_scale
 
 
