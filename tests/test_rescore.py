@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import cupy_dsa
 from cupy_dsa import layouts, rescore, store
 from cupy_dsa.layouts import PAGE_SLOTS
 
@@ -294,3 +295,203 @@ def test_bad_input_names_the_argument():
 def test_two_level_bytes_per_entry():
     assert rescore.TWO_LEVEL_BYTES_PER_TOKEN == 264
     assert rescore.TWO_LEVEL_BYTES_PER_TOKEN <= 1.05 * layouts.BF16_BYTES_PER_TOKEN
+
+
+# --------------------------------------------------------------------------------------------------
+# The ops' contracts on CPU (the references): prefill and varlen rows, the stage-2 query, stage-2 scores
+# --------------------------------------------------------------------------------------------------
+
+def _case(B=3, n=256, seed=20, outlier=20.0):
+    """Two-level caches of B requests of n keys each, their keys k [B, n, 128] and block table [B, n / 64]."""
+    kv, pos, w, freqs = _keys(B * n, outlier, seed=seed)
+    k = store.rotate_index_k_reference(kv, pos, w, freqs).view(B, n, 128)
+    hi, lo, table = _paged(k, seed=seed + 1)
+    return k, hi, lo, table
+
+
+def _k_hat(hi, lo):
+    """fp64 k_hat of every slot [P * 64, 128]."""
+    hv, hs = layouts.fp8_views(hi)
+    lv, ls = rescore.lo_views(lo)
+    return (hv.reshape(-1, 128).view(torch.float8_e4m3fn).double() * hs.reshape(-1, 1).double()
+            + lv.reshape(-1, 128).double() * ls.reshape(-1, 1).double())
+
+
+def _scores64(q2, w2, k_hat, slots):
+    """fp64 stage-2 scores [R, n] of slots [R, n] (page * 64 + slot) for q2 [R, 64, 128], w2 [R, 64]."""
+    kh = k_hat[slots]                                                      # [R, n, 128]
+    s = torch.einsum("rhd,rnd->rhn", q2.double(), kh).clamp_min(0)
+    return torch.einsum("rhn,rh->rn", s, w2.double())
+
+
+def test_default_k_prime_is_four_times_index_topk():
+    _, hi, lo, table = _case()
+    q, w = _query(3, 1, seed=21)
+    lens = torch.tensor([256, 100, 30], dtype=torch.int32)
+    a = rescore.rescore_topk_reference(q, w, hi, lo, lens, table, 16)
+    b = rescore.rescore_topk_reference(q, w, hi, lo, lens, table, 16, 64)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    c = cupy_dsa.rescore_topk(q, w, hi, lo, lens, table, 16)              # CPU tensors: the reference
+    assert all(torch.equal(x, y) for x, y in zip(a, c))
+
+
+def test_prefill_rows_equal_decode_rows_of_the_same_keys():
+    """A prefill row that sees [0, ke) of one request selects what a decode row of length ke does."""
+    _, hi, lo, table = _case(B=1, n=512, seed=22)
+    T = 6
+    q, w = _query(T, 1, seed=23)
+    ke = torch.tensor([512, 500, 31, 0, 200, 64], dtype=torch.int32)
+    pre = rescore.rescore_topk_prefill_reference(q[:, 0].contiguous(), w, hi, lo, torch.zeros_like(ke), ke, table[0],
+                                                 32, 96)
+    dec = rescore.rescore_topk_reference(q, w, hi, lo, ke[:, None].contiguous(), table.expand(T, -1).contiguous(),
+                                         32, 96)
+    assert all(torch.equal(x, y) for x, y in zip(pre, dec))
+
+
+def test_prefill_rows_see_only_ks_to_ke():
+    """Rows with ks > 0: the selection lies in [ks, ke), equals brute force there; a trivial row selects
+    ks .. ke - 1 in order."""
+    k, hi, lo, table = _case(B=1, n=512, seed=24)
+    T, K, KP = 4, 16, 40
+    q, w = _query(T, 1, seed=25)
+    ks = torch.tensor([0, 100, 300, 500], dtype=torch.int32)
+    ke = torch.tensor([512, 400, 310, 512], dtype=torch.int32)            # 310 - 300 = 10 and 12 keys: trivial
+    res = rescore.rescore_topk_prefill_reference(q[:, 0].contiguous(), w, hi, lo, ks, ke, table, K, KP)
+    dq = layouts.dequantize(hi).view(-1, 128)
+    kh = _k_hat(hi, lo).float()
+    slots = (table[0].long()[:, None] * PAGE_SLOTS + torch.arange(PAGE_SLOTS)).reshape(-1)
+    for r in range(T):
+        a, b = int(ks[r]), int(ke[r])
+        raw = res.raw_indices[r]
+        if b - a <= K:
+            assert raw[:b - a].tolist() == list(range(a, b)) and bool((raw[b - a:] == -1).all())
+            continue
+        want = {a + i for i in _brute(q[r, 0].float(), w[r], dq[slots][a:b], kh[slots][a:b], b - a, K, KP)}
+        assert set(raw.tolist()) == want
+        assert torch.equal(res.page_indices[r].long(), slots[raw.long()])
+
+
+def test_varlen_prefill_equals_one_call_per_request():
+    """cu_rows: request b's rows see its own block-table row; rows of no request select nothing."""
+    _, hi, lo, table = _case(B=3, n=256, seed=26)
+    cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32)                   # request 1 has no rows; rows 7, 8 none
+    T = 9
+    q, w = _query(T, 1, seed=27)
+    q = q[:, 0].contiguous()
+    ks = torch.tensor([0, 10, 0, 0, 0, 50, 0, 0, 0], dtype=torch.int32)
+    ke = torch.tensor([256, 200, 20, 256, 128, 256, 60, 256, 256], dtype=torch.int32)
+    res = rescore.rescore_topk_prefill_reference(q, w, hi, lo, ks, ke, table, 16, 48, cu_rows=cu)
+    for b in range(3):
+        r0, r1 = int(cu[b]), int(cu[b + 1])
+        if r1 == r0:
+            continue
+        one = rescore.rescore_topk_prefill_reference(q[r0:r1], w[r0:r1], hi, lo, ks[r0:r1], ke[r0:r1], table[b],
+                                                     16, 48)
+        assert all(torch.equal(x[r0:r1], y) for x, y in zip(res, one)), b
+    assert all(bool((x[7:] == -1).all()) for x in res)
+
+
+def test_bf16_stage2_query_uses_its_own_weights():
+    """q_rescore (bf16 of the unquantized q) with weights_rescore (no fp8 scale): the selection is brute force
+    with that query in stage 2, fp8 q in stage 1."""
+    k, hi, lo, table = _case(B=2, n=256, seed=28)
+    g = torch.Generator().manual_seed(29)
+    qf = torch.randn(2, 1, 64, 128, generator=g)
+    wf = (torch.rand(2, 64, generator=g) + 0.5) / math.sqrt(8192)
+    s = qf.abs().amax(-1).clamp_min(1e-4) / 448.0
+    q8, w8 = (qf / s[..., None]).to(torch.float8_e4m3fn), (wf * s.reshape(2, 64)).contiguous()
+    qb = qf.to(torch.bfloat16)
+    lens = torch.tensor([256, 256], dtype=torch.int32)
+    res = rescore.rescore_topk_reference(q8, w8, hi, lo, lens, table, 16, 64, q_rescore=qb, weights_rescore=wf)
+    same = rescore.rescore_topk_reference(q8, w8, hi, lo, lens, table, 16, 64, q_rescore=qb.view(2, 64, 128),
+                                          weights_rescore=wf)
+    assert all(torch.equal(x, y) for x, y in zip(res, same))
+    dq = layouts.dequantize(hi).view(-1, 128)
+    kh = _k_hat(hi, lo)
+    for b in range(2):
+        slots = (table[b].long()[:, None] * PAGE_SLOTS + torch.arange(PAGE_SLOTS)).reshape(-1)
+        s1 = _fp8_scores(q8[b, 0].float(), w8[b], dq[slots])
+        cand = torch.argsort(s1, descending=True)[:64]
+        s2 = _scores64(qb[b].float(), wf[b:b + 1], kh, slots[cand][None])[0]
+        assert set(res.raw_indices[b].tolist()) == set(cand[torch.argsort(s2, descending=True)[:16]].tolist())
+
+
+def test_candidate_scores_on_cpu():
+    """Stage 2 alone: fp32 scores of given positions as the fp64 formula; -inf for positions a row does not see
+    (negative, past its length, past the table), on an invalid page."""
+    k, hi, lo, table = _case(B=2, n=256, seed=30)
+    table = table.clone()
+    table[1, 2] = -1
+    q, w = _query(2, 2, seed=31)
+    lens = torch.tensor([256, 200], dtype=torch.int32)                    # rows see 255, 256, 199, 200
+    cand = torch.tensor([[0, 5, 254, 255, -1, 300],
+                         [7, 255, 100, 3, 2**40, 64],
+                         [0, 1, 198, 199, 128, 150],                       # 128, 150: page 2 of request 1 is -1
+                         [199, 200, 63, 64, 65, 127]])
+    got = rescore.rescore_candidate_scores(q, w, hi, lo, lens, table, cand)
+    assert got.dtype == torch.float32 and got.shape == (4, 6)
+    seen = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 1], [1, 1, 1, 0, 0, 0], [1, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(torch.isfinite(got), seen)
+    kh = _k_hat(hi, lo)
+    bt = table.long().repeat_interleave(2, 0)
+    safe = cand.clamp(0, 255)
+    slots = bt.gather(1, safe // 64).clamp_min(0) * 64 + safe % 64
+    exact = _scores64(q.view(4, 64, 128).float(), w, kh, slots)
+    scale = _scores64(q.view(4, 64, 128).float().abs(), w.abs(), kh.abs(), slots)
+    assert bool(((got.double() - exact).abs() <= 1e-5 * scale + 1e-30)[seen].all())
+
+
+def test_scores_of_keys_inverts_the_kernel_key():
+    """Stage-2 keys (the kernel's order_key: order-preserving int32 of the score, 0xFFFFFFFF - candidate) sort
+    as (score, better stage-1 rank) and give the scores back."""
+    v = torch.tensor([3.5, -2.0, 0.0, -0.0, 3.5, float("inf"), -1e-30, 1e-30, -float("inf")])
+    bits = v.view(torch.int32)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    ordered = torch.where(v == 0, torch.zeros_like(ordered), ordered)     # the kernel adds +0.0: -0 -> +0
+    c = torch.arange(len(v))
+    keys = (ordered.long() << 32) | (0xFFFFFFFF - c)
+    back = rescore.scores_of_keys(keys)
+    assert torch.equal(back, v) and not bool(torch.signbit(back[3]))
+    order = torch.sort(keys, descending=True).indices.tolist()
+    assert order == [5, 0, 4, 7, 2, 3, 6, 1, 8]                            # ties: lower candidate first
+    assert rescore.scores_of_keys(torch.tensor([rescore.INVALID_KEY])).item() == float("-inf")
+    assert rescore.INVALID_KEY < int(keys.min())
+
+
+def test_new_arguments_name_themselves():
+    _, hi, lo, table = _case(B=1, n=128, seed=32)
+    q, w = _query(1, 2, seed=33)
+    lens = torch.tensor([128], dtype=torch.int32)
+    call = rescore.rescore_topk
+    with pytest.raises(TypeError, match="^q_rescore: expected dtype"):
+        call(q, w, hi, lo, lens, table, 8, q_rescore=q.float())
+    with pytest.raises(ValueError, match=r"^q_rescore: expected shape \(1, 2, 64, 128\) or \(2, 64, 128\)"):
+        call(q, w, hi, lo, lens, table, 8, q_rescore=q[:, :1].contiguous())
+    with pytest.raises(ValueError, match="^q_rescore: expected a contiguous tensor"):
+        call(q, w, hi, lo, lens, table, 8, q_rescore=torch.zeros(1, 2, 64, 256, dtype=torch.bfloat16)[..., :128])
+    with pytest.raises(ValueError, match=r"^weights_rescore: expected shape \(2, 64\)"):
+        call(q, w, hi, lo, lens, table, 8, weights_rescore=w[:1].contiguous())
+    with pytest.raises(TypeError, match="^weights_rescore: expected dtype torch.float32"):
+        call(q, w, hi, lo, lens, table, 8, weights_rescore=w.double())
+    with pytest.raises(TypeError, match="^logits_masked: expected a bool"):
+        call(q, w, hi, lo, lens, table, 8, logits_masked=1)
+    with pytest.raises(ValueError, match="^hi_cache: expected a tensor on"):
+        call(q, w, hi.to("meta"), lo.to("meta"), lens, table, 8)
+    pre = rescore.rescore_topk_prefill
+    q1, w1 = q[0], w
+    ks = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="^block_table: two-level keys are paged"):
+        pre(q1, w1, hi, lo, ks, ks + 5, None, 8)
+    with pytest.raises(ValueError, match="^hi_cache: expected SGLang's fp8 layout"):
+        pre(q1, w1, layouts.empty_cache(2, "bf16"), lo, ks, ks + 5, table, 8)
+    with pytest.raises(ValueError, match=r"^stage1_logits: expected shape \[2, width\]"):
+        pre(q1, w1, hi, lo, ks, ks + 5, table, 8, stage1_logits=torch.zeros(3, 128))
+    with pytest.raises(ValueError, match=r"^q_rescore: expected shape \(2, 64, 128\)"):
+        pre(q1, w1, hi, lo, ks, ks + 5, table, 8, q_rescore=q)
+    with pytest.raises(ValueError, match="^cu_rows: expected non-decreasing"):
+        pre(q1, w1, hi, lo, ks, ks + 5, table.expand(2, -1).contiguous(), 8,
+            cu_rows=torch.tensor([0, 2, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"^candidates: expected shape \[2, K'\]"):
+        rescore.rescore_candidate_scores(q, w, hi, lo, lens, table, torch.zeros(3, 4, dtype=torch.long))
+    with pytest.raises(TypeError, match="^candidates: expected dtype"):
+        rescore.rescore_candidate_scores(q, w, hi, lo, lens, table, torch.zeros(2, 4))
