@@ -379,6 +379,9 @@ def _select_reference(stage1, lo, hi, bt_rows, q2, w2, hi_cache, lo_cache, index
         seen = (cols[None, :] >= lo_r) & (cols[None, :] < hi_r)
         s1 = stage1[r0:r1, :L].masked_fill(~seen, float("-inf"))
         order = torch.sort(s1, dim=1, descending=True, stable=True).indices          # ties: lower position first
+        # positions the row does not see last (a visible key of an invalid page may have a -inf logit too)
+        order = order.gather(1, torch.sort(seen.gather(1, order).to(torch.int8), dim=1, descending=True,
+                                           stable=True).indices)
         rank = torch.empty_like(order)
         rank.scatter_(1, order, cols[None, :].expand(r1 - r0, L).contiguous())
         cand = order[:, :kp]                                                        # [r, kp] positions

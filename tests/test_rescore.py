@@ -495,3 +495,254 @@ def test_new_arguments_name_themselves():
         rescore.rescore_candidate_scores(q, w, hi, lo, lens, table, torch.zeros(3, 4, dtype=torch.long))
     with pytest.raises(TypeError, match="^candidates: expected dtype"):
         rescore.rescore_candidate_scores(q, w, hi, lo, lens, table, torch.zeros(2, 4))
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: the kernels against the references and an fp64 formulation
+# --------------------------------------------------------------------------------------------------
+
+def _query_pair(B, next_n, seed):
+    """SGLang's stage-1 query (fp8, its per-(row, head) scale folded into the weights) and the bf16 query and
+    weights it came from (weights of both signs, as weights_proj gives)."""
+    g = torch.Generator().manual_seed(seed)
+    qf = torch.randn(B, next_n, 64, 128, generator=g)
+    wf = (torch.randn(B * next_n, 64, generator=g) / math.sqrt(8192)).contiguous()
+    s = qf.abs().amax(-1).clamp_min(1e-4) / 448.0
+    q8 = (qf / s[..., None]).to(torch.float8_e4m3fn).contiguous()
+    return q8, (wf * s.reshape(B * next_n, 64)).contiguous(), qf.to(torch.bfloat16).contiguous(), wf
+
+
+def _gpu_case(B, n, seed):
+    """_case with two block-table entries that are not pages of the caches (-1, and one past them)."""
+    k, hi, lo, table = _case(B, n, seed=seed % 100000)
+    table = table.clone()
+    table[1 % B, min(2, table.shape[1] - 1)] = -1
+    table[-1, -1] = hi.shape[0] + 7
+    return k, hi, lo, table
+
+
+def _cuda(*ts):
+    return [t.cuda() if isinstance(t, torch.Tensor) else t for t in ts]
+
+
+def _check_selection(got, ref, s1, q2, w2, hi, lo, table_rows, lo_r, hi_r, K, KP):
+    """The device selection against the reference's (same stage-1 logits s1 [R, >= width], CPU tensors):
+    rows that see <= K keys equal it exactly; any other row's selection is a top-K of the row's K' stage-1
+    candidates by the fp64 stage-2 score up to fp32 rounding (tol), in that order, with the candidates' stage-1
+    ranks and SGLang's page indices, and equals the reference's wherever the K-th and K+1-th fp64 scores are
+    further apart than the rounding."""
+    got = [t.cpu() for t in got]
+    kh = _k_hat(hi, lo)
+    P = hi.shape[0]
+    for r in range(q2.shape[0]):
+        a, b = int(lo_r[r]), int(hi_r[r])
+        if b - a <= K:
+            assert all(torch.equal(x[r], y[r]) for x, y in zip(got, ref)), (r, got[1][r], ref[1][r])
+            continue
+        row = s1[r, a:b].double()
+        order = a + torch.sort(row, descending=True, stable=True).indices[:KP]      # stage-1 order, ties: position
+        entries = table_rows[r].long()[order // PAGE_SLOTS]
+        ok = (entries >= 0) & (entries < P)
+        cand, rank_of = order[ok], {int(p): i for i, p in enumerate(order.tolist())}
+        slots = entries[ok] * PAGE_SLOTS + cand % PAGE_SLOTS
+        s64 = _scores64(q2[r:r + 1], w2[r:r + 1], kh, slots[None])[0]
+        tol = 3e-5 * float(_scores64(q2[r:r + 1].abs(), w2[r:r + 1].abs(), kh.abs(), slots[None])[0].max())
+        score = dict(zip(cand.tolist(), s64.tolist()))
+        raw = got[1][r]
+        sel = raw[raw >= 0].tolist()
+        assert len(sel) == min(K, len(score)) and bool((raw[len(sel):] == -1).all()), r
+        assert set(sel) <= set(score), f"row {r}: selected a key that is not a valid candidate"
+        s_sel = [score[p] for p in sel]
+        rest = [v for p, v in score.items() if p not in set(sel)]
+        assert not rest or min(s_sel) >= max(rest) - tol, f"row {r}: not a top-{K} of its candidates"
+        assert all(x >= y - tol for x, y in zip(s_sel, s_sel[1:])), f"row {r}: not in stage-2 order"
+        assert got[2][r][:len(sel)].tolist() == [rank_of[p] for p in sel]
+        want_pages = [int(table_rows[r, p // PAGE_SLOTS]) * PAGE_SLOTS + p % PAGE_SLOTS for p in sel]
+        assert got[0][r][:len(sel)].tolist() == want_pages
+        ranked = sorted(score.values(), reverse=True)
+        if len(ranked) <= K or ranked[K - 1] - ranked[K] > 2 * tol:
+            ref_sel = ref[1][r][ref[1][r] >= 0].tolist()
+            assert set(sel) == set(ref_sel), f"row {r}: differs from the reference away from near-ties"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.bfloat16])
+@pytest.mark.parametrize("next_n", [1, 2, 4])
+def test_gpu_candidate_scores_vs_fp64(seed, q_dtype, next_n):
+    """Stage 2 alone on random candidates (negative, past a row's length, past the table, on invalid pages):
+    -inf exactly where the reference has it, and the fp64 score within fp32 accumulation elsewhere."""
+    B, n, KP = 3, 512, 700
+    _, hi, lo, table = _gpu_case(B, n, seed)
+    q8, w8, qb, wf = _query_pair(B, next_n, seed)
+    q, w = (q8, w8) if q_dtype == torch.float8_e4m3fn else (qb, wf)
+    lens = torch.tensor([512, 300, 77], dtype=torch.int32)
+    R = B * next_n
+    cand = torch.randint(-5, 600, (R, KP), generator=torch.Generator().manual_seed(seed))
+    got = rescore.rescore_candidate_scores(*_cuda(q, w, hi, lo, lens, table, cand)).cpu()
+    ref = rescore.rescore_candidate_scores(q, w, hi, lo, lens, table, cand)
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(got), finite), f"seed {seed}: -inf differs from the reference"
+    assert bool(finite.any()) and bool((~finite).any())
+    bt = table.long().repeat_interleave(next_n, 0)
+    safe = cand.clamp(0, n - 1)
+    slots = bt.gather(1, safe // PAGE_SLOTS).clamp(0, hi.shape[0] - 1) * PAGE_SLOTS + safe % PAGE_SLOTS
+    kh = _k_hat(hi, lo)
+    q2 = q.view(R, 64, 128).float()
+    exact = _scores64(q2, w, kh, slots)
+    scale = _scores64(q2.abs(), w.abs(), kh.abs(), slots)
+    err = ((got.double() - exact).abs() / (scale + 1e-30))[finite]
+    assert float(err.max()) < 2e-5, f"seed {seed}: stage-2 score error {float(err.max()):.3g} of the abs scale"
+    again = rescore.rescore_candidate_scores(*_cuda(q, w, hi, lo, lens, table, cand)).cpu()
+    assert torch.equal(again, got), f"seed {seed}: rerun differs"
+
+
+def _decode_lens(B, next_n, n, two_d, seed):
+    """Mixed lengths: a full request, rows shorter than index_topk (64), empty rows, some between K and K'."""
+    if two_d:
+        g = torch.Generator().manual_seed(seed)
+        lens = torch.randint(0, n + 1, (B, next_n), generator=g, dtype=torch.int32)
+        lens[0] = n
+        lens[1, 0] = 40
+        lens[-1, -1] = 0
+        return lens
+    return torch.tensor([n, 40, 200, 2][:B], dtype=torch.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("next_n", [1, 2, 3, 4])
+@pytest.mark.parametrize("lens_2d", [False, True])
+@pytest.mark.parametrize("stage2", ["stage-1 q", "bf16 q"])
+def test_gpu_rescore_topk_vs_reference(seed, next_n, lens_2d, stage2):
+    """Decode / verify: the op with its own stage 1 equals the op given the same logits; both agree with the
+    reference on those logits (exactly for rows that see <= index_topk keys, up to stage-2 near-ties else)."""
+    B, n, K, KP = 4, 1024, 64, 256
+    _, hi, lo, table = _gpu_case(B, n, seed)
+    q8, w8, qb, wf = _query_pair(B, next_n, seed)
+    lens = _decode_lens(B, next_n, n, lens_2d, seed)
+    kw = dict(q_rescore=qb, weights_rescore=wf) if stage2 == "bf16 q" else {}
+    d = _cuda(q8, w8, hi, lo, lens, table)
+    dkw = {k_: v.cuda() for k_, v in kw.items()}
+    s1 = cupy_dsa.paged_mqa_logits(d[0], d[2], d[1], d[4], d[5], n, clean_logits=True)
+    got = rescore.rescore_topk(*d, K, KP, **dkw)
+    given = rescore.rescore_topk(*d, K, KP, stage1_logits=s1, logits_masked=True, **dkw)
+    assert all(torch.equal(x, y) for x, y in zip(got, given)), f"seed {seed}: own stage 1 != given logits"
+    assert all(t.dtype == torch.int32 and tuple(t.shape) == (B * next_n, K) for t in got)
+    s1 = s1.cpu()
+    ref = rescore.rescore_topk_reference(q8, w8, hi, lo, lens, table, K, KP, stage1_logits=s1, **kw)
+    lo_r, hi_r = rescore._decode_rows_reference(lens, B, next_n, n)
+    q2, w2 = (qb, wf) if kw else (q8, w8)
+    _check_selection(got, ref, s1, q2.view(-1, 64, 128).float(), w2, hi, lo, table.repeat_interleave(next_n, 0),
+                     lo_r, hi_r, K, KP)
+    again = rescore.rescore_topk(*d, K, KP, **dkw)
+    assert all(torch.equal(x, y) for x, y in zip(got, again)), f"seed {seed}: rerun differs"
+
+
+@pytest.mark.gpu
+def test_gpu_rescore_topk_bf16_stage1_and_small_tables(seed):
+    """A bf16 stage-1 q; K' past the table's width (clamped); index_topk past every row (all trivial)."""
+    B, n = 2, 128
+    _, hi, lo, table = _gpu_case(B, n, seed)
+    _, _, qb, wf = _query_pair(B, 1, seed)
+    lens = torch.tensor([128, 100], dtype=torch.int32)
+    d = _cuda(qb, wf, hi, lo, lens, table)
+    for K, KP in ((16, 1000), (200, 300)):
+        s1 = cupy_dsa.paged_mqa_logits(d[0], d[2], d[1], d[4], d[5], n, clean_logits=True)
+        got = rescore.rescore_topk(*d, K, KP)
+        ref = rescore.rescore_topk_reference(qb, wf, hi, lo, lens, table, K, KP, stage1_logits=s1.cpu())
+        lo_r, hi_r = rescore._decode_rows_reference(lens, B, 1, n)
+        _check_selection(got, ref, s1.cpu(), qb.view(-1, 64, 128).float(), wf, hi, lo, table, lo_r, hi_r, K,
+                         min(KP, n))
+
+
+@pytest.mark.gpu
+def test_gpu_given_logits_with_junk_past_the_lengths(seed):
+    """Caller logits (e.g. DeepGEMM's without clean_logits) may hold anything past a row's length and past the
+    width: the masking pass makes the result that of clean logits."""
+    B, next_n, n, K, KP = 3, 2, 512, 32, 96
+    _, hi, lo, table = _gpu_case(B, n, seed)
+    q8, w8, _, _ = _query_pair(B, next_n, seed)
+    lens = torch.tensor([512, 150, 30], dtype=torch.int32)
+    d = _cuda(q8, w8, hi, lo, lens, table)
+    clean = cupy_dsa.paged_mqa_logits(d[0], d[2], d[1], d[4], d[5], n, clean_logits=True)
+    lo_r, hi_r = rescore._decode_rows_reference(lens, B, next_n, n)
+    junk = torch.full((B * next_n, n + 40), float("nan"), device="cuda")
+    junk[:, :n] = clean
+    cols = torch.arange(n + 40, device="cuda")[None, :]
+    past = cols >= hi_r.cuda()[:, None]
+    junk[past & (cols % 3 == 0)] = float("inf")
+    junk[past & (cols % 3 == 1)] = 1e30
+    want = rescore.rescore_topk(*d, K, KP, stage1_logits=clean, logits_masked=True)
+    got = rescore.rescore_topk(*d, K, KP, stage1_logits=junk)
+    assert all(torch.equal(x, y) for x, y in zip(got, want)), f"seed {seed}: junk past the lengths was read"
+
+
+def _prefill_case(seed, varlen):
+    """Prefill rows of one request (causal-like ks = 0 and ke growing, plus rows with ks > 0) or, varlen, of
+    three requests (one without rows) and two rows of no request."""
+    B, n = (3, 512) if varlen else (1, 1024)
+    _, hi, lo, table = _gpu_case(B, n, seed)
+    T = 12
+    q8, w8, _, _ = _query_pair(T, 1, seed)
+    ke = torch.tensor([n, n - 3, 600, 40, 64, 65, 300, 512, 0, 200, n, 77], dtype=torch.int32).clamp(max=n)
+    ks = torch.tensor([0, 0, 100, 0, 0, 0, 250, 500, 0, 10, 0, 0], dtype=torch.int32)
+    cu = torch.tensor([0, 5, 5, 10], dtype=torch.int32) if varlen else None
+    return q8[:, 0].contiguous(), w8, hi, lo, ks, ke, (table if varlen else table[0]), cu
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gpu_rescore_topk_prefill_vs_reference(seed, varlen):
+    K, KP = 64, 256
+    q, w, hi, lo, ks, ke, bt, cu = _prefill_case(seed, varlen)
+    d = _cuda(q, w, hi, lo, ks, ke, bt)
+    dcu = None if cu is None else cu.cuda()
+    s1 = cupy_dsa.mqa_logits(d[0], d[2], d[1], d[4], d[5], block_table=d[6], cu_rows=dcu, clean_logits=True)
+    got = rescore.rescore_topk_prefill(*d, K, KP, cu_rows=dcu)
+    given = rescore.rescore_topk_prefill(*d, K, KP, cu_rows=dcu, stage1_logits=s1, logits_masked=True)
+    assert all(torch.equal(x, y) for x, y in zip(got, given)), f"seed {seed}: own stage 1 != given logits"
+    s1 = s1.cpu()
+    ref = rescore.rescore_topk_prefill_reference(q, w, hi, lo, ks, ke, bt, K, KP, cu_rows=cu, stage1_logits=s1)
+    width = (bt.shape[-1]) * PAGE_SLOTS
+    lo_r, hi_r, rows = rescore._prefill_rows_reference(ks, ke, bt, cu, width, q.shape[0], q.device)
+    _check_selection(got, ref, s1, q.float(), w, hi, lo, rows, lo_r, hi_r, K, KP)
+    if varlen:
+        assert all(bool((t.cpu()[10:] == -1).all()) for t in got)             # rows of no request
+    again = rescore.rescore_topk_prefill(*d, K, KP, cu_rows=dcu)
+    assert all(torch.equal(x, y) for x, y in zip(got, again)), f"seed {seed}: rerun differs"
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_and_replay(seed):
+    """Captured once (plan, stage 1, candidates, stage 2, selection), replayed on new queries, new keys and new
+    lengths: bitwise equal to eager calls on the same inputs."""
+    B, next_n, n, K, KP = 4, 2, 1024, 64, 256
+    _, hi, lo, table = _gpu_case(B, n, seed)
+    q8, w8, _, _ = _query_pair(B, next_n, seed)
+    lens = torch.tensor([1024, 40, 700, 65], dtype=torch.int32)
+    q_s, w_s, hi_s, lo_s, lens_s, bt_s = _cuda(q8, w8, hi, lo, lens, table)
+    plan_s = torch.empty(B + 1, dtype=torch.int64, device="cuda")
+
+    def step():
+        plan = cupy_dsa.paged_mqa_logits_plan(lens_s, next_n, out=plan_s)
+        return rescore.rescore_topk(q_s, w_s, hi_s, lo_s, lens_s, bt_s, K, KP, plan=plan)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for trial in range(3):
+        _, hi2, lo2, table2 = _gpu_case(B, n, seed + 1 + trial)
+        q2, w2, _, _ = _query_pair(B, next_n, seed + 1 + trial)
+        lens2 = torch.tensor([[5, 1024, 300, 64], [1024, 1000, 0, 129], [64, 65, 1024, 2]][trial], dtype=torch.int32)
+        for s, v in ((q_s, q2), (w_s, w2), (hi_s, hi2), (lo_s, lo2), (lens_s, lens2), (bt_s, table2)):
+            s.copy_(v)
+        graph.replay()
+        eager = step()
+        torch.cuda.synchronize()
+        assert all(torch.equal(x, y) for x, y in zip(out, eager)), f"seed {seed}: replay {trial} != eager"
+        assert bool((out.raw_indices[0, :5] == torch.arange(5, device="cuda")).all()) if trial == 0 else True
