@@ -7,6 +7,9 @@ Public API:
 * :func:`paged_mqa_logits` (decode, MTP verify as next_n rows per request) and :func:`mqa_logits` (prefill
   of one request, or of several in one launch with ``cu_rows``) -- indexer logits ``sum_h relu(q_h . k) * w_h``
   from those keys; :func:`paged_mqa_logits_plan` / :func:`mqa_logits_plan` build their schedules once per forward;
+* :func:`rescore_topk` (decode / verify) and :func:`rescore_topk_prefill` -- two-level keys (``fp8-rescore``):
+  fp8 candidates from SGLang's fp8 keys, rescored from their int8 residual pages (``store_index_k(...,
+  lo_cache=)`` writes both), the exact top-k at about fp8's cost (``cupy_dsa.rescore``);
 * :func:`prepare_index_q` -- SGLang's ``wq_b`` output -> RoPE -> Hadamard -> fp4sim bf16 or fp8 indexer
   query, with the folded head weights (:func:`prepare_index_q_reference` its torch reference);
 * :func:`to_cupy` / :func:`to_torch` -- zero-copy views for users who want CuPy arrays;
@@ -24,6 +27,8 @@ from .logits import (mqa_logits, mqa_logits_plan, mqa_logits_reference, paged_mq
                      paged_mqa_logits_reference)
 from .launch import warm_up
 from .query import prepare_index_q, prepare_index_q_reference
+from .rescore import (RescoreTopK, empty_lo_cache, rescore_topk, rescore_topk_prefill, rescore_topk_prefill_reference,
+                      rescore_topk_reference)
 from .runtime import to_cupy, to_torch
 from .store import (fp4sim_reference, rotate_index_k_reference, store_index_k, store_index_k_from_plan,
                     store_index_k_reference)
@@ -31,7 +36,8 @@ from .store import (fp4sim_reference, rotate_index_k_reference, store_index_k, s
 __version__ = "0.1.0"
 
 __all__ = [
-    "store_index_k", "store_index_k_from_plan", "prepare_index_q", "prepare_index_q_reference", "paged_mqa_logits", "paged_mqa_logits_plan", "mqa_logits",
+    "store_index_k", "store_index_k_from_plan", "rescore_topk", "rescore_topk_prefill", "rescore_topk_reference",
+    "rescore_topk_prefill_reference", "RescoreTopK", "empty_lo_cache", "prepare_index_q", "prepare_index_q_reference", "paged_mqa_logits", "paged_mqa_logits_plan", "mqa_logits",
     "mqa_logits_plan", "to_cupy", "to_torch",
     "warm_up", "store_index_k_reference", "paged_mqa_logits_reference", "mqa_logits_reference",
     "rotate_index_k_reference", "fp4sim_reference", "empty_cache", "PAGE_SLOTS", "HEAD_DIM", "BF16_BYTES_PER_TOKEN", "FP8_BYTES_PER_TOKEN",

@@ -14,6 +14,10 @@ costs 132 B (hi) + 132 B (lo) = 264 B, 1.03x bf16's 256 B::
     lo_code  = clamp(RNE(r / lo_scale), -127, 127)             (int8, true division)
     k_hat    = float(e4m3(hi_code)) * hi_scale + lo_code * lo_scale   (fp32, two products then one sum)
 
+A key holding a NaN or an infinity gets zero lo codes and a NaN lo scale. The fused store
+(``store_index_k(..., lo_cache=)``, ``kernels/store_index_k.cu``) writes both pages in one launch with these
+operations in this order, so its hi page equals the fp8 store's and its lo page this reference's, bit for bit.
+
 Why int8 and not an e4m3 or a bf16 residual: the fp8 residual ``r_e`` is bounded by half an e4m3 step of the
 element's own binade, so residuals of large elements are large and those of small elements small, but every
 ``|r_e| <= 16 * hi_scale`` (half the step of the top binade, [256, 448)). A uniform (int8) grid over
@@ -56,9 +60,13 @@ from typing import NamedTuple
 
 import torch
 
-from .contracts import check_device, check_dtype, check_int
-from .layouts import FP8_PAGE_BYTES, FP8_SCALE_OFFSET, HEAD_DIM, PAGE_SLOTS, as_page_rows, fp8_views, layout_of
-from .logits import _check_paged, _REF_ROW_CHUNK, paged_mqa_logits_reference
+from . import launch, runtime
+from .contracts import check_aligned, check_bool, check_contiguous, check_device, check_dtype, check_int
+from .launch import I32, I64, PTR
+from .layouts import (FP8_PAGE_BYTES, FP8_SCALE_OFFSET, HEAD_DIM, N_HEADS, PAGE_SLOTS, as_page_rows, fp8_views,
+                      layout_of)
+from .logits import (_check_paged, _check_prefill, _device_info, _REF_ROW_CHUNK, mqa_logits, mqa_logits_reference,
+                     paged_mqa_logits, paged_mqa_logits_reference)
 from .store import fp8_quantize_reference
 
 LO_MAX = 127
@@ -90,9 +98,15 @@ def residual_encode_reference(k: torch.Tensor):
     kf = k.to(torch.float32)
     hi, hi_scale = fp8_quantize_reference(kf)
     r = kf - hi.view(torch.float8_e4m3fn).float() * hi_scale[:, None]
+    # a key holding a NaN or an infinity has no residual scale: zero codes, NaN scale (the store kernel's rule;
+    # otherwise the int8 conversion of a NaN code would be undefined)
+    finite = torch.isfinite(r).all(dim=-1)
     amax = r.abs().amax(dim=-1)
+    # true divisions (a full tensor: torch on CUDA turns division by a Python scalar into a reciprocal multiply)
     lo_scale = torch.where(amax > 0, amax / torch.full_like(amax, LO_MAX), torch.ones_like(amax))
-    lo = torch.round(r / lo_scale[:, None]).clamp_(-LO_MAX, LO_MAX).to(torch.int8)
+    lo_scale = torch.where(finite, lo_scale, torch.full_like(lo_scale, float("nan")))
+    codes = torch.round(r / lo_scale[:, None]).clamp_(-LO_MAX, LO_MAX)
+    lo = torch.where(finite[:, None], codes, torch.zeros_like(codes)).to(torch.int8)
     return hi, hi_scale, lo, lo_scale
 
 
@@ -173,92 +187,219 @@ def store_two_level_reference(k: torch.Tensor, hi_cache: torch.Tensor, lo_cache:
         rows[:, FP8_SCALE_OFFSET:].view(torch.float32)[page, slot] = scales
 
 
-def _row_lens(context_lens, B, next_n, width):
-    lens = context_lens.long().cpu()
-    if lens.dim() == 1:
-        lens = lens[:, None] - (next_n - 1 - torch.arange(next_n))[None, :]
-    return lens.clamp(0, width).reshape(B * next_n)
+# --------------------------------------------------------------------------------------------------
+# Kernels (kernels/rescore_topk.cu) and their family
+# --------------------------------------------------------------------------------------------------
+
+K_PRIME_MULTIPLE = 4                 # default K' = 4 x index_topk
+INVALID_KEY = -(2 ** 63)             # a stage-2 key that no selection takes before a scored candidate
+STAGE2_WARPS = 4
+_CTA_CANDS = 16 * STAGE2_WARPS       # candidates per CTA are a multiple of the 4 warps' 16-candidate tiles
+_MASK_COLS = 4096                    # logits columns per CTA of rescore_mask_logits
+_MAX_GRID_Y = 65535
+_FP8 = torch.float8_e4m3fn
+_Q_DTYPES = (_FP8, torch.bfloat16)
+_SRC = "rescore_topk.cu"
+
+# How a kernel finds row r's visible positions [lo, hi) and its block-table row (RowMode in the kernel).
+_ROW_ARGS = (("lens0", PTR), ("lens1", PTR), ("cu_rows", PTR), ("mode", I32), ("next_n", I32), ("batch", I32),
+             ("width", I32))
+_DECODE_LENS_1D, _DECODE_LENS_2D, _PREFILL_KS_KE = 0, 1, 2
+
+MASK_KERNEL = launch.Kernel(_SRC, "rescore_mask_logits",
+                            args=(("logits", PTR), ("logits_stride", I64), ("out", PTR)) + _ROW_ARGS,
+                            threads=lambda cfg: 256)
+KEYS_KERNEL = launch.Kernel(_SRC, "rescore_candidate_keys",
+                            args=(("vals", PTR), ("idx", PTR), ("keys", PTR), ("n", I64)), threads=lambda cfg: 256)
+STAGE2_KERNEL = launch.Kernel(
+    _SRC, "rescore_topk_kernel", params=("QFp8",),
+    args=(("q", PTR), ("weights", PTR), ("hi_cache", PTR), ("lo_cache", PTR), ("num_pages", I64), ("block_table", PTR),
+          ("bt_stride", I64), ("bt_width", I32)) + _ROW_ARGS
+    + (("candidates", PTR), ("k_prime", I32), ("cands_per_cta", I32), ("index_topk", I32), ("keys", PTR)),
+    threads=lambda cfg: 32 * STAGE2_WARPS)
+FINISH_KERNEL = launch.Kernel(
+    _SRC, "rescore_finish",
+    args=(("selected", PTR), ("m", I32), ("candidates", PTR), ("k_prime", I32), ("logits", PTR),
+          ("logits_stride", I64), ("block_table", PTR), ("bt_stride", I64)) + _ROW_ARGS
+    + (("index_topk", I32), ("page_indices", PTR), ("raw_indices", PTR), ("fp8_rank", PTR)),
+    threads=lambda cfg: 256)
+_PARTS = {"mask": MASK_KERNEL, "keys": KEYS_KERNEL, "finish": FINISH_KERNEL}
 
 
-def rescore_topk_reference(q, weights, hi_cache, lo_cache, context_lens, block_table, index_topk, k_prime, *,
-                           stage1_logits=None) -> RescoreTopK:
-    """Two-stage top-k of paged index keys (the decode / MTP-verify contract of ``paged_mqa_logits``).
+def _select_config(problem, arch):
+    return STAGE2_KERNEL.config(QFp8=problem[1]) if problem[0] == "stage2" else _PARTS[problem[0]].config()
 
-    q float8_e4m3fn/bfloat16 ``[B, next_n, 64, 128]``, weights float32 ``[B * next_n, 64]`` (q's scale folded in
-    for an fp8 q), ``hi_cache`` SGLang's fp8 cache, ``lo_cache`` its residual pages (same shape, see
-    :func:`store_two_level_reference`), context_lens int32 ``[B]`` (row ``j`` of a request sees ``len - (next_n -
-    1 - j)`` keys) or ``[B, next_n]``, block_table int32 ``[B, max_pages]``. ``index_topk >= 1`` keys per row,
-    chosen among each row's ``k_prime >= index_topk`` best stage-1 (fp8) keys. ``stage1_logits``: the fp8 logits
-    ``[B * next_n, >= visible width]`` if the caller already has them (columns past a row's length are ignored).
-    Returns :class:`RescoreTopK` (row order = stage-2 score order; trivial rows ``0..len-1``); a non-trivial row
-    never selects a key whose block-table entry is not a page of the caches."""
+
+# A problem: the op's step ("mask", "keys", "finish"), or ("stage2", 1 for an fp8 stage-2 q / 0 for bf16).
+RESCORE = launch.register(launch.Family(
+    "rescore_topk", problems=[("mask",), ("keys",), ("stage2", 0), ("stage2", 1), ("finish",)],
+    select=_select_config, serves=lambda cfg, p: cfg == _select_config(p, None)))
+
+
+def product_instantiations() -> list[str]:
+    """Name expressions of the rescoring kernels (all of them: both stage-2 q types)."""
+    return [RESCORE.select(p, None).expr for p in RESCORE.problems]
+
+
+# --------------------------------------------------------------------------------------------------
+# Contract checks (tensor metadata only: no host sync)
+# --------------------------------------------------------------------------------------------------
+
+def _renamed(e: ValueError, old: str, new: str) -> ValueError:
+    """The error of a logits-op check with the cache argument named as this op names it."""
+    msg = str(e)
+    return ValueError(new + msg[len(old):] if msg.startswith(old) else msg)
+
+
+def _check_topk(index_topk, k_prime):
+    index_topk = check_int("index_topk", index_topk, 1)
+    if k_prime is None:
+        return index_topk, min(K_PRIME_MULTIPLE * index_topk, 2**31 - 1)
+    k_prime = check_int("k_prime", k_prime, 1)
+    if k_prime < index_topk:
+        raise ValueError(f"k_prime: expected an int >= index_topk ({index_topk}), got {k_prime}")
+    return index_topk, k_prime
+
+
+def _check_stage2_q(q_rescore, weights_rescore, q2, weights, shapes, device):
+    """The stage-2 query and weights as ``[R, 64, 128]`` and ``[R, 64]`` (default: the stage-1 ones)."""
+    R = q2.shape[0]
+    if q_rescore is not None:
+        check_dtype("q_rescore", q_rescore, _Q_DTYPES)
+        if tuple(q_rescore.shape) not in shapes:
+            raise ValueError(f"q_rescore: expected shape {' or '.join(str(s) for s in shapes)} (the rows of q), got "
+                             f"{tuple(q_rescore.shape)}")
+        check_contiguous("q_rescore", q_rescore)
+        check_device("q_rescore", q_rescore, device, "q")
+        q2 = q_rescore.reshape(R, N_HEADS, HEAD_DIM)
+    # stage 2 reads 8 q elements at once: 16 bytes of a bf16 q, 8 of an fp8 one
+    check_aligned("q_rescore" if q_rescore is not None else "q", q2, 16 if q2.dtype == torch.bfloat16 else 8)
+    w2 = weights
+    if weights_rescore is not None:
+        check_dtype("weights_rescore", weights_rescore, (torch.float32,))
+        if tuple(weights_rescore.shape) != (R, N_HEADS):
+            raise ValueError(f"weights_rescore: expected shape {(R, N_HEADS)}, got {tuple(weights_rescore.shape)}")
+        check_contiguous("weights_rescore", weights_rescore)
+        check_device("weights_rescore", weights_rescore, device, "q")
+        w2 = weights_rescore
+    return q2, w2
+
+
+def _check_stage1_logits(stage1_logits, R, device):
+    check_dtype("stage1_logits", stage1_logits, (torch.float32,))
+    if stage1_logits.dim() != 2 or stage1_logits.shape[0] != R:
+        raise ValueError(f"stage1_logits: expected shape [{R}, width] (one row per query row), got "
+                         f"{tuple(stage1_logits.shape)}")
+    check_device("stage1_logits", stage1_logits, device, "q")
+    if R > 0 and stage1_logits.shape[1] > 1 and stage1_logits.stride(1) != 1:
+        raise ValueError(f"stage1_logits: expected stride(1) == 1, got strides {stage1_logits.stride()}")
+
+
+def _check_decode(q, weights, hi_cache, lo_cache, context_lens, block_table, index_topk, k_prime, q_rescore,
+                  weights_rescore, stage1_logits):
+    """Checks of a decode / verify call; returns (B, next_n, index_topk, k_prime, stage-2 q [R, 64, 128], weights)."""
     _check_pair(hi_cache, lo_cache)
     try:
         _check_paged(q, hi_cache, weights, context_lens, block_table, 0)
     except ValueError as e:
-        raise ValueError(str(e).replace("kv_cache:", "hi_cache:")) from None
+        raise _renamed(e, "kv_cache:", "hi_cache:") from None
     _check_pair(hi_cache, lo_cache, q.device)
-    index_topk = check_int("index_topk", index_topk, 1)
-    k_prime = check_int("k_prime", k_prime, 1)
-    if k_prime < index_topk:
-        raise ValueError(f"k_prime: expected an int >= index_topk ({index_topk}), got {k_prime}")
+    index_topk, k_prime = _check_topk(index_topk, k_prime)
     B, next_n = q.shape[0], q.shape[1]
     R = B * next_n
-    width = block_table.shape[1] * PAGE_SLOTS
-    if stage1_logits is None:
-        stage1_logits = paged_mqa_logits_reference(q, hi_cache, weights, context_lens, block_table, width)
-    else:
-        check_dtype("stage1_logits", stage1_logits, (torch.float32,))
-        if stage1_logits.dim() != 2 or stage1_logits.shape[0] != R:
-            raise ValueError(f"stage1_logits: expected shape [{R}, width] (one row per query row), got "
-                             f"{tuple(stage1_logits.shape)}")
-        check_device("stage1_logits", stage1_logits, q.device, "q")
-    lens = _row_lens(context_lens, B, next_n, min(width, stage1_logits.shape[1]))
-    dev = q.device
-    page_out = torch.full((R, index_topk), -1, dtype=torch.int32, device=dev)
-    raw_out = torch.full_like(page_out, -1)
-    rank_out = torch.full_like(page_out, -1)
-    L = int(lens.max()) if R else 0
-    if L == 0:
-        return RescoreTopK(page_out, raw_out, rank_out)
+    q2, w2 = _check_stage2_q(q_rescore, weights_rescore, q.reshape(R, N_HEADS, HEAD_DIM), weights,
+                             ((B, next_n, N_HEADS, HEAD_DIM), (R, N_HEADS, HEAD_DIM)), q.device)
+    if stage1_logits is not None:
+        _check_stage1_logits(stage1_logits, R, q.device)
+    return B, next_n, index_topk, k_prime, q2, w2
+
+
+def _check_prefill_call(q, weights, hi_cache, lo_cache, ks, ke, block_table, index_topk, k_prime, cu_rows,
+                        q_rescore, weights_rescore, stage1_logits):
+    """Checks of a prefill call; returns (index_topk, k_prime, stage-2 q, weights, block table (1-D for one
+    request), keys per request row of the table, cu_rows on q's device or None)."""
+    _check_pair(hi_cache, lo_cache)
+    if block_table is None:
+        raise ValueError("block_table: two-level keys are paged: expected int32 [num_pages] (one request) or "
+                         "[batch, max_pages] with cu_rows")
+    try:
+        _, bt, num_keys, _, _, _, cu_rows = _check_prefill(q, hi_cache, weights, ks, ke, block_table, 0, None, cu_rows)
+    except ValueError as e:
+        raise _renamed(_renamed(e, "kv (paged cache):", "hi_cache:"), "kv:", "hi_cache:") from None
+    _check_pair(hi_cache, lo_cache, q.device)
+    index_topk, k_prime = _check_topk(index_topk, k_prime)
+    T = q.shape[0]
+    q2, w2 = _check_stage2_q(q_rescore, weights_rescore, q, weights, ((T, N_HEADS, HEAD_DIM),), q.device)
+    if stage1_logits is not None:
+        _check_stage1_logits(stage1_logits, T, q.device)
+    return index_topk, k_prime, q2, w2, bt, num_keys, cu_rows
+
+
+# --------------------------------------------------------------------------------------------------
+# Torch references (CPU backend and test oracle)
+# --------------------------------------------------------------------------------------------------
+
+def _stage2_reference(q2, w2, hi_cache, lo_cache, cand, lo, hi, bt_rows):
+    """fp32 ``sum_h relu(q_h . k_hat) * w_h`` of candidate positions ``cand`` [r, n] (int64) of rows that see
+    ``[lo, hi)`` ([r, 1] each) through block-table rows ``bt_rows`` [r, max_pages]; ``-inf`` where the row does
+    not see the position or its page is not in the caches (such keys are never read). Also returns that mask."""
     hi_codes, hi_scales = fp8_views(hi_cache)
     lo_codes, lo_scales = lo_views(lo_cache)
     num_pages = hi_codes.shape[0]
-    lens_d = lens.to(dev)
+    seen = (cand >= lo) & (cand < hi) & (cand // PAGE_SLOTS < bt_rows.shape[1])
+    pages = bt_rows.gather(1, (cand // PAGE_SLOTS).clamp(0, max(bt_rows.shape[1] - 1, 0)))
+    ok = seen & (pages >= 0) & (pages < num_pages)
+    pg = torch.where(ok, pages, torch.zeros_like(pages))
+    sl = torch.where(ok, cand % PAGE_SLOTS, torch.zeros_like(cand))
+    k_hat = (hi_codes[pg, sl].view(torch.float8_e4m3fn).float() * hi_scales[pg, sl][..., None]
+             + lo_codes[pg, sl].float() * lo_scales[pg, sl][..., None])                 # [r, n, 128]
+    s = torch.einsum("rhd,rnd->rhn", q2.float(), k_hat).clamp_min_(0)
+    s2 = torch.einsum("rhn,rh->rn", s, w2)
+    return s2.masked_fill(~ok, float("-inf")), ok
+
+
+def _select_reference(stage1, lo, hi, bt_rows, q2, w2, hi_cache, lo_cache, index_topk, k_prime) -> RescoreTopK:
+    """The two-stage selection of rows that see positions ``[lo, hi)`` (int64 [R] on the CPU, within the logits'
+    width), stage-1 logits ``stage1`` [R, >= max hi] (only visible columns are read), block-table rows
+    ``bt_rows`` (int64 [R, max_pages] on q's device)."""
+    R = q2.shape[0]
+    dev = q2.device
+    page_out = torch.full((R, index_topk), -1, dtype=torch.int32, device=dev)
+    raw_out = torch.full_like(page_out, -1)
+    rank_out = torch.full_like(page_out, -1)
+    L = int(hi.max()) if R else 0
+    if L == 0:
+        return RescoreTopK(page_out, raw_out, rank_out)
+    lo_d, hi_d = lo.to(dev), hi.to(dev)
     cols = torch.arange(L, device=dev)
     kp = min(k_prime, L)
-    qf_all = q.float().reshape(R, q.shape[2], HEAD_DIM)
-    bt_rows = block_table.long().repeat_interleave(next_n, dim=0)                   # [R, max_pages]
     for r0 in range(0, R, _REF_ROW_CHUNK):
         r1 = min(R, r0 + _REF_ROW_CHUNK)
-        n_r = lens_d[r0:r1, None]
-        s1 = stage1_logits[r0:r1, :L].masked_fill(cols[None, :] >= n_r, float("-inf"))
+        lo_r, hi_r = lo_d[r0:r1, None], hi_d[r0:r1, None]
+        seen = (cols[None, :] >= lo_r) & (cols[None, :] < hi_r)
+        s1 = stage1[r0:r1, :L].masked_fill(~seen, float("-inf"))
         order = torch.sort(s1, dim=1, descending=True, stable=True).indices          # ties: lower position first
+        # positions the row does not see last (a visible key of an invalid page may have a -inf logit too)
+        order = order.gather(1, torch.sort(seen.gather(1, order).to(torch.int8), dim=1, descending=True,
+                                           stable=True).indices)
         rank = torch.empty_like(order)
         rank.scatter_(1, order, cols[None, :].expand(r1 - r0, L).contiguous())
         cand = order[:, :kp]                                                        # [r, kp] positions
-        cand_ok = torch.arange(kp, device=dev)[None, :] < n_r
-        # stage 2: k_hat of the candidates from the hi and lo pages
-        pages = bt_rows[r0:r1].gather(1, (cand // PAGE_SLOTS).clamp(max=bt_rows.shape[1] - 1))
-        pages_ok = cand_ok & (pages >= 0) & (pages < num_pages)
-        pg = torch.where(pages_ok, pages, torch.zeros_like(pages))
-        sl = cand % PAGE_SLOTS
-        k_hat = (hi_codes[pg, sl].view(torch.float8_e4m3fn).float() * hi_scales[pg, sl][..., None]
-                 + lo_codes[pg, sl].float() * lo_scales[pg, sl][..., None])            # [r, kp, 128]
-        s = torch.einsum("rhd,rnd->rhn", qf_all[r0:r1], k_hat).clamp_min_(0)
-        s2 = torch.einsum("rhn,rh->rn", s, weights[r0:r1])
-        s2 = s2.masked_fill(~pages_ok, float("-inf"))
+        # stage 2: the candidates' k_hat from the hi and lo pages
+        s2, pages_ok = _stage2_reference(q2[r0:r1], w2[r0:r1], hi_cache, lo_cache, cand, lo_r, hi_r, bt_rows[r0:r1])
         # stage-2 order; ties by stage-1 rank (the candidates are in stage-1 order, so a stable sort does it)
         sel = torch.sort(s2, dim=1, descending=True, stable=True).indices[:, :min(index_topk, kp)]
         raw = cand.gather(1, sel)
         ok = pages_ok.gather(1, sel)                                                # keys of invalid pages: never
+        n_r = hi_r - lo_r
         trivial = n_r[:, 0] <= index_topk
-        if bool(trivial.any()):
-            seq = torch.arange(min(index_topk, L), device=dev)[None, :].expand(r1 - r0, -1)
-            raw = torch.where(trivial[:, None], seq[:, :raw.shape[1]], raw)
-            ok = torch.where(trivial[:, None], seq[:, :raw.shape[1]] < n_r, ok)
-        pos_rank = rank.gather(1, raw)
-        page = bt_rows[r0:r1].gather(1, (raw // PAGE_SLOTS).clamp(max=bt_rows.shape[1] - 1))
+        if bool(trivial.any()):                                                     # lo .. hi - 1, in order
+            seq = torch.arange(raw.shape[1], device=dev)[None, :].expand(r1 - r0, -1)
+            raw = torch.where(trivial[:, None], lo_r + seq, raw)
+            ok = torch.where(trivial[:, None], seq < n_r, ok)
+        pos = raw.clamp(max=L - 1)
+        pos_rank = rank.gather(1, pos)
+        page = bt_rows[r0:r1].gather(1, (pos // PAGE_SLOTS).clamp(max=bt_rows.shape[1] - 1))
         m = raw.shape[1]
         raw_out[r0:r1, :m] = torch.where(ok, raw, torch.full_like(raw, -1)).to(torch.int32)
         rank_out[r0:r1, :m] = torch.where(ok, pos_rank, torch.full_like(raw, -1)).to(torch.int32)
@@ -267,5 +408,261 @@ def rescore_topk_reference(q, weights, hi_cache, lo_cache, context_lens, block_t
     return RescoreTopK(page_out, raw_out, rank_out)
 
 
+def _decode_rows_reference(context_lens, B, next_n, width):
+    lens = context_lens.long().cpu()
+    if lens.dim() == 1:
+        lens = lens[:, None] - (next_n - 1 - torch.arange(next_n))[None, :]
+    hi = lens.clamp(0, width).reshape(B * next_n)
+    return torch.zeros_like(hi), hi
+
+
+def rescore_topk_reference(q, weights, hi_cache, lo_cache, context_lens, block_table, index_topk, k_prime=None, *,
+                           stage1_logits=None, q_rescore=None, weights_rescore=None) -> RescoreTopK:
+    """Two-stage top-k of paged index keys (the decode / MTP-verify contract of ``paged_mqa_logits``).
+
+    q float8_e4m3fn/bfloat16 ``[B, next_n, 64, 128]``, weights float32 ``[B * next_n, 64]`` (q's scale folded in
+    for an fp8 q), ``hi_cache`` SGLang's fp8 cache, ``lo_cache`` its residual pages (same shape, see
+    :func:`store_two_level_reference`), context_lens int32 ``[B]`` (row ``j`` of a request sees ``len - (next_n -
+    1 - j)`` keys) or ``[B, next_n]``, block_table int32 ``[B, max_pages]``. ``index_topk >= 1`` keys per row,
+    chosen among each row's ``k_prime >= index_topk`` (default ``4 * index_topk``) best stage-1 (fp8) keys.
+    ``stage1_logits``: the fp8 logits ``[B * next_n, >= visible width]`` if the caller already has them (columns
+    past a row's length are ignored). ``q_rescore`` (bfloat16 or fp8, ``[B, next_n, 64, 128]`` or ``[B * next_n,
+    64, 128]``) and ``weights_rescore`` (float32 ``[B * next_n, 64]``): stage 2's query and head weights
+    (default: q and weights; a bf16 q_rescore of the unquantized query goes with the weights without q's fp8
+    scale). Returns :class:`RescoreTopK` (row order = stage-2 score order; trivial rows ``0..len-1``); a
+    non-trivial row never selects a key whose block-table entry is not a page of the caches."""
+    B, next_n, index_topk, k_prime, q2, w2 = _check_decode(q, weights, hi_cache, lo_cache, context_lens, block_table,
+                                                           index_topk, k_prime, q_rescore, weights_rescore,
+                                                           stage1_logits)
+    width = block_table.shape[1] * PAGE_SLOTS
+    if stage1_logits is None:
+        stage1_logits = paged_mqa_logits_reference(q, hi_cache, weights, context_lens, block_table, width)
+    lo, hi = _decode_rows_reference(context_lens, B, next_n, min(width, stage1_logits.shape[1]))
+    bt_rows = block_table.long().repeat_interleave(next_n, dim=0)                   # [R, max_pages]
+    return _select_reference(stage1_logits, lo, hi, bt_rows, q2, w2, hi_cache, lo_cache, index_topk, k_prime)
+
+
+def _prefill_rows_reference(ks, ke, bt, cu_rows, width, T, device):
+    """(lo, hi) int64 [T] on the CPU and block-table rows int64 [T, max_pages] of a prefill call."""
+    lo = ks.long().cpu().clamp_min(0)
+    hi = ke.long().cpu().clamp(max=width)
+    if cu_rows is None:
+        bt_rows = bt.long()[None, :].expand(T, -1)
+    else:
+        cu = cu_rows.long().cpu()
+        B = cu.shape[0] - 1
+        r = torch.arange(T)
+        b = torch.searchsorted(cu[1:].contiguous(), r, right=True)                  # first b with cu[b + 1] > r
+        owned = (b < B) & (cu[b.clamp(max=max(B - 1, 0))] <= r) if B > 0 else torch.zeros(T, dtype=torch.bool)
+        hi = torch.where(owned, hi, lo)                                             # rows of no request: empty
+        bt_rows = (bt.long()[b.clamp(max=B - 1).to(bt.device)] if B > 0
+                   else torch.zeros(T, 0, dtype=torch.long, device=device))
+    empty = hi <= lo
+    return torch.where(empty, 0, lo), torch.where(empty, 0, hi), bt_rows
+
+
+def rescore_topk_prefill_reference(q, weights, hi_cache, lo_cache, ks, ke, block_table, index_topk, k_prime=None, *,
+                                   cu_rows=None, stage1_logits=None, q_rescore=None,
+                                   weights_rescore=None) -> RescoreTopK:
+    """Two-stage top-k of prefill / extend rows (the paged contract of ``mqa_logits``): row ``i`` sees positions
+    ``[ks[i], ke[i])`` of its request's keys. q float8_e4m3fn/bfloat16 ``[T, 64, 128]``, weights float32 ``[T,
+    64]``, ks / ke int32 ``[T]``; one request: block_table int32 ``[num_pages]`` or ``[1, num_pages]``; several
+    (varlen): ``cu_rows`` int32 ``[batch + 1]`` (request ``b`` owns rows ``[cu_rows[b], cu_rows[b + 1])``) and
+    block_table ``[batch, max_pages]``; rows of no request select nothing. ``stage1_logits``: ``[T, >= width]``
+    with column = position (``mqa_logits`` without ``max_seqlen_k``). A row that sees ``n <= index_topk`` keys
+    selects ``ks .. ks + n - 1``; the rest as :func:`rescore_topk_reference` (``q_rescore`` ``[T, 64, 128]``)."""
+    index_topk, k_prime, q2, w2, bt, num_keys, cu_rows = _check_prefill_call(
+        q, weights, hi_cache, lo_cache, ks, ke, block_table, index_topk, k_prime, cu_rows, q_rescore,
+        weights_rescore, stage1_logits)
+    if stage1_logits is None:
+        stage1_logits = mqa_logits_reference(q, hi_cache, weights, ks, ke, block_table=block_table, cu_rows=cu_rows)
+    width = min(num_keys, stage1_logits.shape[1])
+    lo, hi, bt_rows = _prefill_rows_reference(ks, ke, bt, cu_rows, width, q.shape[0], q.device)
+    return _select_reference(stage1_logits, lo, hi, bt_rows, q2, w2, hi_cache, lo_cache, index_topk, k_prime)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public ops
+# --------------------------------------------------------------------------------------------------
+
+def rescore_topk(q, weights, hi_cache, lo_cache, context_lens, block_table, index_topk, k_prime=None, *,
+                 q_rescore=None, weights_rescore=None, stage1_logits=None, logits_masked=False,
+                 plan=None) -> RescoreTopK:
+    """The exact top-k at fp8's cost, decode / MTP verify (the contract of :func:`rescore_topk_reference`).
+
+    Stage 1: fp8 logits of every visible key from ``hi_cache`` (:func:`cupy_dsa.paged_mqa_logits`, with ``plan``
+    when given), or ``stage1_logits`` the caller computed (e.g. DeepGEMM's; ``[B * next_n, >= width]``, width =
+    ``block_table.shape[1] * 64``); ``logits_masked=True`` says they already hold -inf at every column a row does
+    not see (otherwise a masking pass writes a copy). Each row's ``k_prime`` (default ``4 * index_topk``, at most
+    the width) best logits are its candidates (torch.topk). Stage 2 scores them from the hi and lo pages with
+    ``q_rescore`` / ``weights_rescore`` (default q / weights) and selects ``index_topk``. No host sync and no
+    data-dependent shape: capturable in a CUDA graph (after :func:`cupy_dsa.warm_up`), deterministic. Returns
+    :class:`RescoreTopK`. CPU tensors run the reference."""
+    logits_masked = check_bool("logits_masked", logits_masked)
+    if not (isinstance(q, torch.Tensor) and q.is_cuda):
+        return rescore_topk_reference(q, weights, hi_cache, lo_cache, context_lens, block_table, index_topk, k_prime,
+                                      stage1_logits=stage1_logits, q_rescore=q_rescore,
+                                      weights_rescore=weights_rescore)
+    B, next_n, index_topk, k_prime, q2, w2 = _check_decode(q, weights, hi_cache, lo_cache, context_lens, block_table,
+                                                           index_topk, k_prime, q_rescore, weights_rescore,
+                                                           stage1_logits)
+    width = block_table.shape[1] * PAGE_SLOTS
+    if stage1_logits is None:
+        logits = paged_mqa_logits(q, hi_cache, weights, context_lens, block_table, width, clean_logits=True,
+                                  plan=plan)
+        logits_masked = True
+    else:
+        width = min(width, stage1_logits.shape[1])
+        logits = stage1_logits[:, :width]
+    rows = dict(lens0=context_lens, lens1=None, cu_rows=None, next_n=next_n, batch=B, width=width,
+                mode=_DECODE_LENS_2D if context_lens.dim() == 2 else _DECODE_LENS_1D)
+    bt_stride = block_table.stride(0) if block_table.shape[1] > 0 else 0
+    return _select(logits, logits_masked, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride,
+                   block_table.shape[1], index_topk, k_prime)
+
+
+def rescore_topk_prefill(q, weights, hi_cache, lo_cache, ks, ke, block_table, index_topk, k_prime=None, *,
+                         cu_rows=None, q_rescore=None, weights_rescore=None, stage1_logits=None, logits_masked=False,
+                         plan=None) -> RescoreTopK:
+    """:func:`rescore_topk` for prefill / extend rows (the contract of :func:`rescore_topk_prefill_reference`):
+    stage 1 from :func:`cupy_dsa.mqa_logits` on the hi cache (``plan``: its :func:`cupy_dsa.mqa_logits_plan` for
+    ``cu_rows``), or ``stage1_logits`` ``[T, >= width]`` (column = position; width = the block table's pages *
+    64). No host sync (a CPU ``cu_rows`` is checked and copied, outside graph capture, as by ``mqa_logits``)."""
+    logits_masked = check_bool("logits_masked", logits_masked)
+    if not (isinstance(q, torch.Tensor) and q.is_cuda):
+        return rescore_topk_prefill_reference(q, weights, hi_cache, lo_cache, ks, ke, block_table, index_topk,
+                                              k_prime, cu_rows=cu_rows, stage1_logits=stage1_logits,
+                                              q_rescore=q_rescore, weights_rescore=weights_rescore)
+    index_topk, k_prime, q2, w2, bt, num_keys, cu_rows = _check_prefill_call(
+        q, weights, hi_cache, lo_cache, ks, ke, block_table, index_topk, k_prime, cu_rows, q_rescore,
+        weights_rescore, stage1_logits)
+    width = num_keys
+    if stage1_logits is None:
+        logits = mqa_logits(q, hi_cache, weights, ks, ke, block_table=block_table, cu_rows=cu_rows, plan=plan,
+                            clean_logits=True)
+        logits_masked = True
+    else:
+        width = min(width, stage1_logits.shape[1])
+        logits = stage1_logits[:, :width]
+    varlen = cu_rows is not None
+    rows = dict(lens0=ks, lens1=ke, cu_rows=cu_rows, mode=_PREFILL_KS_KE, next_n=1,
+                batch=cu_rows.shape[0] - 1 if varlen else 1, width=width)
+    bt_width = bt.shape[1] if varlen else bt.shape[0]
+    bt_stride = bt.stride(0) if (varlen and bt_width > 0) else 0
+    return _select(logits, logits_masked, rows, q2, w2, hi_cache, lo_cache, bt, bt_stride, bt_width, index_topk,
+                   k_prime)
+
+
+def rescore_candidate_scores(q, weights, hi_cache, lo_cache, context_lens, block_table, candidates) -> torch.Tensor:
+    """Stage 2 alone (the decode contract of :func:`rescore_topk`, q and weights as stage 2 takes them):
+    float32 ``[B * next_n, K']`` = ``sum_h relu(q_h . k_hat) * w_h`` of each row's candidate positions
+    (``candidates`` int32/int64 ``[B * next_n, K']``), -inf where the row does not see the position (a negative
+    one included) or its page is not in the caches (never read). The scores the selection ranks."""
+    if not isinstance(candidates, torch.Tensor):
+        raise TypeError(f"candidates: expected a torch.Tensor, got {type(candidates).__name__}")
+    B, next_n, _, _, q2, w2 = _check_decode(q, weights, hi_cache, lo_cache, context_lens, block_table, 1, None,
+                                            None, None, None)
+    R = B * next_n
+    check_dtype("candidates", candidates, (torch.int32, torch.int64))
+    if candidates.dim() != 2 or candidates.shape[0] != R:
+        raise ValueError(f"candidates: expected shape [{R}, K'] (one row per query row), got "
+                         f"{tuple(candidates.shape)}")
+    check_device("candidates", candidates, q.device, "q")
+    width = block_table.shape[1] * PAGE_SLOTS
+    if not q.is_cuda:
+        lo, hi = _decode_rows_reference(context_lens, B, next_n, width)
+        bt_rows = block_table.long().repeat_interleave(next_n, dim=0)
+        return _stage2_reference(q2, w2, hi_cache, lo_cache, candidates.long(), lo[:, None].to(q.device),
+                                 hi[:, None].to(q.device), bt_rows)[0]
+    kp = candidates.shape[1]
+    keys = torch.empty(R, kp, dtype=torch.int64, device=q.device)
+    if R == 0 or kp == 0:
+        return keys.float()
+    # the stage-1 key form (0xFFFFFFFF - position in the low half); a position outside [0, 2^31) names none
+    pos = candidates.long()
+    pos = torch.where((pos >= 0) & (pos < 2**31), pos, torch.full_like(pos, -1))
+    named = 0xFFFFFFFF - (pos & 0xFFFFFFFF)
+    rows = dict(lens0=context_lens, lens1=None, cu_rows=None, next_n=next_n, batch=B, width=width,
+                mode=_DECODE_LENS_2D if context_lens.dim() == 2 else _DECODE_LENS_1D)
+    _check_aligned_caches(hi_cache, lo_cache)
+    _stage2(q2, w2, hi_cache, lo_cache, block_table, block_table.stride(0) if block_table.shape[1] else 0,
+            block_table.shape[1], rows, named, kp, -1, keys)
+    return scores_of_keys(keys)
+
+
+def scores_of_keys(keys: torch.Tensor) -> torch.Tensor:
+    """The fp32 scores of stage-2 keys (int64, ``order_key`` in ``kernels/rescore_topk.cu``); -inf for an
+    unscored candidate."""
+    ordered = (keys >> 32).to(torch.int32)
+    bits = torch.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF)
+    return bits.view(torch.float32).masked_fill(keys == INVALID_KEY, float("-inf"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Launches
+# --------------------------------------------------------------------------------------------------
+
+def _check_aligned_caches(hi_cache, lo_cache):
+    check_aligned("hi_cache", hi_cache, 16)   # stage 2 reads 16-byte chunks of key rows
+    check_aligned("lo_cache", lo_cache, 16)
+
+
+def _launch(problem, device, grid, **args):
+    RESCORE.select(problem, runtime.device_arch(device.index)).launch(device, grid, **args)
+
+
+def _stage2(q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, rows, candidates, kp, index_topk, keys):
+    """rescore_topk_kernel over [R, kp] candidates: CTAs of up to 512 candidates, fewer when the rows are few
+    (at least 4 CTAs per SM where the work allows)."""
+    R, dev = q2.shape[0], q2.device
+    n_sms, _ = _device_info(dev.index)
+    chunk = 512
+    while chunk > _CTA_CANDS and R * -(-kp // chunk) < 4 * n_sms:
+        chunk //= 2
+    while -(-kp // chunk) > _MAX_GRID_Y:
+        chunk *= 2
+    _launch(("stage2", int(q2.dtype == _FP8)), dev, (R, -(-kp // chunk), 1), q=q2, weights=w2, hi_cache=hi_cache,
+            lo_cache=lo_cache, num_pages=hi_cache.shape[0], block_table=block_table, bt_stride=bt_stride,
+            bt_width=bt_width, **rows, candidates=candidates, k_prime=kp, cands_per_cta=chunk, index_topk=index_topk,
+            keys=keys)
+
+
+def _select(logits, logits_masked, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, index_topk,
+            k_prime) -> RescoreTopK:
+    """Stage-1 candidates, stage 2 and the selection on the device: torch.topk of the logits (K' candidates),
+    their stage-1 order (keys, sorted), stage-2 keys, torch.topk of those, SGLang's outputs."""
+    R, width = logits.shape
+    dev = q2.device
+    page_out = torch.empty(R, index_topk, dtype=torch.int32, device=dev)
+    raw_out, rank_out = torch.empty_like(page_out), torch.empty_like(page_out)
+    if R == 0:
+        return RescoreTopK(page_out, raw_out, rank_out)
+    _check_aligned_caches(hi_cache, lo_cache)
+    if width > 0 and not logits_masked:
+        masked = torch.empty(R, width, dtype=torch.float32, device=dev)
+        _launch(("mask",), dev, (R, -(-width // _MASK_COLS), 1), logits=logits, logits_stride=logits.stride(0),
+                out=masked, **rows)
+        logits = masked
+    kp = min(k_prime, width)
+    selected = candidates = None
+    m = 0
+    if kp > 0:
+        vals, idx = torch.topk(logits, kp, dim=1, sorted=False)
+        keys1 = torch.empty(R, kp, dtype=torch.int64, device=dev)
+        _launch(("keys",), dev, (-(-(R * kp) // 256), 1, 1), vals=vals, idx=idx, keys=keys1, n=R * kp)
+        candidates = torch.sort(keys1, dim=1, descending=True).values     # stage-1 order (keys are distinct)
+        keys2 = torch.empty_like(candidates)
+        _stage2(q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, rows, candidates, kp, index_topk, keys2)
+        m = min(index_topk, kp)
+        selected = torch.topk(keys2, m, dim=1, sorted=True).values        # distinct keys: one order
+    _launch(("finish",), dev, (R, 1, 1), selected=selected, m=m, candidates=candidates, k_prime=kp,
+            logits=logits if width > 0 else None, logits_stride=logits.stride(0) if width > 0 else 0,
+            block_table=block_table, bt_stride=bt_stride, **rows, index_topk=index_topk, page_indices=page_out,
+            raw_indices=raw_out, fp8_rank=rank_out)
+    return RescoreTopK(page_out, raw_out, rank_out)
+
+
 __all__ = ["residual_encode_reference", "two_level_dequant_reference", "store_two_level_reference",
-           "rescore_topk_reference", "empty_lo_cache", "lo_views", "RescoreTopK", "TWO_LEVEL_BYTES_PER_TOKEN"]
+           "rescore_topk_reference", "rescore_topk_prefill_reference", "rescore_topk", "rescore_topk_prefill",
+           "rescore_candidate_scores", "scores_of_keys", "empty_lo_cache", "lo_views", "RescoreTopK",
+           "TWO_LEVEL_BYTES_PER_TOKEN", "K_PRIME_MULTIPLE"]

@@ -8,8 +8,10 @@ multiply-adds), so it matches the kernel to the bit except where ``rsqrtf`` (har
 the fp8 scale by a few fp32 ulp).
 
 Layouts (``cupy_dsa.layouts``): ``uint8 [P, 16384]`` -> bf16 (256 B/token), ``uint8 [P, 8448]`` -> fp8
-(SGLang's 132 B/token). Key styles: ``"v4"`` (RMSNorm, interleaved RoPE on the trailing 64 dims) and
-``"v32"`` (LayerNorm with bias, NeoX RoPE on the leading 64 dims). Numerics: ``"exact"`` (RNE of the fp32
+(SGLang's 132 B/token); two-level keys (``cupy_dsa.rescore``): an fp8 cache plus ``lo_cache`` (uint8, the same
+shape), which receives in the same launch the int8 residual of each fp8 row (the kernel's third layout). Key
+styles: ``"v4"`` (RMSNorm, interleaved RoPE on the trailing 64 dims) and ``"v32"`` (LayerNorm with bias, NeoX
+RoPE on the leading 64 dims). Numerics: ``"exact"`` (RNE of the fp32
 key) and ``"fp4sim"`` (DeepSeek-V4's QAT: e2m1 with a power-of-two scale per 32 elements, stored as bf16;
 bf16 layout only).
 
@@ -27,13 +29,14 @@ from .launch import F32, I32, I64, PTR
 from .layouts import FP8_MAX, FP8_MIN_AMAX, FP8_SCALE_OFFSET, HEAD_DIM, PAGE_SLOTS, ROPE_DIM, as_page_rows, layout_of
 
 # Template parameters of store_index_k<Layout, Numerics, Style, Hadamard, TIn, Source>; the index dtype
-# (int32/int64 positions or plan out_loc) is a run-time kernel argument.
-_LAYOUT_ID = {"bf16": 0, "fp8": 1}
+# (int32/int64 positions or plan out_loc) is a run-time kernel argument. "two-level" = the fp8 page and its
+# int8 residual page (lo_cache), written by one launch.
+_LAYOUT_ID = {"bf16": 0, "fp8": 1, "two-level": 2}
 _NUMERICS_ID = {"exact": 0, "fp4sim": 1}
 _STYLE_ID = {"v4": 0, "v32": 1}
 _SOURCES = {"direct": 0, "decode": 1, "prefill": 2}   # positions, SGLang's decode / prefill plan rows
 _IN_TYPE = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16"}
-_VARIANTS = (("bf16", "exact"), ("bf16", "fp4sim"), ("fp8", "exact"))  # (layout, numerics) the kernel has
+_VARIANTS = (("bf16", "exact"), ("bf16", "fp4sim"), ("fp8", "exact"), ("two-level", "exact"))  # the kernel's
 
 WARPS_PER_BLOCK = 8
 TOKENS_PER_WARP = 2  # kTokensPerWarp in the kernel
@@ -49,9 +52,9 @@ def _render(param, value):
 
 STORE_KERNEL = launch.Kernel(
     "store_index_k.cu", "store_index_k", params=("Layout", "Numerics", "Style", "Hadamard", "TIn", "Source"),
-    args=(("kv", PTR), ("cache", PTR), ("items", PTR), ("out_loc", PTR), ("norm_w", PTR), ("norm_b", PTR),
-          ("freqs", PTR), ("n", I64), ("n_loc", I64), ("num_pages", I64), ("max_pos", I64), ("eps", F32),
-          ("ratio", I32), ("idx64", I32)),
+    args=(("kv", PTR), ("cache", PTR), ("lo_cache", PTR), ("items", PTR), ("out_loc", PTR), ("norm_w", PTR),
+          ("norm_b", PTR), ("freqs", PTR), ("n", I64), ("n_loc", I64), ("num_pages", I64), ("max_pos", I64),
+          ("eps", F32), ("ratio", I32), ("idx64", I32)),
     threads=lambda cfg: BLOCK[0], render=_render)
 
 # A problem: (layout, numerics, key style, hadamard, kv dtype, source); every one has its instantiation.
@@ -69,7 +72,8 @@ def product_instantiations(*, layouts=("bf16",), numerics=("exact",), key_styles
                            sources=("direct", "decode", "prefill")) -> list[str]:
     """Name expressions of the store for the given options (every combination the kernel has), e.g. what
     one server launches: ``layouts=("bf16",), numerics=("exact",), in_dtypes=(torch.bfloat16,),
-    sources=("decode", "prefill")``. Sources: ``direct`` (positions), ``decode`` / ``prefill`` (plan rows)."""
+    sources=("decode", "prefill")``. Layouts: ``bf16``, ``fp8``, ``two-level`` (fp8 + ``lo_cache``). Sources:
+    ``direct`` (positions), ``decode`` / ``prefill`` (plan rows)."""
     return [STORE.select(p, None).expr for p in STORE.problems
             if p[0] in layouts and p[1] in numerics and p[2] in key_styles and p[3] in hadamard
             and p[4] in in_dtypes and p[5] in sources]
@@ -169,6 +173,25 @@ def _check_common(kv, cache, norm_weight, norm_bias, freqs_cis, eps, numerics, k
     return layout
 
 
+def _check_lo_cache(lo_cache, cache, layout, device) -> str:
+    """The store's layout: ``cache``'s, or ``"two-level"`` when ``lo_cache`` (the residual pages) is given."""
+    if lo_cache is None:
+        return layout
+    if layout != "fp8":
+        raise ValueError("lo_cache: two-level keys need an fp8-layout cache (uint8 [P, 8448] or [P, 64, 1, 132]), "
+                         "got a bf16-layout cache")
+    check_dtype("lo_cache", lo_cache, (torch.uint8,))
+    if lo_cache.shape != cache.shape:
+        raise ValueError(f"lo_cache: expected the shape of cache {tuple(cache.shape)} (one residual slot per fp8 "
+                         f"slot), got {tuple(lo_cache.shape)}")
+    check_contiguous("lo_cache", lo_cache)
+    _check_device("lo_cache", lo_cache, device)
+    check_aligned("lo_cache", lo_cache, 16)
+    if lo_cache.data_ptr() == cache.data_ptr() and cache.numel():
+        raise ValueError("lo_cache: expected its own memory, got the memory of cache")
+    return "two-level"
+
+
 def _check_direct(kv, positions, out_loc):
     n = kv.shape[0]
     check_dtype("positions", positions, (torch.int32, torch.int64))
@@ -206,44 +229,51 @@ def _check_plan(kv, plan, out_loc, compress_ratio, is_decode):
 # --------------------------------------------------------------------------------------------------
 
 def store_index_k(kv, cache, *, positions, out_loc, norm_weight, freqs_cis, norm_bias=None, eps=1e-6,
-                  numerics="exact", key_style="v4", hadamard=True) -> None:
+                  numerics="exact", key_style="v4", hadamard=True, lo_cache=None) -> None:
     """Normalize, rotate and store index keys ``kv`` (float32/bfloat16 ``[N, 128]``) into ``cache``.
 
     ``positions`` int32/int64 ``[N]`` (RoPE row of ``freqs_cis`` float32 ``[max_pos, 64]``), ``out_loc``
     int32/int64 ``[N]`` (``page*64 + slot``). Rows with ``out_loc < 0``, ``out_loc >> 6 >= num_pages`` or a
     position outside ``[0, max_pos)`` are skipped; nothing else in the cache changes.
+    ``lo_cache``: two-level keys (``cupy_dsa.rescore``): ``cache`` in the fp8 layout and ``lo_cache`` uint8 of
+    its shape; the same launch writes each key's fp8 row to ``cache`` (the bytes of the plain fp8 store) and
+    its int8 residual with its scale to the same slot of ``lo_cache``.
     """
     layout = _check_common(kv, cache, norm_weight, norm_bias, freqs_cis, eps, numerics, key_style, hadamard)
+    store_layout = _check_lo_cache(lo_cache, cache, layout, kv.device)
     _check_direct(kv, positions, out_loc)
     if _stored_on_host(kv, lambda: _store_reference(kv, cache, positions, out_loc, norm_weight, freqs_cis,
-                                                    norm_bias, eps, numerics, key_style, hadamard, layout)):
+                                                    norm_bias, eps, numerics, key_style, hadamard, layout,
+                                                    lo_cache)):
         return
     n = kv.shape[0]
     if out_loc.dtype == torch.int32:
         # the direct kernel's one run-time index width is that of positions; out_loc is read as int64
         out_loc = out_loc.to(torch.int64)
-    _launch((layout, numerics, key_style, hadamard, kv.dtype, "direct"), kv, as_page_rows(cache), positions, out_loc,
-            norm_weight, norm_bias, freqs_cis, n, eps, 0, positions.dtype == torch.int64)
+    _launch((store_layout, numerics, key_style, hadamard, kv.dtype, "direct"), kv, as_page_rows(cache), lo_cache,
+            positions, out_loc, norm_weight, norm_bias, freqs_cis, n, eps, 0, positions.dtype == torch.int64)
 
 
 def store_index_k_from_plan(kv, plan, *, cache, out_loc, norm_weight, freqs_cis, is_decode, compress_ratio=4,
                             norm_bias=None, eps=1e-6, numerics="exact", key_style="v4",
-                            hadamard=True) -> None:
+                            hadamard=True, lo_cache=None) -> None:
     """Plan-native store (SGLang's 16-byte plan rows, uint8 ``[N, 16]``): work item ``w`` uses kv row ``w``.
 
     Decode (DecodePlan): skip if ``seq_len % compress_ratio != 0``; ``out_loc[w]``.
     Prefill/extend (CompressPlan): skip if ``seq_len == 0xFFFFFFFF``; ``out_loc[ragged_id]`` (a ragged_id
     past ``len(out_loc)`` is skipped, never read). ``position = seq_len - compress_ratio``.
+    ``lo_cache``: two-level keys, as for :func:`store_index_k`.
     """
     layout = _check_common(kv, cache, norm_weight, norm_bias, freqs_cis, eps, numerics, key_style, hadamard)
+    store_layout = _check_lo_cache(lo_cache, cache, layout, kv.device)
     _check_plan(kv, plan, out_loc, compress_ratio, is_decode)
     if _stored_on_host(kv, lambda: _store_reference(
             kv, cache, *plan_to_direct(plan, out_loc, is_decode=is_decode, compress_ratio=compress_ratio),
-            norm_weight, freqs_cis, norm_bias, eps, numerics, key_style, hadamard, layout)):
+            norm_weight, freqs_cis, norm_bias, eps, numerics, key_style, hadamard, layout, lo_cache)):
         return
     n = kv.shape[0]
-    _launch((layout, numerics, key_style, hadamard, kv.dtype, "decode" if is_decode else "prefill"), kv,
-            as_page_rows(cache), plan, out_loc, norm_weight, norm_bias, freqs_cis, n, eps, compress_ratio,
+    _launch((store_layout, numerics, key_style, hadamard, kv.dtype, "decode" if is_decode else "prefill"), kv,
+            as_page_rows(cache), lo_cache, plan, out_loc, norm_weight, norm_bias, freqs_cis, n, eps, compress_ratio,
             out_loc.dtype == torch.int64)
 
 
@@ -256,9 +286,10 @@ def _stored_on_host(kv, reference) -> bool:
     return kv.shape[0] == 0
 
 
-def _launch(problem, kv, rows, items, out_loc, norm_weight, norm_bias, freqs_cis, n, eps, ratio, idx64):
+def _launch(problem, kv, rows, lo_cache, items, out_loc, norm_weight, norm_bias, freqs_cis, n, eps, ratio, idx64):
     cfg = STORE.select(problem, runtime.device_arch(kv.device.index))
-    cfg.launch(kv.device, ((n + TOKENS_PER_BLOCK - 1) // TOKENS_PER_BLOCK, 1, 1), kv=kv, cache=rows, items=items,
+    cfg.launch(kv.device, ((n + TOKENS_PER_BLOCK - 1) // TOKENS_PER_BLOCK, 1, 1), kv=kv, cache=rows,
+               lo_cache=lo_cache, items=items,
                out_loc=out_loc, norm_w=norm_weight, norm_b=norm_bias, freqs=freqs_cis, n=n, n_loc=out_loc.shape[0],
                num_pages=rows.shape[0], max_pos=freqs_cis.shape[0], eps=float(eps), ratio=ratio, idx64=int(idx64))
 
@@ -392,16 +423,17 @@ def fp8_quantize_reference(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def store_index_k_reference(kv, cache, *, positions, out_loc, norm_weight, freqs_cis, norm_bias=None, eps=1e-6,
-                            numerics="exact", key_style="v4", hadamard=True) -> None:
+                            numerics="exact", key_style="v4", hadamard=True, lo_cache=None) -> None:
     """Torch reference of :func:`store_index_k` (any device; same checks, same skip rules)."""
     layout = _check_common(kv, cache, norm_weight, norm_bias, freqs_cis, eps, numerics, key_style, hadamard)
+    _check_lo_cache(lo_cache, cache, layout, kv.device)
     _check_direct(kv, positions, out_loc)
     _store_reference(kv, cache, positions, out_loc, norm_weight, freqs_cis, norm_bias, eps, numerics,
-                     key_style, hadamard, layout)
+                     key_style, hadamard, layout, lo_cache)
 
 
 def _store_reference(kv, cache, positions, out_loc, norm_weight, freqs_cis, norm_bias, eps, numerics,
-                     key_style, hadamard, layout):
+                     key_style, hadamard, layout, lo_cache=None):
     rows = as_page_rows(cache)
     num_pages = rows.shape[0]
     pos = positions.to(torch.int64)
@@ -413,6 +445,10 @@ def _store_reference(kv, cache, positions, out_loc, norm_weight, freqs_cis, norm
     k = rotate_index_k_reference(kv[idx], pos[idx], norm_weight, freqs_cis, norm_bias, eps, key_style,
                                  hadamard, numerics)
     loc = loc[idx]
+    if lo_cache is not None:
+        from .rescore import store_two_level_reference   # rescore builds on this module: imported at call time
+        store_two_level_reference(k, cache, lo_cache, loc)
+        return
     page, slot = loc >> 6, loc & (PAGE_SLOTS - 1)
     if layout == "bf16":
         rows.view(torch.bfloat16).view(num_pages * PAGE_SLOTS, HEAD_DIM)[loc] = k.to(torch.bfloat16)

@@ -1,4 +1,6 @@
 // Fused index-key store: norm -> RoPE -> Hadamard -> (fp4-simulate | fp8-quantize) -> paged cache.
+// Two-level keys (Layout kLayoutFp8TwoLevel, cupy_dsa.rescore): the fp8 page as SGLang's store writes it
+// ("hi") and, in a second cache of the same geometry, the int8 residual of that fp8 row ("lo").
 //
 // One warp per compressed token (each warp takes two in turn, 16 per 256-thread block); lane l owns
 // elements 4l..4l+3 in natural order, so every stage is in-lane or a warp shuffle and every global
@@ -13,6 +15,9 @@ namespace dsa {
 enum StoreNumerics { kNumExact = 0, kNumFp4Sim = 1 };
 enum KeyStyle { kStyleV4 = 0, kStyleV32 = 1 };     // RMSNorm + interleaved tail RoPE | LayerNorm + NeoX head RoPE
 enum WorkSource { kSrcDirect = 0, kSrcDecodePlan = 1, kSrcPrefillPlan = 2 };
+// The store's third layout (common.cuh has the two page formats): SGLang's fp8 page plus the lo page.
+constexpr int kLayoutFp8TwoLevel = 2;
+constexpr int kLoMax = 127;
 
 constexpr u32 kPlanInvalid = 0xFFFFFFFFu;
 
@@ -92,6 +97,34 @@ __device__ __forceinline__ void rope_v32(float (&x)[4], const float4& f0, const 
   }
 }
 
+// ---- two-level keys: the int8 residual of an fp8 row -------------------------------------------------
+// r = x - e4m3(code) * scale (a product, then a difference); lo_scale = max|r| / 127 (true division; 1 for an
+// all-zero residual); lo = clamp(RNE(r / lo_scale), -127, 127) (true division). A row whose residual holds a
+// NaN or an infinity (a non-finite key) gets zero codes and a NaN scale. cupy_dsa.rescore's
+// residual_encode_reference states the same operations, so the lo page matches it to the bit.
+__device__ __forceinline__ u32 residual_int8_row(const float (&x)[4], u32 codes, float scale, float& lo_scale) {
+  float r[4];
+  bool finite = true;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    r[i] = __fsub_rn(x[i], __fmul_rn(e4m3_to_float(static_cast<unsigned char>(codes >> (8 * i))), scale));
+    finite = finite && is_finite_f32(r[i]);
+  }
+  const float amax = warp_max(fmaxf(fmaxf(fabsf(r[0]), fabsf(r[1])), fmaxf(fabsf(r[2]), fabsf(r[3]))));
+  if (__any_sync(0xffffffffu, !finite)) {  // fmaxf drops a NaN: decided on the flags, warp-uniform
+    lo_scale = __int_as_float(0x7fc00000);
+    return 0u;
+  }
+  lo_scale = amax > 0.f ? __fdiv_rn(amax, static_cast<float>(kLoMax)) : 1.f;
+  u32 out = 0u;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int c = min(kLoMax, max(-kLoMax, __float2int_rn(__fdiv_rn(r[i], lo_scale))));
+    out |= static_cast<u32>(c & 0xFF) << (8 * i);
+  }
+  return out;
+}
+
 // ---- store ----------------------------------------------------------------------------------------
 // Per-token work item: position and destination slot, or skip (position < 0 => skip).
 struct WorkItem {
@@ -137,10 +170,11 @@ __device__ __forceinline__ WorkItem work_item(const void* items, const void* out
 
 // One token, from its loaded kv row to the cache. Every early return is warp-uniform, so no shuffle
 // runs with a partial warp.
+// lo_cache (two-level layout only): the residual pages, the fp8 geometry, same page count as cache.
 template <int Layout, int Numerics, int Style, bool Hadamard>
 __device__ __forceinline__ void store_token(float (&x)[4], const WorkItem& wi, unsigned char* cache,
-                                            const float* norm_w, const float* norm_b, const float* freqs,
-                                            i64 num_pages, i64 max_pos, float eps, int lane) {
+                                            unsigned char* lo_cache, const float* norm_w, const float* norm_b,
+                                            const float* freqs, i64 num_pages, i64 max_pos, float eps, int lane) {
   if (wi.position < 0 || wi.position >= max_pos) return;
   constexpr int kPageBytes = Layout == kLayoutBf16 ? kBf16PageBytes : kFp8PageBytes;
   constexpr int kSlotBytes = Layout == kLayoutBf16 ? 2 * kHeadDim : kHeadDim;
@@ -164,11 +198,15 @@ __device__ __forceinline__ void store_token(float (&x)[4], const WorkItem& wi, u
     reinterpret_cast<uint2*>(cache + off)[lane] = v;
   } else {
     float scale;
-    reinterpret_cast<u32*>(cache + off)[lane] = fp8_quantize_row(x, scale);
-    if (lane == 0) {
-      const i64 page = wi.out_loc >> kPageBits;
-      const i64 slot = wi.out_loc & (kPageSlots - 1);
-      *reinterpret_cast<float*>(cache + page * kFp8PageBytes + kFp8ScaleOffset + slot * 4) = scale;
+    const u32 codes = fp8_quantize_row(x, scale);
+    reinterpret_cast<u32*>(cache + off)[lane] = codes;
+    const i64 scale_off = (wi.out_loc >> kPageBits) * kFp8PageBytes + kFp8ScaleOffset +
+                          (wi.out_loc & (kPageSlots - 1)) * 4;
+    if (lane == 0) *reinterpret_cast<float*>(cache + scale_off) = scale;
+    if (Layout == kLayoutFp8TwoLevel) {
+      float lo_scale;
+      reinterpret_cast<u32*>(lo_cache + off)[lane] = residual_int8_row(x, codes, scale, lo_scale);
+      if (lane == 0) *reinterpret_cast<float*>(lo_cache + scale_off) = lo_scale;
     }
   }
 }
@@ -177,16 +215,18 @@ __device__ __forceinline__ void store_token(float (&x)[4], const WorkItem& wi, u
 // keeps 1 KiB (fp32) of reads in flight and the work-item latency hides behind the kv latency.
 constexpr int kTokensPerWarp = 2;
 
-// kv: [n, 128] TIn; cache: uint8 page rows; items: positions [n] or plan rows [n, 16]; out_loc: [n] int64
+// kv: [n, 128] TIn; cache: uint8 page rows; lo_cache: the residual page rows (two-level layout, else unused);
+// items: positions [n] or plan rows [n, 16]; out_loc: [n] int64
 // (direct) or [n_loc] (plans); idx64: positions (direct) / plan out_loc are int64 (else int32);
 // norm_b only for V3.2; freqs: [max_pos, 64] fp32. Grid: ceil(n / (8 * kTokensPerWarp)) blocks of 256.
 template <int Layout, int Numerics, int Style, bool Hadamard, typename TIn, int Source>
 __global__ void __launch_bounds__(256) store_index_k(
-    const TIn* __restrict__ kv, unsigned char* __restrict__ cache, const void* __restrict__ items,
+    const TIn* __restrict__ kv, unsigned char* __restrict__ cache, unsigned char* __restrict__ lo_cache,
+    const void* __restrict__ items,
     const void* __restrict__ out_loc, const float* __restrict__ norm_w, const float* __restrict__ norm_b,
     const float* __restrict__ freqs, i64 n, i64 n_loc, i64 num_pages, i64 max_pos, float eps, int ratio,
     int idx64) {
-  static_assert(!(Layout == kLayoutFp8 && Numerics == kNumFp4Sim), "fp4sim needs the bf16 layout");
+  static_assert(Layout == kLayoutBf16 || Numerics != kNumFp4Sim, "fp4sim needs the bf16 layout");
   const int lane = threadIdx.x & 31;
   const i64 t0 = (static_cast<i64>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * kTokensPerWarp;
   if (t0 >= n) return;
@@ -202,8 +242,8 @@ __global__ void __launch_bounds__(256) store_index_k(
   }
 #pragma unroll
   for (int j = 0; j < kTokensPerWarp; ++j)
-    store_token<Layout, Numerics, Style, Hadamard>(x[j], wi[j], cache, norm_w, norm_b, freqs, num_pages,
-                                                   max_pos, eps, lane);
+    store_token<Layout, Numerics, Style, Hadamard>(x[j], wi[j], cache, lo_cache, norm_w, norm_b, freqs,
+                                                   num_pages, max_pos, eps, lane);
 }
 
 }  // namespace dsa

@@ -12,7 +12,7 @@ from cupy_dsa import arch as arch_limits
 from cupy_dsa import launch, runtime
 
 ARCHS = ["sm_80", "sm_89", "sm_90", "sm_100", "sm_120"]
-SOURCES = ["mqa_logits.cu", "prepare_index_q.cu", "store_index_k.cu"]
+SOURCES = ["mqa_logits.cu", "prepare_index_q.cu", "rescore_topk.cu", "store_index_k.cu"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -29,7 +29,7 @@ def test_every_source_declares_configs():
         assert set(product) == set(declared) == set(SOURCES)
         assert all(set(product[f]) <= set(declared[f]) for f in SOURCES)
     assert set(launch.families()) == {"store_index_k", "paged_mqa_logits", "paged_mqa_logits_plan", "mqa_logits",
-                                     "mqa_logits_plan", "prepare_index_q"}
+                                     "mqa_logits_plan", "prepare_index_q", "rescore_topk"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import cupy_dsa
 from cupy_dsa import layouts, rescore, store
 from cupy_dsa.layouts import PAGE_SLOTS
 
@@ -294,3 +295,454 @@ def test_bad_input_names_the_argument():
 def test_two_level_bytes_per_entry():
     assert rescore.TWO_LEVEL_BYTES_PER_TOKEN == 264
     assert rescore.TWO_LEVEL_BYTES_PER_TOKEN <= 1.05 * layouts.BF16_BYTES_PER_TOKEN
+
+
+# --------------------------------------------------------------------------------------------------
+# The ops' contracts on CPU (the references): prefill and varlen rows, the stage-2 query, stage-2 scores
+# --------------------------------------------------------------------------------------------------
+
+def _case(B=3, n=256, seed=20, outlier=20.0):
+    """Two-level caches of B requests of n keys each, their keys k [B, n, 128] and block table [B, n / 64]."""
+    kv, pos, w, freqs = _keys(B * n, outlier, seed=seed)
+    k = store.rotate_index_k_reference(kv, pos, w, freqs).view(B, n, 128)
+    hi, lo, table = _paged(k, seed=seed + 1)
+    return k, hi, lo, table
+
+
+def _k_hat(hi, lo):
+    """fp64 k_hat of every slot [P * 64, 128]."""
+    hv, hs = layouts.fp8_views(hi)
+    lv, ls = rescore.lo_views(lo)
+    return (hv.reshape(-1, 128).view(torch.float8_e4m3fn).double() * hs.reshape(-1, 1).double()
+            + lv.reshape(-1, 128).double() * ls.reshape(-1, 1).double())
+
+
+def _scores64(q2, w2, k_hat, slots):
+    """fp64 stage-2 scores [R, n] of slots [R, n] (page * 64 + slot) for q2 [R, 64, 128], w2 [R, 64]."""
+    kh = k_hat[slots]                                                      # [R, n, 128]
+    s = torch.einsum("rhd,rnd->rhn", q2.double(), kh).clamp_min(0)
+    return torch.einsum("rhn,rh->rn", s, w2.double())
+
+
+def test_default_k_prime_is_four_times_index_topk():
+    _, hi, lo, table = _case()
+    q, w = _query(3, 1, seed=21)
+    lens = torch.tensor([256, 100, 30], dtype=torch.int32)
+    a = rescore.rescore_topk_reference(q, w, hi, lo, lens, table, 16)
+    b = rescore.rescore_topk_reference(q, w, hi, lo, lens, table, 16, 64)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    c = cupy_dsa.rescore_topk(q, w, hi, lo, lens, table, 16)              # CPU tensors: the reference
+    assert all(torch.equal(x, y) for x, y in zip(a, c))
+
+
+def test_prefill_rows_equal_decode_rows_of_the_same_keys():
+    """A prefill row that sees [0, ke) of one request selects what a decode row of length ke does."""
+    _, hi, lo, table = _case(B=1, n=512, seed=22)
+    T = 6
+    q, w = _query(T, 1, seed=23)
+    ke = torch.tensor([512, 500, 31, 0, 200, 64], dtype=torch.int32)
+    pre = rescore.rescore_topk_prefill_reference(q[:, 0].contiguous(), w, hi, lo, torch.zeros_like(ke), ke, table[0],
+                                                 32, 96)
+    dec = rescore.rescore_topk_reference(q, w, hi, lo, ke[:, None].contiguous(), table.expand(T, -1).contiguous(),
+                                         32, 96)
+    assert all(torch.equal(x, y) for x, y in zip(pre, dec))
+
+
+def test_prefill_rows_see_only_ks_to_ke():
+    """Rows with ks > 0: the selection lies in [ks, ke), equals brute force there; a trivial row selects
+    ks .. ke - 1 in order."""
+    k, hi, lo, table = _case(B=1, n=512, seed=24)
+    T, K, KP = 4, 16, 40
+    q, w = _query(T, 1, seed=25)
+    ks = torch.tensor([0, 100, 300, 500], dtype=torch.int32)
+    ke = torch.tensor([512, 400, 310, 512], dtype=torch.int32)            # 310 - 300 = 10 and 12 keys: trivial
+    res = rescore.rescore_topk_prefill_reference(q[:, 0].contiguous(), w, hi, lo, ks, ke, table, K, KP)
+    dq = layouts.dequantize(hi).view(-1, 128)
+    kh = _k_hat(hi, lo).float()
+    slots = (table[0].long()[:, None] * PAGE_SLOTS + torch.arange(PAGE_SLOTS)).reshape(-1)
+    for r in range(T):
+        a, b = int(ks[r]), int(ke[r])
+        raw = res.raw_indices[r]
+        if b - a <= K:
+            assert raw[:b - a].tolist() == list(range(a, b)) and bool((raw[b - a:] == -1).all())
+            continue
+        want = {a + i for i in _brute(q[r, 0].float(), w[r], dq[slots][a:b], kh[slots][a:b], b - a, K, KP)}
+        assert set(raw.tolist()) == want
+        assert torch.equal(res.page_indices[r].long(), slots[raw.long()])
+
+
+def test_varlen_prefill_equals_one_call_per_request():
+    """cu_rows: request b's rows see its own block-table row; rows of no request select nothing."""
+    _, hi, lo, table = _case(B=3, n=256, seed=26)
+    cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32)                   # request 1 has no rows; rows 7, 8 none
+    T = 9
+    q, w = _query(T, 1, seed=27)
+    q = q[:, 0].contiguous()
+    ks = torch.tensor([0, 10, 0, 0, 0, 50, 0, 0, 0], dtype=torch.int32)
+    ke = torch.tensor([256, 200, 20, 256, 128, 256, 60, 256, 256], dtype=torch.int32)
+    res = rescore.rescore_topk_prefill_reference(q, w, hi, lo, ks, ke, table, 16, 48, cu_rows=cu)
+    for b in range(3):
+        r0, r1 = int(cu[b]), int(cu[b + 1])
+        if r1 == r0:
+            continue
+        one = rescore.rescore_topk_prefill_reference(q[r0:r1], w[r0:r1], hi, lo, ks[r0:r1], ke[r0:r1], table[b],
+                                                     16, 48)
+        assert all(torch.equal(x[r0:r1], y) for x, y in zip(res, one)), b
+    assert all(bool((x[7:] == -1).all()) for x in res)
+
+
+def test_bf16_stage2_query_uses_its_own_weights():
+    """q_rescore (bf16 of the unquantized q) with weights_rescore (no fp8 scale): the selection is brute force
+    with that query in stage 2, fp8 q in stage 1."""
+    k, hi, lo, table = _case(B=2, n=256, seed=28)
+    g = torch.Generator().manual_seed(29)
+    qf = torch.randn(2, 1, 64, 128, generator=g)
+    wf = (torch.rand(2, 64, generator=g) + 0.5) / math.sqrt(8192)
+    s = qf.abs().amax(-1).clamp_min(1e-4) / 448.0
+    q8, w8 = (qf / s[..., None]).to(torch.float8_e4m3fn), (wf * s.reshape(2, 64)).contiguous()
+    qb = qf.to(torch.bfloat16)
+    lens = torch.tensor([256, 256], dtype=torch.int32)
+    res = rescore.rescore_topk_reference(q8, w8, hi, lo, lens, table, 16, 64, q_rescore=qb, weights_rescore=wf)
+    same = rescore.rescore_topk_reference(q8, w8, hi, lo, lens, table, 16, 64, q_rescore=qb.view(2, 64, 128),
+                                          weights_rescore=wf)
+    assert all(torch.equal(x, y) for x, y in zip(res, same))
+    dq = layouts.dequantize(hi).view(-1, 128)
+    kh = _k_hat(hi, lo)
+    for b in range(2):
+        slots = (table[b].long()[:, None] * PAGE_SLOTS + torch.arange(PAGE_SLOTS)).reshape(-1)
+        s1 = _fp8_scores(q8[b, 0].float(), w8[b], dq[slots])
+        cand = torch.argsort(s1, descending=True)[:64]
+        s2 = _scores64(qb[b].float(), wf[b:b + 1], kh, slots[cand][None])[0]
+        assert set(res.raw_indices[b].tolist()) == set(cand[torch.argsort(s2, descending=True)[:16]].tolist())
+
+
+def test_candidate_scores_on_cpu():
+    """Stage 2 alone: fp32 scores of given positions as the fp64 formula; -inf for positions a row does not see
+    (negative, past its length, past the table), on an invalid page."""
+    k, hi, lo, table = _case(B=2, n=256, seed=30)
+    table = table.clone()
+    table[1, 2] = -1
+    q, w = _query(2, 2, seed=31)
+    lens = torch.tensor([256, 200], dtype=torch.int32)                    # rows see 255, 256, 199, 200
+    cand = torch.tensor([[0, 5, 254, 255, -1, 300],
+                         [7, 255, 100, 3, 2**40, 64],
+                         [0, 1, 198, 199, 128, 150],                       # 128, 150: page 2 of request 1 is -1
+                         [199, 200, 63, 64, 65, 127]])
+    got = rescore.rescore_candidate_scores(q, w, hi, lo, lens, table, cand)
+    assert got.dtype == torch.float32 and got.shape == (4, 6)
+    seen = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 1], [1, 1, 1, 0, 0, 0], [1, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(torch.isfinite(got), seen)
+    kh = _k_hat(hi, lo)
+    bt = table.long().repeat_interleave(2, 0)
+    safe = cand.clamp(0, 255)
+    slots = bt.gather(1, safe // 64).clamp_min(0) * 64 + safe % 64
+    exact = _scores64(q.view(4, 64, 128).float(), w, kh, slots)
+    scale = _scores64(q.view(4, 64, 128).float().abs(), w.abs(), kh.abs(), slots)
+    assert bool(((got.double() - exact).abs() <= 1e-5 * scale + 1e-30)[seen].all())
+
+
+def test_scores_of_keys_inverts_the_kernel_key():
+    """Stage-2 keys (the kernel's order_key: order-preserving int32 of the score, 0xFFFFFFFF - candidate) sort
+    as (score, better stage-1 rank) and give the scores back."""
+    v = torch.tensor([3.5, -2.0, 0.0, -0.0, 3.5, float("inf"), -1e-30, 1e-30, -float("inf")])
+    bits = v.view(torch.int32)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    ordered = torch.where(v == 0, torch.zeros_like(ordered), ordered)     # the kernel adds +0.0: -0 -> +0
+    c = torch.arange(len(v))
+    keys = (ordered.long() << 32) | (0xFFFFFFFF - c)
+    back = rescore.scores_of_keys(keys)
+    assert torch.equal(back, v) and not bool(torch.signbit(back[3]))
+    order = torch.sort(keys, descending=True).indices.tolist()
+    assert order == [5, 0, 4, 7, 2, 3, 6, 1, 8]                            # ties: lower candidate first
+    assert rescore.scores_of_keys(torch.tensor([rescore.INVALID_KEY])).item() == float("-inf")
+    assert rescore.INVALID_KEY < int(keys.min())
+
+
+def test_new_arguments_name_themselves():
+    _, hi, lo, table = _case(B=1, n=128, seed=32)
+    q, w = _query(1, 2, seed=33)
+    lens = torch.tensor([128], dtype=torch.int32)
+    call = rescore.rescore_topk
+    with pytest.raises(TypeError, match="^q_rescore: expected dtype"):
+        call(q, w, hi, lo, lens, table, 8, q_rescore=q.float())
+    with pytest.raises(ValueError, match=r"^q_rescore: expected shape \(1, 2, 64, 128\) or \(2, 64, 128\)"):
+        call(q, w, hi, lo, lens, table, 8, q_rescore=q[:, :1].contiguous())
+    with pytest.raises(ValueError, match="^q_rescore: expected a contiguous tensor"):
+        call(q, w, hi, lo, lens, table, 8, q_rescore=torch.zeros(1, 2, 64, 256, dtype=torch.bfloat16)[..., :128])
+    with pytest.raises(ValueError, match=r"^weights_rescore: expected shape \(2, 64\)"):
+        call(q, w, hi, lo, lens, table, 8, weights_rescore=w[:1].contiguous())
+    with pytest.raises(TypeError, match="^weights_rescore: expected dtype torch.float32"):
+        call(q, w, hi, lo, lens, table, 8, weights_rescore=w.double())
+    with pytest.raises(TypeError, match="^logits_masked: expected a bool"):
+        call(q, w, hi, lo, lens, table, 8, logits_masked=1)
+    with pytest.raises(ValueError, match="^hi_cache: expected a tensor on"):
+        call(q, w, hi.to("meta"), lo.to("meta"), lens, table, 8)
+    pre = rescore.rescore_topk_prefill
+    q1, w1 = q[0], w
+    ks = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="^block_table: two-level keys are paged"):
+        pre(q1, w1, hi, lo, ks, ks + 5, None, 8)
+    with pytest.raises(ValueError, match="^hi_cache: expected SGLang's fp8 layout"):
+        pre(q1, w1, layouts.empty_cache(2, "bf16"), lo, ks, ks + 5, table, 8)
+    with pytest.raises(ValueError, match=r"^stage1_logits: expected shape \[2, width\]"):
+        pre(q1, w1, hi, lo, ks, ks + 5, table, 8, stage1_logits=torch.zeros(3, 128))
+    with pytest.raises(ValueError, match=r"^q_rescore: expected shape \(2, 64, 128\)"):
+        pre(q1, w1, hi, lo, ks, ks + 5, table, 8, q_rescore=q)
+    with pytest.raises(ValueError, match="^cu_rows: expected non-decreasing"):
+        pre(q1, w1, hi, lo, ks, ks + 5, table.expand(2, -1).contiguous(), 8,
+            cu_rows=torch.tensor([0, 2, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"^candidates: expected shape \[2, K'\]"):
+        rescore.rescore_candidate_scores(q, w, hi, lo, lens, table, torch.zeros(3, 4, dtype=torch.long))
+    with pytest.raises(TypeError, match="^candidates: expected dtype"):
+        rescore.rescore_candidate_scores(q, w, hi, lo, lens, table, torch.zeros(2, 4))
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: the kernels against the references and an fp64 formulation
+# --------------------------------------------------------------------------------------------------
+
+def _query_pair(B, next_n, seed):
+    """SGLang's stage-1 query (fp8, its per-(row, head) scale folded into the weights) and the bf16 query and
+    weights it came from (weights of both signs, as weights_proj gives)."""
+    g = torch.Generator().manual_seed(seed)
+    qf = torch.randn(B, next_n, 64, 128, generator=g)
+    wf = (torch.randn(B * next_n, 64, generator=g) / math.sqrt(8192)).contiguous()
+    s = qf.abs().amax(-1).clamp_min(1e-4) / 448.0
+    q8 = (qf / s[..., None]).to(torch.float8_e4m3fn).contiguous()
+    return q8, (wf * s.reshape(B * next_n, 64)).contiguous(), qf.to(torch.bfloat16).contiguous(), wf
+
+
+def _gpu_case(B, n, seed):
+    """_case with two block-table entries that are not pages of the caches (-1, and one past them)."""
+    k, hi, lo, table = _case(B, n, seed=seed % 100000)
+    table = table.clone()
+    table[1 % B, min(2, table.shape[1] - 1)] = -1
+    table[-1, -1] = hi.shape[0] + 7
+    return k, hi, lo, table
+
+
+def _cuda(*ts):
+    return [t.cuda() if isinstance(t, torch.Tensor) else t for t in ts]
+
+
+def _check_selection(got, ref, s1, q2, w2, hi, lo, table_rows, lo_r, hi_r, K, KP):
+    """The device selection against the reference's (same stage-1 logits s1 [R, >= width], CPU tensors):
+    rows that see <= K keys equal it exactly; any other row's selection is a top-K of the row's K' stage-1
+    candidates by the fp64 stage-2 score up to fp32 rounding (tol), in that order, with the candidates' stage-1
+    ranks and SGLang's page indices, and equals the reference's wherever the K-th and K+1-th fp64 scores are
+    further apart than the rounding."""
+    got = [t.cpu() for t in got]
+    kh = _k_hat(hi, lo)
+    P = hi.shape[0]
+    for r in range(q2.shape[0]):
+        a, b = int(lo_r[r]), int(hi_r[r])
+        if b - a <= K:
+            assert all(torch.equal(x[r], y[r]) for x, y in zip(got, ref)), (r, got[1][r], ref[1][r])
+            continue
+        row = s1[r, a:b].double()
+        order = a + torch.sort(row, descending=True, stable=True).indices[:KP]      # stage-1 order, ties: position
+        entries = table_rows[r].long()[order // PAGE_SLOTS]
+        ok = (entries >= 0) & (entries < P)
+        cand, rank_of = order[ok], {int(p): i for i, p in enumerate(order.tolist())}
+        slots = entries[ok] * PAGE_SLOTS + cand % PAGE_SLOTS
+        s64 = _scores64(q2[r:r + 1], w2[r:r + 1], kh, slots[None])[0]
+        tol = 3e-5 * float(_scores64(q2[r:r + 1].abs(), w2[r:r + 1].abs(), kh.abs(), slots[None])[0].max())
+        score = dict(zip(cand.tolist(), s64.tolist()))
+        raw = got[1][r]
+        sel = raw[raw >= 0].tolist()
+        assert len(sel) == min(K, len(score)) and bool((raw[len(sel):] == -1).all()), r
+        assert set(sel) <= set(score), f"row {r}: selected a key that is not a valid candidate"
+        s_sel = [score[p] for p in sel]
+        rest = [v for p, v in score.items() if p not in set(sel)]
+        assert not rest or min(s_sel) >= max(rest) - tol, f"row {r}: not a top-{K} of its candidates"
+        assert all(x >= y - tol for x, y in zip(s_sel, s_sel[1:])), f"row {r}: not in stage-2 order"
+        assert got[2][r][:len(sel)].tolist() == [rank_of[p] for p in sel]
+        want_pages = [int(table_rows[r, p // PAGE_SLOTS]) * PAGE_SLOTS + p % PAGE_SLOTS for p in sel]
+        assert got[0][r][:len(sel)].tolist() == want_pages
+        ranked = sorted(score.values(), reverse=True)
+        if len(ranked) <= K or ranked[K - 1] - ranked[K] > 2 * tol:
+            ref_sel = ref[1][r][ref[1][r] >= 0].tolist()
+            assert set(sel) == set(ref_sel), f"row {r}: differs from the reference away from near-ties"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.bfloat16])
+@pytest.mark.parametrize("next_n", [1, 2, 4])
+def test_gpu_candidate_scores_vs_fp64(seed, q_dtype, next_n):
+    """Stage 2 alone on random candidates (negative, past a row's length, past the table, on invalid pages):
+    -inf exactly where the reference has it, and the fp64 score within fp32 accumulation elsewhere."""
+    B, n, KP = 3, 512, 700
+    _, hi, lo, table = _gpu_case(B, n, seed)
+    q8, w8, qb, wf = _query_pair(B, next_n, seed)
+    q, w = (q8, w8) if q_dtype == torch.float8_e4m3fn else (qb, wf)
+    lens = torch.tensor([512, 300, 77], dtype=torch.int32)
+    R = B * next_n
+    cand = torch.randint(-5, 600, (R, KP), generator=torch.Generator().manual_seed(seed))
+    got = rescore.rescore_candidate_scores(*_cuda(q, w, hi, lo, lens, table, cand)).cpu()
+    ref = rescore.rescore_candidate_scores(q, w, hi, lo, lens, table, cand)
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(got), finite), f"seed {seed}: -inf differs from the reference"
+    assert bool(finite.any()) and bool((~finite).any())
+    bt = table.long().repeat_interleave(next_n, 0)
+    safe = cand.clamp(0, n - 1)
+    slots = bt.gather(1, safe // PAGE_SLOTS).clamp(0, hi.shape[0] - 1) * PAGE_SLOTS + safe % PAGE_SLOTS
+    kh = _k_hat(hi, lo)
+    q2 = q.view(R, 64, 128).float()
+    exact = _scores64(q2, w, kh, slots)
+    scale = _scores64(q2.abs(), w.abs(), kh.abs(), slots)
+    err = ((got.double() - exact).abs() / (scale + 1e-30))[finite]
+    assert float(err.max()) < 2e-5, f"seed {seed}: stage-2 score error {float(err.max()):.3g} of the abs scale"
+    again = rescore.rescore_candidate_scores(*_cuda(q, w, hi, lo, lens, table, cand)).cpu()
+    assert torch.equal(again, got), f"seed {seed}: rerun differs"
+
+
+def _decode_lens(B, next_n, n, two_d, seed):
+    """Mixed lengths: a full request, rows shorter than index_topk (64), empty rows, some between K and K'."""
+    if two_d:
+        g = torch.Generator().manual_seed(seed)
+        lens = torch.randint(0, n + 1, (B, next_n), generator=g, dtype=torch.int32)
+        lens[0] = n
+        lens[1, 0] = 40
+        lens[-1, -1] = 0
+        return lens
+    return torch.tensor([n, 40, 200, 2][:B], dtype=torch.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("next_n", [1, 2, 3, 4])
+@pytest.mark.parametrize("lens_2d", [False, True])
+@pytest.mark.parametrize("stage2", ["stage-1 q", "bf16 q"])
+def test_gpu_rescore_topk_vs_reference(seed, next_n, lens_2d, stage2):
+    """Decode / verify: the op with its own stage 1 equals the op given the same logits; both agree with the
+    reference on those logits (exactly for rows that see <= index_topk keys, up to stage-2 near-ties else)."""
+    B, n, K, KP = 4, 1024, 64, 256
+    _, hi, lo, table = _gpu_case(B, n, seed)
+    q8, w8, qb, wf = _query_pair(B, next_n, seed)
+    lens = _decode_lens(B, next_n, n, lens_2d, seed)
+    kw = dict(q_rescore=qb, weights_rescore=wf) if stage2 == "bf16 q" else {}
+    d = _cuda(q8, w8, hi, lo, lens, table)
+    dkw = {k_: v.cuda() for k_, v in kw.items()}
+    s1 = cupy_dsa.paged_mqa_logits(d[0], d[2], d[1], d[4], d[5], n, clean_logits=True)
+    got = rescore.rescore_topk(*d, K, KP, **dkw)
+    given = rescore.rescore_topk(*d, K, KP, stage1_logits=s1, logits_masked=True, **dkw)
+    assert all(torch.equal(x, y) for x, y in zip(got, given)), f"seed {seed}: own stage 1 != given logits"
+    assert all(t.dtype == torch.int32 and tuple(t.shape) == (B * next_n, K) for t in got)
+    s1 = s1.cpu()
+    ref = rescore.rescore_topk_reference(q8, w8, hi, lo, lens, table, K, KP, stage1_logits=s1, **kw)
+    lo_r, hi_r = rescore._decode_rows_reference(lens, B, next_n, n)
+    q2, w2 = (qb, wf) if kw else (q8, w8)
+    _check_selection(got, ref, s1, q2.view(-1, 64, 128).float(), w2, hi, lo, table.repeat_interleave(next_n, 0),
+                     lo_r, hi_r, K, KP)
+    again = rescore.rescore_topk(*d, K, KP, **dkw)
+    assert all(torch.equal(x, y) for x, y in zip(got, again)), f"seed {seed}: rerun differs"
+
+
+@pytest.mark.gpu
+def test_gpu_rescore_topk_bf16_stage1_and_small_tables(seed):
+    """A bf16 stage-1 q; K' past the table's width (clamped); index_topk past every row (all trivial)."""
+    B, n = 2, 128
+    _, hi, lo, table = _gpu_case(B, n, seed)
+    _, _, qb, wf = _query_pair(B, 1, seed)
+    lens = torch.tensor([128, 100], dtype=torch.int32)
+    d = _cuda(qb, wf, hi, lo, lens, table)
+    for K, KP in ((16, 1000), (200, 300)):
+        s1 = cupy_dsa.paged_mqa_logits(d[0], d[2], d[1], d[4], d[5], n, clean_logits=True)
+        got = rescore.rescore_topk(*d, K, KP)
+        ref = rescore.rescore_topk_reference(qb, wf, hi, lo, lens, table, K, KP, stage1_logits=s1.cpu())
+        lo_r, hi_r = rescore._decode_rows_reference(lens, B, 1, n)
+        _check_selection(got, ref, s1.cpu(), qb.view(-1, 64, 128).float(), wf, hi, lo, table, lo_r, hi_r, K,
+                         min(KP, n))
+
+
+@pytest.mark.gpu
+def test_gpu_given_logits_with_junk_past_the_lengths(seed):
+    """Caller logits (e.g. DeepGEMM's without clean_logits) may hold anything past a row's length and past the
+    width: the masking pass makes the result that of clean logits."""
+    B, next_n, n, K, KP = 3, 2, 512, 32, 96
+    _, hi, lo, table = _gpu_case(B, n, seed)
+    q8, w8, _, _ = _query_pair(B, next_n, seed)
+    lens = torch.tensor([512, 150, 30], dtype=torch.int32)
+    d = _cuda(q8, w8, hi, lo, lens, table)
+    clean = cupy_dsa.paged_mqa_logits(d[0], d[2], d[1], d[4], d[5], n, clean_logits=True)
+    lo_r, hi_r = rescore._decode_rows_reference(lens, B, next_n, n)
+    junk = torch.full((B * next_n, n + 40), float("nan"), device="cuda")
+    junk[:, :n] = clean
+    cols = torch.arange(n + 40, device="cuda")[None, :]
+    past = cols >= hi_r.cuda()[:, None]
+    junk[past & (cols % 3 == 0)] = float("inf")
+    junk[past & (cols % 3 == 1)] = 1e30
+    want = rescore.rescore_topk(*d, K, KP, stage1_logits=clean, logits_masked=True)
+    got = rescore.rescore_topk(*d, K, KP, stage1_logits=junk)
+    assert all(torch.equal(x, y) for x, y in zip(got, want)), f"seed {seed}: junk past the lengths was read"
+
+
+def _prefill_case(seed, varlen):
+    """Prefill rows of one request (causal-like ks = 0 and ke growing, plus rows with ks > 0) or, varlen, of
+    three requests (one without rows) and two rows of no request."""
+    B, n = (3, 512) if varlen else (1, 1024)
+    _, hi, lo, table = _gpu_case(B, n, seed)
+    T = 12
+    q8, w8, _, _ = _query_pair(T, 1, seed)
+    ke = torch.tensor([n, n - 3, 600, 40, 64, 65, 300, 512, 0, 200, n, 77], dtype=torch.int32).clamp(max=n)
+    ks = torch.tensor([0, 0, 100, 0, 0, 0, 250, 500, 0, 10, 0, 0], dtype=torch.int32)
+    cu = torch.tensor([0, 5, 5, 10], dtype=torch.int32) if varlen else None
+    return q8[:, 0].contiguous(), w8, hi, lo, ks, ke, (table if varlen else table[0]), cu
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gpu_rescore_topk_prefill_vs_reference(seed, varlen):
+    K, KP = 64, 256
+    q, w, hi, lo, ks, ke, bt, cu = _prefill_case(seed, varlen)
+    d = _cuda(q, w, hi, lo, ks, ke, bt)
+    dcu = None if cu is None else cu.cuda()
+    s1 = cupy_dsa.mqa_logits(d[0], d[2], d[1], d[4], d[5], block_table=d[6], cu_rows=dcu, clean_logits=True)
+    got = rescore.rescore_topk_prefill(*d, K, KP, cu_rows=dcu)
+    given = rescore.rescore_topk_prefill(*d, K, KP, cu_rows=dcu, stage1_logits=s1, logits_masked=True)
+    assert all(torch.equal(x, y) for x, y in zip(got, given)), f"seed {seed}: own stage 1 != given logits"
+    s1 = s1.cpu()
+    ref = rescore.rescore_topk_prefill_reference(q, w, hi, lo, ks, ke, bt, K, KP, cu_rows=cu, stage1_logits=s1)
+    width = (bt.shape[-1]) * PAGE_SLOTS
+    lo_r, hi_r, rows = rescore._prefill_rows_reference(ks, ke, bt, cu, width, q.shape[0], q.device)
+    _check_selection(got, ref, s1, q.float(), w, hi, lo, rows, lo_r, hi_r, K, KP)
+    if varlen:
+        assert all(bool((t.cpu()[10:] == -1).all()) for t in got)             # rows of no request
+    again = rescore.rescore_topk_prefill(*d, K, KP, cu_rows=dcu)
+    assert all(torch.equal(x, y) for x, y in zip(got, again)), f"seed {seed}: rerun differs"
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_and_replay(seed):
+    """Captured once (plan, stage 1, candidates, stage 2, selection), replayed on new queries, new keys and new
+    lengths: bitwise equal to eager calls on the same inputs."""
+    B, next_n, n, K, KP = 4, 2, 1024, 64, 256
+    _, hi, lo, table = _gpu_case(B, n, seed)
+    q8, w8, _, _ = _query_pair(B, next_n, seed)
+    lens = torch.tensor([1024, 40, 700, 65], dtype=torch.int32)
+    q_s, w_s, hi_s, lo_s, lens_s, bt_s = _cuda(q8, w8, hi, lo, lens, table)
+    plan_s = torch.empty(B + 1, dtype=torch.int64, device="cuda")
+
+    def step():
+        plan = cupy_dsa.paged_mqa_logits_plan(lens_s, next_n, out=plan_s)
+        return rescore.rescore_topk(q_s, w_s, hi_s, lo_s, lens_s, bt_s, K, KP, plan=plan)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for trial in range(3):
+        _, hi2, lo2, table2 = _gpu_case(B, n, seed + 1 + trial)
+        q2, w2, _, _ = _query_pair(B, next_n, seed + 1 + trial)
+        lens2 = torch.tensor([[5, 1024, 300, 64], [1024, 1000, 0, 129], [64, 65, 1024, 2]][trial], dtype=torch.int32)
+        for s, v in ((q_s, q2), (w_s, w2), (hi_s, hi2), (lo_s, lo2), (lens_s, lens2), (bt_s, table2)):
+            s.copy_(v)
+        graph.replay()
+        eager = step()
+        torch.cuda.synchronize()
+        assert all(torch.equal(x, y) for x, y in zip(out, eager)), f"seed {seed}: replay {trial} != eager"
+        assert bool((out.raw_indices[0, :5] == torch.arange(5, device="cuda")).all()) if trial == 0 else True
