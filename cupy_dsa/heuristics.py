@@ -128,9 +128,17 @@ _LAYOUT_KEY_FP8 = {"bf16": 0, "fp8": 1, "contiguous": 0}
 # next_n 2: (2, 3, 1) 170 / 131 / 41.7 / 7.0; (3, 2, 1) 187 / 154 / 46.1 / 6.7; mma.sync 199 / 152 / 50.9 / 9.5.
 # next_n 3: (2, 2, 3) 263 / 214 / 62.6 / 8.4; (3, 2, 3) 268 / 218 / 64.4 / 8.4; mma.sync 275 / 212 / 66.4 / 11.1.
 # next_n 4: (2, 2, 2) 279 / 237 / 69.5 / 9.6; (2, 2, 4) 323 / 263 / 78.2 / 9.9; mma.sync 377 / 285 / 91.4 / 14.1.
-# Verify (next_n 2-4) with two key groups per CTA sharing the staged q (KeyGroups 2): next_n -> (stages per
-# group, CTAs per SM, chunks, key groups, turns).
-_SM90_CONFIG = {1: (3, 3, 1, 1, 0), 2: (2, 2, 1, 2, 1), 3: (2, 1, 1, 2, 1), 4: (2, 1, 1, 2, 1)}
+# Verify (next_n 2-4): two key groups per CTA share the staged q (KeyGroups 2) and take a segment's pages
+# alternately, free-running (Turns 0) or taking turns at the tensor cores (Turns 1). next_n -> (stages per group,
+# CTAs per SM, chunks, key groups, turns). H200, 2026-12-02, lengths 2-D as C4 verify rows, rotating buffers, us
+# at 64 x 32K / 128 x 8K / 48 long-tail (median 64K) / 256 x 2K, two runs (a second figure is the second run's):
+# next_n 2: one group (2, 3, 1, 1, 0) 170 / 92 / 354 / 53; (2, 2, 1, 2, 1) 165 / 85 / 342-344 / 48-49;
+#           (2, 2, 1, 2, 0) 163 / 87 / 339 / 49; 3-4 stages, 1 CTA: 180-192 / 97-103 / 376-400 / 57-61.
+# next_n 3: one group (2, 2, 3, 1, 0) 258 / 141 / 530 / 78; (2, 1, 1, 2, 1) 224-228 / 117-121 / 446-464 / 69;
+#           (2, 1, 1, 2, 0) 215 / 116 / 462 / 69; 3-4 stages 229-237 / 117-126 / 466-486 / 71-74; chunks 3: 258.
+# next_n 4: one group (2, 2, 2, 1, 0) 290 / 156 / 585 / 87; (2, 1, 1, 2, 1) 274-288 / 139-141 / 562-570 / 82-85;
+#           (2, 1, 1, 2, 0) 273 / 150 / 599 / 88; (3, 1, 1, 2, 1) 273 / 143 / 564 / 83; chunks 2 / 4: 288 / 320.
+_SM90_CONFIG = {1: (3, 3, 1, 1, 0), 2: (2, 2, 1, 2, 0), 3: (2, 1, 1, 2, 0), 4: (2, 1, 1, 2, 1)}
 _SM90_SMEM_PER_SM = 227 * 1024   # sm_90's shared memory per SM for CTAs (1 KiB of it is reserved per CTA)
 
 
