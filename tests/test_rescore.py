@@ -430,7 +430,8 @@ def test_candidate_scores_on_cpu():
                          [199, 200, 63, 64, 65, 127]])
     got = rescore.rescore_candidate_scores(q, w, hi, lo, lens, table, cand)
     assert got.dtype == torch.float32 and got.shape == (4, 6)
-    seen = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 1], [1, 1, 1, 0, 0, 0], [1, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    seen = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 1], [1, 1, 1, 0, 0, 0], [1, 0, 1, 1, 1, 1]],
+                        dtype=torch.bool)
     assert torch.equal(torch.isfinite(got), seen)
     kh = _k_hat(hi, lo)
     bt = table.long().repeat_interleave(2, 0)
