@@ -137,7 +137,8 @@ def bench(ctx, **opts):
         _run(ctx, SECTIONS_ALL, _merged_top(opts))
 
 
-OWN_OPTIONS = ("serve", "variants", "resources", "report")  # subcommands that take none of bench's options
+# subcommands that take none of bench's options
+OWN_OPTIONS = ("serve", "variants", "rescore", "resources", "report")
 
 
 def _refuse_group_options(ctx: click.Context, sub: str) -> None:
@@ -385,6 +386,35 @@ def variants_cmd(device, quick, seed, emulate_arch, json_path, markdown_path):
     report.print_fitted(_console(), table, keys=2)
     if json_path:
         _write_text(json_path, json.dumps({"device": _device_name(dev), "rows": rows}, indent=1))
+
+
+@bench.command(name="rescore")
+@click.option("--device", default=None, metavar="DEV", help="CUDA device, e.g. cuda:1 (default: the current one).")
+@click.option("--quick", is_flag=True, default=False, help="one case (8 requests of 64K tokens).")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="random seed, 0 to 2^32 - 1.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
+              callback=_writable_output, help="write the rows as JSON.")
+def rescore_cmd(device, quick, seed, json_path):
+    """Time the exact top-k of two-level keys (fp8-rescore: fp8 logits, K' = 4 x 512 candidates rescored from
+    the fp8 and int8-residual pages) against the top-k of bf16 keys and of fp8 keys (logits + torch.topk), in
+    decode, on the same keys. Needs a CUDA GPU."""
+    from rich.table import Table
+
+    from . import report
+    from . import rescore as rescore_bench
+
+    dev, _ = _resolve_device("cuda", device, has_backend_option=False)
+    rows = rescore_bench.rows(dev, quick, seed)
+    table = Table(title=f"decode top-k {rescore_bench.INDEX_TOPK} on {_device_name(dev)} (us; x bf16)")
+    for col in ("B", "tokens") + rescore_bench.COLUMNS:
+        table.add_column(col)
+    for r in rows:
+        table.add_row(str(r["B"]), f"{r['tokens'] // 1024}K",
+                      *(f"{r['us'][c]:.1f} ({r['vs_bf16'][c]:.2f})" for c in rescore_bench.COLUMNS))
+    report.print_fitted(_console(), table, keys=2)
+    if json_path:
+        _write_text(json_path, json.dumps({"device": _device_name(dev), "quick": quick, "seed": seed, "rows": rows,
+                                           "note": rescore_bench.__doc__}, indent=1) + "\n")
 
 
 def _archs_option(ctx, param, values):

@@ -1,9 +1,17 @@
-"""Two-level index keys (``fp8-rescore``): the CPU reference of an fp8 candidate pass and an exact rescoring.
+"""Two-level index keys (``fp8-rescore``): an fp8 candidate pass and an exact rescoring, the exact top-k at about
+fp8's cost.
 
 Stage 1 scores every key from SGLang's fp8 keys (the "hi" page, byte-identical to the fp8 store) and keeps each
 row's top ``k_prime`` candidates; stage 2 rescores only those from ``hi + lo`` (the "lo" page holds the residual
-``k - dequant(hi)``) and selects the row's top ``index_topk`` from those scores. Torch references only (the test
-oracle and the design's measurement); the kernels come later.
+``k - dequant(hi)``) and selects the row's top ``index_topk`` from those scores.
+
+Ops: :func:`rescore_topk` (decode / MTP verify, the contract of ``paged_mqa_logits``) and
+:func:`rescore_topk_prefill` (prefill / varlen extend, the paged contract of ``mqa_logits``): stage 1 from
+cupy_dsa's fp8 logits (or logits the caller computed), the candidates by ``torch.topk``, stage 2 and the
+selection by ``kernels/rescore_topk.cu``; no host sync, no data-dependent shape (CUDA-graph safe), bitwise
+reruns; CPU tensors run the torch references (:func:`rescore_topk_reference`, :func:`rescore_topk_prefill_reference`,
+the test oracle and the design's measurement). :func:`rescore_candidate_scores` is stage 2 alone. The fused store
+writes both pages in one launch (``store_index_k(..., lo_cache=)``).
 
 Residual encoding (the "lo" page): **int8 with its own per-token fp32 scale**, in the fp8 page geometry
 (``uint8 [P, 8448]``: 64 x 128 int8 codes, then 64 little-endian fp32 scales at byte 8192), so one index entry
@@ -51,7 +59,11 @@ Selection (:func:`rescore_topk_reference`): stage 1 ranks a row's visible keys b
 (``paged_mqa_logits_reference`` on the hi cache: ``k_scale * sum_h relu(q_h . k_fp8) * w_h``), ties broken by
 the lower position; the first ``k_prime`` are the candidates. Stage 2 scores them ``sum_h relu(q_h . k_hat) *
 w_h`` in fp32 and keeps the first ``index_topk`` by that score, ties broken by the better stage-1 rank. A row that
-sees ``len <= index_topk`` keys selects ``0..len-1`` without reading scores, as SGLang's top-k does.
+sees ``len <= index_topk`` keys selects ``0..len-1`` without reading scores, as SGLang's top-k does (its fp8
+ranks are counted over the row's visible keys). The kernel sums ``q . k_hat`` as ``hi_scale * (q . hi) + lo_scale
+* (q . lo)`` (exact products, fp32 accumulation on bf16 tensor cores): on the same stage-1 logits the device
+selection is the reference's except where two candidates' scores lie within fp32 rounding of each other, and
+its candidates tied with the K'-th stage-1 logit are torch.topk's pick.
 """
 
 from __future__ import annotations

@@ -11,9 +11,8 @@ Layouts (``cupy_dsa.layouts``): ``uint8 [P, 16384]`` -> bf16 (256 B/token), ``ui
 (SGLang's 132 B/token); two-level keys (``cupy_dsa.rescore``): an fp8 cache plus ``lo_cache`` (uint8, the same
 shape), which receives in the same launch the int8 residual of each fp8 row (the kernel's third layout). Key
 styles: ``"v4"`` (RMSNorm, interleaved RoPE on the trailing 64 dims) and ``"v32"`` (LayerNorm with bias, NeoX
-RoPE on the leading 64 dims). Numerics: ``"exact"`` (RNE of the fp32
-key) and ``"fp4sim"`` (DeepSeek-V4's QAT: e2m1 with a power-of-two scale per 32 elements, stored as bf16;
-bf16 layout only).
+RoPE on the leading 64 dims). Numerics: ``"exact"`` (RNE of the fp32 key) and ``"fp4sim"`` (DeepSeek-V4's
+QAT: e2m1 with a power-of-two scale per 32 elements, stored as bf16; bf16 layout only).
 
 CPU tensors run the torch reference; CUDA tensors launch the kernel on torch's current stream.
 """

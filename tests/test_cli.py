@@ -590,6 +590,30 @@ def test_variants_gpu_quick(tmp_path):
                                                      r.get("q")) for r in rows})
 
 
+def test_rescore_needs_a_gpu(monkeypatch):
+    """`bench rescore` times CUDA kernels: without a GPU it says so (exit code 2, no traceback); bench's own
+    options before it are refused."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    res = _invoke(["bench", "rescore", "--quick"])
+    assert res.exit_code == 2 and "needs a GPU" in res.output and "Traceback" not in res.output, res.output
+    res = _invoke(["bench", "--quick", "rescore"])
+    assert res.exit_code == 2 and "not to `bench rescore`" in res.output, res.output
+
+
+@pytest.mark.gpu
+def test_rescore_gpu_quick(tmp_path):
+    """One case: every column timed, the byte counts of the formats, the JSON written."""
+    j = tmp_path / "r.json"
+    res = _invoke(["bench", "rescore", "--quick", "--json", str(j)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(j.read_text())["rows"]
+    assert len(rows) == 1 and set(rows[0]["us"]) == {"bf16", "fp8", "fp8-rescore", "rescore stages"}
+    assert all(v > 0 for v in rows[0]["us"].values())
+    assert rows[0]["bytes"]["fp8-rescore"] < rows[0]["bytes"]["bf16"]
+
+
 # --------------------------------------------------------------------------------------------------
 # bench serve (CPU: the memory figures; the timings need a GPU)
 # --------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from needle_server import FakeServer
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
-GPU_ONLY = {"variants": "needs a GPU"}
+GPU_ONLY = {"variants": "needs a GPU", "rescore": "needs a GPU"}
 
 
 def readme_command_lines() -> list[str]:
