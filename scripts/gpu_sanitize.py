@@ -1,4 +1,5 @@
-"""Small launches of every kernel family for compute-sanitizer (run by scripts/run_gpu_suite.sh).
+"""Small launches of every kernel family for compute-sanitizer (run by scripts/run_gpu_suite.sh; `logits` or
+`rescore` as the argument: those kernels only).
 
 Shapes are small (the sanitizer slows kernels down 10-100x) but cover every template axis and the
 out-of-range cases: negative / past-the-end out_loc, positions past the RoPE table, block-table entries
@@ -141,6 +142,48 @@ def run_logits():
     return run_decode() + run_prefill()
 
 
+def run_rescore():
+    """fp8-rescore: the two-level store (out_loc out of range) and both top-k ops (stage 1 from our fp8
+    logits and from caller logits, stage 2, selection) with block-table entries outside [0, P), zero and
+    short rows, next_n 1-4 with 1-D and 2-D lengths, prefill and varlen rows."""
+    from cupy_dsa import rescore
+
+    n = 0
+    hi = cupy_dsa.empty_cache(P, "fp8", device=dev)
+    lo = rescore.empty_lo_cache(P, device=dev)
+    N = 77
+    kv = torch.randn(N, 128, device=dev)
+    out_loc = torch.randint(-70, P * 64 + 70, (N,), device=dev)
+    positions = torch.randint(0, max_pos, (N,), device=dev)
+    cupy_dsa.store_index_k(kv, hi, positions=positions, out_loc=out_loc, norm_weight=torch.rand(128, device=dev),
+                           freqs_cis=torch.randn(max_pos, 64, device=dev), lo_cache=lo)
+    n += 1
+    K, KP, max_pages = 16, 64, 5
+    for next_n in (1, 2, 3, 4):
+        B = 7
+        q = torch.randn(B, next_n, 64, 128, device=dev).to(torch.float8_e4m3fn)
+        w = torch.rand(B * next_n, 64, device=dev)
+        lens = torch.tensor([0, 77, 5 * 64 + 9, 3, 0, 200, 64], dtype=torch.int32, device=dev)
+        lens2 = (lens[:, None] - torch.arange(next_n, device=dev)[None, :]).to(torch.int32).contiguous()
+        bt = torch.randint(-2, P + 3, (B, max_pages), dtype=torch.int32, device=dev)
+        for ctx in (lens, lens2):
+            rescore.rescore_topk(q, w, hi, lo, ctx, bt, K, KP)
+            logits_in = torch.randn(B * next_n, max_pages * 64, device=dev)
+            rescore.rescore_topk(q, w, hi, lo, ctx, bt, K, KP, stage1_logits=logits_in)
+            n += 2
+    T = 37
+    q = torch.randn(T, 64, 128, device=dev).to(torch.float8_e4m3fn)
+    w = torch.rand(T, 64, device=dev)
+    ks = torch.randint(0, 50, (T,), dtype=torch.int32, device=dev)
+    ke = (ks + torch.randint(0, 200, (T,), dtype=torch.int32, device=dev)).clamp(max=4 * 64)
+    bt = torch.randint(-1, P + 1, (4,), dtype=torch.int32, device=dev)
+    rescore.rescore_topk_prefill(q, w, hi, lo, ks, ke, bt, K, KP)
+    bt2 = torch.randint(-1, P + 1, (4, 4), dtype=torch.int32, device=dev)
+    cu = torch.tensor([0, 9, 9, 10, 37], dtype=torch.int32, device=dev)
+    rescore.rescore_topk_prefill(q, w, hi, lo, ks, ke, bt2, K, KP, cu_rows=cu)
+    return n + 2
+
+
 if __name__ == "__main__":
     import sys
 
@@ -151,8 +194,11 @@ if __name__ == "__main__":
     print("instantiations warmed:", cupy_dsa.warm_up(dev))
     if sys.argv[1:] == ["logits"]:     # racecheck / initcheck: the decode kernels, the plan and prefill
         print("logits launches:", run_logits())
+    elif sys.argv[1:] == ["rescore"]:
+        print("rescore launches:", run_rescore())
     else:
         print("store launches:", run_store())
         print("logits launches:", run_logits())
+        print("rescore launches:", run_rescore())
     torch.cuda.synchronize()
     print("gpu_sanitize: done")
