@@ -4,9 +4,11 @@ Entry point ``cupy_dsa = cupy_dsa.sglang.plugin:register`` in group ``sglang.srt
 :func:`register` in every process that runs ``load_plugins()`` (launcher, each scheduler, DP controller,
 detokenizer). The switch is ``SGLANG_CUPY_DSA_INDEX_K`` (``fp8`` = SGLang unchanged, the default;
 ``bf16``; ``bf16-fp4sim``; ``bf16-reference``; ``fp8-cupy``: SGLang's 132-byte fp8 keys, the same bytes and pool
-memory, written by cupy_dsa's store and scored by cupy_dsa's kernels), or the server flag
+memory, written by cupy_dsa's store and scored by cupy_dsa's kernels; ``fp8-rescore``: those fp8 keys plus a
+132-byte int8 residual page per entry, each row's top-k rescored among its K' best fp8 logits), or the server flag
 ``--cupy-dsa-index-k-dtype`` (also a ``--config`` YAML key), which sets the variable in the launcher before the
-schedulers are spawned.
+schedulers are spawned. fp8-rescore's settings have flags and variables of their own (``--cupy-dsa-rescore-stage1``
+/ ``SGLANG_CUPY_DSA_RESCORE_STAGE1``, ``--cupy-dsa-rescore-kprime`` / ``SGLANG_CUPY_DSA_RESCORE_KPRIME``).
 
 Start-up is all or nothing. With the switch on, :func:`register` first checks that the installed SGLang is
 one the hooks were written for (:data:`~cupy_dsa.sglang.guard.SUPPORTED_SGLANG` and
@@ -28,18 +30,24 @@ read once per process), each delegating to SGLang's original when it is off:
 
 * H1 AROUND ``get_dsv4_indexer_bytes_per_token``: 256 B/token for the non-FP4 pool in the bf16 modes, which
   sizes both the allocation and the KV memory budget (the hook registry re-points ``pool_configurator``'s
-  imported name); SGLang's 132 B/token in fp8-cupy;
+  imported name); SGLang's 132 B/token in fp8-cupy; 264 B/token in fp8-rescore (both pages; SGLang's own buffer is
+  still allocated with its 132-byte rows, see the pool hooks below);
 * H2 AROUND ``compress_norm_rope_store``: a store into the mode's index cache (uint8 rows of 16384 bytes, or
   SGLang's 8448-byte fp8 rows in fp8-cupy) goes to ``cupy_dsa.store_index_k_from_plan`` on SGLang's own plan
   rows, and any call there it does not recognise raises; every other cache goes to SGLang unchanged;
 * H3 AROUND ``C4IndexerBackendMixin.forward_c4_indexer``: SGLang's body order, with the logits from
   ``cupy_dsa.paged_mqa_logits`` (decode / verify / extend) or ``cupy_dsa.mqa_logits`` (single-request
   eager prefill, where SGLang would run its non-paged fp8 reader); SGLang's top-k backends, raw indices,
-  HiSparse epilogue and top-k capturer are called as SGLang calls them;
+  HiSparse epilogue and top-k capturer are called as SGLang calls them; in fp8-rescore the top-k is
+  ``cupy_dsa.rescore``'s (stage 1 from SGLang's own fp8 logits call or cupy_dsa's kernels), in SGLang's output form;
+* pool hooks (fp8-rescore; otherwise SGLang's): AROUND ``DeepSeekV4IndexerPool._create_buffer`` (SGLang's fp8
+  buffer, then a lo buffer of the same shape in the same memory region) and AFTER
+  ``DeepSeekV4IndexerPool.contiguous_page_row_buffers`` (PD registers the lo buffers too);
 * H4 AFTER ``DeepSeekV4TokenToKVPool.pd_kv_layout``: appends ``,c4idx:<mode>`` so PD peers with
   different index-key formats refuse to pair (fp8-cupy too: its pages are SGLang's bytes, but a prefill peer on
   SGLang's kernel would pick that side's top-k, and a run labelled fp8-cupy would not be cupy_dsa's kernels);
-* HiCache: AFTER ``_dsv4_indexer_regions`` (bf16 index pages move page-aligned only) and AROUND
+* HiCache: AFTER ``_dsv4_indexer_regions`` (bf16 index pages move page-aligned only; fp8-rescore's lo pages are a
+  second region, the twin of SGLang's fp8 region) and AROUND
   ``HiCacheStorageConfig.__post_init__`` (a distinct L3 namespace: ``model_name`` gets ``_c4idx-<mode>``,
   so fp8 pages persisted by another server are never read as bf16);
 * warm-up: BEFORE ``ModelRunner.init_cuda_graphs`` compiles and loads the kernels this server launches
