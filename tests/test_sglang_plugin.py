@@ -273,7 +273,7 @@ def test_gpu_sglang_path_dry_mode():
     rc, out, err = _background("gpu_script_dry")
     last = out.strip().splitlines()[-1] if out.strip() else ""
     assert rc == 0 and last.startswith("SGLANG GPU PATH: PASS"), f"{out[-4000:]}\n{err[-3000:]}"
-    assert "9 phases" in last and "bf16-reference" in last and "fp8-cupy" in last, last
+    assert "10 phases" in last and "bf16-reference" in last and "fp8-cupy" in last and "fp8-rescore" in last, last
 
 
 # --------------------------------------------------------------------------------------------------
@@ -932,6 +932,124 @@ def test_gpu_plugin_path_eager_and_graph(seed):
     assert torch.equal(out_idx.long(), exp_idx), "page indices are not the slot transform of the raw indices"
 
 
+@pytest.mark.gpu
+def test_gpu_rescore_path_eager_and_graph(seed):
+    """fp8-rescore's glue on the device with SGLang-shaped tensors: the two-page store from a CompressPlan, the three
+    rescoring routes (decode rows, grouped verify, varlen extend in two chunks) with the forward's plans and with
+    caller logits standing in for SGLang's call, against the CPU path; then a decode step (store + rescored top-k of
+    two layers sharing the plans) captured in a CUDA graph and replayed with new lengths."""
+    from cupy_dsa.rescore import lo_views, two_level_dequant_reference
+
+    dev = torch.device("cuda")
+    n_pages, topk, kprime, max_pos = 48, 512, 1024, 16384
+    n_slots = n_pages * 64
+    ang = torch.rand(max_pos, 32) * 6.2831853
+    freq_cis = torch.polar(torch.ones_like(ang), ang)
+    norm_w = torch.rand(128) + 0.5
+    caches = {}
+    for d in (torch.device("cpu"), dev):
+        caches[d.type] = (torch.zeros(n_pages, layouts.FP8_PAGE_BYTES, dtype=torch.uint8, device=d),
+                          torch.zeros(n_pages, layouts.FP8_PAGE_BYTES, dtype=torch.uint8, device=d))
+    n_tok = n_slots - 64
+    kv = torch.randn(n_tok, 128)
+    seq_np = ((np.arange(n_tok) + 1) * 4).astype(np.uint32)
+    ragged = torch.randperm(n_tok).numpy().astype(np.uint16)
+    out_loc = torch.empty(n_tok, dtype=torch.int64)
+    out_loc[torch.from_numpy(ragged.astype(np.int64))] = torch.arange(64, n_slots)
+    plan_c = _compress_plan(seq_np, ragged)
+    for d, (hi, lo) in caches.items():
+        core.store_index_k_bf16(kv.to(hi.device), plan_c.to(hi.device), is_decode=False, compress_ratio=4,
+                                norm_weight=norm_w.to(hi.device), norm_eps=1e-6, freq_cis=freq_cis.to(hi.device),
+                                out_loc=out_loc.to(hi.device), kvcache=hi, mode="fp8-rescore", lo_cache=lo)
+    torch.cuda.synchronize()
+
+    def keys(hi, lo):
+        codes, scales = lo_views(lo.cpu())
+        h = hi.cpu()
+        return two_level_dequant_reference(h[:, :8192].reshape(-1, 128), h[:, 8192:].contiguous().view(torch.float32)
+                                           .reshape(-1), codes.reshape(-1, 128), scales.reshape(-1))
+
+    k_dev, k_cpu = keys(*caches["cuda"])[64:], keys(*caches["cpu"])[64:]
+    err = ((k_dev - k_cpu).abs().amax(1) / k_cpu.abs().amax(1)).max().item()
+    assert err <= 1e-3, f"two-page store: keys {err:.2e} from the CPU path"
+    hi_c, lo_c = caches["cpu"]
+    hi_g, lo_g = caches["cuda"]
+
+    R, n, max_pages = 6, 2, 40
+    pt = torch.stack([torch.randperm(n_pages)[:max_pages] for _ in range(R // n)]).to(torch.int32).repeat_interleave(n, 0)
+    lens = torch.tensor([1, 2, 1500, 1501, max_pages * 64 - 1, max_pages * 64], dtype=torch.int32)
+    q = torch.randn(R, 64, 128).to(torch.float8_e4m3fn)
+    w = torch.rand(R, 64)
+    width = max_pages * 64
+
+    def overlap(name, got, ref):
+        rec = [_recall(got.raw_indices[r].cpu(), ref.raw_indices[r]) for r in range(R)]
+        assert min(rec) >= 0.99, f"{name}: top-{topk} overlap with the CPU path per row: {rec}"
+        raw = got.raw_indices.long().cpu()
+        exp = torch.where(raw >= 0, pt.long().gather(1, raw.clamp(min=0) // 64) * 64 + raw % 64, -1)
+        assert torch.equal(got.page_indices.long().cpu(), exp), f"{name}: not SGLang's slot transform"
+
+    gq, gw, gl, gpt = q.to(dev), w.to(dev), lens.to(dev), pt.to(dev)
+    md_c, md_g = types.SimpleNamespace(compressed_seq_lens=lens), types.SimpleNamespace(compressed_seq_lens=gl)
+    plans_c, plans_g = core.ForwardPlans.for_layer(md_c, lens, 1), core.ForwardPlans.for_layer(md_g, gl, 1)
+    full = slice(0, R)
+    ref = core.rescore_rows(q, w, lens, pt, hi_c, lo_c, full, topk, kprime, plans_c)
+    overlap("rows", core.rescore_rows(gq, gw, gl, gpt, hi_g, lo_g, full, topk, kprime, plans_g), ref)
+    overlap("verify", core.rescore_verify(gq, gw, gl, gpt, hi_g, lo_g, n, full, topk, kprime, plans_g), ref)
+    cu, bt = core.extend_requests(torch.tensor([n] * (R // n), dtype=torch.int32, device=dev), gpt, R)
+    parts = [core.rescore_extend(gq, gw, gl, cu, bt, hi_g, lo_g, r, topk, kprime, plans_g)
+             for r in core.row_chunks(R, 3, width, False)]
+    overlap("extend", types.SimpleNamespace(raw_indices=torch.cat([p.raw_indices for p in parts]),
+                                            page_indices=torch.cat([p.page_indices for p in parts])), ref)
+    logits = core.paged_logits(gq, gw, gl, gpt, hi_g, width, full)  # unmasked fp8 logits, as SGLang's call returns
+    overlap("caller logits", core.rescore_rows(gq, gw, gl, gpt, hi_g, lo_g, full, topk, kprime, stage1_logits=logits),
+            ref)
+
+    # a decode step captured once: store (decode plan) + two C4 layers of rescored top-k, replayed on new lengths
+    dec_kv = torch.zeros(R, 128, device=dev)
+    dec_plan = torch.zeros(R, 16, dtype=torch.uint8, device=dev)
+    dec_loc = torch.zeros(R, dtype=torch.int64, device=dev)
+    out_idx = torch.full((R, topk), -1, dtype=torch.int32, device=dev)
+    out_raw = torch.full_like(out_idx, -1)
+    g_norm, g_fc = norm_w.to(dev), freq_cis.to(dev)
+    holder = types.SimpleNamespace(compressed_seq_lens=gl)
+
+    def step():
+        core.store_index_k_bf16(dec_kv, dec_plan, is_decode=True, compress_ratio=4, norm_weight=g_norm, norm_eps=1e-6,
+                                freq_cis=g_fc, out_loc=dec_loc, kvcache=hi_g, mode="fp8-rescore", lo_cache=lo_g)
+        for layer in (0, 1):
+            plans = core.ForwardPlans.for_layer(holder, gl, layer)
+            res = core.rescore_rows(gq, gw, gl, gpt, hi_g, lo_g, full, topk, kprime, plans)
+            out_idx.copy_(res.page_indices)
+            out_raw.copy_(res.raw_indices)
+
+    core.ensure_warm(dev)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for replay in range(2):
+        new_lens = torch.randint(1, width + 1, (R,), dtype=torch.int32)
+        new_q = torch.randn(R, 64, 128).to(torch.float8_e4m3fn)
+        new_kv = torch.randn(R, 128)
+        seq = [int(x) * 4 for x in new_lens]  # compression boundaries; the even rows write (one row per request)
+        loc = torch.tensor([int(pt[r, (int(new_lens[r]) - 1) // 64]) * 64 + (int(new_lens[r]) - 1) % 64
+                            if r % 2 == 0 else -1 for r in range(R)], dtype=torch.int64)
+        for t, v in ((gl, new_lens), (gq, new_q), (dec_kv, new_kv), (dec_plan, _decode_plan(seq)), (dec_loc, loc)):
+            t.copy_(v.to(dev))
+        graph.replay()
+        torch.cuda.synchronize()
+        core.store_index_k_bf16(new_kv, _decode_plan(seq), is_decode=True, compress_ratio=4, norm_weight=norm_w,
+                                norm_eps=1e-6, freq_cis=freq_cis, out_loc=loc, kvcache=hi_c, mode="fp8-rescore",
+                                lo_cache=lo_c)
+        ref = core.rescore_rows(new_q, w, new_lens, pt, hi_c, lo_c, full, topk, kprime)
+        overlap(f"graph replay {replay + 1}", types.SimpleNamespace(raw_indices=out_raw, page_indices=out_idx), ref)
+
+
 # --------------------------------------------------------------------------------------------------
 # python -m cupy_dsa.sglang check
 # --------------------------------------------------------------------------------------------------
@@ -1182,7 +1300,7 @@ def test_startup_logs_the_pd_layout_tag_with_the_variable(monkeypatch, caplog):
 def test_gpu_check_self_test():
     from cupy_dsa.sglang import check
 
-    for mode in ("bf16", "bf16-fp4sim", "fp8-cupy"):
+    for mode in ("bf16", "bf16-fp4sim", "fp8-cupy", "fp8-rescore"):
         assert check.self_test(torch.device("cuda"), mode) <= check.SELF_TEST_TOLERANCE
     code, lines = check.run()
     assert any("store + logits match the CPU reference" in t for s, t in lines if s == check.OK), lines

@@ -216,8 +216,9 @@ def rescore_settings_problem(mode: str) -> str | None:
     if mode != RESCORE_MODE:
         stray = [n for n in (RESCORE_STAGE1_ENV, RESCORE_KPRIME_ENV) if (os.environ.get(n) or "").strip()]
         if stray:
-            return (f"{', '.join(stray)} set with {ENV_NAME}={mode}: {'they apply' if len(stray) > 1 else 'it applies'} "
-                    f"to {RESCORE_MODE} only. Unset {' and '.join(stray)}, or set {ENV_NAME}={RESCORE_MODE}")
+            verb = "they apply" if len(stray) > 1 else "it applies"
+            return (f"{', '.join(stray)} set with {ENV_NAME}={mode}: {verb} to {RESCORE_MODE} only. Unset "
+                    f"{' and '.join(stray)}, or set {ENV_NAME}={RESCORE_MODE}")
         return None
     try:
         parse_rescore_settings(os.environ.get(RESCORE_STAGE1_ENV), os.environ.get(RESCORE_KPRIME_ENV))
@@ -394,8 +395,8 @@ def require_lo_cache(hi: torch.Tensor, what: str) -> torch.Tensor:
     lo = lo_cache_of(hi)
     if lo is None:
         raise RuntimeError(
-            f"cupy_dsa ({ENV_NAME}={RESCORE_MODE}): {what}: the fp8 index cache {tuple(hi.shape)} on {hi.device} has no "
-            f"residual (lo) pages. They are allocated with SGLang's indexer pool when {ENV_NAME}={RESCORE_MODE} is set "
+            f"cupy_dsa ({ENV_NAME}={RESCORE_MODE}): {what}: the fp8 index cache {tuple(hi.shape)} on {hi.device} has "
+            f"no residual (lo) pages. They are allocated with SGLang's indexer pool when {ENV_NAME}={RESCORE_MODE} is set "
             f"before SGLang starts (every scheduler process must see it; SGLANG_PLUGINS, if set, must list cupy_dsa).")
     return lo
 

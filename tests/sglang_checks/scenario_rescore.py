@@ -25,8 +25,7 @@ from cupy_dsa.rescore import residual_encode_reference, rescore_topk_reference, 
 from cupy_dsa.sglang import core, forward, hooks
 
 from checks_indexer import _indexer_setup, one_attention_cp_rank, spied_logits_routes
-from checks_store import (call_site_case, decode_case, prefill_case, store_through_binding,
-                          store_through_sglang_call_site)
+from checks_store import call_site_case, decode_case, prefill_case, store_through_sglang_call_site
 from checks_strictness import Spy, _store_call, assert_hook_refuses, assert_stores_refused
 from harness import ENV, INFO, check, every_hook_in_place, load, make_index_pool, mode_env
 from scenario_fp8cupy import assert_sglang_fp8_pages
