@@ -266,6 +266,9 @@ def _rescored_topk(self, ix, forward_batch, c4_indexer, *, q, weights, lens, pag
     would call, on its row chunks with its schedules (one row per token, unmasked logits; stage 2 per row);
     ``cupy`` runs cupy_dsa's fp8-key kernels on the plugin's routes (decode rows, grouped verify, varlen extend),
     with the forward's plans built by its first C4 layer."""
+    if getattr(forward_batch, "tbo_parent_token_range", None) is not None:
+        raise RuntimeError(f"cupy_dsa ({ENV_NAME}={index_k_mode()}): a two-batch-overlap micro-batch reached the indexer; "
+                           f"fp8-rescore refuses --enable-two-batch-overlap at start-up and was not written for it")
     settings = core.rescore_settings()
     lo = core.require_lo_cache(kvcache, f"the indexer of layer {c4_indexer.layer_id}")
     indexer_metadata = self.forward_metadata.indexer_metadata

@@ -453,6 +453,28 @@ def scenario_rescore():
                 raise AssertionError("fp8-rescore scored a pool without lo pages")
 
     @check
+    def indexer_rescore_refuses_a_tbo_micro_batch():
+        # refused at start-up (--enable-two-batch-overlap); a micro-batch that reaches the forward anyway is refused
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        ns = _setup(lens=(700, 900))
+        orig = forward.forward_c4_indexer_bf16
+
+        def as_micro_batch(self, **kw):
+            kw["forward_batch"].tbo_parent_token_range = (0, 2)
+            return orig(self, **kw)
+
+        forward.forward_c4_indexer_bf16 = as_micro_batch
+        try:
+            _run(ForwardMode.DECODE, 2, "cupy", ns=ns)
+        except RuntimeError as e:
+            assert "two-batch-overlap micro-batch" in str(e), str(e)
+        else:
+            raise AssertionError("fp8-rescore ran a two-batch-overlap micro-batch")
+        finally:
+            forward.forward_c4_indexer_bf16 = orig
+
+    @check
     def indexer_rescore_hisparse_and_capturer():
         from sglang.srt.layers.attention.dsv4 import indexer as ix
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
