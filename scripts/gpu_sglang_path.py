@@ -36,8 +36,14 @@ decode and verify CUDA graphs) with ``SGLANG_CUPY_DSA_INDEX_K=fp8-cupy``: SGLang
 cupy_dsa's store (device bytes = the CPU path's, an e4m3 code at most one step apart and the fp32 scale a few ulp
 where the device's ``rsqrtf`` differs from torch's) and scored by cupy_dsa's fp8-key kernels; on decode, extend
 and verify it also runs SGLang's own fp8 forward on the device (its torch fp8 logits) and checks that the two
-top-k agree up to ties at SGLang's bf16 precision against an fp64 oracle. Last line: ``SGLANG GPU PATH: PASS ...``
-or ``FAIL ...``.
+top-k agree up to ties at SGLang's bf16 precision against an fp64 oracle.
+
+The ``fp8-rescore`` phase repeats it with ``SGLANG_CUPY_DSA_INDEX_K=fp8-rescore``: SGLang's fp8 pool with its residual
+pages beside it, both written by one store launch (the fp8 bytes checked as in fp8-cupy, the keys the two pages hold
+within 1e-3 of the CPU path's), then extend, decode, verify and both CUDA graphs twice, with stage 1 from cupy_dsa's
+kernels (the plugin's routes) and from SGLang's own fp8 logits call (here its torch fp8 logits: DeepGEMM is not on
+this machine), each rescored top-k against the CPU path's (overlap >= 0.99 per row, SGLang's slot transform).
+Last line: ``SGLANG GPU PATH: PASS ...`` or ``FAIL ...``.
 """
 from __future__ import annotations
 
@@ -191,6 +197,9 @@ class World:
                                         use_fp4_indexer=False, global_page_size=256)
         self.pool = pool
         self.cache = pool.index_k_with_scale_buffer[0]
+        self.lo = (getattr(pool, "index_k_lo_buffer", None) or [None])[0]  # fp8-rescore's residual pages
+        if core.is_two_level(core.index_k_mode()) and (self.lo is None or core.lo_cache_of(self.cache) is not self.lo):
+            raise RuntimeError("fp8-rescore: SGLang's pool has no residual pages registered beside its fp8 pages")
         row_bytes = layouts.page_bytes(core.cache_layout(core.index_k_mode()))  # the mode's rows, sized by SGLang
         if tuple(self.cache.shape[1:]) != (row_bytes,) or self.cache.dtype != torch.uint8 or self.cache.device != self.device:
             raise RuntimeError(f"pool page rows {tuple(self.cache.shape)} {self.cache.dtype} on {self.cache.device}, "
@@ -308,6 +317,8 @@ def check(cond, msg):
 def compare_caches(name, dev, ref):
     got, exp = dev.cache.cpu(), ref.cache.cpu()
     if got.shape[1] == FP8_PAGE:
+        if dev.lo is not None:
+            compare_two_level(name, got, dev.lo.cpu(), exp, ref.lo.cpu())
         return compare_fp8_caches(name, got, exp)
     d = ulp_diff(got.view(torch.bfloat16), exp.view(torch.bfloat16))
     w_got = set((got.view(-1, 256) != 0).any(1).nonzero().flatten().tolist())
@@ -342,6 +353,27 @@ def compare_fp8_caches(name, got, exp):
     same = int(((steps[idx] == 0).all(1) & (sg_[idx] == se_[idx])).sum()) if len(idx) else 0
     log(f"  {name}: {len(w_exp)} fp8 slots written, {same} byte-identical to the CPU path, max {int(steps.max())} "
         f"code step, scales within {rel:.1e}")
+
+
+def compare_two_level(name, hi, lo, hi_ref, lo_ref):
+    """fp8-rescore: the keys the two pages hold (``e4m3(hi) * scale + lo * lo_scale``) against the CPU path's, within
+    1e-3 of the key's largest element (a key whose fp8 code sits one step from the CPU path's has another residual,
+    the same sum), at the same slots."""
+    from cupy_dsa.rescore import lo_views, two_level_dequant_reference
+
+    def keys(h, l):
+        codes, scales = lo_views(l)
+        return two_level_dequant_reference(h[:, :8192].reshape(-1, 128), h[:, 8192:].contiguous().view(torch.float32)
+                                           .reshape(-1), codes.reshape(-1, 128), scales.reshape(-1))
+
+    written = lo_ref[:, 8192:].contiguous().view(torch.float32).reshape(-1) != 0
+    got_written = lo[:, 8192:].contiguous().view(torch.float32).reshape(-1) != 0
+    check(torch.equal(written, got_written), f"{name}: residual slots written differ "
+          f"({int((written ^ got_written).sum())} of {int(written.sum())})")
+    k, k_ref = keys(hi, lo)[written], keys(hi_ref, lo_ref)[written]
+    err = ((k - k_ref).abs().amax(1) / k_ref.abs().amax(1).clamp_min(1e-30)).max().item() if k.numel() else 0.0
+    check(err <= 1e-3, f"{name}: two-level keys {err:.2e} (relative to the key's largest element) from the CPU path")
+    log(f"  {name}: {int(written.sum())} residual slots, two-level keys within {err:.1e} of the CPU path")
 
 
 def compare_logits(name, got, ref, lens, tol=2e-3):
@@ -383,24 +415,27 @@ def compare_topk(name, dev_md, ref_md, page_table, lens):
 # --------------------------------------------------------------------------------------------------
 
 ROUTES = {"paged_logits": "rows", "verify_logits": "grouped", "extend_logits": "varlen"}
+RESCORE_ROUTES = {"rescore_rows": "rows", "rescore_verify": "grouped", "rescore_extend": "varlen"}
 
 
 class LogitsSpy:
-    """Records what the hook's logits routes return (eager phases only)."""
+    """Records what the hook's logits routes return (eager phases only); ``rescored``: its rescoring routes (the
+    selection they return) instead."""
 
-    def __init__(self, core):
+    def __init__(self, core, rescored=False):
+        self.routes = RESCORE_ROUTES if rescored else ROUTES
         self.core, self.out = core, []
-        self.real = {name: getattr(core, name) for name in ROUTES}
+        self.real = {name: getattr(core, name) for name in self.routes}
 
     def __enter__(self):
         def spy(name):
             def f(*a, **k):
                 r = self.real[name](*a, **k)
-                self.out.append((ROUTES[name], r.clone()))
+                self.out.append((self.routes[name], r.raw_indices.clone() if hasattr(r, "raw_indices") else r.clone()))
                 return r
             return f
 
-        for name in ROUTES:
+        for name in self.routes:
             setattr(self.core, name, spy(name))
         return self
 
@@ -445,10 +480,11 @@ def compare_with_sglang_fp8(name, ours, theirs, oracle, lens):
 
 
 def indexer_phase(name, sg, worlds, batch, tokens, mode, batch_size, g, expect_kind="rows", extend_lens=None,
-                  draft=None, reference=False, sglang_baseline=False):
+                  draft=None, reference=False, sglang_baseline=False, rescored=False):
     """reference: in bf16-reference mode, the query built by the hook from the layer's projections.
     sglang_baseline (fp8-cupy): SGLang's own fp8 forward_c4_indexer runs too, on the device world's fp8 pool, and
-    the two top-k are compared up to ties."""
+    the two top-k are compared up to ties. rescored (fp8-rescore): the rescoring routes are spied on instead of the
+    logits routes, and the top-k of both worlds compared."""
     from cupy_dsa.sglang import core
 
     lens, pt = batch.rows_of(tokens)
@@ -463,7 +499,7 @@ def indexer_phase(name, sg, worlds, batch, tokens, mode, batch_size, g, expect_k
         for world in worlds:
             b = world.indexer_backend(world.to(q), world.to(w), world.to(lens), world.to(pt), mode, batch_size,
                                       extend_lens=extend_lens, draft=draft)
-            with LogitsSpy(core) as spy:
+            with LogitsSpy(core, rescored=rescored) as spy:
                 mds.append(world.run_indexer(b, layer_fields=world.reference_layer(q_raw, w_raw) if reference else None))
             spies.append(spy.out)
         if sglang_baseline:
@@ -484,6 +520,10 @@ def indexer_phase(name, sg, worlds, batch, tokens, mode, batch_size, g, expect_k
         sg.ix.get_parallel = orig
     kinds = [k for k, _ in spies[0]]
     check(kinds and all(k == expect_kind for k in kinds), f"{name}: logits came from {kinds}, expected {expect_kind}")
+    if rescored:
+        rec = compare_topk(name, mds[0], mds[1], pt, lens)
+        log(f"  {name}: {len(tokens)} rows ({expect_kind}, rescored), min top-k overlap with the CPU path {rec:.4f}")
+        return
     got = torch.cat([t.cpu() for _, t in spies[0]])
     ref = torch.cat([t for _, t in spies[1]])
     check(got.shape == ref.shape, f"{name}: logits {tuple(got.shape)} vs {tuple(ref.shape)} on the CPU path")
@@ -625,7 +665,7 @@ def graph_phase(sg, worlds, batch, g, capture):
 
 
 # the phases that need no earlier phase's state (the others build on the prompt store and on each other)
-STANDALONE_PHASES = ("fp8-cupy",)
+STANDALONE_PHASES = ("fp8-cupy", "fp8-rescore")
 
 
 def run(device, seed, only=None):
@@ -670,13 +710,13 @@ def run(device, seed, only=None):
         # 3 requests, different prefixes and new-token counts, request 0 with no prefix: one varlen launch
         tokens = [(b, p) for b, (n, e) in enumerate(zip(PROMPTS, EXTEND)) for p in range(n - e, n)]
         indexer_phase("extend, 3 requests", sg, worlds, batch, tokens, sg.ForwardMode.EXTEND, 3, g,
-                      expect_kind="varlen", extend_lens=EXTEND, **kw)
+                      expect_kind=kw.pop("expect_kind", "varlen"), extend_lens=EXTEND, **kw)
 
     def extend_one(worlds=worlds, batch=batch, **kw):
         b, n = 2, PROMPTS[2]
         tokens = [(b, p) for p in range(n - 67, n)]
         indexer_phase("extend, 1 request", sg, worlds, batch, tokens, sg.ForwardMode.EXTEND, 1, g,
-                      expect_kind="varlen", extend_lens=(67,), **kw)
+                      expect_kind=kw.pop("expect_kind", "varlen"), extend_lens=(67,), **kw)
 
     def decode(worlds=worlds, batch=batch, **kw):
         rows, loc = batch.decode_plan()
@@ -689,6 +729,7 @@ def run(device, seed, only=None):
         indexer_phase("decode", sg, worlds, batch, tokens, sg.ForwardMode.DECODE, len(PROMPTS), g, **kw)
 
     def verify(worlds=worlds, batch=batch, **kw):
+        kind = kw.pop("expect_kind", "grouped")
         for n in (2, 4):
             tokens = [(b, m + i) for b, m in enumerate(batch.lens) for i in range(n)]
             rows, loc = batch.store_plan(tokens)
@@ -697,7 +738,7 @@ def run(device, seed, only=None):
                 world.store(world.prefill_plan, world.to(rows), world.to(kv), world.to(loc))
             compare_caches(f"verify store (next_n {n})", worlds[0], worlds[1])
             indexer_phase(f"target verify, next_n {n}", sg, worlds, batch, tokens, sg.ForwardMode.TARGET_VERIFY,
-                          len(PROMPTS), g, expect_kind="grouped", draft=n, **kw)
+                          len(PROMPTS), g, expect_kind=kind, draft=n, **kw)
         # the drafts were rejected: the requests go on from their decode lengths (the slots get rewritten)
 
     def reference_mode():
@@ -752,7 +793,38 @@ def run(device, seed, only=None):
           lambda: graph_phase(sg, worlds, batch, g, capture=device != "cpu"))
     phase("verify cuda graph" if device != "cpu" else "verify graph step (eager on cpu)",
           lambda: graph_verify_phase(sg, worlds, batch, g, capture=device != "cpu"))
+    def fp8_rescore():
+        # two-level keys: SGLang's fp8 pool plus its residual pages, both written by one store launch; every step
+        # above with stage 1 from cupy_dsa's kernels (the plugin's routes) and from SGLang's own fp8 logits call
+        # (its torch fp8 logits here: no DeepGEMM on this machine; one row per token), top-k against the CPU path
+        os.environ[core.ENV_NAME] = "fp8-rescore"
+        core.reset_mode()
+        try:
+            worlds2 = [World(sg, device, norm_w, freq_cis), World(sg, "cpu", norm_w, freq_cis)]
+            batch2 = Batch(g)
+            prompt_store(worlds2, batch2)
+            for stage1 in ("cupy", "sglang"):
+                os.environ[core.RESCORE_STAGE1_ENV] = stage1
+                core.reset_mode()
+                if device != "cpu":
+                    t = time.time()
+                    core.ensure_warm(torch.device(device))
+                    log(f"  fp8-rescore (stage1={stage1}) kernels warmed in {time.time() - t:.1f} s")
+                rows_only = stage1 == "sglang"
+                log(f"  stage 1: {core.rescore_settings().describe()}")
+                extend_batch(worlds2, batch2, rescored=True, **({"expect_kind": "rows"} if rows_only else {}))
+                extend_one(worlds2, batch2, rescored=True, **({"expect_kind": "rows"} if rows_only else {}))
+                decode(worlds2, batch2, rescored=True)
+                verify(worlds2, batch2, rescored=True, **({"expect_kind": "rows"} if rows_only else {}))
+                graph_phase(sg, worlds2, batch2, g, capture=device != "cpu")
+                graph_verify_phase(sg, worlds2, batch2, g, capture=device != "cpu")
+        finally:
+            os.environ[core.ENV_NAME] = "bf16"
+            os.environ.pop(core.RESCORE_STAGE1_ENV, None)
+            core.reset_mode()
+
     phase("fp8-cupy", fp8_cupy)
+    phase("fp8-rescore", fp8_rescore)
     return phases, time.time() - t0
 
 

@@ -60,6 +60,16 @@ CHECKS = {
                 "indexer_fp8cupy_small_rows_and_padding", "indexer_fp8cupy_refuses_a_bf16_pool",
                 "pd_layout_and_hicache_fp8cupy", "resolution_fp8cupy", "flag_and_yaml_key_take_fp8cupy",
                 "check_command_describes_fp8cupy"],
+    "rescore": ["hooks_applied_rescore", "budget_counts_264_bytes", "pool_keeps_sglangs_fp8_buffer_and_adds_lo_pages",
+                "pd_registers_the_lo_pages", "store_two_level_decode_plan", "store_two_level_prefill_plan",
+                "store_two_level_one_launch_via_sglang_call_site", "store_rescore_strictness",
+                "indexer_decode_matches_reference_both_stage1", "indexer_routes_match_reference",
+                "indexer_exact_topk_where_unambiguous", "indexer_small_rows_padding_and_kprime_cap",
+                "indexer_rescore_refuses_pools_without_lo", "indexer_rescore_refuses_a_tbo_micro_batch",
+                "indexer_rescore_hisparse_and_capturer",
+                "pd_layout_pairs_only_with_fp8_rescore", "hicache_carries_lo_pages_in_its_namespace",
+                "resolution_rescore_refusals", "settings_refused_before_anything_is_patched",
+                "flags_and_yaml_keys_take_rescore", "check_command_describes_rescore"],
 }
 SCENARIO_ENV = {
     "on": {ENV: "bf16", "SGLANG_PLUGINS": "cupy_dsa", "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1",
@@ -70,10 +80,13 @@ SCENARIO_ENV = {
     # SGLang's own fp8 forward (the baseline of the top-k checks) runs its torch fp8 logits on CPU
     "fp8cupy": {ENV: "fp8-cupy", "SGLANG_PLUGINS": "cupy_dsa", "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1",
                 "SGLANG_OPT_USE_TOPK_V2": "0"},
+    # stage 1 from SGLang's own call runs its torch fp8 logits on CPU
+    "rescore": {ENV: "fp8-rescore", "SGLANG_PLUGINS": "cupy_dsa", "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1",
+                "SGLANG_OPT_USE_TOPK_V2": "0"},
 }
 _CLEARED = (ENV, "SGLANG_PLUGINS", "SGLANG_PLATFORM", "SGLANG_OPT_DSV4_NONPAGED_INDEXER",
             "SGLANG_OPT_DSV4_NONPAGED_INDEXER_MIN_QUERY_TOKENS", "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH",
-            "SGLANG_OPT_USE_TOPK_V2")
+            "SGLANG_OPT_USE_TOPK_V2", core.RESCORE_STAGE1_ENV, core.RESCORE_KPRIME_ENV)
 
 
 def _require_sglang():
@@ -261,7 +274,7 @@ def test_gpu_sglang_path_dry_mode():
     rc, out, err = _background("gpu_script_dry")
     last = out.strip().splitlines()[-1] if out.strip() else ""
     assert rc == 0 and last.startswith("SGLANG GPU PATH: PASS"), f"{out[-4000:]}\n{err[-3000:]}"
-    assert "9 phases" in last and "bf16-reference" in last and "fp8-cupy" in last, last
+    assert "10 phases" in last and "bf16-reference" in last and "fp8-cupy" in last and "fp8-rescore" in last, last
 
 
 # --------------------------------------------------------------------------------------------------
@@ -308,7 +321,7 @@ def test_fp8_cupy_mode_keeps_sglangs_format(monkeypatch):
     core.reset_mode()
     assert core.index_k_mode() == "fp8-cupy" and core.enabled()
     core.reset_mode()
-    assert [core.cache_layout(m) for m in core.MODES] == ["fp8", "bf16", "bf16", "bf16", "fp8"]
+    assert [core.cache_layout(m) for m in core.MODES] == ["fp8", "bf16", "bf16", "bf16", "fp8", "fp8"]
     assert core.numerics_of("fp8-cupy") == "exact" and core.query_is_fp8("fp8-cupy")
     assert core.pd_layout_tag("fp8-cupy") == ",c4idx:fp8-cupy"
     assert "cupy_dsa" in core.describe("fp8-cupy") and core.describe("bf16") == "bf16 C4 index keys"
@@ -320,6 +333,126 @@ def test_fp8_cupy_mode_keeps_sglangs_format(monkeypatch):
     for other in (torch.zeros(2, 64 * 584, dtype=u8), torch.zeros(2, 4352, dtype=u8),
                   torch.zeros(2, layouts.FP8_PAGE_BYTES, dtype=torch.int8), torch.zeros(2, 64, 1, 132, dtype=u8), None):
         assert core.index_cache_layout(other) is None, other
+
+
+def test_fp8_rescore_mode_and_settings(monkeypatch):
+    """fp8-rescore: a value of the switch, SGLang's fp8 rows in its pool plus residual pages (264 B per entry), its own
+    PD tag; stage 1 and K' from their variables, read once per process, invalid values named."""
+    monkeypatch.setenv(ENV, "FP8-Rescore")
+    monkeypatch.delenv(core.RESCORE_STAGE1_ENV, raising=False)
+    monkeypatch.delenv(core.RESCORE_KPRIME_ENV, raising=False)
+    core.reset_mode()
+    try:
+        assert core.index_k_mode() == "fp8-rescore" and core.enabled() and core.is_two_level("fp8-rescore")
+        assert core.cache_layout("fp8-rescore") == "fp8" and core.numerics_of("fp8-rescore") == "exact"
+        assert core.query_is_fp8("fp8-rescore") and core.pd_layout_tag("fp8-rescore") == ",c4idx:fp8-rescore"
+        assert [core.index_bytes_per_entry(m) for m in core.MODES] == [132, 256, 256, 256, 132, 264]
+        assert "264 B per entry" in core.describe("fp8-rescore")
+        assert not any(core.is_two_level(m) for m in core.MODES[:-1])
+        settings = core.rescore_settings()
+        assert settings == ("sglang", 4, None) and settings.k_prime(512) == 2048 and settings.k_prime(1024) == 4096
+        assert "stage 1 = SGLang's own fp8 logits call" in settings.describe() and "K' = 4x index_topk" in settings.describe()
+        monkeypatch.setenv(core.RESCORE_KPRIME_ENV, "1500")
+        assert core.rescore_settings().k_prime(512) == 2048, "the settings were re-read without reset_mode"
+        core.reset_mode()
+        assert core.rescore_settings().k_prime(512) == 1500
+        with pytest.raises(ValueError, match="at least index_topk \\(2048\\)"):
+            core.rescore_settings().k_prime(2048)
+        for value, expect in (("2x", (2, None)), (" 3X ", (3, None)), ("4096", (None, 4096)), (None, (4, None))):
+            assert core.parse_k_prime(value) == expect, value
+        for bad in ("0x", "x", "-1", "2.5x", "4y", "1e3"):
+            with pytest.raises(ValueError, match=core.RESCORE_KPRIME_ENV):
+                core.parse_k_prime(bad)
+        assert core.parse_stage1(" CUPY ") == "cupy" and core.parse_stage1(None) == "sglang"
+        with pytest.raises(ValueError, match="expected one of sglang, cupy"):
+            core.parse_stage1("deepgemm")
+        assert core.rescore_settings_problem("fp8-rescore") is None
+        monkeypatch.setenv(core.RESCORE_STAGE1_ENV, "tilelang")
+        assert "'tilelang'" in core.rescore_settings_problem("fp8-rescore")
+        assert "apply to fp8-rescore only" in core.rescore_settings_problem("bf16")
+        assert core.rescore_settings_problem("fp8") is None  # the switch off reads nothing
+        with pytest.raises(ValueError, match="fp8-rescore adds a 132-byte residual page"):
+            core.parse_mode("fp8rescore")
+    finally:
+        core.reset_mode()
+
+
+def test_lo_cache_registry():
+    """The lo pages are found from their fp8 rows (or a view at the same address) while those rows are alive."""
+    hi = torch.zeros(3, layouts.FP8_PAGE_BYTES, dtype=torch.uint8)
+    lo = torch.zeros_like(hi)
+    core.register_lo_cache(hi, lo)
+    assert core.lo_cache_of(hi) is lo and core.lo_cache_of(hi[:]) is lo
+    assert core.lo_cache_of(torch.zeros_like(hi)) is None
+    with pytest.raises(ValueError, match="do not match"):
+        core.register_lo_cache(hi, torch.zeros(2, layouts.FP8_PAGE_BYTES, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="no residual \\(lo\\) pages"):
+        core.require_lo_cache(torch.zeros_like(hi), "a test")
+    ptr = hi.data_ptr()
+    del hi
+    assert all(entry[0]() is None for key, entry in core._LO_PAGES.items() if key[1] == ptr)
+
+
+def test_warm_expressions_fp8_rescore():
+    """fp8-rescore warms the two-level store (both pages in one launch), the rescoring kernels of SGLang's fp8 q,
+    and its own fp8-key logits only when cupy_dsa computes stage 1."""
+    from cupy_dsa import launch, logits, rescore, store
+
+    for arch in ("sm_80", "sm_90", "sm_120"):
+        exprs = core.warm_expressions(arch, mode="fp8-rescore", next_ns=(1, 2), stage1="cupy")
+        assert exprs[core.STORE_SOURCE] == store.product_instantiations(
+            layouts=("two-level",), numerics=("exact",), in_dtypes=(torch.bfloat16,), sources=("decode", "prefill"))
+        assert exprs[core.LOGITS_SOURCE] == logits.product_instantiations(arch, q_fp8=(1,), next_ns=(1, 2),
+                                                                          layouts=("fp8",))
+        assert exprs[core.RESCORE_SOURCE] == [e for e in rescore.product_instantiations()
+                                              if e != "rescore_topk_kernel<0>"]
+        assert set(exprs[core.RESCORE_SOURCE]) <= set(launch.product_expressions(arch)[core.RESCORE_SOURCE])
+        sg = core.warm_expressions(arch, mode="fp8-rescore", next_ns=(1, 2), stage1="sglang")
+        assert core.LOGITS_SOURCE not in sg and sg[core.RESCORE_SOURCE] == exprs[core.RESCORE_SOURCE]
+        assert core.QUERY_SOURCE not in exprs
+
+
+def test_rescore_routes_share_the_forward_plans(monkeypatch):
+    """The rescoring routes on CPU (the references): decode rows, grouped verify and varlen extend give the
+    reference's selection; the schedules and a chunk's request offsets are built by the first layer only."""
+    import cupy_dsa
+    from cupy_dsa.rescore import rescore_topk_reference, store_two_level_reference
+
+    g = torch.Generator().manual_seed(3)
+    P, n = 24, 2
+    hi = torch.zeros(P, layouts.FP8_PAGE_BYTES, dtype=torch.uint8)
+    lo = torch.zeros_like(hi)
+    store_two_level_reference(torch.randn(P * 64, 128, generator=g), hi, lo, torch.arange(P * 64))
+    lens = torch.tensor([300, 301, 700, 701, 1200, 1201], dtype=torch.int32)
+    R = lens.shape[0]
+    q = torch.randn(R, 64, 128, generator=g).to(torch.float8_e4m3fn)
+    w = torch.rand(R, 64, generator=g)
+    pt = torch.stack([torch.randperm(P, generator=g)[:20] for _ in range(R // n)]).to(torch.int32).repeat_interleave(n, 0)
+    ref = rescore_topk_reference(q.unsqueeze(1), w, hi, lo, lens, pt, 256, 512)
+    built = []
+    for name in ("paged_mqa_logits_plan", "mqa_logits_plan"):
+        real = getattr(cupy_dsa, name)
+        monkeypatch.setattr(cupy_dsa, name, lambda *a, _real=real, _name=name, **k: built.append(_name) or _real(*a, **k))
+    md = types.SimpleNamespace(compressed_seq_lens=lens)
+    cu_rows, bt = core.extend_requests(torch.tensor([2, 2, 2], dtype=torch.int32), pt, R)
+    for layer in (1, 3):
+        plans = core.ForwardPlans.for_layer(md, lens, layer)
+        rows = [core.rescore_rows(q, w, lens, pt, hi, lo, r, 256, 512, plans) for r in core.row_chunks(R, 4, 1280, False)]
+        verify = core.rescore_verify(q, w, lens, pt, hi, lo, n, slice(0, R), 256, 512, plans)
+        ext = [core.rescore_extend(q, w, lens, cu_rows, bt, hi, lo, r, 256, 512, plans)
+               for r in core.row_chunks(R, 3, 1280, False)]  # chunks split request 1 (rows 2-3)
+        for what, outs in (("rows", rows), ("verify", [verify]), ("extend", ext)):
+            raw = torch.cat([o.raw_indices for o in outs])
+            page = torch.cat([o.page_indices for o in outs])
+            for r in range(R):
+                assert set(raw[r].tolist()) == set(ref.raw_indices[r].tolist()), (what, layer, r)
+                assert set(page[r].tolist()) == set(ref.page_indices[r].tolist()), (what, layer, r)
+    # one forward (two layers): 2 row chunks + 1 verify schedule + 2 varlen chunk plans, each built once
+    assert sorted(built) == sorted(["paged_mqa_logits_plan"] * 3 + ["mqa_logits_plan"] * 2), built
+    cu, _ = plans.items[("rescore-varlen", 3, 6)]
+    assert cu.tolist() == [0, 0, 1, 3], "chunk rows [3, 6): request 1 owns row 3, request 2 rows 4-5"
+    with pytest.raises(ValueError, match="whole requests"):
+        core.rescore_verify(q, w, lens, pt, hi, lo, n, slice(0, 3), 256, 512)
 
 
 def test_warm_expressions_fp8_cupy():
@@ -800,6 +933,124 @@ def test_gpu_plugin_path_eager_and_graph(seed):
     assert torch.equal(out_idx.long(), exp_idx), "page indices are not the slot transform of the raw indices"
 
 
+@pytest.mark.gpu
+def test_gpu_rescore_path_eager_and_graph(seed):
+    """fp8-rescore's glue on the device with SGLang-shaped tensors: the two-page store from a CompressPlan, the three
+    rescoring routes (decode rows, grouped verify, varlen extend in two chunks) with the forward's plans and with
+    caller logits standing in for SGLang's call, against the CPU path; then a decode step (store + rescored top-k of
+    two layers sharing the plans) captured in a CUDA graph and replayed with new lengths."""
+    from cupy_dsa.rescore import lo_views, two_level_dequant_reference
+
+    dev = torch.device("cuda")
+    n_pages, topk, kprime, max_pos = 48, 512, 1024, 16384
+    n_slots = n_pages * 64
+    ang = torch.rand(max_pos, 32) * 6.2831853
+    freq_cis = torch.polar(torch.ones_like(ang), ang)
+    norm_w = torch.rand(128) + 0.5
+    caches = {}
+    for d in (torch.device("cpu"), dev):
+        caches[d.type] = (torch.zeros(n_pages, layouts.FP8_PAGE_BYTES, dtype=torch.uint8, device=d),
+                          torch.zeros(n_pages, layouts.FP8_PAGE_BYTES, dtype=torch.uint8, device=d))
+    n_tok = n_slots - 64
+    kv = torch.randn(n_tok, 128)
+    seq_np = ((np.arange(n_tok) + 1) * 4).astype(np.uint32)
+    ragged = torch.randperm(n_tok).numpy().astype(np.uint16)
+    out_loc = torch.empty(n_tok, dtype=torch.int64)
+    out_loc[torch.from_numpy(ragged.astype(np.int64))] = torch.arange(64, n_slots)
+    plan_c = _compress_plan(seq_np, ragged)
+    for d, (hi, lo) in caches.items():
+        core.store_index_k_bf16(kv.to(hi.device), plan_c.to(hi.device), is_decode=False, compress_ratio=4,
+                                norm_weight=norm_w.to(hi.device), norm_eps=1e-6, freq_cis=freq_cis.to(hi.device),
+                                out_loc=out_loc.to(hi.device), kvcache=hi, mode="fp8-rescore", lo_cache=lo)
+    torch.cuda.synchronize()
+
+    def keys(hi, lo):
+        codes, scales = lo_views(lo.cpu())
+        h = hi.cpu()
+        return two_level_dequant_reference(h[:, :8192].reshape(-1, 128), h[:, 8192:].contiguous().view(torch.float32)
+                                           .reshape(-1), codes.reshape(-1, 128), scales.reshape(-1))
+
+    k_dev, k_cpu = keys(*caches["cuda"])[64:], keys(*caches["cpu"])[64:]
+    err = ((k_dev - k_cpu).abs().amax(1) / k_cpu.abs().amax(1)).max().item()
+    assert err <= 1e-3, f"two-page store: keys {err:.2e} from the CPU path"
+    hi_c, lo_c = caches["cpu"]
+    hi_g, lo_g = caches["cuda"]
+
+    R, n, max_pages = 6, 2, 40
+    pt = torch.stack([torch.randperm(n_pages)[:max_pages] for _ in range(R // n)]).to(torch.int32).repeat_interleave(n, 0)
+    lens = torch.tensor([1, 2, 1500, 1501, max_pages * 64 - 1, max_pages * 64], dtype=torch.int32)
+    q = torch.randn(R, 64, 128).to(torch.float8_e4m3fn)
+    w = torch.rand(R, 64)
+    width = max_pages * 64
+
+    def overlap(name, got, ref):
+        rec = [_recall(got.raw_indices[r].cpu(), ref.raw_indices[r]) for r in range(R)]
+        assert min(rec) >= 0.99, f"{name}: top-{topk} overlap with the CPU path per row: {rec}"
+        raw = got.raw_indices.long().cpu()
+        exp = torch.where(raw >= 0, pt.long().gather(1, raw.clamp(min=0) // 64) * 64 + raw % 64, -1)
+        assert torch.equal(got.page_indices.long().cpu(), exp), f"{name}: not SGLang's slot transform"
+
+    gq, gw, gl, gpt = q.to(dev), w.to(dev), lens.to(dev), pt.to(dev)
+    md_c, md_g = types.SimpleNamespace(compressed_seq_lens=lens), types.SimpleNamespace(compressed_seq_lens=gl)
+    plans_c, plans_g = core.ForwardPlans.for_layer(md_c, lens, 1), core.ForwardPlans.for_layer(md_g, gl, 1)
+    full = slice(0, R)
+    ref = core.rescore_rows(q, w, lens, pt, hi_c, lo_c, full, topk, kprime, plans_c)
+    overlap("rows", core.rescore_rows(gq, gw, gl, gpt, hi_g, lo_g, full, topk, kprime, plans_g), ref)
+    overlap("verify", core.rescore_verify(gq, gw, gl, gpt, hi_g, lo_g, n, full, topk, kprime, plans_g), ref)
+    cu, bt = core.extend_requests(torch.tensor([n] * (R // n), dtype=torch.int32, device=dev), gpt, R)
+    parts = [core.rescore_extend(gq, gw, gl, cu, bt, hi_g, lo_g, r, topk, kprime, plans_g)
+             for r in core.row_chunks(R, 3, width, False)]
+    overlap("extend", types.SimpleNamespace(raw_indices=torch.cat([p.raw_indices for p in parts]),
+                                            page_indices=torch.cat([p.page_indices for p in parts])), ref)
+    logits = core.paged_logits(gq, gw, gl, gpt, hi_g, width, full)  # unmasked fp8 logits, as SGLang's call returns
+    overlap("caller logits", core.rescore_rows(gq, gw, gl, gpt, hi_g, lo_g, full, topk, kprime, stage1_logits=logits),
+            ref)
+
+    # a decode step captured once: store (decode plan) + two C4 layers of rescored top-k, replayed on new lengths
+    dec_kv = torch.zeros(R, 128, device=dev)
+    dec_plan = torch.zeros(R, 16, dtype=torch.uint8, device=dev)
+    dec_loc = torch.zeros(R, dtype=torch.int64, device=dev)
+    out_idx = torch.full((R, topk), -1, dtype=torch.int32, device=dev)
+    out_raw = torch.full_like(out_idx, -1)
+    g_norm, g_fc = norm_w.to(dev), freq_cis.to(dev)
+    holder = types.SimpleNamespace(compressed_seq_lens=gl)
+
+    def step():
+        core.store_index_k_bf16(dec_kv, dec_plan, is_decode=True, compress_ratio=4, norm_weight=g_norm, norm_eps=1e-6,
+                                freq_cis=g_fc, out_loc=dec_loc, kvcache=hi_g, mode="fp8-rescore", lo_cache=lo_g)
+        for layer in (0, 1):
+            plans = core.ForwardPlans.for_layer(holder, gl, layer)
+            res = core.rescore_rows(gq, gw, gl, gpt, hi_g, lo_g, full, topk, kprime, plans)
+            out_idx.copy_(res.page_indices)
+            out_raw.copy_(res.raw_indices)
+
+    core.ensure_warm(dev)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for replay in range(2):
+        new_lens = torch.randint(1, width + 1, (R,), dtype=torch.int32)
+        new_q = torch.randn(R, 64, 128).to(torch.float8_e4m3fn)
+        new_kv = torch.randn(R, 128)
+        seq = [int(x) * 4 for x in new_lens]  # compression boundaries; the even rows write (one row per request)
+        loc = torch.tensor([int(pt[r, (int(new_lens[r]) - 1) // 64]) * 64 + (int(new_lens[r]) - 1) % 64
+                            if r % 2 == 0 else -1 for r in range(R)], dtype=torch.int64)
+        for t, v in ((gl, new_lens), (gq, new_q), (dec_kv, new_kv), (dec_plan, _decode_plan(seq)), (dec_loc, loc)):
+            t.copy_(v.to(dev))
+        graph.replay()
+        torch.cuda.synchronize()
+        core.store_index_k_bf16(new_kv, _decode_plan(seq), is_decode=True, compress_ratio=4, norm_weight=norm_w,
+                                norm_eps=1e-6, freq_cis=freq_cis, out_loc=loc, kvcache=hi_c, mode="fp8-rescore",
+                                lo_cache=lo_c)
+        ref = core.rescore_rows(new_q, w, new_lens, pt, hi_c, lo_c, full, topk, kprime)
+        overlap(f"graph replay {replay + 1}", types.SimpleNamespace(raw_indices=out_raw, page_indices=out_idx), ref)
+
+
 # --------------------------------------------------------------------------------------------------
 # python -m cupy_dsa.sglang check
 # --------------------------------------------------------------------------------------------------
@@ -830,8 +1081,8 @@ def test_check_switch_off(self_check):
     code, lines = self_check()
     assert any(f"{ENV} unset -> fp8: the switch is off" in t for t in lines["ok"]), lines
     assert any("entry point cupy_dsa = cupy_dsa.sglang.plugin:register" in t for t in lines["ok"]), lines
-    assert any(t.startswith("server flag --cupy-dsa-index-k-dtype {fp8,bf16,bf16-fp4sim,bf16-reference,fp8-cupy}")
-               for t in lines["ok"])
+    assert any(t.startswith("server flag --cupy-dsa-index-k-dtype {fp8,bf16,bf16-fp4sim,bf16-reference,fp8-cupy,"
+                            "fp8-rescore}") for t in lines["ok"])
     assert lines["PROBLEM"] == [p for p in lines["PROBLEM"] if p.startswith("no CUDA GPU visible")] != [], lines
     assert code == 1
 
@@ -857,9 +1108,9 @@ def test_check_self_test_runs_each_mode_on_cpu(monkeypatch):
     seen = []
     real = core.store_index_k_bf16
     monkeypatch.setattr(core, "store_index_k_bf16", lambda *a, **k: seen.append(k["kvcache"].shape[1]) or real(*a, **k))
-    for mode in ("bf16", "bf16-fp4sim", "bf16-reference", "fp8-cupy"):
+    for mode in ("bf16", "bf16-fp4sim", "bf16-reference", "fp8-cupy", "fp8-rescore"):
         assert check.self_test(torch.device("cpu"), mode) == 0.0
-    assert seen == [layouts.BF16_PAGE_BYTES] * 6 + [layouts.FP8_PAGE_BYTES] * 2
+    assert seen == [layouts.BF16_PAGE_BYTES] * 6 + [layouts.FP8_PAGE_BYTES] * 4
 
 
 def test_check_fp8_cupy_mode_line(self_check, monkeypatch):
@@ -871,6 +1122,26 @@ def test_check_fp8_cupy_mode_line(self_check, monkeypatch):
     assert code == 0 and "gpu checked for fp8-cupy" in lines["ok"], lines
     assert any(t.startswith(f"{ENV}=fp8-cupy -> fp8-cupy: SGLang's fp8 index keys (132 B per entry")
                for t in lines["ok"]), lines
+
+
+def test_check_fp8_rescore_mode_line(self_check, monkeypatch):
+    from cupy_dsa.sglang import check
+
+    monkeypatch.setenv(ENV, "fp8-rescore")
+    monkeypatch.setenv(core.RESCORE_STAGE1_ENV, "cupy")
+    monkeypatch.setenv(core.RESCORE_KPRIME_ENV, "3x")
+    monkeypatch.setattr(check, "_gpu_lines", lambda mode: [(check.OK, f"gpu checked for {mode}")])
+    code, lines = self_check()
+    assert code == 0 and "gpu checked for fp8-rescore" in lines["ok"], lines
+    (line,) = [t for t in lines["ok"] if t.startswith(f"{ENV}=fp8-rescore -> fp8-rescore: two-level index keys")]
+    assert "int8 residual pages (264 B per entry)" in line and "stage 1 = cupy_dsa's fp8-key kernels" in line, line
+    assert "K' = 3x index_topk" in line, line
+    monkeypatch.setenv(core.RESCORE_KPRIME_ENV, "none")
+    code, lines = self_check()
+    assert code == 1 and any(f"{core.RESCORE_KPRIME_ENV}='none'" in t for t in lines["PROBLEM"]), lines
+    monkeypatch.setenv(ENV, "bf16")  # a rescore setting with another mode: the refusal
+    code, lines = self_check()
+    assert code == 1 and any("apply to fp8-rescore only" in t for t in lines["PROBLEM"]), lines
 
 
 def test_check_gpu_below_the_minimum_arch_is_a_problem(self_check, monkeypatch):
@@ -950,7 +1221,8 @@ def gpu_stub(monkeypatch):
 def test_check_mode_stands_for_the_flag_or_yaml_key(self_check, gpu_stub, mode):
     code, lines = self_check(mode.upper())
     assert code == 0 and "PROBLEM" not in lines, lines
-    keys = "bf16 index keys" if core.cache_layout(mode) == "bf16" else "SGLang's fp8 index keys (132 B per entry"
+    keys = ("two-level index keys" if core.is_two_level(mode) else
+            "bf16 index keys" if core.cache_layout(mode) == "bf16" else "SGLang's fp8 index keys (132 B per entry")
     assert any(t.startswith(f"{ENV}={mode} (from --cupy-dsa-index-k-dtype {mode}, --mode) -> {mode}: {keys}")
                for t in lines["ok"]), lines
     assert f"gpu self-test for {mode}" in lines["ok"]
@@ -1029,7 +1301,7 @@ def test_startup_logs_the_pd_layout_tag_with_the_variable(monkeypatch, caplog):
 def test_gpu_check_self_test():
     from cupy_dsa.sglang import check
 
-    for mode in ("bf16", "bf16-fp4sim", "fp8-cupy"):
+    for mode in ("bf16", "bf16-fp4sim", "fp8-cupy", "fp8-rescore"):
         assert check.self_test(torch.device("cuda"), mode) <= check.SELF_TEST_TOLERANCE
     code, lines = check.run()
     assert any("store + logits match the CPU reference" in t for s, t in lines if s == check.OK), lines

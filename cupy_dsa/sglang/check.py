@@ -65,6 +65,7 @@ def _mode_lines(flag: str | None = None) -> tuple[str | None, list[tuple[str, st
     except ValueError as e:
         return None, [(PROBLEM, f"{e}. SGLang start-up is refused with this value: set {ENV_NAME} to one of "
                                 f"{', '.join(MODES)}.")]
+
     if flag is not None:
         flag = core.parse_mode(flag)
         if raw and raw.strip() and mode != flag:
@@ -73,11 +74,20 @@ def _mode_lines(flag: str | None = None) -> tuple[str | None, list[tuple[str, st
         if not (raw and raw.strip()):
             raw = flag  # what the flag sets in the launcher before the schedulers start
         mode = flag
+    problem = core.rescore_settings_problem(mode)
+    if problem:
+        return None, [(PROBLEM, f"{problem}. SGLang start-up is refused with this setting.")]
     source = f" (from {CLI_FLAG} {flag}, --mode)" if flag is not None else ""
     if mode == "fp8":
         shown = f"{ENV_NAME}={raw}{source}" if raw and raw.strip() else f"{ENV_NAME} unset"
         lines = [(OK, f"{shown} -> fp8: the switch is off, SGLang runs unchanged with its fp8 "
                       f"index keys (set {ENV_NAME}=bf16 or pass {CLI_FLAG} bf16 to turn it on)")]
+    elif core.is_two_level(mode):
+        settings = core.parse_rescore_settings(os.environ.get(core.RESCORE_STAGE1_ENV),
+                                               os.environ.get(core.RESCORE_KPRIME_ENV)).describe()
+        lines = [(OK, f"{ENV_NAME}={raw}{source} -> {mode}: two-level index keys, SGLang's fp8 keys (its bytes, its "
+                      f"pool buffer) + int8 residual pages ({core.index_bytes_per_entry(mode)} B per entry), SGLang's "
+                      f"fp8 query; {settings}")]
     elif core.cache_layout(mode) == "fp8":
         lines = [(OK, f"{ENV_NAME}={raw}{source} -> {mode}: SGLang's fp8 index keys (132 B per entry, SGLang's bytes) "
                        f"written by cupy_dsa's store and scored by cupy_dsa's kernels, SGLang's fp8 query")]
@@ -174,7 +184,8 @@ SELF_TEST_TOLERANCE = 2e-3
 def self_test(device: torch.device, mode: str) -> float:
     """Store 128 keys (two pages of the mode's cache layout) through a prefill plan, score 2 rows of the mode's q
     (fp8, or bf16 for bf16-reference) over them, on ``device`` and on the CPU reference; the largest logit
-    difference relative to the row's largest reference logit."""
+    difference relative to the row's largest reference logit. fp8-rescore stores the residual pages too and
+    compares the stage-2 scores (from both pages) of every key as well."""
     import numpy as np
 
     gen = torch.Generator().manual_seed(0)
@@ -191,19 +202,26 @@ def self_test(device: torch.device, mode: str) -> float:
     w = torch.rand(2, 64, generator=gen)
     lens = torch.tensor([70, n_tok], dtype=torch.int32)
     page_table = torch.tensor([[1, 0], [0, 1]], dtype=torch.int32)
-    logits = []
+    logits, stage2 = [], []
     for dev in (torch.device("cpu"), device):
         cache = torch.zeros(n_pages, layouts.page_bytes(core.cache_layout(mode)), dtype=torch.uint8, device=dev)
+        lo = torch.zeros_like(cache) if core.is_two_level(mode) else None
         core.store_index_k_bf16(kv.to(dev), plan.to(dev), is_decode=False, compress_ratio=4,
                                 norm_weight=norm_w.to(dev), norm_eps=1e-6, freq_cis=freq_cis.to(dev),
-                                out_loc=out_loc.to(dev), kvcache=cache, mode=mode)
+                                out_loc=out_loc.to(dev), kvcache=cache, mode=mode, lo_cache=lo)
         logits.append(core.paged_logits(q.to(dev), w.to(dev), lens.to(dev), page_table.to(dev), cache, n_tok,
                                         slice(0, 2)).cpu())
-    ref, got = logits
+        if lo is not None:
+            from cupy_dsa.rescore import rescore_candidate_scores
+
+            cand = torch.arange(n_tok, dtype=torch.int32, device=dev).repeat(2, 1)
+            stage2.append(rescore_candidate_scores(q.to(dev).unsqueeze(1), w.to(dev), cache, lo, lens.to(dev),
+                                                   page_table.to(dev), cand).cpu())
     worst = 0.0
-    for r, n in enumerate(lens.tolist()):
-        scale = ref[r, :n].abs().max().item() + 1e-6
-        worst = max(worst, (got[r, :n] - ref[r, :n]).abs().max().item() / scale)
+    for ref, got in (logits, stage2) if stage2 else (logits,):
+        for r, n in enumerate(lens.tolist()):
+            scale = ref[r, :n].abs().max().item() + 1e-6
+            worst = max(worst, (got[r, :n] - ref[r, :n]).abs().max().item() / scale)
     return worst
 
 

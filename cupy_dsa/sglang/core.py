@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -22,14 +24,28 @@ logger = logging.getLogger(__name__)
 
 ENV_NAME = "SGLANG_CUPY_DSA_INDEX_K"
 CLI_FLAG = "--cupy-dsa-index-k-dtype"
-MODES = ("fp8", "bf16", "bf16-fp4sim", "bf16-reference", "fp8-cupy")
+MODES = ("fp8", "bf16", "bf16-fp4sim", "bf16-reference", "fp8-cupy", "fp8-rescore")
 # bf16-reference: DeepSeek-V4's own indexer numerics (its reference inference code): FP4-simulated keys in bf16
 # and an FP4-simulated bf16 query (cupy_dsa.prepare_index_q), fp32 scores; the other modes keep SGLang's fp8 q
 REFERENCE_MODE = "bf16-reference"
 # fp8-cupy: SGLang's fp8 index keys (132 B per entry, the bytes SGLang's store writes, same pool memory) written
 # by cupy_dsa's store and scored by cupy_dsa's kernels: the format of fp8, the kernels of bf16 (a diagnosis mode)
 FP8_CUPY_MODE = "fp8-cupy"
+# fp8-rescore: two-level index keys (cupy_dsa.rescore): SGLang's fp8 page (the "hi" page, its bytes in its own pool
+# buffer) plus an int8 residual page ("lo", a buffer of the same page count beside it), 264 B per entry; each row's
+# top index_topk is chosen among its K' best fp8 logits (stage 1) by their scores from hi + lo (stage 2)
+RESCORE_MODE = "fp8-rescore"
 DEFAULT_MODE = "fp8"
+
+# fp8-rescore's settings: which kernel computes stage 1 (SGLang's own fp8 logits call, or cupy_dsa's fp8-key
+# kernels) and K' (a multiple of index_topk, "4x", or a count of candidates per row, "2048")
+RESCORE_STAGE1_ENV = "SGLANG_CUPY_DSA_RESCORE_STAGE1"
+RESCORE_KPRIME_ENV = "SGLANG_CUPY_DSA_RESCORE_KPRIME"
+RESCORE_STAGE1_FLAG = "--cupy-dsa-rescore-stage1"
+RESCORE_KPRIME_FLAG = "--cupy-dsa-rescore-kprime"
+STAGE1_CHOICES = ("sglang", "cupy")
+DEFAULT_STAGE1 = "sglang"
+DEFAULT_KPRIME = "4x"
 
 # Without SGLang's row-chunk plan (SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1 builds none) an eager call still
 # bounds one fp32 logits block to this many bytes; graph-captured calls are never split (fixed shapes).
@@ -44,7 +60,8 @@ def parse_mode(value) -> str:
     if v not in MODES:
         raise ValueError(f"{ENV_NAME}={value!r}: expected one of {', '.join(MODES)} "
                          f"(fp8 leaves SGLang unchanged; bf16 / bf16-fp4sim / bf16-reference store 256-byte bf16 index "
-                         f"keys; fp8-cupy keeps SGLang's 132-byte fp8 keys on cupy_dsa's kernels)")
+                         f"keys; fp8-cupy keeps SGLang's 132-byte fp8 keys on cupy_dsa's kernels; fp8-rescore adds "
+                         f"a 132-byte residual page to them and rescores each row's fp8 candidates)")
     return v
 
 
@@ -84,9 +101,11 @@ def set_mode(value) -> str:
 
 
 def reset_mode() -> None:
-    """Forget the cached switch (tests that change the variable within one process)."""
-    global _MODE
+    """Forget the cached switch and fp8-rescore's cached settings (tests that change the variables within one
+    process)."""
+    global _MODE, _RESCORE
     _MODE = None
+    _RESCORE = None
 
 
 def enabled() -> bool:
@@ -94,16 +113,118 @@ def enabled() -> bool:
 
 
 def cache_layout(mode: str) -> str:
-    """The index-cache row format of a mode: ``"fp8"`` (SGLang's 132 B per entry: fp8 and fp8-cupy) or ``"bf16"``
-    (256 B per entry)."""
-    return "fp8" if mode in ("fp8", FP8_CUPY_MODE) else "bf16"
+    """The row format of the index cache in SGLang's pool: ``"fp8"`` (SGLang's 132 B per entry: fp8, fp8-cupy, and
+    fp8-rescore's hi page) or ``"bf16"`` (256 B per entry)."""
+    return "fp8" if mode in ("fp8", FP8_CUPY_MODE, RESCORE_MODE) else "bf16"
+
+
+def is_two_level(mode: str) -> bool:
+    """Whether the mode keeps a residual (lo) page beside SGLang's fp8 page (fp8-rescore)."""
+    return mode == RESCORE_MODE
+
+
+def index_bytes_per_entry(mode: str) -> int:
+    """Index-key bytes of one compressed token in a mode (what SGLang's KV budget counts): 132, 256 or 264."""
+    from cupy_dsa.rescore import TWO_LEVEL_BYTES_PER_TOKEN
+    from cupy_dsa.layouts import BF16_BYTES_PER_TOKEN, FP8_BYTES_PER_TOKEN
+
+    if is_two_level(mode):
+        return TWO_LEVEL_BYTES_PER_TOKEN
+    return FP8_BYTES_PER_TOKEN if cache_layout(mode) == "fp8" else BF16_BYTES_PER_TOKEN
 
 
 def describe(mode: str) -> str:
     """What a mode serves, for messages."""
     if mode == FP8_CUPY_MODE:
         return "SGLang's fp8 C4 index keys on cupy_dsa's store and kernels"
+    if mode == RESCORE_MODE:
+        return ("two-level C4 index keys (SGLang's fp8 keys + int8 residual pages, 264 B per entry) and a rescored "
+                "top-k")
     return "bf16 C4 index keys"
+
+
+# --------------------------------------------------------------------------------------------------
+# fp8-rescore's settings: stage 1 and K'
+# --------------------------------------------------------------------------------------------------
+
+class RescoreSettings(NamedTuple):
+    """``stage1``: ``"sglang"`` (SGLang's own fp8 logits call, the function its forward would call) or ``"cupy"``
+    (cupy_dsa's fp8-key kernels on the plugin's routes); K' is ``multiple x index_topk`` or ``count``."""
+    stage1: str
+    multiple: int | None
+    count: int | None
+
+    def k_prime(self, index_topk: int) -> int:
+        """Candidates per row for a layer of ``index_topk`` (the ops cap it at the row's width)."""
+        if self.count is not None:
+            if self.count < index_topk:
+                raise ValueError(f"{RESCORE_KPRIME_ENV}={self.count}: K' must be at least index_topk ({index_topk}); "
+                                 f"use a multiple such as 4x")
+            return self.count
+        return self.multiple * int(index_topk)
+
+    def describe(self) -> str:
+        kp = f"{self.multiple}x index_topk" if self.count is None else f"{self.count}"
+        first = ("SGLang's own fp8 logits call" if self.stage1 == "sglang" else "cupy_dsa's fp8-key kernels")
+        return f"stage 1 = {first} ({RESCORE_STAGE1_ENV}={self.stage1}), K' = {kp} ({RESCORE_KPRIME_ENV})"
+
+
+def parse_stage1(value) -> str:
+    if value is None or str(value).strip() == "":
+        return DEFAULT_STAGE1
+    v = str(value).strip().lower()
+    if v not in STAGE1_CHOICES:
+        raise ValueError(f"{RESCORE_STAGE1_ENV}={value!r}: expected one of {', '.join(STAGE1_CHOICES)} (sglang: "
+                         f"SGLang's own fp8 logits call computes stage 1; cupy: cupy_dsa's fp8-key kernels)")
+    return v
+
+
+def parse_k_prime(value) -> tuple[int | None, int | None]:
+    """(multiple, count) of a K' value: ``"4x"`` (a multiple of index_topk, an int >= 1) or ``"2048"`` (candidates
+    per row, an int >= 1; at least the layer's index_topk, checked when it is known)."""
+    if value is None or str(value).strip() == "":
+        value = DEFAULT_KPRIME
+    v = str(value).strip().lower()
+    multiple = v.endswith("x")
+    digits = v[:-1] if multiple else v
+    if not digits.isdigit() or int(digits) < 1 or int(digits) > 2**31 - 1:
+        raise ValueError(f"{RESCORE_KPRIME_ENV}={value!r}: expected a multiple of index_topk such as 4x (an int >= 1 "
+                         f"followed by x) or a number of candidates per row such as 2048")
+    return (int(digits), None) if multiple else (None, int(digits))
+
+
+def parse_rescore_settings(stage1=None, k_prime=None) -> RescoreSettings:
+    return RescoreSettings(parse_stage1(stage1), *parse_k_prime(k_prime))
+
+
+_RESCORE: RescoreSettings | None = None
+
+
+def rescore_settings() -> RescoreSettings:
+    """fp8-rescore's settings from the environment, read once per process (like the switch)."""
+    global _RESCORE
+    if _RESCORE is None:
+        _RESCORE = parse_rescore_settings(os.environ.get(RESCORE_STAGE1_ENV), os.environ.get(RESCORE_KPRIME_ENV))
+    return _RESCORE
+
+
+def rescore_settings_problem(mode: str) -> str | None:
+    """Why the rescore variables cannot be used with ``mode`` (an invalid value, or a value set for another mode
+    that is on), else None. With the switch off (fp8) nothing is read."""
+    if mode == "fp8":
+        return None
+    if mode != RESCORE_MODE:
+        stray = [n for n in (RESCORE_STAGE1_ENV, RESCORE_KPRIME_ENV) if (os.environ.get(n) or "").strip()]
+        if stray:
+            verb = "they apply" if len(stray) > 1 else "it applies"
+            return (f"{', '.join(stray)} set with {ENV_NAME}={mode}: {verb} to {RESCORE_MODE} only. Unset "
+                    f"{' and '.join(stray)}, or set {ENV_NAME}={RESCORE_MODE}")
+        return None
+    try:
+        parse_rescore_settings(os.environ.get(RESCORE_STAGE1_ENV), os.environ.get(RESCORE_KPRIME_ENV))
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def numerics_of(mode: str) -> str:
@@ -138,25 +259,33 @@ def pd_layout_hint(mode: str) -> str:
 STORE_SOURCE = "store_index_k.cu"
 LOGITS_SOURCE = "mqa_logits.cu"
 QUERY_SOURCE = "prepare_index_q.cu"
+RESCORE_SOURCE = "rescore_topk.cu"
 
 
-def warm_expressions(arch: str, *, mode: str, next_ns=(1,), kv_dtypes=(torch.bfloat16,)) -> dict[str, list[str]]:
+def warm_expressions(arch: str, *, mode: str, next_ns=(1,), kv_dtypes=(torch.bfloat16,),
+                     stage1: str = "cupy") -> dict[str, list[str]]:
     """The kernel instantiations one SGLang server launches, ``{source_file: [name expressions]}``: the mode's
     cache layout (:func:`cache_layout`), fp8 q, the given ``next_ns`` (1, plus the MTP draft count), the mode's
     store numerics on SGLang's decode and prefill plan rows for the model's kv dtype. Everything else compiles
     on first use.
     The logits expressions are ``cupy_dsa.logits.product_instantiations``; bf16-reference adds the query prep
-    for bf16 head weights (``weights_proj``'s dtype) and takes the bf16-query logits."""
-    from cupy_dsa import launch, logits, query, store
+    for bf16 head weights (``weights_proj``'s dtype) and takes the bf16-query logits. fp8-rescore stores both
+    pages in one launch (the store's ``two-level`` layout), adds the rescoring kernels for SGLang's fp8 q, and
+    launches no logits kernel of its own when SGLang's call computes stage 1 (``stage1="sglang"``)."""
+    from cupy_dsa import launch, logits, query, rescore, store
 
     product = launch.product_expressions(arch)
     kv_dtypes = tuple(d for d in kv_dtypes if d in (torch.float32, torch.bfloat16)) or (torch.bfloat16,)
     layout = cache_layout(mode)
     out = {STORE_SOURCE: store.product_instantiations(
-        layouts=(layout,), numerics=(numerics_of(mode),), key_styles=("v4",), hadamard=(True,),
-        in_dtypes=kv_dtypes, sources=("decode", "prefill"))}
-    out[LOGITS_SOURCE] = logits.product_instantiations(arch, q_fp8=(int(query_is_fp8(mode)),),
-                                                       next_ns=tuple(sorted(set(next_ns))), layouts=(layout,))
+        layouts=("two-level" if is_two_level(mode) else layout,), numerics=(numerics_of(mode),), key_styles=("v4",),
+        hadamard=(True,), in_dtypes=kv_dtypes, sources=("decode", "prefill"))}
+    if not (is_two_level(mode) and stage1 == "sglang"):
+        out[LOGITS_SOURCE] = logits.product_instantiations(arch, q_fp8=(int(query_is_fp8(mode)),),
+                                                           next_ns=tuple(sorted(set(next_ns))), layouts=(layout,))
+    if is_two_level(mode):  # SGLang's fp8 q in stage 2: not the bf16-q instantiation of stage 2
+        out[RESCORE_SOURCE] = [rescore.RESCORE.select(p, None).expr for p in rescore.RESCORE.problems
+                               if p != ("stage2", 0)]
     if not query_is_fp8(mode):
         out[QUERY_SOURCE] = query.product_instantiations(numerics=("fp4sim",), weight_dtypes=(torch.bfloat16,))
     for filename, exprs in out.items():
@@ -200,7 +329,8 @@ def ensure_warm(device: torch.device) -> None:
         return
     idx = device.index if device.index is not None else torch.cuda.current_device()
     mode = index_k_mode()
-    key = (idx, mode, _WARM_CONFIG["next_ns"], _WARM_CONFIG["kv_dtypes"])
+    stage1 = rescore_settings().stage1 if is_two_level(mode) else "cupy"
+    key = (idx, mode, stage1, _WARM_CONFIG["next_ns"], _WARM_CONFIG["kv_dtypes"])
     if key in _WARMED:
         return
     with _WARM_LOCK:
@@ -212,7 +342,7 @@ def ensure_warm(device: torch.device) -> None:
         from cupy_dsa import runtime
 
         exprs = warm_expressions(runtime.device_arch(idx), mode=mode if mode != "fp8" else "bf16",
-                                 next_ns=_WARM_CONFIG["next_ns"], kv_dtypes=_WARM_CONFIG["kv_dtypes"])
+                                 next_ns=_WARM_CONFIG["next_ns"], kv_dtypes=_WARM_CONFIG["kv_dtypes"], stage1=stage1)
         n = runtime.warm_up_expressions(idx, exprs)
         logger.info("cupy_dsa: warmed %d kernel instantiations on cuda:%d (%s)", n, idx,
                     ", ".join(f"{f}: {len(e)}" for f, e in exprs.items()))
@@ -235,6 +365,42 @@ def is_bf16_index_cache(kvcache: torch.Tensor) -> bool:
     return index_cache_layout(kvcache) == "bf16"
 
 
+# fp8-rescore's lo pages, by the hi buffer they belong to (SGLang's fp8 page rows of one C4 layer). The pool hook
+# registers each pair at allocation; the store hook and the forward, which SGLang hands only the hi buffer, look the
+# lo buffer up here. An entry holds the hi buffer weakly and answers only while that tensor is alive (a freed
+# buffer's address reused by another tensor finds nothing).
+_LO_PAGES: dict[tuple[str, int], tuple[weakref.ref, torch.Tensor]] = {}
+
+
+def register_lo_cache(hi: torch.Tensor, lo: torch.Tensor) -> None:
+    if lo.shape != hi.shape or lo.device != hi.device or lo.dtype != torch.uint8:
+        raise ValueError(f"lo pages {lo.dtype} {tuple(lo.shape)} on {lo.device} do not match the fp8 page rows "
+                         f"{hi.dtype} {tuple(hi.shape)} on {hi.device}")
+    _LO_PAGES[(str(hi.device), hi.data_ptr())] = (weakref.ref(hi), lo)
+
+
+def lo_cache_of(hi: torch.Tensor) -> torch.Tensor | None:
+    """The lo pages of an fp8 index cache (its page rows, or a view of them at the same address), or None."""
+    entry = _LO_PAGES.get((str(hi.device), hi.data_ptr()))
+    if entry is None:
+        return None
+    owner, lo = entry
+    base = owner()
+    if base is None or base.data_ptr() != hi.data_ptr() or lo.shape[0] != hi.shape[0]:
+        return None
+    return lo
+
+
+def require_lo_cache(hi: torch.Tensor, what: str) -> torch.Tensor:
+    lo = lo_cache_of(hi)
+    if lo is None:
+        raise RuntimeError(
+            f"cupy_dsa ({ENV_NAME}={RESCORE_MODE}): {what}: the fp8 index cache {tuple(hi.shape)} on {hi.device} has "
+            f"no residual (lo) pages. They are allocated with SGLang's indexer pool when {ENV_NAME}={RESCORE_MODE} is set "
+            f"before SGLang starts (every scheduler process must see it; SGLANG_PLUGINS, if set, must list cupy_dsa).")
+    return lo
+
+
 def rope_table(freq_cis: torch.Tensor) -> torch.Tensor:
     """SGLang passes complex64 ``[max_pos, 32]``; the store takes float32 ``[max_pos, 64]`` (cos, sin
     interleaved), which is the same memory viewed as real pairs (no copy)."""
@@ -245,10 +411,12 @@ def rope_table(freq_cis: torch.Tensor) -> torch.Tensor:
 
 def store_index_k_bf16(kv: torch.Tensor, plan_rows: torch.Tensor, *, is_decode: bool, compress_ratio: int,
                        norm_weight: torch.Tensor, norm_eps: float, freq_cis: torch.Tensor,
-                       out_loc: torch.Tensor, kvcache: torch.Tensor, mode: str) -> None:
+                       out_loc: torch.Tensor, kvcache: torch.Tensor, mode: str,
+                       lo_cache: torch.Tensor | None = None) -> None:
     """Write index keys for SGLang's plan rows (uint8 ``[N, 16]``) into ``kvcache``: bf16 rows (uint8
     ``[P, 16384]``) in the mode's numerics, or SGLang's fp8 rows (uint8 ``[P, 8448]``, fp8-cupy), the layout
-    taken from the cache as the store does."""
+    taken from the cache as the store does; with ``lo_cache`` (fp8-rescore) the fp8 rows and their residual pages
+    in one launch."""
     import cupy_dsa
 
     if kv.is_cuda:
@@ -258,7 +426,7 @@ def store_index_k_bf16(kv: torch.Tensor, plan_rows: torch.Tensor, *, is_decode: 
     cupy_dsa.store_index_k_from_plan(
         kv, plan_rows, cache=kvcache, out_loc=out_loc, norm_weight=norm_weight, freqs_cis=rope_table(freq_cis),
         is_decode=bool(is_decode), compress_ratio=int(compress_ratio), eps=float(norm_eps),
-        numerics=numerics_of(mode), key_style="v4", hadamard=True)
+        numerics=numerics_of(mode), key_style="v4", hadamard=True, lo_cache=lo_cache)
 
 
 def reference_query(c4_indexer, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
@@ -357,6 +525,80 @@ def extend_logits(q: torch.Tensor, weights: torch.Tensor, ks: torch.Tensor, ke: 
     return cupy_dsa.mqa_logits(q.contiguous(), kvcache, weights.contiguous(), _as_i32(ks).contiguous(),
                                _as_i32(ke).contiguous(), block_table=block_table, cu_rows=cu_rows,
                                clean_logits=False, rows=span, **kw)
+
+
+# --------------------------------------------------------------------------------------------------
+# fp8-rescore (H3): the two-stage top-k of one row chunk (cupy_dsa.rescore), in SGLang's output form
+# --------------------------------------------------------------------------------------------------
+
+def rescore_rows(q: torch.Tensor, weights: torch.Tensor, lens: torch.Tensor, page_table: torch.Tensor,
+                 hi: torch.Tensor, lo: torch.Tensor, rows: slice, index_topk: int, k_prime: int,
+                 plans: "ForwardPlans | None" = None, stage1_logits: torch.Tensor | None = None):
+    """SGLang's rows as requests of one row each (``paged_logits``' contract: row r sees positions ``[0, lens[r])``
+    through its page-table row). Stage 1: ``stage1_logits`` (``[len(rows), >= width]``, unmasked: SGLang's own fp8
+    logits call) or cupy_dsa's fp8 logits on ``hi``. Returns ``cupy_dsa.rescore.RescoreTopK``."""
+    import cupy_dsa
+    from cupy_dsa import rescore
+
+    if q.is_cuda:
+        ensure_warm(q.device)
+    lens_r = _as_i32(lens[rows]).contiguous()
+    kw = {}
+    if plans is not None and stage1_logits is None:
+        kw["plan"] = plans.get(("rows", rows.start, rows.stop), lambda: cupy_dsa.paged_mqa_logits_plan(lens_r, 1))
+    return rescore.rescore_topk(q[rows].unsqueeze(1).contiguous(), weights[rows].contiguous(), hi, lo, lens_r,
+                                _as_i32(page_table[rows]), index_topk, k_prime, stage1_logits=stage1_logits, **kw)
+
+
+def rescore_verify(q: torch.Tensor, weights: torch.Tensor, lens: torch.Tensor, page_table: torch.Tensor,
+                   hi: torch.Tensor, lo: torch.Tensor, next_n: int, rows: slice, index_topk: int, k_prime: int,
+                   plans: "ForwardPlans | None" = None):
+    """MTP target-verify rows grouped by request (``verify_logits``' contract: rows ``[b*n, b*n + n)`` of the chunk
+    are request b's, one page-table row each); stage 1 from cupy_dsa's fp8 logits at next_n = n. Output rows keep
+    SGLang's order."""
+    import cupy_dsa
+    from cupy_dsa import rescore
+
+    if q.is_cuda:
+        ensure_warm(q.device)
+    count = rows.stop - rows.start
+    if count % next_n:
+        raise ValueError(f"rescore_verify: rows {rows} are not whole requests of {next_n} rows")
+    B = count // next_n
+    lens_2d = _as_i32(lens[rows]).contiguous().view(B, next_n)
+    kw = {}
+    if plans is not None:
+        kw["plan"] = plans.get(("verify", rows.start, rows.stop, next_n),
+                               lambda: cupy_dsa.paged_mqa_logits_plan(lens_2d, next_n))
+    block_table = _as_i32(page_table[rows])[::next_n]  # one row per request (a strided view, no copy)
+    return rescore.rescore_topk(q[rows].contiguous().view(B, next_n, *q.shape[1:]), weights[rows].contiguous(), hi,
+                                lo, lens_2d, block_table, index_topk, k_prime, **kw)
+
+
+def rescore_extend(q: torch.Tensor, weights: torch.Tensor, lens: torch.Tensor, cu_rows: torch.Tensor,
+                   block_table: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, rows: slice, index_topk: int,
+                   k_prime: int, plans: "ForwardPlans | None" = None):
+    """A multi-request extend (``extend_logits``' contract): row i of request b sees positions ``[0, lens[i])`` of
+    block-table row b; stage 1 from one varlen ``mqa_logits`` launch. A row chunk is a call of its own, with the
+    request offsets shifted to the chunk (requests outside it own no row); its offsets and tile plan are built once
+    per forward. Every row keeps its whole range: the rescored top-k bypasses SGLang's, so nothing fills short
+    rows for it."""
+    import cupy_dsa
+    from cupy_dsa import rescore
+
+    if q.is_cuda:
+        ensure_warm(q.device)
+
+    def build():
+        cu = cu_rows if (rows.start == 0 and rows.stop >= q.shape[0]) else \
+            (cu_rows - rows.start).clamp_(0, rows.stop - rows.start)
+        return cu, cupy_dsa.mqa_logits_plan(cu)
+
+    cu, plan = plans.get(("rescore-varlen", rows.start, rows.stop), build) if plans is not None else build()
+    ke = _as_i32(lens[rows]).contiguous()
+    return rescore.rescore_topk_prefill(q[rows].contiguous(), weights[rows].contiguous(), hi, lo,
+                                        torch.zeros_like(ke), ke, block_table, index_topk, k_prime, cu_rows=cu,
+                                        plan=plan)
 
 
 class ForwardPlans:

@@ -1,6 +1,7 @@
 """cupy_dsa's forward of SGLang's ``C4IndexerBackendMixin.forward_c4_indexer`` (the H3 hook calls it): SGLang's
 steps in SGLang's order, with the logits from cupy_dsa over the mode's index cache (bf16 rows, or SGLang's fp8 rows
-in fp8-cupy), and the route that picks how a forward's rows are launched. Imports SGLang only inside functions."""
+in fp8-cupy), or in fp8-rescore the two-stage top-k of two-level keys in place of SGLang's top-k, and the route that
+picks how a forward's rows are launched. Imports SGLang only inside functions."""
 
 from __future__ import annotations
 
@@ -175,6 +176,12 @@ def forward_c4_indexer_bf16(self, *, x, q_lora, c4_indexer, forward_batch, alt_s
     rows_per_chunk = indexer_metadata.rows_per_chunk
     if route == ROUTE_GROUPED and rows_per_chunk is not None and rows_per_chunk < rows and rows_per_chunk % next_n:
         route, next_n = ROUTE_ROWS, 1  # SGLang's chunks would split a request's draft rows
+    if core.is_two_level(index_k_mode()):
+        _rescored_topk(self, ix, forward_batch, c4_indexer, q=q, weights=weights, lens=lens, page_table=page_table,
+                       page_indices=page_indices, raw_indices=raw_indices, kvcache=kvcache, route=route,
+                       next_n=next_n, capturing=capturing)
+        _epilogue(self, forward_batch, c4_indexer, hisparse, hisparse_decode, raw_indices, capturer)
+        return
     chunks = core.row_chunks(rows, rows_per_chunk, width, capturing, multiple=next_n)
     topk_plans = indexer_metadata.topk_metadata_chunks
     if (topk_plans is None or rows_per_chunk is None or len(topk_plans) != len(chunks)
@@ -200,7 +207,14 @@ def forward_c4_indexer_bf16(self, *, x, q_lora, c4_indexer, forward_batch, alt_s
             logits = core.paged_logits(q, weights, lens, page_table, kvcache, width, r, plans)
         run_topk(r, logits, topk_plans[i] if topk_plans is not None else None)
         del logits
+    _epilogue(self, forward_batch, c4_indexer, hisparse, hisparse_decode, raw_indices, capturer)
 
+
+def _epilogue(self, forward_batch, c4_indexer, hisparse, hisparse_decode, raw_indices, capturer) -> None:
+    """SGLang's steps after the top-k: HiSparse's swap-in or translation of the page indices, the top-k capturer."""
+    pool = self.token_to_kv_pool
+    indexer_metadata = self.forward_metadata.indexer_metadata
+    core_metadata = self.forward_metadata.core_metadata
     if hisparse is not None:
         compress_layer_id = pool.layer_mapping[c4_indexer.layer_id].compress_layer_id
         if hisparse_decode:
@@ -216,3 +230,91 @@ def forward_c4_indexer_bf16(self, *, x, q_lora, c4_indexer, forward_batch, alt_s
     if capturer is not None:
         capturer.capture(pool.layer_mapping[c4_indexer.layer_id].compress_layer_id, raw_indices)
 
+
+# --------------------------------------------------------------------------------------------------
+# fp8-rescore: the two-stage top-k in place of SGLang's top-k
+# --------------------------------------------------------------------------------------------------
+
+def sglang_fp8_logits_fn(ix):
+    """``(fn, lens_2d)``: the fp8 paged logits function SGLang 0.5.23's ``forward_c4_indexer`` picks for fp8 keys (its
+    own order: TileLang, aiter, torch (sm120 variant on sm120), XPU's Triton, DeepGEMM), and whether it takes 2-D
+    lengths ``[R, 1]`` (DeepGEMM and XPU) rather than ``[R]``; imported as SGLang imports it, on first use."""
+    envs = ix.envs
+    if envs.SGLANG_OPT_USE_TILELANG_INDEXER.get():
+        from sglang.kernels.ops.attention.dsa.tilelang_kernel import tilelang_fp8_paged_mqa_logits as fn
+        return fn, False
+    if envs.SGLANG_OPT_USE_AITER_INDEXER.get():
+        return ix._aiter_fp8_paged_mqa_logits, False
+    if envs.SGLANG_FP8_PAGED_MQA_LOGITS_TORCH.get():
+        return (ix.fp8_paged_mqa_logits_torch_sm120 if ix.get_platform().is_sm120 else ix.fp8_paged_mqa_logits_torch,
+                False)
+    if ix.is_xpu():
+        from sgl_kernel import fp8_paged_mqa_logits_triton as fn
+        return fn, True
+    from deep_gemm import fp8_paged_mqa_logits as fn
+    return fn, True
+
+
+def _rescored_topk(self, ix, forward_batch, c4_indexer, *, q, weights, lens, page_table, page_indices, raw_indices,
+                   kvcache, route, next_n, capturing) -> None:
+    """fp8-rescore: each row's top ``index_topk`` (the width of SGLang's page-index buffer, as its own top-k fills
+    it) chosen among its K' best stage-1 fp8 logits by their scores from the hi and lo pages
+    (``cupy_dsa.rescore``), written in SGLang's form: ``c4_sparse_page_indices`` (``page_table[r, i // 64] * 64 + i %
+    64``, int32, -1 padded) and the raw positions where SGLang keeps them; SGLang's top-k is not called.
+
+    Stage 1 (``SGLANG_CUPY_DSA_RESCORE_STAGE1``): ``sglang`` calls the fp8 logits function SGLang's own forward
+    would call, on its row chunks with its schedules (one row per token, unmasked logits; stage 2 per row);
+    ``cupy`` runs cupy_dsa's fp8-key kernels on the plugin's routes (decode rows, grouped verify, varlen extend),
+    with the forward's plans built by its first C4 layer."""
+    if getattr(forward_batch, "tbo_parent_token_range", None) is not None:
+        raise RuntimeError(f"cupy_dsa ({ENV_NAME}={index_k_mode()}): a two-batch-overlap micro-batch reached the indexer; "
+                           f"fp8-rescore refuses --enable-two-batch-overlap at start-up and was not written for it")
+    settings = core.rescore_settings()
+    lo = core.require_lo_cache(kvcache, f"the indexer of layer {c4_indexer.layer_id}")
+    indexer_metadata = self.forward_metadata.indexer_metadata
+    rows = q.shape[0]
+    index_topk = page_indices.shape[1]
+    k_prime = settings.k_prime(index_topk)
+
+    def put(r: slice, res) -> None:
+        page_indices[r].copy_(res.page_indices)
+        if raw_indices is not None:
+            raw_indices[r].copy_(res.raw_indices)
+
+    if settings.stage1 == "sglang":
+        fn, lens_2d = sglang_fp8_logits_fn(ix)
+        kv = kvcache.view(kvcache.shape[0], layouts.PAGE_SLOTS, 1, layouts.FP8_BYTES_PER_TOKEN)
+        c4sl = lens.unsqueeze(-1) if lens_2d else lens
+        schedule = indexer_metadata.deep_gemm_metadata
+        if isinstance(schedule, list):  # SGLang's row chunks, one schedule each
+            if rows != indexer_metadata.compressed_seq_lens.shape[0]:
+                raise RuntimeError(f"cupy_dsa: chunk schedules were built for "
+                                   f"{indexer_metadata.compressed_seq_lens.shape[0]} rows, got {rows}")
+            chunks = list(ix.iter_row_chunks(num_rows=rows, rows_per_chunk=indexer_metadata.rows_per_chunk))
+            schedules = schedule
+        else:
+            chunks, schedules = [slice(0, rows)], [schedule]
+        for r, sched in zip(chunks, schedules):
+            logits = fn(q[r].unsqueeze(1), kv, weights[r], c4sl[r], page_table[r], sched,
+                        indexer_metadata.max_compressed_seq_len, False)
+            put(r, core.rescore_rows(q, weights, lens, page_table, kvcache, lo, r, index_topk, k_prime,
+                                     stage1_logits=logits))
+            del logits
+        return
+
+    width = indexer_metadata.max_compressed_seq_len
+    chunks = core.row_chunks(rows, indexer_metadata.rows_per_chunk, width, capturing, multiple=next_n)
+    plans = core.ForwardPlans.for_layer(indexer_metadata, indexer_metadata.compressed_seq_lens, c4_indexer.layer_id)
+    if route == ROUTE_VARLEN:
+        def build_requests():
+            return core.extend_requests(forward_batch.extend_seq_lens, page_table, rows)
+        cu_rows, block_table = plans.get(("requests",), build_requests) if plans else build_requests()
+    for r in chunks:
+        if route == ROUTE_VARLEN:
+            res = core.rescore_extend(q, weights, lens, cu_rows, block_table, kvcache, lo, r, index_topk, k_prime,
+                                      plans)
+        elif route == ROUTE_GROUPED:
+            res = core.rescore_verify(q, weights, lens, page_table, kvcache, lo, next_n, r, index_topk, k_prime, plans)
+        else:
+            res = core.rescore_rows(q, weights, lens, page_table, kvcache, lo, r, index_topk, k_prime, plans)
+        put(r, res)

@@ -22,6 +22,9 @@ T_CLI_FROM = "sglang.srt.server_args.ServerArgs.from_cli_args"
 T_HICACHE_REGIONS = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler._dsv4_indexer_regions"
 T_HICACHE_L3 = "sglang.srt.mem_cache.hicache_storage.HiCacheStorageConfig.__post_init__"
 T_WARM_UP = "sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs"
+# fp8-rescore: the residual (lo) pages, allocated beside SGLang's fp8 index pages and moved by PD with them
+T_POOL_BUFFER = "sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4IndexerPool._create_buffer"
+T_PD_BUFFERS = "sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4IndexerPool.contiguous_page_row_buffers"
 RESOLUTION_STEP = "handle_model_specific_adjustments"
 
 SUPPORTED_SGLANG = ("0.5.23",)
@@ -184,7 +187,9 @@ def refusal_message(mode: str, problems: list[str], patched_so_far: str) -> str:
 
 # Wrapped, replaced or logic copied: signature and source hash.
 _FINGERPRINT_SOURCE = (
-    T_BYTES, T_STORE, T_INDEXER, T_PD_LAYOUT, T_HICACHE_REGIONS, T_HICACHE_L3, T_WARM_UP,
+    T_BYTES, T_STORE, T_INDEXER, T_PD_LAYOUT, T_HICACHE_REGIONS, T_HICACHE_L3, T_WARM_UP, T_POOL_BUFFER, T_PD_BUFFERS,
+    # fp8-rescore's lo buffers: their memory region and pool as the fp8 buffers', every buffer PD registers
+    "sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool.get_contiguous_buf_infos",
     # the row layouts logits_route relies on: uniform verify (one repeated page-table row per request, n rows)
     # and extend (each request's rows consecutive, in extend_seq_lens order)
     _BE + "DeepseekV4AttnBackend.make_forward_metadata_from_raw_verify",
@@ -205,6 +210,8 @@ _FINGERPRINT_SIGNATURE = (
     _IX + "topk_transform_pytorch_vectorized", _IX + "topk_transform_paged", _IX + "topk_transform_paged_v2",
     _IX + "plan_topk_v2", "sglang.srt.speculative.ragged_verify.read_ragged_verify_mode",
     "sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool.get_index_k_with_scale_buffer",
+    # fp8-rescore's stage 1 with SGLang's call (the function its forward picks, called as it calls it)
+    _IX + "fp8_paged_mqa_logits_torch", _IX + "fp8_paged_mqa_logits_torch_sm120",
 )
 
 FINGERPRINT: dict[str, tuple[str, str | None]] = {
@@ -215,6 +222,9 @@ FINGERPRINT: dict[str, tuple[str, str | None]] = {
     T_HICACHE_REGIONS: ("(kvcache: 'Any', page_size: 'int') -> 'list[_IndexerRegion]'", '9d380448dc5f8f14'),
     T_HICACHE_L3: ('(self)', '3c204a687fedc894'),
     T_WARM_UP: ("(self, capture_decode_cuda_graph: 'bool' = True)", '2aa82ac4d99b47a5'),
+    T_POOL_BUFFER: ('(self)', '7b948c342ea3fba1'),
+    T_PD_BUFFERS: ("(self) -> 'List[torch.Tensor]'", 'd9895e530c1d4e5e'),
+    'sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool.get_contiguous_buf_infos': ("(self) -> 'Tuple[List[int], List[int], List[int]]'", '5f30ae1eaa234041'),
     _BE + 'DeepseekV4AttnBackend.make_forward_metadata_from_raw_verify': ("(self, raw_metadata: 'DSV4RawVerifyMetadata', online_c128_state_slot_offset: 'int' = 0, graph_backed: 'bool' = False) -> 'DSV4Metadata'", '019d1f789b7441d9'),
     _BE + 'DeepseekV4AttnBackend.expand_extend_with_same_length': ("(self, *, bs: 'int', qo_len: 'int', seq_lens: 'torch.Tensor', req_pool_indices: 'torch.Tensor')", '4ab4cdffb324c069'),
     _BE + 'DeepseekV4AttnBackend.init_forward_metadata_prefill': ("(self, max_seq_len: 'int', req_pool_indices: 'torch.Tensor', seq_lens: 'torch.Tensor', seq_lens_cpu: 'List[int]', out_cache_loc: 'torch.Tensor', num_tokens: 'int', extend_seq_lens: 'torch.Tensor', extend_seq_lens_cpu: 'List[int]', extend_start_loc: 'Optional[torch.Tensor]' = None, need_compress: 'bool' = True, use_prefill_cuda_graph: 'bool' = False, online_c128_state_slot_offset: 'int' = 0, dspark_block_size: 'Optional[int]' = None, forward_batch: 'Optional[ForwardBatch]' = None, swa_replay_start: 'Optional[torch.Tensor]' = None, cp_metadata: 'Optional[InterleaveContextParallelMetadata]' = None, dspark_swa_buffers: 'Optional[Tuple[torch.Tensor, torch.Tensor]]' = None) -> 'DSV4Metadata'", 'ed953a0de307a40a'),
@@ -236,6 +246,8 @@ FINGERPRINT: dict[str, tuple[str, str | None]] = {
     _IX + 'plan_topk_v2': ("(seq_lens: 'torch.Tensor', static_threshold: 'int' = -1, *, out: 'Optional[torch.Tensor]' = None) -> 'torch.Tensor'", None),
     'sglang.srt.speculative.ragged_verify.read_ragged_verify_mode': ("() -> 'RaggedVerifyMode'", None),
     'sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool.get_index_k_with_scale_buffer': ("(self, layer_id: 'int') -> 'torch.Tensor'", None),
+    _IX + 'fp8_paged_mqa_logits_torch': ("(q_fp8: 'torch.Tensor', kvcache_fp8: 'torch.Tensor', weight: 'torch.Tensor', seq_lens: 'torch.Tensor', page_table: 'torch.Tensor', deep_gemm_metadata: 'Any', max_seq_len: 'int', clean_logits: 'bool' = True) -> 'torch.Tensor'", None),
+    _IX + 'fp8_paged_mqa_logits_torch_sm120': ("(q_fp8: 'torch.Tensor', kvcache_fp8: 'torch.Tensor', weight: 'torch.Tensor', seq_lens: 'torch.Tensor', page_table: 'torch.Tensor', deep_gemm_metadata: 'Any', max_seq_len: 'int', clean_logits: 'bool' = True) -> 'torch.Tensor'", None),
 }
 
 

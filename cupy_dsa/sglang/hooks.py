@@ -4,9 +4,11 @@ Entry point ``cupy_dsa = cupy_dsa.sglang.plugin:register`` in group ``sglang.srt
 :func:`register` in every process that runs ``load_plugins()`` (launcher, each scheduler, DP controller,
 detokenizer). The switch is ``SGLANG_CUPY_DSA_INDEX_K`` (``fp8`` = SGLang unchanged, the default;
 ``bf16``; ``bf16-fp4sim``; ``bf16-reference``; ``fp8-cupy``: SGLang's 132-byte fp8 keys, the same bytes and pool
-memory, written by cupy_dsa's store and scored by cupy_dsa's kernels), or the server flag
+memory, written by cupy_dsa's store and scored by cupy_dsa's kernels; ``fp8-rescore``: those fp8 keys plus a
+132-byte int8 residual page per entry, each row's top-k rescored among its K' best fp8 logits), or the server flag
 ``--cupy-dsa-index-k-dtype`` (also a ``--config`` YAML key), which sets the variable in the launcher before the
-schedulers are spawned.
+schedulers are spawned. fp8-rescore's settings have flags and variables of their own (``--cupy-dsa-rescore-stage1``
+/ ``SGLANG_CUPY_DSA_RESCORE_STAGE1``, ``--cupy-dsa-rescore-kprime`` / ``SGLANG_CUPY_DSA_RESCORE_KPRIME``).
 
 Start-up is all or nothing. With the switch on, :func:`register` first checks that the installed SGLang is
 one the hooks were written for (:data:`~cupy_dsa.sglang.guard.SUPPORTED_SGLANG` and
@@ -28,18 +30,24 @@ read once per process), each delegating to SGLang's original when it is off:
 
 * H1 AROUND ``get_dsv4_indexer_bytes_per_token``: 256 B/token for the non-FP4 pool in the bf16 modes, which
   sizes both the allocation and the KV memory budget (the hook registry re-points ``pool_configurator``'s
-  imported name); SGLang's 132 B/token in fp8-cupy;
+  imported name); SGLang's 132 B/token in fp8-cupy; 264 B/token in fp8-rescore (both pages; SGLang's own buffer is
+  still allocated with its 132-byte rows, see the pool hooks below);
 * H2 AROUND ``compress_norm_rope_store``: a store into the mode's index cache (uint8 rows of 16384 bytes, or
   SGLang's 8448-byte fp8 rows in fp8-cupy) goes to ``cupy_dsa.store_index_k_from_plan`` on SGLang's own plan
   rows, and any call there it does not recognise raises; every other cache goes to SGLang unchanged;
 * H3 AROUND ``C4IndexerBackendMixin.forward_c4_indexer``: SGLang's body order, with the logits from
   ``cupy_dsa.paged_mqa_logits`` (decode / verify / extend) or ``cupy_dsa.mqa_logits`` (single-request
   eager prefill, where SGLang would run its non-paged fp8 reader); SGLang's top-k backends, raw indices,
-  HiSparse epilogue and top-k capturer are called as SGLang calls them;
+  HiSparse epilogue and top-k capturer are called as SGLang calls them; in fp8-rescore the top-k is
+  ``cupy_dsa.rescore``'s (stage 1 from SGLang's own fp8 logits call or cupy_dsa's kernels), in SGLang's output form;
+* pool hooks (fp8-rescore; otherwise SGLang's): AROUND ``DeepSeekV4IndexerPool._create_buffer`` (SGLang's fp8
+  buffer, then a lo buffer of the same shape in the same memory region) and AFTER
+  ``DeepSeekV4IndexerPool.contiguous_page_row_buffers`` (PD registers the lo buffers too);
 * H4 AFTER ``DeepSeekV4TokenToKVPool.pd_kv_layout``: appends ``,c4idx:<mode>`` so PD peers with
   different index-key formats refuse to pair (fp8-cupy too: its pages are SGLang's bytes, but a prefill peer on
   SGLang's kernel would pick that side's top-k, and a run labelled fp8-cupy would not be cupy_dsa's kernels);
-* HiCache: AFTER ``_dsv4_indexer_regions`` (bf16 index pages move page-aligned only) and AROUND
+* HiCache: AFTER ``_dsv4_indexer_regions`` (bf16 index pages move page-aligned only; fp8-rescore's lo pages are a
+  second region, the twin of SGLang's fp8 region) and AROUND
   ``HiCacheStorageConfig.__post_init__`` (a distinct L3 namespace: ``model_name`` gets ``_c4idx-<mode>``,
   so fp8 pages persisted by another server are never read as bf16);
 * warm-up: BEFORE ``ModelRunner.init_cuda_graphs`` compiles and loads the kernels this server launches
@@ -50,9 +58,12 @@ This module imports SGLang only inside functions; CuPy and the kernels load only
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import dataclasses
 import logging
 import os
+import threading
 
 import torch
 
@@ -60,13 +71,14 @@ from .. import layouts
 from . import core, forward
 from .core import CLI_FLAG, ENV_NAME, MODES, StartupRefused, index_k_mode
 from .guard import (RESOLUTION_STEP, T_BYTES, T_CLI_ADD, T_CLI_FROM, T_HICACHE_L3, T_HICACHE_REGIONS, T_INDEXER,
-                    T_PD_LAYOUT, T_STORE, T_WARM_UP, compatibility_problems, off_hint, refusal_message,
-                    resolve_target, sglang_version)
+                    T_PD_BUFFERS, T_PD_LAYOUT, T_POOL_BUFFER, T_STORE, T_WARM_UP, compatibility_problems, off_hint,
+                    refusal_message, resolve_target, sglang_version)
 
 logger = logging.getLogger(__name__)
 
 ALWAYS_TARGETS = (T_CLI_ADD, T_CLI_FROM)
-SWITCHED_TARGETS = (T_BYTES, T_STORE, T_INDEXER, T_PD_LAYOUT, T_HICACHE_REGIONS, T_HICACHE_L3, T_WARM_UP)
+SWITCHED_TARGETS = (T_BYTES, T_STORE, T_INDEXER, T_PD_LAYOUT, T_HICACHE_REGIONS, T_HICACHE_L3, T_POOL_BUFFER,
+                    T_PD_BUFFERS, T_WARM_UP)
 
 _INDEXER_POOL_NAME = "deepseek_v4_c4_indexer"
 
@@ -102,11 +114,16 @@ def require_compatible_sglang(mode: str) -> None:
 # --------------------------------------------------------------------------------------------------
 
 def _resolve_switch() -> str:
-    """The switch, or a start-up refusal naming the bad value (never a silent fp8)."""
+    """The switch, or a start-up refusal naming the bad value (never a silent fp8); with it on, fp8-rescore's
+    settings too (an invalid one, or one set for another mode, is refused the same way)."""
     try:
-        return index_k_mode()
+        mode = index_k_mode()
     except ValueError as e:
         raise StartupRefused(f"cupy_dsa: {e}. Refusing to start. {off_hint()}") from None
+    problem = core.rescore_settings_problem(mode)
+    if problem:
+        raise StartupRefused(f"cupy_dsa ({ENV_NAME}={mode}): {problem}. Refusing to start. {off_hint()}")
+    return mode
 
 
 def register() -> None:
@@ -129,6 +146,8 @@ def register() -> None:
         register_env_field()
         logger.info("cupy_dsa: %s=%s, hooks registered for %s (SGLang %s)", ENV_NAME, mode, core.describe(mode),
                     sglang_version())
+        if core.is_two_level(mode):
+            logger.info("cupy_dsa: %s: %s", mode, core.rescore_settings().describe())
         logger.info("%s", core.pd_layout_hint(mode))
     elif mode == "fp8" and not _registered_always:
         try:
@@ -166,6 +185,8 @@ def _switched_entries():
             (T_INDEXER, _forward_c4_indexer_hook, HookType.AROUND), (T_PD_LAYOUT, _pd_kv_layout_hook, HookType.AFTER),
             (T_HICACHE_REGIONS, _hicache_regions_hook, HookType.AFTER),
             (T_HICACHE_L3, _hicache_storage_config_hook, HookType.AROUND),
+            (T_POOL_BUFFER, _create_buffer_hook, HookType.AROUND),
+            (T_PD_BUFFERS, _page_row_buffers_hook, HookType.AFTER),
             (T_WARM_UP, _warm_up_hook, HookType.BEFORE)]
 
 
@@ -304,13 +325,34 @@ def refusal_reasons(cfg, mode: str) -> list[str]:
     problem = _platform_problem(getattr(cfg, "device", None))
     if problem:
         reasons.append(problem)
+    if core.is_two_level(mode):
+        reasons += _rescore_refusals(cfg, mode)
+    return reasons
+
+
+def _rescore_refusals(cfg, mode: str) -> list[str]:
+    """Configurations fp8-rescore was not written for (the other modes serve them on the one-row-per-token route)."""
+    reasons = []
+    other = "or set " + ENV_NAME + "=fp8-cupy to keep SGLang's fp8 keys on cupy_dsa's kernels without the rescoring"
+    cp = getattr(cfg, "attn_cp_size", 1) or 1
+    if int(cp) > 1:
+        reasons.append(
+            f"--attn-cp-size {cp} (context parallel): {mode} was not written for it. Under context parallelism "
+            f"SGLang splits a request's tokens over ranks with metadata of its own (InterleaveContextParallelMetadata), "
+            f"which neither the two-stage top-k nor the residual pages' store and transfer were checked against. Run "
+            f"without context parallelism, {other}.")
+    if getattr(cfg, "enable_two_batch_overlap", False):
+        reasons.append(
+            f"--enable-two-batch-overlap: {mode} was not written for it (each micro-batch reaches the indexer as a "
+            f"rewritten batch; the two-stage top-k and its per-forward plans were not checked on one). Drop "
+            f"--enable-two-batch-overlap, {other}.")
     return reasons
 
 
 def validate_config(server_args, previous) -> None:
     """H5 (resolution step ``handle_model_specific_adjustments``; runs once, in the launcher)."""
     previous(server_args)
-    mode = _resolve_switch()  # an invalid value stops the launch here
+    mode = _resolve_switch()  # an invalid value (the switch's, or fp8-rescore's settings) stops the launch here
     if mode == "fp8":
         return
     # the CLI flag / YAML key may have turned the switch on after register() ran with it off
@@ -329,40 +371,79 @@ def validate_config(server_args, previous) -> None:
 # CLI flag and --config YAML key
 # --------------------------------------------------------------------------------------------------
 
+def _k_prime_arg(value: str) -> str:
+    try:
+        core.parse_k_prime(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1]) from None
+    return value.strip().lower()
+
+
+# (flag, variable, parser of a value, argparse keywords) of every flag the plugin adds
+def _flags():
+    return (
+        (CLI_FLAG, ENV_NAME, core.parse_mode, dict(
+            type=str.lower, choices=MODES,
+            help=(f"[cupy_dsa plugin] DeepSeek-V4 C4 index-key format: fp8 (SGLang's, default), bf16, bf16-fp4sim or "
+                  f"bf16-reference (256-byte bf16 keys, cupy_dsa kernels), fp8-cupy (SGLang's 132-byte fp8 keys on "
+                  f"cupy_dsa's store and kernels), fp8-rescore (SGLang's fp8 keys plus a 132-byte int8 residual "
+                  f"page, 264 B per entry; each row's top-k rescored among its K' best fp8 logits). Same as "
+                  f"{ENV_NAME}."))),
+        (core.RESCORE_STAGE1_FLAG, core.RESCORE_STAGE1_ENV, core.parse_stage1, dict(
+            type=str.lower, choices=core.STAGE1_CHOICES,
+            help=(f"[cupy_dsa plugin, fp8-rescore] stage 1 (the fp8 logits that choose each row's K' candidates): "
+                  f"sglang (default: SGLang's own fp8 logits call) or cupy (cupy_dsa's fp8-key kernels). Same as "
+                  f"{core.RESCORE_STAGE1_ENV}."))),
+        (core.RESCORE_KPRIME_FLAG, core.RESCORE_KPRIME_ENV, core.parse_k_prime, dict(
+            type=_k_prime_arg, metavar="{Nx,N}",
+            help=(f"[cupy_dsa plugin, fp8-rescore] K', the fp8 candidates per row that stage 2 rescores: a multiple "
+                  f"of index_topk (default {core.DEFAULT_KPRIME}) or a count (>= index_topk). Same as "
+                  f"{core.RESCORE_KPRIME_ENV}."))),
+    )
+
+
 def _add_cli_args_hook(result, *args, **kwargs):
     parser = kwargs.get("parser", args[0] if args else None)
-    if parser is None or any(CLI_FLAG in a.option_strings for a in parser._actions):
+    if parser is None:
         return None
-    parser.add_argument(
-        CLI_FLAG, type=str.lower, choices=MODES, default=None,
-        help=(f"[cupy_dsa plugin] DeepSeek-V4 C4 index-key format: fp8 (SGLang's, default), bf16, bf16-fp4sim or "
-              f"bf16-reference (256-byte bf16 keys, cupy_dsa kernels), fp8-cupy (SGLang's 132-byte fp8 keys on "
-              f"cupy_dsa's store and kernels). Same as {ENV_NAME}."))
+    for flag, _, _, kw in _flags():
+        if not any(flag in a.option_strings for a in parser._actions):
+            parser.add_argument(flag, default=None, **kw)
     return None
 
 
 def _from_cli_args_hook(result, *args, **kwargs):
     ns = kwargs.get("args", args[-1] if args else None)
-    value = getattr(ns, CLI_FLAG.lstrip("-").replace("-", "_"), None)
-    if value is not None:
-        _refuse_flag_env_disagreement(value)
-        core.set_mode(value)  # the environment (for the schedulers) and this process's cached switch
+    values = [(flag, env, parse, getattr(ns, flag.lstrip("-").replace("-", "_"), None))
+              for flag, env, parse, _ in _flags()]
+    for flag, env, parse, value in values:  # every disagreement first: nothing is set when one is refused
+        if value is not None:
+            _refuse_flag_env_disagreement(value, flag, env, parse)
+    for flag, env, parse, value in values:
+        if value is None:
+            continue
+        if env == ENV_NAME:
+            core.set_mode(value)  # the environment (for the schedulers) and this process's cached switch
+        else:
+            os.environ[env] = value
+            core.reset_mode()  # the cached settings (and switch) are read again
     return None
 
 
-def _refuse_flag_env_disagreement(flag_value: str) -> None:
-    """The flag (or YAML key) and the variable both set, to different modes: refuse rather than let one win
+def _refuse_flag_env_disagreement(flag_value: str, flag: str = CLI_FLAG, env: str = ENV_NAME,
+                                  parse=core.parse_mode) -> None:
+    """The flag (or YAML key) and the variable both set, to different values: refuse rather than let one win
     silently (the operator meant one of them)."""
-    env_value = os.environ.get(ENV_NAME)
+    env_value = os.environ.get(env)
     if env_value is None or not env_value.strip():
         return
     try:
-        same = core.parse_mode(env_value) == core.parse_mode(flag_value)
+        same = parse(env_value) == parse(flag_value)
     except ValueError:
         same = False
     if not same:
         raise StartupRefused(
-            f"cupy_dsa: {CLI_FLAG} {flag_value} (or the {CLI_FLAG[2:]} --config key) and {ENV_NAME}={env_value!r} "
+            f"cupy_dsa: {flag} {flag_value} (or the {flag[2:]} --config key) and {env}={env_value!r} "
             f"in the environment disagree. Refusing to start: set only one of them, or both to the same value.")
 
 
@@ -374,13 +455,81 @@ def _bytes_args(index_head_dim, use_fp4_indexer):
     return index_head_dim, use_fp4_indexer
 
 
+# Set while SGLang's own _create_buffer allocates fp8-rescore's hi pages (thread-local: a pool is built on one thread)
+_HI_PAGES_ONLY = threading.local()
+
+
+@contextlib.contextmanager
+def _allocating_hi_pages():
+    _HI_PAGES_ONLY.on = True
+    try:
+        yield
+    finally:
+        _HI_PAGES_ONLY.on = False
+
+
 def _bytes_per_token_hook(original, *args, **kwargs):
     index_head_dim, use_fp4 = _bytes_args(*args, **kwargs)
-    if use_fp4 or core.cache_layout(index_k_mode()) != "bf16":
+    mode = index_k_mode()
+    if use_fp4 or core.cache_layout(mode) != "bf16":
         # fp4 pools (incl. V4.1 low-ratio, forced fp4) stay as they are; fp8 and fp8-cupy keep SGLang's 132 B
-        return original(*args, **kwargs)
+        if use_fp4 or not core.is_two_level(mode) or getattr(_HI_PAGES_ONLY, "on", False):
+            return original(*args, **kwargs)
+        # fp8-rescore: an entry is SGLang's fp8 bytes plus as many residual bytes, which the KV budget (and the
+        # pool's own count) must see; SGLang's buffer itself is allocated with its fp8 rows (_create_buffer_hook)
+        _require_supported_platform()
+        return 2 * int(original(*args, **kwargs))
     _require_supported_platform()
     return 2 * int(index_head_dim)
+
+
+# --------------------------------------------------------------------------------------------------
+# fp8-rescore's residual pages: allocated with SGLang's fp8 index pages, moved by PD with them
+# --------------------------------------------------------------------------------------------------
+
+def _is_rescore_pool(pool) -> bool:
+    """A C4 indexer pool of fp8-rescore: SGLang's fp8 layout (not FP4, not the split HIP layout), 64-slot pages of
+    128-dim keys."""
+    return (core.is_two_level(index_k_mode()) and not getattr(pool, "use_fp4_indexer", False)
+            and not getattr(pool, "uses_aiter_fp4_layout", False)
+            and getattr(pool, "page_size", None) == layouts.PAGE_SLOTS
+            and getattr(pool, "index_head_dim", None) == layouts.HEAD_DIM)
+
+
+def _create_buffer_hook(original, self, *args, **kwargs):
+    """``DeepSeekV4IndexerPool._create_buffer``: in fp8-rescore, SGLang's own buffers with SGLang's fp8 rows (the hi
+    pages; the pool's per-token bytes count both pages, see H1), then one lo buffer per layer of the same shape on
+    the same device, in the same memory-saver region and memory pool (``index_k_lo_buffer``)."""
+    if not _is_rescore_pool(self):
+        return original(self, *args, **kwargs)
+    _require_supported_platform()
+    with _allocating_hi_pages():
+        result = original(self, *args, **kwargs)
+    his = self.index_k_with_scale_buffer
+    if not his or any(core.index_cache_layout(b) != "fp8" for b in his):
+        raise RuntimeError(f"cupy_dsa ({ENV_NAME}={index_k_mode()}): SGLang's indexer pool allocated "
+                           f"{[tuple(b.shape) for b in his or []]} page rows, expected uint8 [P, "
+                           f"{layouts.FP8_PAGE_BYTES}] per C4 layer for the fp8 (hi) pages")
+    from contextlib import nullcontext
+
+    from sglang.srt.mem_cache import deepseek_v4_memory_pool as mp
+
+    with self.memory_saver_adapter.region(mp.GPU_MEMORY_TYPE_KV_CACHE):
+        with (torch.cuda.use_mem_pool(self.custom_mem_pool) if self.custom_mem_pool else nullcontext()):
+            self.index_k_lo_buffer = [torch.zeros_like(hi) for hi in his]
+    for hi, lo in zip(his, self.index_k_lo_buffer):
+        core.register_lo_cache(hi, lo)
+    return result
+
+
+def _page_row_buffers_hook(result, self, *args, **kwargs):
+    """``DeepSeekV4IndexerPool.contiguous_page_row_buffers`` (every buffer PD registers, by page): in fp8-rescore the
+    lo buffers follow the fp8 ones, so a prefill peer's residual pages travel with its fp8 pages (both peers run
+    fp8-rescore: the PD layout tag)."""
+    lo = getattr(self, "index_k_lo_buffer", None)
+    if not lo or not _is_rescore_pool(self):
+        return None
+    return list(result) + list(lo)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -428,7 +577,7 @@ def _store_hook(original, kv, plan, *args, **kwargs):
     kvcache = kwargs.get("kvcache")
     layout = core.index_cache_layout(kvcache)
     mode = index_k_mode()
-    if layout is None or (layout == "fp8" and mode != core.FP8_CUPY_MODE):
+    if layout is None or (layout == "fp8" and mode not in (core.FP8_CUPY_MODE, core.RESCORE_MODE)):
         # SGLang's formats (fp8 index keys outside fp8-cupy, fp4 index keys, main KV) unchanged
         return original(kv, plan, *args, **kwargs)
     bad = _unrecognised_store_call(kv, plan, args, kwargs)
@@ -436,16 +585,18 @@ def _store_hook(original, kv, plan, *args, **kwargs):
         bad.insert(0, f"{ENV_NAME}={mode} in this process")
     if bad:
         why = ("let SGLang's fp8 store write into bf16 pages" if layout == "bf16" else
-               f"hand it to SGLang's store: {ENV_NAME}={mode} writes every index key with cupy_dsa's store")
+               f"hand it to SGLang's store: {ENV_NAME}={mode} writes every index key with cupy_dsa's store"
+               + (" (the fp8 page and its residual page in one launch)" if core.is_two_level(mode) else ""))
         raise RuntimeError(
             f"cupy_dsa store: compress_norm_rope_store was called on a {layout} index cache (uint8 "
             f"[P, {layouts.page_bytes(layout)}]) with a call it does not recognise: {'; '.join(bad)}. Refusing to "
             f"{why}.")
     _require_supported_platform()
+    lo_cache = core.require_lo_cache(kvcache, "the index-key store") if core.is_two_level(mode) else None
     core.store_index_k_bf16(
         kv, plan[1], is_decode=bool(plan.is_decode), compress_ratio=int(plan.compress_ratio),
         norm_weight=kwargs["norm_weight"], norm_eps=kwargs["norm_eps"], freq_cis=kwargs["freq_cis"],
-        out_loc=kwargs["out_loc"], kvcache=kvcache, mode=mode)
+        out_loc=kwargs["out_loc"], kvcache=kvcache, mode=mode, lo_cache=lo_cache)
     return None
 
 
@@ -479,6 +630,10 @@ def _pd_kv_layout_hook(result, *args, **kwargs):
     return f"{result}{core.pd_layout_tag(mode)}"
 
 
+def _hicache_args(kvcache, page_size):
+    return kvcache, page_size
+
+
 def _hicache_regions_hook(result, *args, **kwargs):
     if not core.enabled():
         return None
@@ -489,7 +644,34 @@ def _hicache_regions_hook(result, *args, **kwargs):
             # the token-granular host copy hard-codes the 584-byte C4 KV row split; bf16 pages move whole
             region = dataclasses.replace(region, page_aligned_only=True)
         out.append(region)
+    if core.is_two_level(index_k_mode()):
+        out = _with_lo_region(out, _hicache_args(*args, **kwargs)[0])
     return out
+
+
+def _with_lo_region(regions, kvcache):
+    """fp8-rescore: the lo pages as a second C4 indexer region, the twin of SGLang's fp8 region (same item bytes,
+    slot pages and transfer rule, so whatever copies a hi page copies its lo page), under the name SGLang gives the
+    second buffer of a split C4 indexer (``DEEPSEEK_V4_C4_INDEXER_SCALE``, otherwise used only by the FP4 and NPU
+    layouts, which fp8-rescore refuses). HiCache's host pools, its layer-wise loads, the cache linker and L3
+    storage then carry both; the L3 namespace of the mode (``_c4idx-fp8-rescore``) keeps them apart from other
+    servers'."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    his = [r for r in regions if str(r.name) == _INDEXER_POOL_NAME]
+    pool = getattr(kvcache, "c4_indexer_kv_pool", None)
+    lo = getattr(pool, "index_k_lo_buffer", None)
+    fp8_buffers = getattr(pool, "index_k_with_scale_buffer", None) or []
+    same = (len(his) == 1 and len(his[0].device_buffers) == len(fp8_buffers)
+            and all(a is b for a, b in zip(his[0].device_buffers, fp8_buffers)))
+    if not same or not lo or any(str(r.name) == str(PoolName.DEEPSEEK_V4_C4_INDEXER_SCALE) for r in regions):
+        raise RuntimeError(
+            f"cupy_dsa ({ENV_NAME}={index_k_mode()}): HiCache's C4 indexer regions are "
+            f"{[(str(r.name), r.item_bytes) for r in regions]} and the pool has "
+            f"{'no' if not lo else len(lo)} residual (lo) buffers; expected SGLang's one fp8 region and the pool's lo "
+            f"buffers, to carry the lo pages beside it. Refusing to build HiCache without them (its restored pages "
+            f"would be rescored from stale residuals).")
+    return regions + [dataclasses.replace(his[0], name=PoolName.DEEPSEEK_V4_C4_INDEXER_SCALE, device_buffers=lo)]
 
 
 def _hicache_storage_config_hook(original, self, *args, **kwargs):

@@ -12,6 +12,9 @@ Scenarios (the environment is set by the caller):
   refusals  switch on: start-up refusals leave nothing patched
   fp8cupy   SGLANG_CUPY_DSA_INDEX_K=fp8-cupy, SGLANG_PLUGINS=cupy_dsa: SGLang's fp8 keys on cupy_dsa's store and
             kernels (bytes and top-k against SGLang's fp8 path)
+  rescore   SGLANG_CUPY_DSA_INDEX_K=fp8-rescore, SGLANG_PLUGINS=cupy_dsa: two-level keys (SGLang's fp8 page + a
+            residual page) and the rescored top-k (pool, budget, store bytes, top-k against the reference, PD,
+            HiCache, refusals, flags)
   refuse_installed  the installed SGLang must refuse start-up (exit status 3 if it did not)
 """
 from __future__ import annotations
@@ -27,6 +30,7 @@ from scenario_fp8cupy import scenario_fp8cupy
 from scenario_off import scenario_excluded, scenario_off
 from scenario_on import scenario_on
 from scenario_refusals import refuse_installed, scenario_refusals
+from scenario_rescore import scenario_rescore
 
 if __name__ == "__main__":
     torch.manual_seed(int(os.environ.get("CUPY_DSA_SEED", "0")))
@@ -34,5 +38,5 @@ if __name__ == "__main__":
         refuse_installed()
         sys.exit(0)
     {"on": scenario_on, "off": scenario_off, "excluded": scenario_excluded,
-     "refusals": scenario_refusals, "fp8cupy": scenario_fp8cupy}[sys.argv[1]]()
+     "refusals": scenario_refusals, "fp8cupy": scenario_fp8cupy, "rescore": scenario_rescore}[sys.argv[1]]()
     print("RESULTS_JSON:" + json.dumps({"results": harness.RESULTS, "info": harness.INFO}), flush=True)

@@ -13,11 +13,15 @@ from cupy_dsa.sglang import core, forward
 from harness import check, INFO, make_index_pool, mode_env
 
 
-def _indexer_setup(lens=(2000, 1500, 2560), topk=512, seed=None, one_request=False, groups=None, reference=False):
+def _indexer_setup(lens=(2000, 1500, 2560), topk=512, seed=None, one_request=False, groups=None, reference=False,
+                   two_level=False, keys=None, q=None, w=None):
     """groups: rows per request (consecutive rows of a request share its page table), as SGLang lays out an
     extend or a verify batch; one_request = one group of every row. reference: the bf16 pool holds FP4-simulated
     keys, the indexer layer has SGLang's projections (bf16 wq_b output and weights_proj output, the RoPE table)
-    for bf16-reference to build its query from, and the oracle is DeepSeek-V4's reference numerics in fp64."""
+    for bf16-reference to build its query from, and the oracle is DeepSeek-V4's reference numerics in fp64.
+    two_level: the keys also go into an fp8-rescore pool (SGLang's fp8 pages and their residual pages, written by
+    cupy_dsa.rescore's reference store); returns a namespace (run, pool, keys, q, w, page_table, lens, ...).
+    keys / q / w: given instead of drawn (fp32 [2560, 128], [rows, 64, 128] fp8, [rows, 64])."""
     if seed is None:
         seed = int(os.environ.get("CUPY_DSA_SEED", "0"))
     from sglang.srt.layers.attention.dsa.dsa_topk_backend import DSATopKBackend
@@ -27,7 +31,8 @@ def _indexer_setup(lens=(2000, 1500, 2560), topk=512, seed=None, one_request=Fal
 
     g = torch.Generator().manual_seed(seed)
     n_slots, n_pages = 2560, 40
-    keys = torch.randn(n_slots, 128, generator=g)                      # slot = loc; pages 0..39 used
+    drawn = torch.randn(n_slots, 128, generator=g)                     # slot = loc; pages 0..39 used
+    keys = drawn if keys is None else keys
     bf16_pool = make_index_pool()
     if reference:  # the fp4sim store's output (the store itself is checked against its oracle elsewhere)
         from cupy_dsa import fp4sim_reference
@@ -41,9 +46,20 @@ def _indexer_setup(lens=(2000, 1500, 2560), topk=512, seed=None, one_request=Fal
     page[:n_pages, :8192].view(n_pages, 64, 128)[:] = codes.view(n_pages, 64, 128)
     page[:n_pages, 8192:].view(torch.float32).view(n_pages, 64)[:] = scale.view(n_pages, 64)
 
+    two_level_pool = None
+    if two_level:
+        from cupy_dsa.rescore import store_two_level_reference
+
+        with mode_env("fp8-rescore"):
+            two_level_pool = make_index_pool()
+        store_two_level_reference(keys, two_level_pool.index_k_with_scale_buffer[0],
+                                  two_level_pool.index_k_lo_buffer[0], torch.arange(n_slots))
+
     rows = len(lens)
-    q = torch.randn(rows, 64, 128, generator=g).to(torch.float8_e4m3fn)
-    w = torch.rand(rows, 64, generator=g)
+    drawn_q = torch.randn(rows, 64, 128, generator=g).to(torch.float8_e4m3fn)
+    drawn_w = torch.rand(rows, 64, generator=g)
+    q = drawn_q if q is None else q
+    w = drawn_w if w is None else w
     page_table = torch.stack([torch.randperm(n_pages, generator=g) for _ in range(rows)]).to(torch.int32)
     if one_request:
         groups = (rows,)
@@ -106,6 +122,9 @@ def _indexer_setup(lens=(2000, 1500, 2560), topk=512, seed=None, one_request=Fal
 
     if reference:
         return run, ref_logits, bf16_pool, lens
+    if two_level:
+        return types.SimpleNamespace(run=run, pool=two_level_pool, fp8_pool=fp8_pool, keys=keys, q=q, w=w,
+                                     page_table=page_table, lens=lens, topk=topk, Backend=Backend)
     return run, ref_sets, bf16_pool, fp8_pool, lens
 
 

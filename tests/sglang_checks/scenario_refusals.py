@@ -89,10 +89,10 @@ def scenario_refusals():
         HookRegistry._apply_target = classmethod(functools.wraps(real)(failing))
         try:
             _load_expect_refusal(f"the hook on {guard.T_WARM_UP} failed to apply", "sgl_kernel",
-                                 f"the {len(applied) or 8} hook(s) applied before it were undone")
+                                 f"the {len(applied) or 10} hook(s) applied before it were undone")
         finally:
             HookRegistry._apply_target = classmethod(real)
-        assert len(applied) == 8, applied
+        assert len(applied) == 10, applied
         nothing_patched()
 
     @check
@@ -110,7 +110,7 @@ def scenario_refusals():
         HookRegistry._apply_target = classmethod(functools.wraps(real)(failing))
         try:
             _load_expect_refusal(f"the hook on {guard.T_WARM_UP} failed to apply", "simulated",
-                                 "the 8 hook(s) applied before it were undone, and so was its own partial patch")
+                                 "the 10 hook(s) applied before it were undone, and so was its own partial patch")
         finally:
             HookRegistry._apply_target = classmethod(real)
         nothing_patched()

@@ -1,0 +1,717 @@
+"""Scenario "rescore": SGLANG_CUPY_DSA_INDEX_K=fp8-rescore, SGLANG_PLUGINS=cupy_dsa: two-level index keys (SGLang's
+fp8 page in SGLang's own pool buffer, an int8 residual page beside it) and the two-stage top-k, through SGLang's
+real classes.
+
+* the KV budget counts 264 B per entry; SGLang's pool buffer keeps its fp8 rows and a lo buffer of the same shape
+  sits beside it; PD registers both;
+* the store writes, in one call, SGLang's fp8 bytes (its store stood in, as in the fp8cupy scenario) and the
+  residual page of cupy_dsa.rescore's reference;
+* the top-k of SGLang's forward (stage 1 from SGLang's own fp8 logits call, or from cupy_dsa's fp8 kernels on the
+  plugin's routes) equals ``rescore_topk_reference`` on decode, varlen extend, one-request prefill, grouped and
+  ragged verify and small rows, equals the exact top-k where the keys leave no tie at the two-level precision,
+  and SGLang's own top-k is never called;
+* PD tag and pairing, HiCache regions and namespace, refusals, flags and the check command.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import types
+
+import torch
+
+from cupy_dsa import rotate_index_k_reference
+from cupy_dsa.rescore import residual_encode_reference, rescore_topk_reference, store_two_level_reference
+from cupy_dsa.sglang import core, forward, hooks
+
+from checks_indexer import _indexer_setup, one_attention_cp_rank, spied_logits_routes
+from checks_store import call_site_case, decode_case, prefill_case, store_through_sglang_call_site
+from checks_strictness import Spy, _store_call, assert_hook_refuses, assert_stores_refused
+from harness import ENV, INFO, check, every_hook_in_place, load, make_index_pool, mode_env
+from scenario_fp8cupy import assert_sglang_fp8_pages
+
+MODE = "fp8-rescore"
+FP8_PAGE = 8448
+STAGE1, KPRIME = core.RESCORE_STAGE1_ENV, core.RESCORE_KPRIME_ENV
+
+
+@contextlib.contextmanager
+def settings_env(stage1=None, kprime=None):
+    """fp8-rescore's settings for a block (read once per process: the cache is reset on entry and exit)."""
+    old = {n: os.environ.get(n) for n in (STAGE1, KPRIME)}
+    for name, value in ((STAGE1, stage1), (KPRIME, kprime)):
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    core.reset_mode()
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        core.reset_mode()
+
+
+# --------------------------------------------------------------------------------------------------
+# Store: hi = SGLang's fp8 bytes, lo = the reference residual
+# --------------------------------------------------------------------------------------------------
+
+def rescore_cache():
+    """Layer 0's hi pages of a fresh fp8-rescore pool and their lo pages."""
+    pool = make_index_pool(size=256)
+    return pool.index_k_with_scale_buffer[0], pool.index_k_lo_buffer[0]
+
+
+def assert_two_level_pages(hi, lo, case):
+    """hi: byte-identical to SGLang's fp8 store (stand-in); lo: byte-identical to cupy_dsa.rescore's reference store of
+    the same fp32 keys, and untouched (zero) elsewhere."""
+    assert_sglang_fp8_pages(hi, case)
+    rows = torch.tensor([r for r, _, _ in case.expected])
+    locs = torch.tensor([loc for _, loc, _ in case.expected])
+    pos = torch.tensor([p for _, _, p in case.expected])
+    k = rotate_index_k_reference(case.kv[rows], pos, case.w, core.rope_table(case.fc), eps=1e-6)
+    want_hi, want_lo = torch.zeros_like(hi), torch.zeros_like(lo)
+    store_two_level_reference(k, want_hi, want_lo, locs)
+    assert torch.equal(hi, want_hi), "hi pages differ from the two-level reference's fp8 page"
+    diff = (lo != want_lo).nonzero()
+    assert diff.numel() == 0, f"{diff.shape[0]} lo bytes differ from the reference, first at {diff[0].tolist()}"
+    _, _, codes, scales = residual_encode_reference(k)
+    got = lo[:, :8192].reshape(-1, 128).view(torch.int8)[locs]
+    assert torch.equal(got, codes), "lo codes are not the residual's int8 codes"
+    assert torch.equal(lo[:, 8192:].contiguous().view(torch.float32).reshape(-1)[locs], scales)
+
+
+# --------------------------------------------------------------------------------------------------
+# Top-k: the reference, the exact oracle, the routes
+# --------------------------------------------------------------------------------------------------
+
+def _oracle_exact(ns):
+    """fp64 logits of the fp32 keys (before any rounding), [rows, width]."""
+    k = ns.keys.double().view(40, 64, 128)[ns.page_table.long()].reshape(ns.page_table.shape[0], -1, 128)
+    return (torch.relu(torch.einsum("rhd,rnd->rhn", ns.q.double(), k)) * ns.w.double()[:, :, None]).sum(1)
+
+
+def _reference(ns, k_prime=None, stage1_logits=None):
+    """rescore_topk_reference of the rows, each its own request (1-D lengths, its own page-table row)."""
+    hi, lo = ns.pool.index_k_with_scale_buffer[0], ns.pool.index_k_lo_buffer[0]
+    lens = torch.tensor(ns.lens, dtype=torch.int32)
+    return rescore_topk_reference(ns.q.unsqueeze(1), ns.w, hi, lo, lens, ns.page_table, ns.topk, k_prime,
+                                  stage1_logits=stage1_logits)
+
+
+@contextlib.contextmanager
+def spied_rescore(what):
+    """Spies on the plugin's rescoring routes (route, k_prime) and on SGLang's torch fp8 logits (its outputs), with
+    SGLang's top-k transforms and cupy_dsa's plain logits routes refused: the rescored top-k replaces them."""
+    from sglang.srt.layers.attention.dsv4 import indexer as ix
+
+    calls, stage1 = [], []
+    real = {name: getattr(core, name) for name in ("rescore_rows", "rescore_verify", "rescore_extend")}
+
+    def spy(name):
+        def f(*a, **k):
+            calls.append((name, a[8] if name == "rescore_rows" else a[9]))  # k_prime
+            return real[name](*a, **k)
+        return f
+
+    real_fn = ix.fp8_paged_mqa_logits_torch
+
+    def sglang_logits(*a, **k):
+        out = real_fn(*a, **k)
+        stage1.append((a, out))
+        return out
+
+    def refused(*a, **k):
+        raise AssertionError(f"SGLang's top-k was called {what}")
+
+    saved = {n: getattr(ix, n) for n in ("topk_transform_pytorch_vectorized", "topk_transform_paged",
+                                         "topk_transform_paged_v2")}
+    for name in real:
+        setattr(core, name, spy(name))
+    ix.fp8_paged_mqa_logits_torch = sglang_logits
+    for n in saved:
+        setattr(ix, n, refused)
+    try:
+        with spied_logits_routes(what) as plain:
+            yield types.SimpleNamespace(calls=calls, stage1=stage1)
+        assert not plain, f"cupy_dsa's plain logits routes ran {what}: {[r for r, _ in plain]}"
+    finally:
+        for name, f in real.items():
+            setattr(core, name, f)
+        ix.fp8_paged_mqa_logits_torch = real_fn
+        for n, f in saved.items():
+            setattr(ix, n, f)
+
+
+def _sets(t):
+    return [set(int(i) for i in row.tolist() if i >= 0) for row in t]
+
+
+def _run(mode_, batch, stage1, ns=None, kprime=None, **setup):
+    """The hooked forward in fp8-rescore over a two-level pool: (metadata, spies, setup namespace)."""
+    ns = ns or _setup(**setup)
+    with settings_env(stage1=stage1, kprime=kprime), one_attention_cp_rank(), spied_rescore(f"in {MODE}") as spies:
+        md, _ = ns.run(ns.pool, mode_, batch)
+    return md, spies, ns
+
+
+def _setup(**kw):
+    with mode_env("bf16"):  # the bf16 and fp8 pools of the shared set-up are sized as in their own modes
+        return _indexer_setup(two_level=True, **kw)
+
+
+def _assert_equal_reference(md, ref, what, exact=True):
+    """The forward's outputs are the reference's: raw positions and page indices, -1 padded; ``exact``: element by
+    element (same order), else as sets per row (another launch form of the same stage-1 logits)."""
+    if exact:
+        assert torch.equal(md.c4_sparse_raw_indices, ref.raw_indices), f"{what}: raw indices differ from the reference"
+        assert torch.equal(md.c4_sparse_page_indices, ref.page_indices), f"{what}: page indices differ"
+        return
+    for name, got, want in (("raw", md.c4_sparse_raw_indices, ref.raw_indices),
+                            ("page", md.c4_sparse_page_indices, ref.page_indices)):
+        bad = [r for r, (a, b) in enumerate(zip(_sets(got), _sets(want))) if a != b]
+        assert not bad, f"{what}: {name} indices of rows {bad} differ from the reference"
+        assert torch.equal((got >= 0).sum(1), (want >= 0).sum(1)), f"{what}: -1 padding differs"
+
+
+def _up_to_ties(md, oracle, lens, topk, tol_rel, what):
+    """Per row: the selection holds min(len, topk) keys; keys it misses and keys it takes beyond the exact top-k all
+    score within ``tol_rel * max|logit|`` of the exact k-th score. Returns each row's recall of the exact top-k."""
+    recall = []
+    for r, n in enumerate(lens):
+        got = _sets(md.c4_sparse_raw_indices[r:r + 1])[0]
+        k = min(topk, n)
+        assert len(got) == k, (what, r, len(got), k)
+        if n <= topk:
+            assert got == set(range(n)), (what, r)
+            recall.append(1.0)
+            continue
+        scores = oracle[r, :n]
+        top = scores.topk(k)
+        kth, exact = top.values[-1].item(), set(top.indices.tolist())
+        tol = tol_rel * scores.abs().max().item()
+        far = [i for i in sorted(got ^ exact) if abs(scores[i].item() - kth) > tol]
+        assert not far, f"{what} row {r}: differs from the exact top-k beyond ties at {far[:8]} (k-th {kth:.6g})"
+        recall.append(len(got & exact) / k)
+    return recall
+
+
+# the two-level key's error: |k_hat - k| <= 1.4e-4 of the key's largest element per element (cupy_dsa.rescore)
+TWO_LEVEL_TIE = 2e-3
+
+
+def scenario_rescore():
+    load()
+
+    @check
+    def hooks_applied_rescore():
+        from sglang.srt.environ import envs
+
+        every_hook_in_place()
+        assert envs.SGLANG_CUPY_DSA_INDEX_K.get() == MODE and core.index_k_mode() == MODE
+        assert core.rescore_settings() == ("sglang", 4, None), core.rescore_settings()
+
+    @check
+    def budget_counts_264_bytes():
+        from sglang.srt.mem_cache import deepseek_v4_memory_pool as mp
+        from sglang.srt.model_executor import pool_configurator as pc
+
+        for fn in (mp.get_dsv4_indexer_bytes_per_token, pc.get_dsv4_indexer_bytes_per_token):
+            assert fn(128, False) == 264 and fn(128, use_fp4_indexer=True) == 68, fn(128, False)
+        cfg = object.__new__(pc.DSV4PoolConfigurator)
+        cfg.c4_shrink_factor = 1
+        cfg._get_paged_kv_bytes_per_token = lambda ratio: 0
+        cfg.indexer_bytes_per_token = pc.get_dsv4_indexer_bytes_per_token(128, False)  # as its __init__ does
+        assert cfg._compressed_bytes_per_full_token(4) == 66  # 264 / 4 (fp8: 33, bf16: 64)
+        assert core.index_bytes_per_entry(MODE) == 264
+
+    @check
+    def pool_keeps_sglangs_fp8_buffer_and_adds_lo_pages():
+        pool = make_index_pool(layers=2)
+        his, los = pool.index_k_with_scale_buffer, pool.index_k_lo_buffer
+        assert [tuple(b.shape) for b in his] == [(44, FP8_PAGE)] * 2, [tuple(b.shape) for b in his]
+        assert [(tuple(b.shape), b.dtype, b.device) for b in los] == [((44, FP8_PAGE), torch.uint8, his[0].device)] * 2
+        assert not any(b.any() for b in los), "lo pages not zeroed"
+        ptrs = {b.data_ptr() for b in his + los}
+        assert len(ptrs) == 4, "lo pages share memory with other buffers"
+        assert pool.get_bytes_per_token() == 264
+        assert all(core.lo_cache_of(h) is lo for h, lo in zip(his, los))
+        assert core.lo_cache_of(his[0][:, :]) is los[0], "a view of the fp8 rows at the same address finds its lo"
+        # PD registers every buffer of contiguous_page_row_buffers(), page by page: the lo pages travel with the fp8
+        bufs = pool.contiguous_page_row_buffers()
+        assert len(bufs) == 4 and all(a is b for a, b in zip(bufs, his + los)), [tuple(b.shape) for b in bufs]
+        with mode_env("fp8-cupy"):  # another fp8 mode: SGLang's buffer only
+            other = make_index_pool()
+            assert not hasattr(other, "index_k_lo_buffer") and len(other.contiguous_page_row_buffers()) == 1
+        assert core.lo_cache_of(other.index_k_with_scale_buffer[0]) is None
+
+    @check
+    def pd_registers_the_lo_pages():
+        # SGLang's own get_contiguous_buf_infos on a pool object holding one C4 layer's index pool
+        from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+
+        index_pool = make_index_pool(layers=1)
+        kv = object.__new__(DeepSeekV4TokenToKVPool)
+        kv.kv_pools, kv.index_pools, kv.compression_ratios = {4: None}, {4: index_pool}, [4]
+        kv._stage_start, kv._stage_end, kv._unified_kv, kv._unified_kv_fp8, kv.page_size = 0, 1, False, False, 256
+        ptrs, lens, items = kv.get_contiguous_buf_infos()
+        hi, lo = index_pool.index_k_with_scale_buffer[0], index_pool.index_k_lo_buffer[0]
+        assert ptrs == [hi.data_ptr(), lo.data_ptr()], ptrs
+        assert lens == [hi.nbytes, lo.nbytes] and items == [FP8_PAGE, FP8_PAGE], (lens, items)
+
+    @check
+    def store_two_level_decode_plan():
+        case = decode_case()
+        case.kv[4] *= 1e-6  # below SGLang's fp8 scale floor
+        from sglang.srt.layers.attention.dsv4 import compressor_v2
+
+        pool = make_index_pool(size=256)
+        hi, lo = pool.index_k_with_scale_buffer[0], pool.index_k_lo_buffer[0]
+        compressor_v2.compress_norm_rope_store(case.kv, case.plan, norm_weight=case.w, norm_eps=1e-6, freq_cis=case.fc,
+                                              out_loc=case.out_loc, kvcache=hi, page_size=64)
+        assert_two_level_pages(hi, lo, case)
+
+    @check
+    def store_two_level_prefill_plan():
+        case = prefill_case()
+        case.kv[1] *= 300.0
+        from sglang.srt.layers.attention.dsv4 import compressor_v2
+
+        pool = make_index_pool(size=256)
+        hi, lo = pool.index_k_with_scale_buffer[0], pool.index_k_lo_buffer[0]
+        compressor_v2.compress_norm_rope_store(case.kv, case.plan, norm_weight=case.w, norm_eps=1e-6, freq_cis=case.fc,
+                                              out_loc=case.out_loc, kvcache=hi, page_size=64)
+        assert_two_level_pages(hi, lo, case)
+
+    @check
+    def store_two_level_one_launch_via_sglang_call_site():
+        case, (hi, lo) = call_site_case(), rescore_cache()
+        stores = []
+        real = core.store_index_k_bf16
+
+        def spy(*a, **k):
+            stores.append((k["kvcache"], k["lo_cache"]))
+            return real(*a, **k)
+
+        core.store_index_k_bf16 = spy
+        try:
+            store_through_sglang_call_site(case, hi)
+        finally:
+            core.store_index_k_bf16 = real
+        assert len(stores) == 1 and stores[0][0] is hi and stores[0][1] is lo, "not one store of both pages"
+        assert_two_level_pages(hi, lo, case)
+
+    @check
+    def store_rescore_strictness():
+        hi, lo = rescore_cache()
+        assert_stores_refused(hi, ((dict(use_fp4=True), "use_fp4=True"), (dict(page_size=256), "page_size=256"),
+                                   (dict(new_option=1), "unknown keyword new_option")),
+                              ("fp8 index cache", "its residual page in one launch"), "an fp8-rescore store")
+        assert not hi.any() and not lo.any(), "a refused call wrote a page"
+        with mode_env("fp8-cupy"):
+            orphan = make_index_pool(size=256).index_k_with_scale_buffer[0]  # fp8 rows without lo pages
+        kv, plan, kw = _store_call(orphan)
+        assert_hook_refuses(kv, plan, kw, "has no residual (lo) pages", "stored fp8 keys without their residuals")
+        assert not orphan.any()
+        bf16_cache = torch.zeros(44, 16384, dtype=torch.uint8)
+        kv, plan, kw = _store_call(bf16_cache)
+        assert_hook_refuses(kv, plan, kw, f"{ENV}={MODE} in this process", "fp8-rescore wrote a bf16 cache")
+        main_kv = torch.zeros(4, 64 * 584, dtype=torch.uint8)  # SGLang's other caches: its own store
+        kv, plan, kw = _store_call(main_kv)
+        spy = Spy()
+        assert hooks._store_hook(spy, kv, plan, **kw) == "original" and len(spy.calls) == 1
+
+    @check
+    def indexer_decode_matches_reference_both_stage1():
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        ns = _setup()
+        oracle = _oracle_exact(ns)
+        for stage1 in ("cupy", "sglang"):
+            md, spies, _ = _run(ForwardMode.DECODE, 3, stage1, ns=ns)
+            assert [r for r, _ in spies.calls] == ["rescore_rows"] and spies.calls[0][1] == 4 * 512, spies.calls
+            if stage1 == "sglang":
+                (args, logits), = spies.stage1  # SGLang's call as its forward makes it: [R, 1, 64, 128] q, [R] lens
+                assert tuple(args[0].shape) == (3, 1, 64, 128) and tuple(args[1].shape) == (44, 64, 1, 132)
+                assert torch.equal(args[3], torch.tensor(ns.lens, dtype=torch.int32)) and args[7] is False
+                ref = _reference(ns, stage1_logits=logits)
+            else:
+                assert not spies.stage1, "stage1=cupy called SGLang's fp8 logits"
+                ref = _reference(ns)
+            _assert_equal_reference(md, ref, f"decode, stage1={stage1}")
+            INFO[f"rescore_recall_decode_{stage1}"] = _up_to_ties(md, oracle, ns.lens, 512, TWO_LEVEL_TIE,
+                                                                  f"decode, stage1={stage1}")
+        # against SGLang's own fp8 forward on the same fp8 pages (its top-k of its fp8 logits)
+        with mode_env("fp8"), one_attention_cp_rank():
+            fp8_md, _ = ns.run(ns.pool)
+        fp8_recall = []
+        for r, n in enumerate(ns.lens):
+            exact = set(oracle[r, :n].topk(512).indices.tolist())
+            fp8_recall.append(len(_sets(fp8_md.c4_sparse_raw_indices[r:r + 1])[0] & exact) / 512)
+        INFO["fp8_recall_decode"] = fp8_recall
+        ours = INFO["rescore_recall_decode_cupy"]
+        assert sum(ours) >= sum(fp8_recall), (ours, fp8_recall)
+
+    @check
+    def indexer_routes_match_reference():
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        cases = (("extend", ForwardMode.EXTEND, 3, dict(lens=(900, 901, 1300, 600, 601, 602, 2000), groups=(2, 4, 1)),
+                  "rescore_extend"),
+                 ("prefill, one request", ForwardMode.EXTEND, 1,
+                  dict(lens=(700, 701, 702, 703, 2500), one_request=True), "rescore_extend"),
+                 ("verify n=2", ForwardMode.TARGET_VERIFY, 3,
+                  dict(lens=(1000, 1001, 1300, 1301, 2500, 2501), groups=(2, 2, 2)), "rescore_verify"),
+                 ("verify n=4", ForwardMode.TARGET_VERIFY, 2,
+                  dict(lens=(1000, 1001, 1001, 1002, 2300, 2301, 2301, 2302), groups=(4, 4)), "rescore_verify"),
+                 ("ragged verify", ForwardMode.TARGET_VERIFY, 2, dict(lens=(900, 901, 2400), groups=(2, 1)),
+                  "rescore_rows"))
+        for what, mode_, batch, setup, route in cases:
+            ns = _setup(**setup)
+            oracle = _oracle_exact(ns)
+            for stage1 in ("cupy", "sglang"):
+                md, spies, _ = _run(mode_, batch, stage1, ns=ns, kprime="2x")
+                want = route if stage1 == "cupy" else "rescore_rows"  # SGLang's call: one row per token
+                assert [r for r, _ in spies.calls] == [want] and spies.calls[0][1] == 1024, (what, stage1, spies.calls)
+                logits = spies.stage1[0][1] if stage1 == "sglang" else None
+                ref = _reference(ns, k_prime=1024, stage1_logits=logits)
+                _assert_equal_reference(md, ref, f"{what}, stage1={stage1}", exact=want == "rescore_rows")
+                INFO[f"rescore_recall_{what}_{stage1}"] = _up_to_ties(md, oracle, ns.lens, 512, TWO_LEVEL_TIE,
+                                                                      f"{what}, stage1={stage1}")
+
+    @check
+    def indexer_exact_topk_where_unambiguous():
+        # every row sees all 2560 keys (its own page order) with one q: the keys scoring above the 512th are scaled
+        # by 1.004 (scores are positively homogeneous in k), a margin of 0.4% at every row's boundary that the
+        # two-level keys resolve; the result must be that exact set, in every route and for both stage 1 choices
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        g = torch.Generator().manual_seed(7)
+        keys = torch.randn(2560, 128, generator=g)
+        q1 = torch.randn(1, 64, 128, generator=g).to(torch.float8_e4m3fn)
+        w1 = torch.rand(1, 64, generator=g)
+        score = (torch.relu(torch.einsum("hd,nd->hn", q1[0].double(), keys.double())) * w1[0, :, None].double()).sum(0)
+        top = score.topk(512).indices
+        keys[top] *= 1.004
+        exact = set(top.tolist())
+        for what, mode_, batch, groups in (("decode", ForwardMode.DECODE, 4, None),
+                                           ("verify n=2", ForwardMode.TARGET_VERIFY, 2, (2, 2)),
+                                           ("extend", ForwardMode.EXTEND, 2, (3, 1))):
+            ns = _setup(lens=(2560,) * 4, keys=keys, q=q1.expand(4, 64, 128).contiguous(), w=w1.expand(4, 64).contiguous(),
+                        groups=groups)
+            slots = [[int(ns.page_table[r, i // 64]) * 64 + i % 64 for i in range(2560)] for r in range(4)]
+            for stage1 in ("cupy", "sglang"):
+                md, _, _ = _run(mode_, batch, stage1, ns=ns)
+                for r in range(4):
+                    got = {slots[r][i] for i in _sets(md.c4_sparse_raw_indices[r:r + 1])[0]}
+                    assert got == exact, f"{what}, stage1={stage1}, row {r}: {len(got ^ exact)} keys differ"
+            if mode_ == ForwardMode.DECODE:  # the margin is below fp8's resolution: SGLang's fp8 top-k misses keys
+                with mode_env("fp8"), one_attention_cp_rank():
+                    fp8_md, _ = ns.run(ns.pool, mode_, batch)
+                missed = [len(exact - {slots[r][i] for i in _sets(fp8_md.c4_sparse_raw_indices[r:r + 1])[0]})
+                          for r in range(4)]
+                INFO["fp8_missed_where_unambiguous"] = missed
+                assert min(missed) > 0, missed
+
+    @check
+    def indexer_small_rows_padding_and_kprime_cap():
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        ns = _setup(lens=(300, 64, 0, 600))
+        for stage1 in ("cupy", "sglang"):
+            md, _, _ = _run(ForwardMode.DECODE, 4, stage1, ns=ns, kprime="8192")  # K' above the width: capped
+            raw = md.c4_sparse_raw_indices
+            assert sorted(x for x in raw[0].tolist() if x >= 0) == list(range(300))
+            assert sorted(x for x in raw[1].tolist() if x >= 0) == list(range(64))
+            assert (raw[2] == -1).all() and (md.c4_sparse_page_indices[2] == -1).all(), "a row of length 0 selected"
+            assert len(_sets(raw[3:4])[0]) == 512
+            exp = torch.where(raw.long() >= 0, ns.page_table.long().gather(1, raw.long().clamp(min=0) // 64) * 64
+                              + raw.long() % 64, -1)
+            assert torch.equal(md.c4_sparse_page_indices.long(), exp), "page indices are not SGLang's slot transform"
+        with settings_env(kprime="256"):  # a count below index_topk: refused at the first forward
+            try:
+                _run(ForwardMode.DECODE, 4, "cupy", ns=ns, kprime="256")
+            except ValueError as e:
+                assert "at least index_topk (512)" in str(e), str(e)
+            else:
+                raise AssertionError("K' below index_topk was accepted")
+
+    @check
+    def indexer_rescore_refuses_pools_without_lo():
+        ns = _setup(lens=(700, 900))
+        for pool in (ns.fp8_pool,):  # SGLang's fp8 pages without residual pages
+            try:
+                with one_attention_cp_rank():
+                    ns.run(pool)
+            except RuntimeError as e:
+                assert "has no residual (lo) pages" in str(e) and MODE in str(e), str(e)
+            else:
+                raise AssertionError("fp8-rescore scored a pool without lo pages")
+
+    @check
+    def indexer_rescore_refuses_a_tbo_micro_batch():
+        # refused at start-up (--enable-two-batch-overlap); a micro-batch that reaches the forward anyway is refused
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        ns = _setup(lens=(700, 900))
+        orig = forward.forward_c4_indexer_bf16
+
+        def as_micro_batch(self, **kw):
+            kw["forward_batch"].tbo_parent_token_range = (0, 2)
+            return orig(self, **kw)
+
+        forward.forward_c4_indexer_bf16 = as_micro_batch
+        try:
+            _run(ForwardMode.DECODE, 2, "cupy", ns=ns)
+        except RuntimeError as e:
+            assert "two-batch-overlap micro-batch" in str(e), str(e)
+        else:
+            raise AssertionError("fp8-rescore ran a two-batch-overlap micro-batch")
+        finally:
+            forward.forward_c4_indexer_bf16 = orig
+
+    @check
+    def indexer_rescore_hisparse_and_capturer():
+        from sglang.srt.layers.attention.dsv4 import indexer as ix
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        ns = _setup(lens=(700, 900))
+        seen = {}
+
+        class Coordinator:
+            raw_indices_buffer = torch.full((8, 512), -7, dtype=torch.int32)
+
+            def swap_in_selected_pages(self, **kw):
+                seen["swap"] = kw
+                return torch.full((2, 512), 42, dtype=torch.int32)
+
+        class Capturer:
+            def capture(self, layer, raw):
+                seen["capture"] = (layer, raw)
+
+        orig_cap, orig_fwd = ix.get_global_indexer_capturer, forward.forward_c4_indexer_bf16
+        holder = {}
+
+        def with_hisparse(self, **kw):
+            self.hisparse_coordinator = Coordinator()
+            self.forward_metadata.core_metadata.c4_sparse_raw_indices = None
+            kw["forward_batch"].req_pool_indices = torch.tensor([3, 4])
+            holder["b"] = self
+            return orig_fwd(self, **kw)
+
+        ix.get_global_indexer_capturer = lambda: Capturer()
+        forward.forward_c4_indexer_bf16 = with_hisparse
+        try:
+            _run(ForwardMode.DECODE, 2, "cupy", ns=ns)
+        finally:
+            ix.get_global_indexer_capturer, forward.forward_c4_indexer_bf16 = orig_cap, orig_fwd
+        md = holder["b"].forward_metadata.core_metadata
+        assert torch.equal(md.c4_sparse_page_indices, torch.full((2, 512), 42, dtype=torch.int32))
+        raw = seen["swap"]["top_k_result"]
+        ref = _reference(ns)
+        assert torch.equal(raw, ref.raw_indices), "HiSparse did not get the rescored raw top-k"
+        assert seen["capture"][0] == 0 and seen["capture"][1] is raw
+
+    @check
+    def pd_layout_pairs_only_with_fp8_rescore():
+        from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout
+        from sglang.srt.disaggregation.common import conn
+        from sglang.srt.disaggregation.utils import get_pd_kv_layout
+        from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+
+        pool = object.__new__(DeepSeekV4TokenToKVPool)
+        pool.uniform_fp8 = True
+        layouts = {}
+        for mode in ("fp8", "fp8-cupy", "bf16", MODE):
+            with mode_env(mode):
+                layouts[mode] = get_pd_kv_layout(pool)
+        assert layouts[MODE] == KVLayout.UNIFORM_FP8.value + ",c4idx:fp8-rescore", layouts
+
+        def decode_side(local_layout, prefill_layout):
+            mgr = object.__new__(conn.CommonKVManager)
+            mgr.kv_args = types.SimpleNamespace(page_size=256, state_types=())
+            mgr.kv_cache_dtype_str = "fp8_e4m3"
+            mgr.kv_layout = local_layout
+            mgr.prefill_info_table = {}
+            mgr.dsv41_spec_layout = None
+            mgr.attn_tp_size = 1
+            data = dict(attn_tp_size=1, attn_cp_size=1, dp_size=1, pp_size=1, page_size=256,
+                        kv_cache_dtype="fp8_e4m3", follow_bootstrap_room=True, kv_layout=prefill_layout)
+
+            class Resp:
+                status_code = 200
+
+                def json(self):
+                    return data
+
+            orig = conn.requests.get
+            conn.requests.get = lambda *a, **k: Resp()
+            try:
+                return mgr.try_ensure_parallel_info("127.0.0.1:1")
+            finally:
+                conn.requests.get = orig
+
+        for other in ("fp8", "fp8-cupy", "bf16"):
+            for local, peer in ((layouts[MODE], layouts[other]), (layouts[other], layouts[MODE])):
+                try:
+                    decode_side(local, peer)
+                except RuntimeError as e:
+                    assert "KV layout mismatch" in str(e) and "c4idx:fp8-rescore" in str(e), str(e)
+                else:
+                    raise AssertionError(f"a {local} decode peer accepted a {peer} prefill peer")
+        try:
+            decode_side(layouts[MODE], layouts[MODE])
+        except RuntimeError as e:
+            assert "KV layout mismatch" not in str(e), str(e)
+        except Exception:
+            pass  # later checks of the handshake need a real manager; the layout check passed
+
+    @check
+    def hicache_carries_lo_pages_in_its_namespace():
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
+        from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _dsv4_indexer_regions
+
+        pool = make_index_pool(layers=2)
+        hi_region, lo_region = _dsv4_indexer_regions(types.SimpleNamespace(c4_indexer_kv_pool=pool), 256)
+        assert str(hi_region.name) == str(PoolName.DEEPSEEK_V4_C4_INDEXER) and hi_region.item_bytes == FP8_PAGE
+        assert hi_region.page_aligned_only is False and hi_region.device_buffers is pool.index_k_with_scale_buffer
+        assert str(lo_region.name) == str(PoolName.DEEPSEEK_V4_C4_INDEXER_SCALE)
+        assert all(a is b for a, b in zip(lo_region.device_buffers, pool.index_k_lo_buffer))
+        assert (lo_region.item_bytes, lo_region.slot_page_size, lo_region.page_aligned_only) == \
+            (hi_region.item_bytes, hi_region.slot_page_size, hi_region.page_aligned_only)
+        with mode_env("fp8-cupy"):
+            other = make_index_pool()
+        try:
+            _dsv4_indexer_regions(types.SimpleNamespace(c4_indexer_kv_pool=other), 256)
+        except RuntimeError as e:
+            assert "residual (lo) buffers" in str(e) and "Refusing to build HiCache" in str(e), str(e)
+        else:
+            raise AssertionError("HiCache was built without the lo pages")
+        kw = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=True,
+                  enable_storage_metrics=False, is_page_first_layout=False, model_name="deepseek-ai/DeepSeek-V4")
+        assert HiCacheStorageConfig(**kw).model_name == "deepseek-ai/DeepSeek-V4_c4idx-fp8-rescore"
+
+    def resolve(**fields):
+        from sglang.srt.arg_groups.resolution_hooks import run_hook
+        from sglang.srt.server_args import ServerArgs
+
+        def handle_model_specific_adjustments(server_args):  # SGLang's step, by name
+            server_args._builtin_ran = True
+
+        sa = ServerArgs(model_path="dummy", **fields)
+        run_hook(handle_model_specific_adjustments, sa)
+        assert sa._builtin_ran, "SGLang's own step must run first"
+        return sa
+
+    @check
+    def resolution_rescore_refusals():
+        before = dict(os.environ)
+        resolve()
+        changed = {k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}
+        assert not changed, f"the resolution hook wrote the environment: {changed}"
+        for fields, fragments in ((dict(attn_cp_size=2), ("--attn-cp-size 2", "context parallel")),
+                                  (dict(enable_two_batch_overlap=True), ("--enable-two-batch-overlap",)),
+                                  (dict(enable_deepseek_v4_fp4_indexer=True), ("--enable-deepseek-v4-fp4-indexer",)),
+                                  (dict(enable_nvidia_megakernel=True), ("--enable-nvidia-megakernel",)),
+                                  (dict(device="npu"), ("NPU",))):
+            try:
+                resolve(**fields)
+            except ValueError as e:
+                msg = str(e)
+                assert all(f in msg for f in fragments) and f"{ENV}={MODE}" in msg and "two-level" in msg, msg
+                INFO.setdefault("rescore_refusals", []).append(msg)
+            except (TypeError, AssertionError) as e:  # a field this SGLang validates before the hook
+                raise AssertionError(f"{fields}: {e}") from e
+            else:
+                raise AssertionError(f"fp8-rescore accepted {fields}")
+
+    @check
+    def settings_refused_before_anything_is_patched():
+        from cupy_dsa.sglang.core import StartupRefused
+
+        for stage1, kprime, fragment in (("deepgemm", None, f"{STAGE1}='deepgemm'"), (None, "4y", f"{KPRIME}='4y'"),
+                                         (None, "0x", f"{KPRIME}='0x'")):
+            with settings_env(stage1, kprime):
+                try:
+                    hooks._resolve_switch()
+                except StartupRefused as e:
+                    assert fragment in str(e) and "Refusing to start" in str(e), str(e)
+                else:
+                    raise AssertionError(f"{stage1}, {kprime} accepted")
+                try:
+                    resolve()
+                except StartupRefused as e:
+                    assert fragment in str(e), str(e)
+                else:
+                    raise AssertionError(f"{stage1}, {kprime} accepted at resolution")
+        with settings_env(kprime="2X", stage1=" CUPY "):
+            assert core.rescore_settings() == ("cupy", 2, None) and core.rescore_settings().k_prime(512) == 1024
+        with settings_env(kprime="3000"):
+            assert core.rescore_settings().k_prime(1024) == 3000
+        # a rescore setting with another mode on: refused, not ignored
+        with mode_env("bf16"), settings_env(kprime="2x"):
+            try:
+                hooks._resolve_switch()
+            except StartupRefused as e:
+                assert f"{KPRIME} set with {ENV}=bf16" in str(e) and f"{MODE} only" in str(e), str(e)
+            else:
+                raise AssertionError("a K' setting was ignored in bf16 mode")
+        with mode_env("fp8"), settings_env(kprime="junk"):
+            assert hooks._resolve_switch() == "fp8"  # the switch off: nothing is read
+
+    @check
+    def flags_and_yaml_keys_take_rescore():
+        import tempfile
+
+        from sglang.srt.server_args import prepare_server_args
+
+        from cupy_dsa.sglang.core import StartupRefused
+
+        with mode_env(None), settings_env():
+            prepare_server_args(["--model-path", "dummy", "--cupy-dsa-index-k-dtype", "FP8-Rescore",
+                                 "--cupy-dsa-rescore-stage1", "cupy", "--cupy-dsa-rescore-kprime", "3x"])
+            assert os.environ.get(ENV) == MODE and os.environ.get(STAGE1) == "cupy" and os.environ.get(KPRIME) == "3x"
+            assert core.index_k_mode() == MODE and core.rescore_settings() == ("cupy", 3, None)
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+            f.write("model-path: dummy\ncupy-dsa-index-k-dtype: fp8-rescore\ncupy-dsa-rescore-kprime: 2048\n")
+        try:
+            with mode_env(None), settings_env():
+                prepare_server_args(["--config", f.name])
+                assert os.environ.get(ENV) == MODE and os.environ.get(KPRIME) == "2048", os.environ.get(KPRIME)
+                assert STAGE1 not in os.environ
+        finally:
+            os.unlink(f.name)
+        with mode_env(None), settings_env():
+            for bad in (["--cupy-dsa-rescore-kprime", "4y"], ["--cupy-dsa-rescore-stage1", "deepgemm"]):
+                try:
+                    prepare_server_args(["--model-path", "dummy"] + bad)
+                except SystemExit:
+                    pass
+                else:
+                    raise AssertionError(f"argparse accepted {bad}")
+        with mode_env(MODE), settings_env(kprime="4x"):
+            try:
+                prepare_server_args(["--model-path", "dummy", "--cupy-dsa-rescore-kprime", "2x"])
+            except StartupRefused as e:
+                assert "--cupy-dsa-rescore-kprime 2x" in str(e) and f"{KPRIME}='4x'" in str(e), str(e)
+            else:
+                raise AssertionError("the flag silently overrode the variable")
+            assert os.environ[KPRIME] == "4x"
+            prepare_server_args(["--model-path", "dummy", "--cupy-dsa-rescore-kprime", "4X"])  # the same value
+
+    @check
+    def check_command_describes_rescore():
+        from cupy_dsa.sglang import check as check_cmd
+
+        mode, lines = check_cmd._mode_lines()
+        assert mode == MODE
+        text = " ".join(t for _, t in lines)
+        assert "int8 residual pages (264 B per entry)" in text and "stage 1 = SGLang's own fp8 logits call" in text, text
+        assert "K' = 4x index_topk" in text and ",c4idx:fp8-rescore" in text, text
+        with settings_env(kprime="4y"):
+            mode, lines = check_cmd._mode_lines()
+            assert mode is None and lines[0][0] == check_cmd.PROBLEM and f"{KPRIME}='4y'" in lines[0][1], lines
