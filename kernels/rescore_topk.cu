@@ -40,6 +40,7 @@ constexpr long long kInvalidKey = static_cast<long long>(0x8000000000000000ull);
 constexpr int kSelectThreads = 1024;                  // rescore_select_candidates: one CTA per row
 constexpr int kSelectWarps = kSelectThreads / 32;     // == 32: one warp scans the per-warp counts
 constexpr int kRadixBins = 2048;                      // 11-bit digits (the last pass: 10)
+constexpr int kSelectUnroll = 4;                      // columns per thread loaded at once by a histogram pass
 static_assert(kSelectWarps == 32 && kRadixBins % kSelectThreads == 0, "select: warp scan and bins per thread");
 
 // How a query row's visible positions [lo, hi) and its block-table row are found (cupy_dsa.logits' contracts).
@@ -238,16 +239,24 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_select_c
     const int nbins = pass == 2 ? kRadixBins / 2 : kRadixBins;
     for (int i = tid; i < kRadixBins; i += kSelectThreads) hist[i] = 0;
     __syncthreads();
-    for (int base = rk.lo + 32 * warp; base < rk.hi; base += kSelectThreads) {  // warp-uniform
-      const int c = base + lane;
-      int bin = -1;
-      if (c < rk.hi) {
-        const u32 b = select_bits(row[c]);
-        if ((b & mask) == prefix) bin = static_cast<int>(b >> shift) & (nbins - 1);
+    // warp w counts columns lo + j * kSelectUnroll * kSelectThreads + k * kSelectThreads + 32 w + lane, its
+    // kSelectUnroll loads in flight at once
+    for (int base = rk.lo + 32 * warp; base < rk.hi; base += kSelectUnroll * kSelectThreads) {  // warp-uniform
+      float v[kSelectUnroll];
+#pragma unroll
+      for (int k = 0; k < kSelectUnroll; ++k) {
+        const int c = base + k * kSelectThreads + lane;
+        v[k] = c < rk.hi ? row[c] : neg_inf;
       }
-      // one shared atomic per distinct bin of the warp (ties and -inf runs would serialize on one address)
-      const u32 peers = __match_any_sync(0xffffffffu, bin);
-      if (bin >= 0 && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+#pragma unroll
+      for (int k = 0; k < kSelectUnroll; ++k) {
+        const u32 b = select_bits(v[k]);
+        const int bin = base + k * kSelectThreads + lane < rk.hi && (b & mask) == prefix
+                            ? static_cast<int>(b >> shift) & (nbins - 1) : -1;
+        // one shared atomic per distinct bin of the warp (ties and -inf runs would serialize on one address)
+        const u32 peers = __match_any_sync(0xffffffffu, bin);
+        if (bin >= 0 && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+      }
     }
     if (tid == 0 && n_invisible > 0 && (inv_bits & mask) == prefix)
       atomicAdd(&hist[static_cast<int>(inv_bits >> shift) & (nbins - 1)], n_invisible);
@@ -290,13 +299,14 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_select_c
       out[n_above + c] = order_key(neg_inf, ~static_cast<u32>(c));
   int run_above = 0, run_tied = inv_tied ? rk.lo : 0;  // CTA-uniform running counts (ties: their rank)
   const u32 lanes_below = (1u << lane) - 1u;
+  float v_next = rk.lo + tid < rk.hi ? row[rk.lo + tid] : neg_inf;  // the next tile's column, loaded a tile early
   for (int base = rk.lo, tile = 0; base < rk.hi && (run_above < n_above || run_tied < need);
        base += kSelectThreads, ++tile) {
     const int c = base + tid;
-    float v = neg_inf;
+    const float v = v_next;
+    if (c + kSelectThreads < rk.hi) v_next = row[c + kSelectThreads];
     bool is_above = false, is_tied = false;
     if (c < rk.hi) {
-      v = row[c];
       const u32 b = select_bits(v) & mask;
       is_above = b > prefix;
       is_tied = b == prefix;
