@@ -7,8 +7,8 @@ row's top ``k_prime`` candidates; stage 2 rescores only those from ``hi + lo`` (
 
 Ops: :func:`rescore_topk` (decode / MTP verify, the contract of ``paged_mqa_logits``) and
 :func:`rescore_topk_prefill` (prefill / varlen extend, the paged contract of ``mqa_logits``): stage 1 from
-cupy_dsa's fp8 logits (or logits the caller computed), the candidates by ``torch.topk``, stage 2 and the
-selection by ``kernels/rescore_topk.cu``; no host sync, no data-dependent shape (CUDA-graph safe), bitwise
+cupy_dsa's fp8 logits (or logits the caller computed), the candidates (a radix select per row), stage 2 and
+the selection by ``kernels/rescore_topk.cu``; no host sync, no data-dependent shape (CUDA-graph safe), bitwise
 reruns; CPU tensors run the torch references (:func:`rescore_topk_reference`, :func:`rescore_topk_prefill_reference`,
 the test oracle and the design's measurement). :func:`rescore_candidate_scores` is stage 2 alone. The fused store
 writes both pages in one launch (``store_index_k(..., lo_cache=)``).
@@ -62,8 +62,12 @@ w_h`` in fp32 and keeps the first ``index_topk`` by that score, ties broken by t
 sees ``len <= index_topk`` keys selects ``0..len-1`` without reading scores, as SGLang's top-k does (its fp8
 ranks are counted over the row's visible keys). The kernel sums ``q . k_hat`` as ``hi_scale * (q . hi) + lo_scale
 * (q . lo)`` (exact products, fp32 accumulation on bf16 tensor cores): on the same stage-1 logits the device
-selection is the reference's except where two candidates' scores lie within fp32 rounding of each other, and
-its candidates tied with the K'-th stage-1 logit are torch.topk's pick.
+selection is the reference's except where two candidates' scores lie within fp32 rounding of each other. Its
+candidates are the reference's too (ties with the K'-th logit to the lower position), up to its key rule: -0.0
+and subnormal logits count as +0.0 (the reference ranks them as torch.sort does), and a row that sees fewer than
+K' finite logits takes its -inf columns by position, seen or not (the reference takes the seen ones first: they
+differ only for prefill rows with ``ks > 0``, whose unseen columns ``[0, ks)`` come first; unseen candidates score
+-inf in stage 2 and are never selected).
 """
 
 from __future__ import annotations
