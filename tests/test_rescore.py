@@ -912,3 +912,23 @@ def test_gpu_stage1_candidates_prefill_rows(seed, width, k_prime, varlen):
         _check_candidates(x.cuda(), rows, lo, hi, k_prime, f"seed {seed} prefill varlen {varlen} {values}")
         if varlen:
             assert bool((hi[8:] == lo[8:]).all())                                   # rows of no request: empty
+
+
+@pytest.mark.gpu
+def test_gpu_stage1_candidates_of_narrow_rows():
+    """Width 0 selects nothing. K' >= width takes every column in position order; launched with a K' past the
+    width (the ops clamp it), the kernel pads the row with INVALID_KEY."""
+    lens = torch.tensor([5, 0, 3], dtype=torch.int32, device="cuda")
+    rows = dict(lens0=lens, lens1=None, cu_rows=None, next_n=1, batch=3, width=0, mode=rescore._DECODE_LENS_1D)
+    assert tuple(rescore._stage1_candidates(torch.empty(3, 0, device="cuda"), rows, 7).shape) == (3, 0)
+    x = torch.tensor([[1.0, 2.0, 2.0, -1.0, float("nan")], [3.0, 3.0, 3.0, 3.0, 3.0], [-0.0, 0.0, 7.0, 1.0, 1.0]],
+                     device="cuda")
+    rows["width"] = 5
+    lo, hi = torch.zeros(3, dtype=torch.long, device="cuda"), lens.long()
+    want = _order_keys(_masked_logits(x, lo, hi), torch.arange(5, device="cuda")[None, :])
+    assert torch.equal(rescore._stage1_candidates(x, rows, 5), want)
+    assert torch.equal(rescore._stage1_candidates(x, rows, 9), want)
+    keys = torch.empty(3, 8, dtype=torch.int64, device="cuda")
+    rescore._launch(("candidates",), x.device, (3, 1, 1), logits=x, logits_stride=x.stride(0), **rows, k_prime=8,
+                    keys=keys)
+    assert torch.equal(keys[:, :5], want) and bool((keys[:, 5:] == rescore.INVALID_KEY).all())
