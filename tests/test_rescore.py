@@ -749,3 +749,186 @@ def test_gpu_cuda_graph_capture_and_replay(seed):
         if trial == 0:   # the replay read the new lengths: request 0's rows see 4 and 5 keys (trivial rows)
             assert out.raw_indices[0, :6].tolist() == [0, 1, 2, 3, -1, -1]
             assert out.raw_indices[1, :6].tolist() == [0, 1, 2, 3, 4, -1]
+
+
+# --------------------------------------------------------------------------------------------------
+# Stage-1 candidates (rescore_select_candidates) against the path it replaced, in torch ops
+# --------------------------------------------------------------------------------------------------
+
+_NEG_INF = float("-inf")
+
+
+def _order_keys(x, pos):
+    """The stage-1 keys of ``kernels/rescore_topk.cu`` (``order_key(x, 0xFFFFFFFF - pos)``) in torch ops: int64, the
+    logit's order-preserving int32 in the high half (NaN above +inf, -0.0 and subnormals as +0.0: what the
+    kernel's ``x + 0.0f`` under -ftz gave), ``0xFFFFFFFF - pos`` in the low half."""
+    bits = x.view(torch.int32)
+    bits = torch.where((bits & 0x7F800000) == 0, torch.zeros_like(bits), bits)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    ordered = torch.where(torch.isnan(x), torch.full_like(ordered, 0x7FFFFFFF), ordered)
+    return ordered.long() * 2**32 + (0xFFFFFFFF - pos.long())
+
+
+def _masked_logits(logits, lo, hi):
+    """rescore_mask_logits (the pass the candidate kernel replaced): the row's visible columns, -inf elsewhere."""
+    cols = torch.arange(logits.shape[1], device=logits.device)
+    seen = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
+    return torch.where(seen, logits, torch.full_like(logits, _NEG_INF))
+
+
+def _candidates_old_path(logits, lo, hi, kp):
+    """The candidate step before rescore_select_candidates: mask, torch.topk of the logits, keys (its
+    rescore_candidate_keys). Its set is torch.topk's pick among logits tied with the kp-th."""
+    vals, idx = torch.topk(_masked_logits(logits, lo, hi), kp, dim=1, sorted=False)
+    return _order_keys(vals, idx)
+
+
+def _candidates_exact(logits, lo, hi, kp):
+    """The unique top-kp set of every column's key (mask, keys, torch.topk of the distinct keys), descending; also
+    whether the old path's set is that set for sure: no group of equal logits (in key order) straddles the kp-th."""
+    W = logits.shape[1]
+    keys = _order_keys(_masked_logits(logits, lo, hi), torch.arange(W, device=logits.device)[None, :])
+    top = torch.topk(keys, min(kp + 1, W), dim=1, sorted=True).values
+    unambiguous = (torch.ones(keys.shape[0], dtype=torch.bool, device=keys.device) if kp >= W
+                   else (top[:, kp - 1] >> 32) != (top[:, kp] >> 32))
+    return top[:, :kp], unambiguous
+
+
+def _logit_rows(R, W, values, g):
+    """float32 [R, W] logits: "random" (distinct, a few -inf) or "ties" (a handful of values: many equal logits,
+    -inf, +inf, NaN, -0.0 / +0.0, subnormals of both signs), and rows all -inf, all NaN, all equal."""
+    if values == "random":
+        x = torch.randn(R, W, generator=g)
+        x[torch.rand(R, W, generator=g) < 0.05] = _NEG_INF
+    else:
+        palette = torch.tensor([_NEG_INF, -1.5, -1e-40, -0.0, 0.0, 1e-40, 0.25, 2.0, float("inf"), float("nan")])
+        weights = torch.tensor([8.0, 4, 1, 2, 2, 1, 4, 3, 0.5, 0.5])
+        x = palette[torch.multinomial(weights, R * W, replacement=True, generator=g)].view(R, W)
+        x[1] = _NEG_INF
+        x[2] = float("nan")
+        x[3] = 0.25
+    return x
+
+
+def _check_candidates(logits, rows, lo, hi, k_prime, what):
+    """rescore._stage1_candidates on the device equals the exact set, the old path's where that is unambiguous,
+    and itself on a rerun (bitwise, order included)."""
+    W = logits.shape[1]
+    kp = min(k_prime, W)
+    got = rescore._stage1_candidates(logits, rows, k_prime)
+    assert tuple(got.shape) == (logits.shape[0], kp) and got.dtype == torch.int64
+    again = rescore._stage1_candidates(logits, rows, k_prime)
+    assert torch.equal(got, again), f"{what}: rerun differs"
+    if kp == 0:
+        return
+    lo_d, hi_d = lo.to(logits.device), hi.to(logits.device)
+    want, unambiguous = _candidates_exact(logits, lo_d, hi_d, kp)
+    got_sorted = torch.sort(got, dim=1, descending=True).values
+    bad = (got_sorted != want).any(dim=1).nonzero().flatten().tolist()
+    assert not bad, (f"{what}: rows {bad[:8]} differ from the top-{kp} keys; row {bad[0]} sees [{int(lo[bad[0]])}, "
+                     f"{int(hi[bad[0]])}): got {got_sorted[bad[0], :8].tolist()} want {want[bad[0], :8].tolist()}")
+    old = torch.sort(_candidates_old_path(logits, lo_d, hi_d, kp), dim=1, descending=True).values
+    assert torch.equal(got_sorted[unambiguous], old[unambiguous]), f"{what}: differs from the mask + topk path"
+
+
+def test_candidate_key_oracle_orders_as_the_reference():
+    """The test oracle's keys (CPU) sort a row as the reference ranks its stage-1 logits: descending, ties to the
+    lower position, NaN first; -inf columns (visible or not) by position."""
+    g = torch.Generator().manual_seed(3)
+    x = _logit_rows(4, 300, "ties", g)
+    x = torch.where(x.abs() < 1e-30, torch.zeros_like(x), x)          # subnormals and -0.0 are +0.0 to the keys
+    keys = _order_keys(x, torch.arange(300)[None, :])
+    by_key = torch.sort(keys, dim=1, descending=True).indices
+    nan_first = torch.where(torch.isnan(x), torch.full_like(x, float("inf")), x)
+    by_nan = torch.sort(torch.isnan(x).to(torch.int8), dim=1, descending=True, stable=True).indices
+    by_value = torch.sort(nan_first.gather(1, by_nan), dim=1, descending=True, stable=True).indices
+    assert torch.equal(by_key, by_nan.gather(1, by_value))
+    lo, hi = torch.tensor([0, 10, 0, 299]), torch.tensor([300, 200, 0, 300])
+    got, unambiguous = _candidates_exact(x, lo, hi, 290)
+    assert torch.equal(got[2] & 0xFFFFFFFF, 0xFFFFFFFF - torch.arange(290))   # an empty row: positions 0 .. 289
+    assert bool(unambiguous[2]) is False
+
+
+def _decode_rows(W, next_n, two_d, g):
+    """Decode rows of every kind of length: full, empty, 1, past the width (clamped), short of it."""
+    if two_d:
+        lens = torch.randint(0, W + 1, (4, next_n), generator=g, dtype=torch.int32)
+        lens[0, 0], lens[1, 0], lens[2, -1] = W, 0, 1
+        lens[3, -1] = W + 100
+        B = 4
+    else:
+        lens = torch.tensor([W, 0, 1, W + 7, max(W // 2, 1), max(W - 3, 0)], dtype=torch.int32)
+        B = lens.shape[0]
+    rows = dict(lens0=lens.cuda(), lens1=None, cu_rows=None, next_n=next_n, batch=B, width=W,
+                mode=rescore._DECODE_LENS_2D if two_d else rescore._DECODE_LENS_1D)
+    lo, hi = rescore._decode_rows_reference(lens, B, next_n, W)
+    return rows, lo, hi
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [1, 63, 64, 1000, 16384, 262144])
+@pytest.mark.parametrize("k_prime", [1, 7, 2048, "width"])
+@pytest.mark.parametrize("values", ["random", "ties"])
+def test_gpu_stage1_candidates_decode_rows(seed, width, k_prime, values):
+    """Decode rows (1-D lengths with next_n 2, 2-D lengths with next_n 3) of logits with junk past the width and
+    past each row's length: the device's candidates are the exact top-K' keys (rows that see fewer than K' keys
+    included: their -inf columns by position)."""
+    g = torch.Generator().manual_seed(seed)
+    kp = width + 5 if k_prime == "width" else k_prime
+    for next_n, two_d in ((2, False), (3, True)):
+        rows, lo, hi = _decode_rows(width, next_n, two_d, g)
+        R = lo.shape[0]
+        x = _logit_rows(R, width, values, g)
+        cols = torch.arange(width)[None, :]
+        x = torch.where(cols >= hi[:, None], torch.full_like(x, float("nan")), x)   # junk past the length
+        x[:, 1::3] = torch.where(cols[:, 1::3] >= hi[:, None], torch.full_like(x[:, 1::3], 1e30), x[:, 1::3])
+        padded = torch.full((R, width + 40), float("inf"))
+        padded[:, :width] = x
+        logits = padded.cuda()[:, :width]
+        _check_candidates(logits, rows, lo, hi, kp, f"seed {seed} decode next_n {next_n} 2-D {two_d}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [64, 1000, 16384])
+@pytest.mark.parametrize("k_prime", [1, 7, 2048])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gpu_stage1_candidates_prefill_rows(seed, width, k_prime, varlen):
+    """Prefill rows [ks, ke) (ks > 0, ke past the width, empty, ks >= ke) of one request or, varlen, of three
+    requests with rows of no request: +inf and NaN junk before ks and after ke is never a candidate."""
+    g = torch.Generator().manual_seed(seed)
+    T = 10
+    ke = torch.tensor([width, width + 9, width // 2, 1, 0, width, 3 * width // 4, width, 5, width], dtype=torch.int32)
+    ks = torch.tensor([0, 0, width // 4, 0, 0, width - 1, width // 2, width // 3, 7, 1], dtype=torch.int32)
+    cu = torch.tensor([0, 4, 4, 8], dtype=torch.int32) if varlen else None
+    bt = torch.zeros(3, 1, dtype=torch.int32) if varlen else torch.zeros(1, dtype=torch.int32)
+    lo, hi, _ = rescore._prefill_rows_reference(ks, ke, bt, cu, width, T, "cpu")
+    rows = dict(lens0=ks.cuda(), lens1=ke.cuda(), cu_rows=None if cu is None else cu.cuda(), next_n=1,
+                batch=3 if varlen else 1, width=width, mode=rescore._PREFILL_KS_KE)
+    for values in ("random", "ties"):
+        x = _logit_rows(T, width, values, g)
+        cols = torch.arange(width)[None, :]
+        x = torch.where(cols < lo[:, None], torch.full_like(x, float("inf")), x)
+        x = torch.where(cols >= hi[:, None], torch.full_like(x, float("nan")), x)
+        _check_candidates(x.cuda(), rows, lo, hi, k_prime, f"seed {seed} prefill varlen {varlen} {values}")
+        if varlen:
+            assert bool((hi[8:] == lo[8:]).all())                                   # rows of no request: empty
+
+
+@pytest.mark.gpu
+def test_gpu_stage1_candidates_of_narrow_rows():
+    """Width 0 selects nothing. K' >= width takes every column in position order; launched with a K' past the
+    width (the ops clamp it), the kernel pads the row with INVALID_KEY."""
+    lens = torch.tensor([5, 0, 3], dtype=torch.int32, device="cuda")
+    rows = dict(lens0=lens, lens1=None, cu_rows=None, next_n=1, batch=3, width=0, mode=rescore._DECODE_LENS_1D)
+    assert tuple(rescore._stage1_candidates(torch.empty(3, 0, device="cuda"), rows, 7).shape) == (3, 0)
+    x = torch.tensor([[1.0, 2.0, 2.0, -1.0, float("nan")], [3.0, 3.0, 3.0, 3.0, 3.0], [-0.0, 0.0, 7.0, 1.0, 1.0]],
+                     device="cuda")
+    rows["width"] = 5
+    lo, hi = torch.zeros(3, dtype=torch.long, device="cuda"), lens.long()
+    want = _order_keys(_masked_logits(x, lo, hi), torch.arange(5, device="cuda")[None, :])
+    assert torch.equal(rescore._stage1_candidates(x, rows, 5), want)
+    assert torch.equal(rescore._stage1_candidates(x, rows, 9), want)
+    keys = torch.empty(3, 8, dtype=torch.int64, device="cuda")
+    rescore._launch(("candidates",), x.device, (3, 1, 1), logits=x, logits_stride=x.stride(0), **rows, k_prime=8,
+                    keys=keys)
+    assert torch.equal(keys[:, :5], want) and bool((keys[:, 5:] == rescore.INVALID_KEY).all())
