@@ -7,8 +7,8 @@ row's top ``k_prime`` candidates; stage 2 rescores only those from ``hi + lo`` (
 
 Ops: :func:`rescore_topk` (decode / MTP verify, the contract of ``paged_mqa_logits``) and
 :func:`rescore_topk_prefill` (prefill / varlen extend, the paged contract of ``mqa_logits``): stage 1 from
-cupy_dsa's fp8 logits (or logits the caller computed), the candidates (a radix select per row), stage 2 and
-the selection by ``kernels/rescore_topk.cu``; no host sync, no data-dependent shape (CUDA-graph safe), bitwise
+cupy_dsa's fp8 logits (or logits the caller computed), the candidates by ``torch.topk``, stage 2 and the
+selection by ``kernels/rescore_topk.cu``; no host sync, no data-dependent shape (CUDA-graph safe), bitwise
 reruns; CPU tensors run the torch references (:func:`rescore_topk_reference`, :func:`rescore_topk_prefill_reference`,
 the test oracle and the design's measurement). :func:`rescore_candidate_scores` is stage 2 alone. The fused store
 writes both pages in one launch (``store_index_k(..., lo_cache=)``).
@@ -62,12 +62,8 @@ w_h`` in fp32 and keeps the first ``index_topk`` by that score, ties broken by t
 sees ``len <= index_topk`` keys selects ``0..len-1`` without reading scores, as SGLang's top-k does (its fp8
 ranks are counted over the row's visible keys). The kernel sums ``q . k_hat`` as ``hi_scale * (q . hi) + lo_scale
 * (q . lo)`` (exact products, fp32 accumulation on bf16 tensor cores): on the same stage-1 logits the device
-selection is the reference's except where two candidates' scores lie within fp32 rounding of each other. Its
-candidates are the reference's too (ties with the K'-th logit to the lower position), up to its key rule: -0.0
-and subnormal logits count as +0.0 (the reference ranks them as torch.sort does), and a row that sees fewer than
-K' finite logits takes its -inf columns by position, seen or not (the reference takes the seen ones first: they
-differ only for prefill rows with ``ks > 0``, whose unseen columns ``[0, ks)`` come first; unseen candidates score
--inf in stage 2 and are never selected).
+selection is the reference's except where two candidates' scores lie within fp32 rounding of each other, and
+its candidates tied with the K'-th stage-1 logit are torch.topk's pick.
 """
 
 from __future__ import annotations
@@ -211,7 +207,7 @@ K_PRIME_MULTIPLE = 4                 # default K' = 4 x index_topk
 INVALID_KEY = -(2 ** 63)             # a stage-2 key that no selection takes before a scored candidate
 STAGE2_WARPS = 4
 _CTA_CANDS = 16 * STAGE2_WARPS       # candidates per CTA are a multiple of the 4 warps' 16-candidate tiles
-SELECT_THREADS = 1024                # rescore_select_candidates' CTA (kSelectThreads): one per row
+_MASK_COLS = 4096                    # logits columns per CTA of rescore_mask_logits
 _MAX_GRID_Y = 65535
 _FP8 = torch.float8_e4m3fn
 _Q_DTYPES = (_FP8, torch.bfloat16)
@@ -222,10 +218,11 @@ _ROW_ARGS = (("lens0", PTR), ("lens1", PTR), ("cu_rows", PTR), ("mode", I32), ("
              ("width", I32))
 _DECODE_LENS_1D, _DECODE_LENS_2D, _PREFILL_KS_KE = 0, 1, 2
 
-SELECT_KERNEL = launch.Kernel(_SRC, "rescore_select_candidates",
-                              args=(("logits", PTR), ("logits_stride", I64)) + _ROW_ARGS
-                              + (("k_prime", I32), ("keys", PTR)),
-                              threads=lambda cfg: SELECT_THREADS)
+MASK_KERNEL = launch.Kernel(_SRC, "rescore_mask_logits",
+                            args=(("logits", PTR), ("logits_stride", I64), ("out", PTR)) + _ROW_ARGS,
+                            threads=lambda cfg: 256)
+KEYS_KERNEL = launch.Kernel(_SRC, "rescore_candidate_keys",
+                            args=(("vals", PTR), ("idx", PTR), ("keys", PTR), ("n", I64)), threads=lambda cfg: 256)
 STAGE2_KERNEL = launch.Kernel(
     _SRC, "rescore_topk_kernel", params=("QFp8",),
     args=(("q", PTR), ("weights", PTR), ("hi_cache", PTR), ("lo_cache", PTR), ("num_pages", I64), ("block_table", PTR),
@@ -238,16 +235,16 @@ FINISH_KERNEL = launch.Kernel(
           ("logits_stride", I64), ("block_table", PTR), ("bt_stride", I64)) + _ROW_ARGS
     + (("index_topk", I32), ("page_indices", PTR), ("raw_indices", PTR), ("fp8_rank", PTR)),
     threads=lambda cfg: 256)
-_PARTS = {"candidates": SELECT_KERNEL, "finish": FINISH_KERNEL}
+_PARTS = {"mask": MASK_KERNEL, "keys": KEYS_KERNEL, "finish": FINISH_KERNEL}
 
 
 def _select_config(problem, arch):
     return STAGE2_KERNEL.config(QFp8=problem[1]) if problem[0] == "stage2" else _PARTS[problem[0]].config()
 
 
-# A problem: the op's step ("candidates", "finish"), or ("stage2", 1 for an fp8 stage-2 q / 0 for bf16).
+# A problem: the op's step ("mask", "keys", "finish"), or ("stage2", 1 for an fp8 stage-2 q / 0 for bf16).
 RESCORE = launch.register(launch.Family(
-    "rescore_topk", problems=[("candidates",), ("stage2", 0), ("stage2", 1), ("finish",)],
+    "rescore_topk", problems=[("mask",), ("keys",), ("stage2", 0), ("stage2", 1), ("finish",)],
     select=_select_config, serves=lambda cfg, p: cfg == _select_config(p, None)))
 
 
@@ -507,14 +504,13 @@ def rescore_topk(q, weights, hi_cache, lo_cache, context_lens, block_table, inde
 
     Stage 1: fp8 logits of every visible key from ``hi_cache`` (:func:`cupy_dsa.paged_mqa_logits`, with ``plan``
     when given), or ``stage1_logits`` the caller computed (e.g. DeepGEMM's; ``[B * next_n, >= width]``, width =
-    ``block_table.shape[1] * 64``; only the columns a row sees are read, so ``logits_masked``, whether they
-    already hold -inf elsewhere, changes nothing: it is accepted for the callers that pass it). Each row's
-    ``k_prime`` (default ``4 * index_topk``, at most the width) best logits are its candidates (a radix select per
-    row, ties to the lower position). Stage 2 scores them from the hi and lo pages with ``q_rescore`` /
-    ``weights_rescore`` (default q / weights) and selects ``index_topk``. No host sync and no
+    ``block_table.shape[1] * 64``); ``logits_masked=True`` says they already hold -inf at every column a row does
+    not see (otherwise a masking pass writes a copy). Each row's ``k_prime`` (default ``4 * index_topk``, at most
+    the width) best logits are its candidates (torch.topk). Stage 2 scores them from the hi and lo pages with
+    ``q_rescore`` / ``weights_rescore`` (default q / weights) and selects ``index_topk``. No host sync and no
     data-dependent shape: capturable in a CUDA graph (after :func:`cupy_dsa.warm_up`), deterministic. Returns
     :class:`RescoreTopK`. CPU tensors run the reference."""
-    check_bool("logits_masked", logits_masked)
+    logits_masked = check_bool("logits_masked", logits_masked)
     if not (isinstance(q, torch.Tensor) and q.is_cuda):
         return rescore_topk_reference(q, weights, hi_cache, lo_cache, context_lens, block_table, index_topk, k_prime,
                                       stage1_logits=stage1_logits, q_rescore=q_rescore,
@@ -526,14 +522,15 @@ def rescore_topk(q, weights, hi_cache, lo_cache, context_lens, block_table, inde
     if stage1_logits is None:
         logits = paged_mqa_logits(q, hi_cache, weights, context_lens, block_table, width, clean_logits=True,
                                   plan=plan)
+        logits_masked = True
     else:
         width = min(width, stage1_logits.shape[1])
         logits = stage1_logits[:, :width]
     rows = dict(lens0=context_lens, lens1=None, cu_rows=None, next_n=next_n, batch=B, width=width,
                 mode=_DECODE_LENS_2D if context_lens.dim() == 2 else _DECODE_LENS_1D)
     bt_stride = block_table.stride(0) if block_table.shape[1] > 0 else 0
-    return _select(logits, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride, block_table.shape[1],
-                   index_topk, k_prime)
+    return _select(logits, logits_masked, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride,
+                   block_table.shape[1], index_topk, k_prime)
 
 
 def rescore_topk_prefill(q, weights, hi_cache, lo_cache, ks, ke, block_table, index_topk, k_prime=None, *,
@@ -543,7 +540,7 @@ def rescore_topk_prefill(q, weights, hi_cache, lo_cache, ks, ke, block_table, in
     stage 1 from :func:`cupy_dsa.mqa_logits` on the hi cache (``plan``: its :func:`cupy_dsa.mqa_logits_plan` for
     ``cu_rows``), or ``stage1_logits`` ``[T, >= width]`` (column = position; width = the block table's pages *
     64). No host sync (a CPU ``cu_rows`` is checked and copied, outside graph capture, as by ``mqa_logits``)."""
-    check_bool("logits_masked", logits_masked)
+    logits_masked = check_bool("logits_masked", logits_masked)
     if not (isinstance(q, torch.Tensor) and q.is_cuda):
         return rescore_topk_prefill_reference(q, weights, hi_cache, lo_cache, ks, ke, block_table, index_topk,
                                               k_prime, cu_rows=cu_rows, stage1_logits=stage1_logits,
@@ -555,6 +552,7 @@ def rescore_topk_prefill(q, weights, hi_cache, lo_cache, ks, ke, block_table, in
     if stage1_logits is None:
         logits = mqa_logits(q, hi_cache, weights, ks, ke, block_table=block_table, cu_rows=cu_rows, plan=plan,
                             clean_logits=True)
+        logits_masked = True
     else:
         width = min(width, stage1_logits.shape[1])
         logits = stage1_logits[:, :width]
@@ -563,7 +561,8 @@ def rescore_topk_prefill(q, weights, hi_cache, lo_cache, ks, ke, block_table, in
                 batch=cu_rows.shape[0] - 1 if varlen else 1, width=width)
     bt_width = bt.shape[1] if varlen else bt.shape[0]
     bt_stride = bt.stride(0) if (varlen and bt_width > 0) else 0
-    return _select(logits, rows, q2, w2, hi_cache, lo_cache, bt, bt_stride, bt_width, index_topk, k_prime)
+    return _select(logits, logits_masked, rows, q2, w2, hi_cache, lo_cache, bt, bt_stride, bt_width, index_topk,
+                   k_prime)
 
 
 def rescore_candidate_scores(q, weights, hi_cache, lo_cache, context_lens, block_table, candidates) -> torch.Tensor:
@@ -640,26 +639,10 @@ def _stage2(q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, rows, 
             keys=keys)
 
 
-def _stage1_candidates(logits, rows, k_prime) -> torch.Tensor:
-    """int64 ``[R, min(k_prime, width)]``: each row's best stage-1 keys (``order_key(logit, 0xFFFFFFFF - position)``
-    in ``kernels/rescore_topk.cu``, -inf at the columns the row does not see), in no particular order: the unique
-    top set of the row's keys, i.e. its logits in descending order, ties (equal logits, -inf at visible and
-    invisible columns alike) to the lower position, NaN above +inf (torch.topk's rule), -0.0 and subnormals as
-    +0.0. ``logits``: float32 ``[R, width]`` (any row stride, column stride 1; only visible columns are read);
-    ``rows``: the kernels' row arguments (``_ROW_ARGS``, ``width`` = the logits' columns)."""
-    R, width = logits.shape
-    kp = min(k_prime, width)
-    keys = torch.empty(R, kp, dtype=torch.int64, device=logits.device)
-    if R > 0 and kp > 0:
-        _launch(("candidates",), logits.device, (R, 1, 1), logits=logits, logits_stride=logits.stride(0), **rows,
-                k_prime=kp, keys=keys)
-    return keys
-
-
-def _select(logits, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, index_topk, k_prime
-            ) -> RescoreTopK:
-    """Stage-1 candidates, stage 2 and the selection on the device: each row's K' best stage-1 keys (one radix
-    select per row), in stage-1 order (sorted), stage-2 keys, torch.topk of those, SGLang's outputs."""
+def _select(logits, logits_masked, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, index_topk,
+            k_prime) -> RescoreTopK:
+    """Stage-1 candidates, stage 2 and the selection on the device: torch.topk of the logits (K' candidates),
+    their stage-1 order (keys, sorted), stage-2 keys, torch.topk of those, SGLang's outputs."""
     R, width = logits.shape
     dev = q2.device
     page_out = torch.empty(R, index_topk, dtype=torch.int32, device=dev)
@@ -667,11 +650,18 @@ def _select(logits, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt
     if R == 0:
         return RescoreTopK(page_out, raw_out, rank_out)
     _check_aligned_caches(hi_cache, lo_cache)
+    if width > 0 and not logits_masked:
+        masked = torch.empty(R, width, dtype=torch.float32, device=dev)
+        _launch(("mask",), dev, (R, -(-width // _MASK_COLS), 1), logits=logits, logits_stride=logits.stride(0),
+                out=masked, **rows)
+        logits = masked
     kp = min(k_prime, width)
     selected = candidates = None
     m = 0
     if kp > 0:
-        keys1 = _stage1_candidates(logits, rows, kp)
+        vals, idx = torch.topk(logits, kp, dim=1, sorted=False)
+        keys1 = torch.empty(R, kp, dtype=torch.int64, device=dev)
+        _launch(("keys",), dev, (-(-(R * kp) // 256), 1, 1), vals=vals, idx=idx, keys=keys1, n=R * kp)
         candidates = torch.sort(keys1, dim=1, descending=True).values     # stage-1 order (keys are distinct)
         keys2 = torch.empty_like(candidates)
         _stage2(q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, rows, candidates, kp, index_topk, keys2)

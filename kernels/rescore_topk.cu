@@ -1,9 +1,8 @@
-// Two-level index keys (cupy_dsa.rescore): the fp8-rescore top-k's candidate select, stage 2 and the outputs.
+// Two-level index keys (cupy_dsa.rescore): stage 2 of the fp8-rescore top-k and its small helpers.
 //
-// Stage 1 (cupy_dsa's fp8 logits, or the caller's) gives each query row its logits; rescore_select_candidates
-// (a radix select, one CTA per row) writes the row's K' best as stage-1 keys (logit descending, ties: lower
-// position), which a sort puts in stage-1 order. rescore_topk_kernel scores every candidate from its fp8 "hi"
-// and int8 "lo" pages,
+// Stage 1 (cupy_dsa's fp8 logits, or the caller's) and torch.topk give each query row its K' candidate
+// positions; rescore_candidate_keys and a sort put them in stage-1 order (logit descending, ties: lower
+// position). rescore_topk_kernel scores every candidate from its fp8 "hi" and int8 "lo" pages,
 //   score = sum_h relu(q_h . k_hat) * w_h,   k_hat = e4m3(hi) * hi_scale + lo * lo_scale,
 // as q_h . k_hat = hi_scale * (q_h . e4m3(hi)) + lo_scale * (q_h . lo): both dot products run on bf16 tensor
 // cores (e4m3 and int8 codes and an fp8 or bf16 q are exact in bf16, every product is exact) with fp32
@@ -37,11 +36,6 @@ constexpr int kWarps = 4;
 constexpr int kTileCands = 16;                       // candidates per warp tile (two mma n-tiles)
 constexpr int kQWords = 4 * 8 * 32;                   // A quads per row: [m-tile][k-step][lane]
 constexpr long long kInvalidKey = static_cast<long long>(0x8000000000000000ull);  // below every valid key
-constexpr int kSelectThreads = 1024;                  // rescore_select_candidates: one CTA per row
-constexpr int kSelectWarps = kSelectThreads / 32;     // == 32: one warp scans the per-warp counts
-constexpr int kRadixBins = 2048;                      // 11-bit digits (the last pass: 10)
-constexpr int kSelectUnroll = 4;                      // columns per thread loaded at once by a histogram pass
-static_assert(kSelectWarps == 32 && kRadixBins % kSelectThreads == 0, "select: warp scan and bins per thread");
 
 // How a query row's visible positions [lo, hi) and its block-table row are found (cupy_dsa.logits' contracts).
 enum RowMode {
@@ -94,23 +88,12 @@ __device__ __forceinline__ RowKeys row_keys(const RowSpec& s, int r) {
   return {lo, hi, table_row};
 }
 
-// The fp32 value's order-preserving int32: NaN (any sign, any payload) above +inf, as torch.topk ranks it;
-// -0.0 and subnormals count as +0.0 (what `value + 0.0f` gave under -ftz, spelled out so that the rule does not
-// rest on the compile flags).
-__device__ __forceinline__ int ordered_bits(float value) {
-  int b = __float_as_int(value);
-  if ((b & 0x7FFFFFFF) > 0x7F800000) return 0x7FFFFFFF;
-  if ((b & 0x7F800000) == 0) b = 0;
-  return b >= 0 ? b : b ^ 0x7FFFFFFF;
-}
-
-// ordered_bits as an unsigned order (the radix select's digits).
-__device__ __forceinline__ u32 select_bits(float value) { return static_cast<u32>(ordered_bits(value)) ^ 0x80000000u; }
-
-// A key that sorts as signed int64 by (value, tie), both descending: ordered_bits(value) in the high half,
-// `tie` (greater = earlier) in the low half.
+// A key that sorts as signed int64 by (value, tie), both descending: the fp32 value's order-preserving int32
+// in the high half, `tie` (greater = earlier) in the low half. -0.0 counts as +0.0.
 __device__ __forceinline__ long long order_key(float value, u32 tie) {
-  return static_cast<long long>((static_cast<u64>(static_cast<u32>(ordered_bits(value))) << 32) | tie);
+  const int b = __float_as_int(value + 0.0f);
+  const int ord = b >= 0 ? b : b ^ 0x7FFFFFFF;
+  return static_cast<long long>((static_cast<u64>(static_cast<u32>(ord)) << 32) | tie);
 }
 
 // The index i a key's low half holds as 0xFFFFFFFF - i: a stage-1 key's position, a stage-2 key's candidate.
@@ -194,159 +177,27 @@ __device__ __forceinline__ void lo_words(const uint4 (&raw)[2][2], u32 (&W)[2][4
 #define DSA_ROW_SPEC \
   dsa::rescore::RowSpec { lens0, lens1, cu_rows, mode, next_n, batch, width }
 
-// Stage-1 candidates: keys[r, 0 .. k') = the k' = min(k_prime, width) greatest of the row's width keys
-// order_key(v_c, 0xFFFFFFFF - c), c in [0, width), v_c = logits[r, c] where row r sees c, -inf elsewhere (logits a
-// caller computed may hold anything past a row's keys: only the visible columns [lo, hi) are read). The keys are
-// distinct (the position breaks ties), so this top-k' set is unique: logit descending, ties (NaN above +inf, -0
-// and subnormals = +0, -inf at visible and invisible columns alike) to the lower position. Written in
-// position order, the keys above the k'-th key's value first, then the ties with it; slots k' .. k_prime - 1 (a
-// k_prime past the width) get kInvalidKey. Grid (rows), kSelectThreads threads: one CTA per row (a row of 256K
-// columns is one CTA's ~3-4 passes over 1 MB, L2-resident, rather than a multi-CTA select with a global merge).
-//
-// Radix select on select_bits(v) (order_key's high half as an unsigned order): up to 3 passes of 11, 11 and 10
-// bits narrow (prefix, mask) to the k'-th value's bits, keeping `need` = how many keys with (bits & mask) ==
-// prefix are still to take; a pass stops early when its bin holds exactly `need` keys (all of them are taken).
-// Invisible columns are counted, not read: width - (hi - lo) copies of -inf's bits, the least of all values, so
-// never above the threshold; tied with it, they rank by position around the visible ties ([0, lo) first, then
-// [lo, hi), then [hi, width)). The gather pass ranks the visible columns in position order with one CTA-wide
-// prefix count per tile of kSelectThreads columns, so the output is the same on every rerun.
-__global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_select_candidates(
-    const float* __restrict__ logits, long long logits_stride, DSA_ROW_SPEC_ARGS, int k_prime,
-    long long* __restrict__ keys) {
-  using namespace dsa;
-  using namespace dsa::rescore;
-  __shared__ int hist[kRadixBins];
-  __shared__ int warp_sums[kSelectWarps];
-  __shared__ int tile_counts[2][2][kSelectWarps];  // [tile parity][above / tied][warp]
-  __shared__ int found[3];                         // the pass's bin, keys in bins above it, keys in it
-  const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (k_prime <= 0) return;
-  const RowKeys rk = row_keys(DSA_ROW_SPEC, r);
-  const float* __restrict__ row = logits + static_cast<i64>(r) * logits_stride;
-  long long* __restrict__ out = keys + static_cast<i64>(r) * k_prime;
-  const int take = min(k_prime, max(width, 0));
-  for (int i = take + tid; i < k_prime; i += kSelectThreads) out[i] = kInvalidKey;
-  if (take <= 0) return;  // CTA-uniform
+// out[r, c] = logits[r, c] where row r sees position c, else -inf, for c < width (logits a caller computed,
+// whose columns past a row's keys may hold anything). out: [rows, width] contiguous. Grid (rows,
+// ceil(width / 4096)), 256 threads.
+__global__ void __launch_bounds__(256) rescore_mask_logits(const float* __restrict__ logits, long long logits_stride,
+                                                           float* __restrict__ out, DSA_ROW_SPEC_ARGS) {
+  const int r = blockIdx.x;
+  const dsa::rescore::RowKeys rk = dsa::rescore::row_keys(DSA_ROW_SPEC, r);
   const float neg_inf = __int_as_float(0xff800000);
-  const int n_invisible = width - (rk.hi - rk.lo);
-  const u32 inv_bits = select_bits(neg_inf);
+  const int c_end = min(width, static_cast<int>(blockIdx.y + 1) * 4096);
+  for (int c = blockIdx.y * 4096 + threadIdx.x; c < c_end; c += blockDim.x)
+    out[static_cast<long long>(r) * width + c] =
+        (c >= rk.lo && c < rk.hi) ? logits[static_cast<long long>(r) * logits_stride + c] : neg_inf;
+}
 
-  u32 prefix = 0, mask = 0;  // the threshold's bits found so far (CTA-uniform)
-  int need = take;           // keys still to take among those with (bits & mask) == prefix
-  bool done = take >= width;
-  for (int pass = 0; pass < 3 && !done; ++pass) {
-    const int shift = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
-    const int nbins = pass == 2 ? kRadixBins / 2 : kRadixBins;
-    for (int i = tid; i < kRadixBins; i += kSelectThreads) hist[i] = 0;
-    __syncthreads();
-    // warp w counts columns lo + j * kSelectUnroll * kSelectThreads + k * kSelectThreads + 32 w + lane, its
-    // kSelectUnroll loads in flight at once
-    for (int base = rk.lo + 32 * warp; base < rk.hi; base += kSelectUnroll * kSelectThreads) {  // warp-uniform
-      float v[kSelectUnroll];
-#pragma unroll
-      for (int k = 0; k < kSelectUnroll; ++k) {
-        const int c = base + k * kSelectThreads + lane;
-        v[k] = c < rk.hi ? row[c] : neg_inf;
-      }
-#pragma unroll
-      for (int k = 0; k < kSelectUnroll; ++k) {
-        const u32 b = select_bits(v[k]);
-        const int bin = base + k * kSelectThreads + lane < rk.hi && (b & mask) == prefix
-                            ? static_cast<int>(b >> shift) & (nbins - 1) : -1;
-        // one shared atomic per distinct bin of the warp (ties and -inf runs would serialize on one address)
-        const u32 peers = __match_any_sync(0xffffffffu, bin);
-        if (bin >= 0 && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
-      }
-    }
-    if (tid == 0 && n_invisible > 0 && (inv_bits & mask) == prefix)
-      atomicAdd(&hist[static_cast<int>(inv_bits >> shift) & (nbins - 1)], n_invisible);
-    __syncthreads();
-    // the bin b with (keys in bins > b) < need <= (keys in bins >= b): thread t holds bins [t * per, (t + 1) * per)
-    const int per = nbins / kSelectThreads;
-    int local = 0;
-    for (int j = 0; j < per; ++j) local += hist[tid * per + j];
-    int suffix = local;  // inclusive suffix sum over the warp's lanes
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int x = __shfl_down_sync(0xffffffffu, suffix, off);
-      if (lane + off < 32) suffix += x;
-    }
-    if (lane == 0) warp_sums[warp] = suffix;
-    __syncthreads();
-    int above = suffix - local;
-    for (int w = warp + 1; w < kSelectWarps; ++w) above += warp_sums[w];
-    for (int j = per - 1; j >= 0; --j) {
-      const int b = tid * per + j, h = hist[b];
-      if (above < need && above + h >= need) {  // exactly one thread
-        found[0] = b;
-        found[1] = above;
-        found[2] = h;
-      }
-      above += h;
-    }
-    __syncthreads();
-    prefix |= static_cast<u32>(found[0]) << shift;
-    mask |= static_cast<u32>(nbins - 1) << shift;
-    need -= found[1];
-    done = found[2] == need;
-  }
-
-  // gather: keys with (bits & mask) > prefix at slots [0, n_above), the first `need` ties at [n_above, take)
-  const int n_above = take - need;
-  const bool inv_tied = n_invisible > 0 && (inv_bits & mask) == prefix;
-  if (inv_tied)
-    for (int c = tid; c < min(rk.lo, need); c += kSelectThreads)
-      out[n_above + c] = order_key(neg_inf, ~static_cast<u32>(c));
-  int run_above = 0, run_tied = inv_tied ? rk.lo : 0;  // CTA-uniform running counts (ties: their rank)
-  const u32 lanes_below = (1u << lane) - 1u;
-  float v_next = rk.lo + tid < rk.hi ? row[rk.lo + tid] : neg_inf;  // the next tile's column, loaded a tile early
-  for (int base = rk.lo, tile = 0; base < rk.hi && (run_above < n_above || run_tied < need);
-       base += kSelectThreads, ++tile) {
-    const int c = base + tid;
-    const float v = v_next;
-    if (c + kSelectThreads < rk.hi) v_next = row[c + kSelectThreads];
-    bool is_above = false, is_tied = false;
-    if (c < rk.hi) {
-      const u32 b = select_bits(v) & mask;
-      is_above = b > prefix;
-      is_tied = b == prefix;
-    }
-    const u32 ba = __ballot_sync(0xffffffffu, is_above), bt = __ballot_sync(0xffffffffu, is_tied);
-    int(*counts)[kSelectWarps] = tile_counts[tile & 1];  // double-buffered: one barrier per tile
-    if (lane == 0) {
-      counts[0][warp] = __popc(ba);
-      counts[1][warp] = __popc(bt);
-    }
-    __syncthreads();
-    // every warp scans the per-warp counts (kSelectWarps == 32: lane w holds warp w's)
-    const int ca = counts[0][lane], ct = counts[1][lane];
-    int ia = ca, it = ct;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int xa = __shfl_up_sync(0xffffffffu, ia, off), xt = __shfl_up_sync(0xffffffffu, it, off);
-      if (lane >= off) {
-        ia += xa;
-        it += xt;
-      }
-    }
-    const int warp_above = __shfl_sync(0xffffffffu, ia - ca, warp), warp_tied = __shfl_sync(0xffffffffu, it - ct, warp);
-    const int tile_above = __shfl_sync(0xffffffffu, ia, 31), tile_tied = __shfl_sync(0xffffffffu, it, 31);
-    if (is_above) {
-      const int s = run_above + warp_above + __popc(ba & lanes_below);
-      if (s < n_above) out[s] = order_key(v, ~static_cast<u32>(c));
-    }
-    if (is_tied) {
-      const int rank = run_tied + warp_tied + __popc(bt & lanes_below);
-      if (rank < need) out[n_above + rank] = order_key(v, ~static_cast<u32>(c));
-    }
-    run_above += tile_above;
-    run_tied += tile_tied;
-  }
-  if (inv_tied && run_tied < need) {  // the loop saw every visible tie: run_tied = lo + visible ties
-    const int n_suffix = min(width - rk.hi, need - run_tied);
-    for (int i = tid; i < n_suffix; i += kSelectThreads)
-      out[n_above + run_tied + i] = order_key(neg_inf, ~static_cast<u32>(rk.hi + i));
-  }
+// keys[i] = order_key(vals[i], 0xFFFFFFFF - idx[i]): the stage-1 candidates (torch.topk's values and positions)
+// as keys whose descending order is the reference's (logit descending, ties: lower position). Grid ceil(n / 256).
+__global__ void __launch_bounds__(256) rescore_candidate_keys(const float* __restrict__ vals,
+                                                              const long long* __restrict__ idx,
+                                                              long long* __restrict__ keys, long long n) {
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) keys[i] = dsa::rescore::order_key(vals[i], 0xFFFFFFFFu - static_cast<unsigned>(idx[i]));
 }
 
 // Stage 2. q: [rows, 64, 128] fp8 e4m3 (QFp8) or bf16; weights: fp32 [rows, 64]; hi_cache / lo_cache: fp8-geometry
