@@ -14,7 +14,8 @@ Two oracles score every haystack:
 Formats cupy_dsa implements (fp8 and bf16 layouts, exact and fp4sim keys) run through ``store_index_k`` and
 ``paged_mqa_logits`` (the CUDA kernels on a GPU, their torch references on CPU); the query-side roundings
 (fp8, bf16, fp4) are simulated in torch. ``fp8-rescore-Nx`` (two-level keys, issue 26) is scored by its torch
-reference only (``cupy_dsa.rescore``, no kernels yet): stage 1 = the fp8 format's logits, K' = N x k candidates,
+reference (``rescore_topk_reference``; the kernels of ``rescore_topk`` select the same keys up to ties,
+tests/test_rescore.py): stage 1 = the fp8 format's logits, K' = N x k candidates,
 stage 2 = fp8 q against fp8 + int8-residual keys; its rows add the missed exact top-k entries and their fp8 ranks.
 """
 
@@ -46,7 +47,7 @@ FORMAT_NOTES = {
     "bf16-reference": "what the plugin serves with SGLANG_CUPY_DSA_INDEX_K=bf16-reference, DeepSeek-V4's own indexer "
                       "numerics: fp4sim keys in the bf16 layout, q fp4-simulated in bf16 as prepare_index_q rounds "
                       "it (its RoPE and Hadamard are the bench's rotated basis), fp32 accumulation in the logits op",
-    **{f: f"two-level keys (CPU reference, no kernels yet): fp8 logits pick each row's top {m} x k candidates "
+    **{f: f"two-level keys (scored by rescore_topk's CPU reference): fp8 logits pick each row's top {m} x k candidates "
           f"(ties: lower position), which are rescored with fp8 q (scale in the weights) against fp8 + int8-residual "
           f"keys (264 B per entry) in fp32; missed = exact top-k entries outside the selection, with their fp8 rank "
           f"(0-based; the K' that would have kept one is its rank + 1)" for f, m in RESCORE_MULTIPLES.items()},
