@@ -304,7 +304,7 @@ def compile_cubin(filename: str, name_expressions, arch: str, *, source: str | N
 
 _PTXAS_FUNCTION = re.compile(r"Function properties for (\S+)")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
-_PTXAS_USED = re.compile(r"Used (\d+) registers.*?(?:, (\d+) bytes smem)?$")
+_PTXAS_USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")   # smem may precede "cmem"
 
 
 def ptxas_resources(log: str, lowered: dict[str, str]) -> dict[str, dict[str, int]]:
