@@ -456,6 +456,44 @@ def _as_i32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 else t.to(torch.int32)
 
 
+def _rows_call(q, weights, lens, page_table, rows: slice, plans, plan: bool = True):
+    """The arguments of one ``paged_mqa_logits``-style launch over SGLang's rows as requests of one row each:
+    (q ``[R, 1, 64, 128]``, weights, lengths, block table, {"plan": the chunk's schedule} when ``plans`` keeps
+    them and ``plan``). Warms the kernels first."""
+    import cupy_dsa
+
+    if q.is_cuda:
+        ensure_warm(q.device)
+    lens_r = _as_i32(lens[rows]).contiguous()
+    kw = {}
+    if plans is not None and plan:
+        kw["plan"] = plans.get(("rows", rows.start, rows.stop), lambda: cupy_dsa.paged_mqa_logits_plan(lens_r, 1))
+    return q[rows].unsqueeze(1).contiguous(), weights[rows].contiguous(), lens_r, _as_i32(page_table[rows]), kw
+
+
+def _verify_call(q, weights, lens, page_table, next_n: int, rows: slice, plans, op: str):
+    """The arguments of one grouped launch over SGLang's uniform verify rows (rows ``[b*n, b*n + n)`` of the
+    chunk are request b's, one page-table row each): (q ``[B, n, 64, 128]``, weights, 2-D lengths ``[B, n]``,
+    block table ``[B, max_pages]`` (a strided view, no copy), {"plan": ...}). ``op`` names the caller in the
+    error for a chunk that is not whole requests. Warms the kernels first."""
+    import cupy_dsa
+
+    if q.is_cuda:
+        ensure_warm(q.device)
+    count = rows.stop - rows.start
+    if count % next_n:
+        raise ValueError(f"{op}: rows {rows} are not whole requests of {next_n} rows")
+    B = count // next_n
+    lens_2d = _as_i32(lens[rows]).contiguous().view(B, next_n)
+    kw = {}
+    if plans is not None:
+        kw["plan"] = plans.get(("verify", rows.start, rows.stop, next_n),
+                               lambda: cupy_dsa.paged_mqa_logits_plan(lens_2d, next_n))
+    block_table = _as_i32(page_table[rows])[::next_n]
+    return (q[rows].contiguous().view(B, next_n, *q.shape[1:]), weights[rows].contiguous(), lens_2d, block_table,
+            kw)
+
+
 def paged_logits(q: torch.Tensor, weights: torch.Tensor, lens: torch.Tensor, page_table: torch.Tensor,
                  kvcache: torch.Tensor, max_len: int, rows: slice, plans: "ForwardPlans | None" = None) -> torch.Tensor:
     """SGLang's rows as requests of one row each (decode; any batch): ``q`` fp8 ``[R, 64, 128]``, ``weights``
@@ -463,15 +501,8 @@ def paged_logits(q: torch.Tensor, weights: torch.Tensor, lens: torch.Tensor, pag
     fp32 ``[len(rows), max_len]``. ``plans`` keeps the forward's schedules (one per row chunk)."""
     import cupy_dsa
 
-    if q.is_cuda:
-        ensure_warm(q.device)
-    lens_r = _as_i32(lens[rows]).contiguous()
-    kw = {}
-    if plans is not None:
-        kw["plan"] = plans.get(("rows", rows.start, rows.stop), lambda: cupy_dsa.paged_mqa_logits_plan(lens_r, 1))
-    return cupy_dsa.paged_mqa_logits(
-        q[rows].unsqueeze(1).contiguous(), kvcache, weights[rows].contiguous(), lens_r,
-        _as_i32(page_table[rows]), int(max_len), clean_logits=False, **kw)
+    q1, w, lens_r, block_table, kw = _rows_call(q, weights, lens, page_table, rows, plans)
+    return cupy_dsa.paged_mqa_logits(q1, kvcache, w, lens_r, block_table, int(max_len), clean_logits=False, **kw)
 
 
 def verify_logits(q: torch.Tensor, weights: torch.Tensor, lens: torch.Tensor, page_table: torch.Tensor,
@@ -482,21 +513,8 @@ def verify_logits(q: torch.Tensor, weights: torch.Tensor, lens: torch.Tensor, pa
     one request of next_n = n (2-D lengths), so its pages are read once. Output rows keep SGLang's order."""
     import cupy_dsa
 
-    if q.is_cuda:
-        ensure_warm(q.device)
-    count = rows.stop - rows.start
-    if count % next_n:
-        raise ValueError(f"verify_logits: rows {rows} are not whole requests of {next_n} rows")
-    B = count // next_n
-    lens_2d = _as_i32(lens[rows]).contiguous().view(B, next_n)
-    kw = {}
-    if plans is not None:
-        kw["plan"] = plans.get(("verify", rows.start, rows.stop, next_n),
-                               lambda: cupy_dsa.paged_mqa_logits_plan(lens_2d, next_n))
-    block_table = _as_i32(page_table[rows])[::next_n]  # one row per request (a strided view, no copy)
-    return cupy_dsa.paged_mqa_logits(
-        q[rows].contiguous().view(B, next_n, *q.shape[1:]), kvcache, weights[rows].contiguous(), lens_2d,
-        block_table, int(max_len), clean_logits=False, **kw)
+    qb, w, lens_2d, block_table, kw = _verify_call(q, weights, lens, page_table, next_n, rows, plans, "verify_logits")
+    return cupy_dsa.paged_mqa_logits(qb, kvcache, w, lens_2d, block_table, int(max_len), clean_logits=False, **kw)
 
 
 def extend_requests(extend_seq_lens: torch.Tensor, page_table: torch.Tensor, num_rows: int):
@@ -537,17 +555,12 @@ def rescore_rows(q: torch.Tensor, weights: torch.Tensor, lens: torch.Tensor, pag
     """SGLang's rows as requests of one row each (``paged_logits``' contract: row r sees positions ``[0, lens[r])``
     through its page-table row). Stage 1: ``stage1_logits`` (``[len(rows), >= width]``, unmasked: SGLang's own fp8
     logits call) or cupy_dsa's fp8 logits on ``hi``. Returns ``cupy_dsa.rescore.RescoreTopK``."""
-    import cupy_dsa
     from cupy_dsa import rescore
 
-    if q.is_cuda:
-        ensure_warm(q.device)
-    lens_r = _as_i32(lens[rows]).contiguous()
-    kw = {}
-    if plans is not None and stage1_logits is None:
-        kw["plan"] = plans.get(("rows", rows.start, rows.stop), lambda: cupy_dsa.paged_mqa_logits_plan(lens_r, 1))
-    return rescore.rescore_topk(q[rows].unsqueeze(1).contiguous(), weights[rows].contiguous(), hi, lo, lens_r,
-                                _as_i32(page_table[rows]), index_topk, k_prime, stage1_logits=stage1_logits, **kw)
+    q1, w, lens_r, block_table, kw = _rows_call(q, weights, lens, page_table, rows, plans,
+                                                plan=stage1_logits is None)
+    return rescore.rescore_topk(q1, w, hi, lo, lens_r, block_table, index_topk, k_prime,
+                                stage1_logits=stage1_logits, **kw)
 
 
 def rescore_verify(q: torch.Tensor, weights: torch.Tensor, lens: torch.Tensor, page_table: torch.Tensor,
@@ -556,23 +569,10 @@ def rescore_verify(q: torch.Tensor, weights: torch.Tensor, lens: torch.Tensor, p
     """MTP target-verify rows grouped by request (``verify_logits``' contract: rows ``[b*n, b*n + n)`` of the chunk
     are request b's, one page-table row each); stage 1 from cupy_dsa's fp8 logits at next_n = n. Output rows keep
     SGLang's order."""
-    import cupy_dsa
     from cupy_dsa import rescore
 
-    if q.is_cuda:
-        ensure_warm(q.device)
-    count = rows.stop - rows.start
-    if count % next_n:
-        raise ValueError(f"rescore_verify: rows {rows} are not whole requests of {next_n} rows")
-    B = count // next_n
-    lens_2d = _as_i32(lens[rows]).contiguous().view(B, next_n)
-    kw = {}
-    if plans is not None:
-        kw["plan"] = plans.get(("verify", rows.start, rows.stop, next_n),
-                               lambda: cupy_dsa.paged_mqa_logits_plan(lens_2d, next_n))
-    block_table = _as_i32(page_table[rows])[::next_n]  # one row per request (a strided view, no copy)
-    return rescore.rescore_topk(q[rows].contiguous().view(B, next_n, *q.shape[1:]), weights[rows].contiguous(), hi,
-                                lo, lens_2d, block_table, index_topk, k_prime, **kw)
+    qb, w, lens_2d, block_table, kw = _verify_call(q, weights, lens, page_table, next_n, rows, plans, "rescore_verify")
+    return rescore.rescore_topk(qb, w, hi, lo, lens_2d, block_table, index_topk, k_prime, **kw)
 
 
 def rescore_extend(q: torch.Tensor, weights: torch.Tensor, lens: torch.Tensor, cu_rows: torch.Tensor,
