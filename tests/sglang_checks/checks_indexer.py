@@ -168,6 +168,41 @@ def one_attention_cp_rank():
 
 
 @contextlib.contextmanager
+def hisparse_decode(seen: dict, holder: dict):
+    """Stand-ins for SGLang's HiSparse coordinator and top-k capturer while the forward inside runs in decode mode
+    with a coordinator on the backend (and no prefill raw-index buffer): ``seen["swap"]`` gets the coordinator's
+    arguments (it answers page indices of 42), ``seen["capture"]`` the capturer's, ``holder["b"]`` the backend."""
+    from sglang.srt.layers.attention.dsv4 import indexer as ix
+
+    class Coordinator:
+        raw_indices_buffer = torch.full((8, 512), -7, dtype=torch.int32)
+
+        def swap_in_selected_pages(self, **kw):
+            seen["swap"] = kw
+            return torch.full((2, 512), 42, dtype=torch.int32)
+
+    class Capturer:
+        def capture(self, layer, raw):
+            seen["capture"] = (layer, raw)
+
+    orig_cap, orig_fwd = ix.get_global_indexer_capturer, forward.forward_c4_indexer_bf16
+
+    def with_hisparse(self, **kw):
+        self.hisparse_coordinator = Coordinator()
+        self.forward_metadata.core_metadata.c4_sparse_raw_indices = None
+        kw["forward_batch"].req_pool_indices = torch.tensor([3, 4])
+        holder["b"] = self
+        return orig_fwd(self, **kw)
+
+    ix.get_global_indexer_capturer = lambda: Capturer()
+    forward.forward_c4_indexer_bf16 = with_hisparse
+    try:
+        yield
+    finally:
+        ix.get_global_indexer_capturer, forward.forward_c4_indexer_bf16 = orig_cap, orig_fwd
+
+
+@contextlib.contextmanager
 def spied_logits_routes(keys):
     """Spies on cupy_dsa's three logits routes, yielding the calls they get [(route, args)], with SGLang's fp8
     non-paged reader refused: the hooked forward must never consult it (``keys``: what its failure names)."""
@@ -297,41 +332,12 @@ def indexer_checks():
 
     @check
     def indexer_hisparse_and_capturer():
-        from sglang.srt.layers.attention.dsv4 import indexer as ix
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
         run, _, bf16_pool, _, _ = _indexer_setup(lens=(700, 900))
-        seen = {}
-
-        class Coordinator:
-            raw_indices_buffer = torch.full((8, 512), -7, dtype=torch.int32)
-
-            def swap_in_selected_pages(self, **kw):
-                seen["swap"] = kw
-                return torch.full((2, 512), 42, dtype=torch.int32)
-
-        class Capturer:
-            def capture(self, layer, raw):
-                seen["capture"] = (layer, raw)
-
-
-        orig_cap, orig_fwd = ix.get_global_indexer_capturer, forward.forward_c4_indexer_bf16
-        holder = {}
-
-        def with_hisparse(self, **kw):
-            # same setup in decode mode, plus a HiSparse coordinator and no prefill raw-index buffer
-            self.hisparse_coordinator = Coordinator()
-            self.forward_metadata.core_metadata.c4_sparse_raw_indices = None
-            kw["forward_batch"].req_pool_indices = torch.tensor([3, 4])
-            holder["b"] = self
-            return orig_fwd(self, **kw)
-
-        ix.get_global_indexer_capturer = lambda: Capturer()
-        forward.forward_c4_indexer_bf16 = with_hisparse
-        try:
+        seen, holder = {}, {}
+        with hisparse_decode(seen, holder):
             run(bf16_pool, ForwardMode.DECODE)
-        finally:
-            ix.get_global_indexer_capturer, forward.forward_c4_indexer_bf16 = orig_cap, orig_fwd
         b = holder["b"]
         md = b.forward_metadata.core_metadata
         assert torch.equal(md.c4_sparse_page_indices, torch.full((2, 512), 42, dtype=torch.int32))

@@ -24,7 +24,7 @@ from cupy_dsa import rotate_index_k_reference
 from cupy_dsa.rescore import residual_encode_reference, rescore_topk_reference, store_two_level_reference
 from cupy_dsa.sglang import core, forward, hooks
 
-from checks_indexer import _indexer_setup, one_attention_cp_rank, spied_logits_routes
+from checks_indexer import _indexer_setup, hisparse_decode, one_attention_cp_rank, spied_logits_routes
 from checks_store import call_site_case, decode_case, prefill_case, store_through_sglang_call_site
 from checks_strictness import Spy, _store_call, assert_hook_refuses, assert_stores_refused
 from harness import ENV, INFO, check, every_hook_in_place, load, make_index_pool, mode_env
@@ -476,39 +476,12 @@ def scenario_rescore():
 
     @check
     def indexer_rescore_hisparse_and_capturer():
-        from sglang.srt.layers.attention.dsv4 import indexer as ix
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
         ns = _setup(lens=(700, 900))
-        seen = {}
-
-        class Coordinator:
-            raw_indices_buffer = torch.full((8, 512), -7, dtype=torch.int32)
-
-            def swap_in_selected_pages(self, **kw):
-                seen["swap"] = kw
-                return torch.full((2, 512), 42, dtype=torch.int32)
-
-        class Capturer:
-            def capture(self, layer, raw):
-                seen["capture"] = (layer, raw)
-
-        orig_cap, orig_fwd = ix.get_global_indexer_capturer, forward.forward_c4_indexer_bf16
-        holder = {}
-
-        def with_hisparse(self, **kw):
-            self.hisparse_coordinator = Coordinator()
-            self.forward_metadata.core_metadata.c4_sparse_raw_indices = None
-            kw["forward_batch"].req_pool_indices = torch.tensor([3, 4])
-            holder["b"] = self
-            return orig_fwd(self, **kw)
-
-        ix.get_global_indexer_capturer = lambda: Capturer()
-        forward.forward_c4_indexer_bf16 = with_hisparse
-        try:
+        seen, holder = {}, {}
+        with hisparse_decode(seen, holder):
             _run(ForwardMode.DECODE, 2, "cupy", ns=ns)
-        finally:
-            ix.get_global_indexer_capturer, forward.forward_c4_indexer_bf16 = orig_cap, orig_fwd
         md = holder["b"].forward_metadata.core_metadata
         assert torch.equal(md.c4_sparse_page_indices, torch.full((2, 512), 42, dtype=torch.int32))
         raw = seen["swap"]["top_k_result"]
