@@ -9,11 +9,40 @@ from cupy_dsa.sglang import guard
 from harness import check, ENV, INFO, make_index_pool, mode_env
 
 
+def pd_decode_handshake(local_layout: str, prefill_layout: str):
+    """SGLang's decode-side PD handshake (``CommonKVManager.try_ensure_parallel_info``) of a manager with
+    ``local_layout`` against a prefill peer that answers ``prefill_layout`` (its HTTP reply stood in), so the
+    layout check runs as SGLang runs it; raises what SGLang raises."""
+    from sglang.srt.disaggregation.common import conn
+
+    mgr = object.__new__(conn.CommonKVManager)
+    mgr.kv_args = types.SimpleNamespace(page_size=256, state_types=())
+    mgr.kv_cache_dtype_str = "fp8_e4m3"
+    mgr.kv_layout = local_layout
+    mgr.prefill_info_table = {}
+    mgr.dsv41_spec_layout = None
+    mgr.attn_tp_size = 1
+    data = dict(attn_tp_size=1, attn_cp_size=1, dp_size=1, pp_size=1, page_size=256,
+                kv_cache_dtype="fp8_e4m3", follow_bootstrap_room=True, kv_layout=prefill_layout)
+
+    class Resp:
+        status_code = 200
+
+        def json(self):
+            return data
+
+    orig = conn.requests.get
+    conn.requests.get = lambda *a, **k: Resp()
+    try:
+        return mgr.try_ensure_parallel_info("127.0.0.1:1")
+    finally:
+        conn.requests.get = orig
+
+
 def guard_checks():
     @check
     def pd_layout_mismatch_refused():
         from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout
-        from sglang.srt.disaggregation.common import conn
         from sglang.srt.disaggregation.utils import get_pd_kv_layout
         from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
 
@@ -25,39 +54,15 @@ def guard_checks():
             fp8_layout = get_pd_kv_layout(pool)
         assert fp8_layout == KVLayout.UNIFORM_FP8.value
 
-        def decode_side(local_layout, prefill_layout):
-            mgr = object.__new__(conn.CommonKVManager)
-            mgr.kv_args = types.SimpleNamespace(page_size=256, state_types=())
-            mgr.kv_cache_dtype_str = "fp8_e4m3"
-            mgr.kv_layout = local_layout
-            mgr.prefill_info_table = {}
-            mgr.dsv41_spec_layout = None
-            mgr.attn_tp_size = 1
-            data = dict(attn_tp_size=1, attn_cp_size=1, dp_size=1, pp_size=1, page_size=256,
-                        kv_cache_dtype="fp8_e4m3", follow_bootstrap_room=True, kv_layout=prefill_layout)
-
-            class Resp:
-                status_code = 200
-
-                def json(self):
-                    return data
-
-            orig = conn.requests.get
-            conn.requests.get = lambda *a, **k: Resp()
-            try:
-                return mgr.try_ensure_parallel_info("127.0.0.1:1")
-            finally:
-                conn.requests.get = orig
-
         try:
-            decode_side(fp8_layout, bf16_layout)
+            pd_decode_handshake(fp8_layout, bf16_layout)
         except RuntimeError as e:
             assert "KV layout mismatch" in str(e) and "c4idx:bf16" in str(e), str(e)
             INFO["pd_mismatch"] = str(e)  # the README quotes it (test_sglang_plugin.py checks)
         else:
             raise AssertionError("an fp8 decode peer accepted a bf16 prefill peer")
         try:
-            decode_side(bf16_layout, bf16_layout)
+            pd_decode_handshake(bf16_layout, bf16_layout)
         except RuntimeError as e:
             assert "KV layout mismatch" not in str(e), str(e)
         except Exception:

@@ -24,6 +24,7 @@ from cupy_dsa import rotate_index_k_reference
 from cupy_dsa.rescore import residual_encode_reference, rescore_topk_reference, store_two_level_reference
 from cupy_dsa.sglang import core, forward, hooks
 
+from checks_guard import pd_decode_handshake
 from checks_indexer import _indexer_setup, hisparse_decode, one_attention_cp_rank, spied_logits_routes
 from checks_store import call_site_case, decode_case, prefill_case, store_through_sglang_call_site
 from checks_strictness import Spy, _store_call, assert_hook_refuses, assert_stores_refused
@@ -492,7 +493,6 @@ def scenario_rescore():
     @check
     def pd_layout_pairs_only_with_fp8_rescore():
         from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout
-        from sglang.srt.disaggregation.common import conn
         from sglang.srt.disaggregation.utils import get_pd_kv_layout
         from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
 
@@ -504,40 +504,16 @@ def scenario_rescore():
                 layouts[mode] = get_pd_kv_layout(pool)
         assert layouts[MODE] == KVLayout.UNIFORM_FP8.value + ",c4idx:fp8-rescore", layouts
 
-        def decode_side(local_layout, prefill_layout):
-            mgr = object.__new__(conn.CommonKVManager)
-            mgr.kv_args = types.SimpleNamespace(page_size=256, state_types=())
-            mgr.kv_cache_dtype_str = "fp8_e4m3"
-            mgr.kv_layout = local_layout
-            mgr.prefill_info_table = {}
-            mgr.dsv41_spec_layout = None
-            mgr.attn_tp_size = 1
-            data = dict(attn_tp_size=1, attn_cp_size=1, dp_size=1, pp_size=1, page_size=256,
-                        kv_cache_dtype="fp8_e4m3", follow_bootstrap_room=True, kv_layout=prefill_layout)
-
-            class Resp:
-                status_code = 200
-
-                def json(self):
-                    return data
-
-            orig = conn.requests.get
-            conn.requests.get = lambda *a, **k: Resp()
-            try:
-                return mgr.try_ensure_parallel_info("127.0.0.1:1")
-            finally:
-                conn.requests.get = orig
-
         for other in ("fp8", "fp8-cupy", "bf16"):
             for local, peer in ((layouts[MODE], layouts[other]), (layouts[other], layouts[MODE])):
                 try:
-                    decode_side(local, peer)
+                    pd_decode_handshake(local, peer)
                 except RuntimeError as e:
                     assert "KV layout mismatch" in str(e) and "c4idx:fp8-rescore" in str(e), str(e)
                 else:
                     raise AssertionError(f"a {local} decode peer accepted a {peer} prefill peer")
         try:
-            decode_side(layouts[MODE], layouts[MODE])
+            pd_decode_handshake(layouts[MODE], layouts[MODE])
         except RuntimeError as e:
             assert "KV layout mismatch" not in str(e), str(e)
         except Exception:
