@@ -78,7 +78,7 @@ def rows(device: torch.device, quick: bool, seed: int) -> list[dict]:
             "fp8": topk_of(hi),
             "fp8-rescore": lambda: rescore.rescore_topk(q, w, hi, lo, lens, table, INDEX_TOPK, K_PRIME, plan=plan),
             "rescore stages": lambda: rescore.rescore_topk(q, w, hi, lo, lens, table, INDEX_TOPK, K_PRIME,
-                                                           stage1_logits=logits, logits_masked=True),
+                                                           stage1_logits=logits),
         }
         us = {name: time_calls([fn] * 3, device, reps=10 if quick else 25).seconds * 1e6 for name, fn in runs.items()}
         bytes_ = {"bf16": B * n * layouts.BF16_BYTES_PER_TOKEN, "fp8": B * n * layouts.FP8_BYTES_PER_TOKEN,

@@ -7,8 +7,8 @@ row's top ``k_prime`` candidates; stage 2 rescores only those from ``hi + lo`` (
 
 Ops: :func:`rescore_topk` (decode / MTP verify, the contract of ``paged_mqa_logits``) and
 :func:`rescore_topk_prefill` (prefill / varlen extend, the paged contract of ``mqa_logits``): stage 1 from
-cupy_dsa's fp8 logits (or logits the caller computed), the candidates by ``torch.topk``, stage 2 and the
-selection by ``kernels/rescore_topk.cu``; no host sync, no data-dependent shape (CUDA-graph safe), bitwise
+cupy_dsa's fp8 logits (or logits the caller computed), then the candidates (a radix select over column
+chunks), stage 2 and the selection by ``kernels/rescore_topk.cu``; no host sync, no data-dependent shape (CUDA-graph safe), bitwise
 reruns; CPU tensors run the torch references (:func:`rescore_topk_reference`, :func:`rescore_topk_prefill_reference`,
 the test oracle and the design's measurement). :func:`rescore_candidate_scores` is stage 2 alone. The fused store
 writes both pages in one launch (``store_index_k(..., lo_cache=)``).
@@ -58,12 +58,13 @@ residual keeps 99.99% of the exact top-k (99.5-99.9% at K' = 4k); stage 2 from t
 Selection (:func:`rescore_topk_reference`): stage 1 ranks a row's visible keys by their fp8 logit
 (``paged_mqa_logits_reference`` on the hi cache: ``k_scale * sum_h relu(q_h . k_fp8) * w_h``), ties broken by
 the lower position; the first ``k_prime`` are the candidates. Stage 2 scores them ``sum_h relu(q_h . k_hat) *
-w_h`` in fp32 and keeps the first ``index_topk`` by that score, ties broken by the better stage-1 rank. A row that
-sees ``len <= index_topk`` keys selects ``0..len-1`` without reading scores, as SGLang's top-k does (its fp8
-ranks are counted over the row's visible keys). The kernel sums ``q . k_hat`` as ``hi_scale * (q . hi) + lo_scale
-* (q . lo)`` (exact products, fp32 accumulation on bf16 tensor cores): on the same stage-1 logits the device
-selection is the reference's except where two candidates' scores lie within fp32 rounding of each other, and
-its candidates tied with the K'-th stage-1 logit are torch.topk's pick.
+w_h`` in fp32 and keeps the first ``index_topk`` by that score, ties broken by the lower position (two keys
+with equal hi bytes have equal fp8 logits, so this is their stage-1 order too). A row that sees ``len <=
+index_topk`` keys selects ``0..len-1`` without reading scores, as SGLang's top-k does (its fp8 ranks are counted
+over the row's visible keys). The kernels select exactly the reference's candidates (the radix select works on
+the same keys: logit bits, then position) and sum ``q . k_hat`` as ``hi_scale * (q . hi) + lo_scale * (q .
+lo)`` (exact products, fp32 accumulation on bf16 tensor cores): on the same stage-1 logits the device selection
+is the reference's except where two candidates' scores lie within fp32 rounding of each other.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ LO_PAGE_BYTES = FP8_PAGE_BYTES                       # 8448, the fp8 page geomet
 
 class RescoreTopK(NamedTuple):
     """int32 ``[rows, index_topk]`` each, -1 padded: ``page_indices`` (SGLang's form, ``page_table[r, i // 64] *
-    64 + i % 64``), ``raw_indices`` (positions ``i``), ``fp8_rank`` (each selected key's 0-based stage-1 rank)."""
+    64 + i % 64``), ``raw_indices`` (positions ``i``), ``fp8_rank`` (each selected key's 0-based stage-1 rank;
+    None unless asked for)."""
     page_indices: torch.Tensor
     raw_indices: torch.Tensor
     fp8_rank: torch.Tensor
@@ -207,7 +209,10 @@ K_PRIME_MULTIPLE = 4                 # default K' = 4 x index_topk
 INVALID_KEY = -(2 ** 63)             # a stage-2 key that no selection takes before a scored candidate
 STAGE2_WARPS = 4
 _CTA_CANDS = 16 * STAGE2_WARPS       # candidates per CTA are a multiple of the 4 warps' 16-candidate tiles
-_MASK_COLS = 4096                    # logits columns per CTA of rescore_mask_logits
+SELECT_THREADS = 512                 # the selection kernels' block (kSelectThreads)
+RADIX_BINS = 4096                    # their 12-bit digits (kRadixBins)
+MAX_DEVICE_TOPK = 2048               # rescore_finish holds a row's selection in shared memory (kMaxTopK)
+_BOUNDARY_MIN = 16384                # keys of the K'-th key's 12-bit bin collected per row (at least 8 x K')
 _MAX_GRID_Y = 65535
 _FP8 = torch.float8_e4m3fn
 _Q_DTYPES = (_FP8, torch.bfloat16)
@@ -218,11 +223,21 @@ _ROW_ARGS = (("lens0", PTR), ("lens1", PTR), ("cu_rows", PTR), ("mode", I32), ("
              ("width", I32))
 _DECODE_LENS_1D, _DECODE_LENS_2D, _PREFILL_KS_KE = 0, 1, 2
 
-MASK_KERNEL = launch.Kernel(_SRC, "rescore_mask_logits",
-                            args=(("logits", PTR), ("logits_stride", I64), ("out", PTR)) + _ROW_ARGS,
-                            threads=lambda cfg: 256)
-KEYS_KERNEL = launch.Kernel(_SRC, "rescore_candidate_keys",
-                            args=(("vals", PTR), ("idx", PTR), ("keys", PTR), ("n", I64)), threads=lambda cfg: 256)
+_LOGITS_ARGS = (("logits", PTR), ("logits_stride", I64)) + _ROW_ARGS
+_select_threads = lambda cfg: SELECT_THREADS   # noqa: E731
+HISTOGRAM_KERNEL = launch.Kernel(
+    _SRC, "rescore_histogram", args=_LOGITS_ARGS + (("cols_per_cta", I32), ("index_topk", I32), ("work", PTR)),
+    threads=_select_threads)
+GATHER_KERNEL = launch.Kernel(
+    _SRC, "rescore_gather",
+    args=_LOGITS_ARGS + (("cols_per_cta", I32), ("index_topk", I32), ("work", PTR), ("k_prime", I32),
+                         ("candidates", PTR), ("boundary", PTR), ("cap", I32)),
+    threads=_select_threads)
+BOUNDARY_KERNEL = launch.Kernel(
+    _SRC, "rescore_boundary",
+    args=_LOGITS_ARGS + (("index_topk", I32), ("work", PTR), ("k_prime", I32), ("candidates", PTR),
+                         ("boundary", PTR), ("cap", I32)),
+    threads=_select_threads)
 STAGE2_KERNEL = launch.Kernel(
     _SRC, "rescore_topk_kernel", params=("QFp8",),
     args=(("q", PTR), ("weights", PTR), ("hi_cache", PTR), ("lo_cache", PTR), ("num_pages", I64), ("block_table", PTR),
@@ -231,20 +246,22 @@ STAGE2_KERNEL = launch.Kernel(
     threads=lambda cfg: 32 * STAGE2_WARPS)
 FINISH_KERNEL = launch.Kernel(
     _SRC, "rescore_finish",
-    args=(("selected", PTR), ("m", I32), ("candidates", PTR), ("k_prime", I32), ("logits", PTR),
-          ("logits_stride", I64), ("block_table", PTR), ("bt_stride", I64)) + _ROW_ARGS
+    args=(("keys", PTR), ("k_prime", I32), ("candidates", PTR), ("logits", PTR), ("logits_stride", I64),
+          ("block_table", PTR), ("bt_stride", I64)) + _ROW_ARGS
     + (("index_topk", I32), ("page_indices", PTR), ("raw_indices", PTR), ("fp8_rank", PTR)),
-    threads=lambda cfg: 256)
-_PARTS = {"mask": MASK_KERNEL, "keys": KEYS_KERNEL, "finish": FINISH_KERNEL}
+    threads=_select_threads)
+_PARTS = {"histogram": HISTOGRAM_KERNEL, "gather": GATHER_KERNEL, "boundary": BOUNDARY_KERNEL,
+          "finish": FINISH_KERNEL}
 
 
 def _select_config(problem, arch):
     return STAGE2_KERNEL.config(QFp8=problem[1]) if problem[0] == "stage2" else _PARTS[problem[0]].config()
 
 
-# A problem: the op's step ("mask", "keys", "finish"), or ("stage2", 1 for an fp8 stage-2 q / 0 for bf16).
+# A problem: the op's step (a selection kernel), or ("stage2", 1 for an fp8 stage-2 q / 0 for bf16).
 RESCORE = launch.register(launch.Family(
-    "rescore_topk", problems=[("mask",), ("keys",), ("stage2", 0), ("stage2", 1), ("finish",)],
+    "rescore_topk", problems=[("histogram",), ("gather",), ("boundary",), ("stage2", 0), ("stage2", 1),
+                              ("finish",)],
     select=_select_config, serves=lambda cfg, p: cfg == _select_config(p, None)))
 
 
@@ -370,7 +387,8 @@ def _stage2_reference(q2, w2, hi_cache, lo_cache, cand, lo, hi, bt_rows):
     return s2.masked_fill(~ok, float("-inf")), ok
 
 
-def _select_reference(stage1, lo, hi, bt_rows, q2, w2, hi_cache, lo_cache, index_topk, k_prime) -> RescoreTopK:
+def _select_reference(stage1, lo, hi, bt_rows, q2, w2, hi_cache, lo_cache, index_topk, k_prime,
+                      fp8_rank=True) -> RescoreTopK:
     """The two-stage selection of rows that see positions ``[lo, hi)`` (int64 [R] on the CPU, within the logits'
     width), stage-1 logits ``stage1`` [R, >= max hi] (only visible columns are read), block-table rows
     ``bt_rows`` (int64 [R, max_pages] on q's device)."""
@@ -381,7 +399,7 @@ def _select_reference(stage1, lo, hi, bt_rows, q2, w2, hi_cache, lo_cache, index
     rank_out = torch.full_like(page_out, -1)
     L = int(hi.max()) if R else 0
     if L == 0:
-        return RescoreTopK(page_out, raw_out, rank_out)
+        return RescoreTopK(page_out, raw_out, rank_out if fp8_rank else None)
     lo_d, hi_d = lo.to(dev), hi.to(dev)
     cols = torch.arange(L, device=dev)
     kp = min(k_prime, L)
@@ -399,8 +417,10 @@ def _select_reference(stage1, lo, hi, bt_rows, q2, w2, hi_cache, lo_cache, index
         cand = order[:, :kp]                                                        # [r, kp] positions
         # stage 2: the candidates' k_hat from the hi and lo pages
         s2, pages_ok = _stage2_reference(q2[r0:r1], w2[r0:r1], hi_cache, lo_cache, cand, lo_r, hi_r, bt_rows[r0:r1])
-        # stage-2 order; ties by stage-1 rank (the candidates are in stage-1 order, so a stable sort does it)
-        sel = torch.sort(s2, dim=1, descending=True, stable=True).indices[:, :min(index_topk, kp)]
+        # stage-2 order, ties to the lower position: a stable sort of the candidates in position order
+        by_pos = torch.sort(cand, dim=1).indices
+        sel = by_pos.gather(1, torch.sort(s2.gather(1, by_pos), dim=1, descending=True,
+                                          stable=True).indices[:, :min(index_topk, kp)])
         raw = cand.gather(1, sel)
         ok = pages_ok.gather(1, sel)                                                # keys of invalid pages: never
         n_r = hi_r - lo_r
@@ -417,7 +437,7 @@ def _select_reference(stage1, lo, hi, bt_rows, q2, w2, hi_cache, lo_cache, index
         rank_out[r0:r1, :m] = torch.where(ok, pos_rank, torch.full_like(raw, -1)).to(torch.int32)
         page_out[r0:r1, :m] = torch.where(ok, page * PAGE_SLOTS + raw % PAGE_SLOTS,
                                           torch.full_like(raw, -1)).to(torch.int32)
-    return RescoreTopK(page_out, raw_out, rank_out)
+    return RescoreTopK(page_out, raw_out, rank_out if fp8_rank else None)
 
 
 def _decode_rows_reference(context_lens, B, next_n, width):
@@ -429,7 +449,7 @@ def _decode_rows_reference(context_lens, B, next_n, width):
 
 
 def rescore_topk_reference(q, weights, hi_cache, lo_cache, context_lens, block_table, index_topk, k_prime=None, *,
-                           stage1_logits=None, q_rescore=None, weights_rescore=None) -> RescoreTopK:
+                           stage1_logits=None, q_rescore=None, weights_rescore=None, fp8_rank=True) -> RescoreTopK:
     """Two-stage top-k of paged index keys (the decode / MTP-verify contract of ``paged_mqa_logits``).
 
     q float8_e4m3fn/bfloat16 ``[B, next_n, 64, 128]``, weights float32 ``[B * next_n, 64]`` (q's scale folded in
@@ -451,7 +471,8 @@ def rescore_topk_reference(q, weights, hi_cache, lo_cache, context_lens, block_t
         stage1_logits = paged_mqa_logits_reference(q, hi_cache, weights, context_lens, block_table, width)
     lo, hi = _decode_rows_reference(context_lens, B, next_n, min(width, stage1_logits.shape[1]))
     bt_rows = block_table.long().repeat_interleave(next_n, dim=0)                   # [R, max_pages]
-    return _select_reference(stage1_logits, lo, hi, bt_rows, q2, w2, hi_cache, lo_cache, index_topk, k_prime)
+    return _select_reference(stage1_logits, lo, hi, bt_rows, q2, w2, hi_cache, lo_cache, index_topk, k_prime,
+                             check_bool("fp8_rank", fp8_rank))
 
 
 def _prefill_rows_reference(ks, ke, bt, cu_rows, width, T, device):
@@ -475,7 +496,7 @@ def _prefill_rows_reference(ks, ke, bt, cu_rows, width, T, device):
 
 def rescore_topk_prefill_reference(q, weights, hi_cache, lo_cache, ks, ke, block_table, index_topk, k_prime=None, *,
                                    cu_rows=None, stage1_logits=None, q_rescore=None,
-                                   weights_rescore=None) -> RescoreTopK:
+                                   weights_rescore=None, fp8_rank=True) -> RescoreTopK:
     """Two-stage top-k of prefill / extend rows (the paged contract of ``mqa_logits``): row ``i`` sees positions
     ``[ks[i], ke[i])`` of its request's keys. q float8_e4m3fn/bfloat16 ``[T, 64, 128]``, weights float32 ``[T,
     64]``, ks / ke int32 ``[T]``; one request: block_table int32 ``[num_pages]`` or ``[1, num_pages]``; several
@@ -490,7 +511,8 @@ def rescore_topk_prefill_reference(q, weights, hi_cache, lo_cache, ks, ke, block
         stage1_logits = mqa_logits_reference(q, hi_cache, weights, ks, ke, block_table=block_table, cu_rows=cu_rows)
     width = min(num_keys, stage1_logits.shape[1])
     lo, hi, bt_rows = _prefill_rows_reference(ks, ke, bt, cu_rows, width, q.shape[0], q.device)
-    return _select_reference(stage1_logits, lo, hi, bt_rows, q2, w2, hi_cache, lo_cache, index_topk, k_prime)
+    return _select_reference(stage1_logits, lo, hi, bt_rows, q2, w2, hi_cache, lo_cache, index_topk, k_prime,
+                             check_bool("fp8_rank", fp8_rank))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -498,61 +520,61 @@ def rescore_topk_prefill_reference(q, weights, hi_cache, lo_cache, ks, ke, block
 # --------------------------------------------------------------------------------------------------
 
 def rescore_topk(q, weights, hi_cache, lo_cache, context_lens, block_table, index_topk, k_prime=None, *,
-                 q_rescore=None, weights_rescore=None, stage1_logits=None, logits_masked=False,
-                 plan=None) -> RescoreTopK:
+                 q_rescore=None, weights_rescore=None, stage1_logits=None, plan=None,
+                 fp8_rank=False) -> RescoreTopK:
     """The exact top-k at fp8's cost, decode / MTP verify (the contract of :func:`rescore_topk_reference`).
 
     Stage 1: fp8 logits of every visible key from ``hi_cache`` (:func:`cupy_dsa.paged_mqa_logits`, with ``plan``
     when given), or ``stage1_logits`` the caller computed (e.g. DeepGEMM's; ``[B * next_n, >= width]``, width =
-    ``block_table.shape[1] * 64``); ``logits_masked=True`` says they already hold -inf at every column a row does
-    not see (otherwise a masking pass writes a copy). Each row's ``k_prime`` (default ``4 * index_topk``, at most
-    the width) best logits are its candidates (torch.topk). Stage 2 scores them from the hi and lo pages with
-    ``q_rescore`` / ``weights_rescore`` (default q / weights) and selects ``index_topk``. No host sync and no
-    data-dependent shape: capturable in a CUDA graph (after :func:`cupy_dsa.warm_up`), deterministic. Returns
-    :class:`RescoreTopK`. CPU tensors run the reference."""
-    logits_masked = check_bool("logits_masked", logits_masked)
+    ``block_table.shape[1] * 64``; only the columns a row sees are read). Each row's ``k_prime`` (default ``4 *
+    index_topk``, at most the width) best logits are its candidates (a radix select over column chunks). Stage 2
+    scores them from the hi and lo pages with ``q_rescore`` / ``weights_rescore`` (default q / weights) and
+    selects ``index_topk`` (at most 2048 on the GPU). ``fp8_rank=True`` also returns each selected key's stage-1
+    rank (a measurement: it costs index_topk x K' comparisons per row). No host sync and no data-dependent shape:
+    capturable in a CUDA graph (after :func:`cupy_dsa.warm_up`), deterministic. Returns :class:`RescoreTopK`.
+    CPU tensors run the reference."""
+    fp8_rank = check_bool("fp8_rank", fp8_rank)
     if not (isinstance(q, torch.Tensor) and q.is_cuda):
         return rescore_topk_reference(q, weights, hi_cache, lo_cache, context_lens, block_table, index_topk, k_prime,
                                       stage1_logits=stage1_logits, q_rescore=q_rescore,
-                                      weights_rescore=weights_rescore)
+                                      weights_rescore=weights_rescore, fp8_rank=fp8_rank)
     B, next_n, index_topk, k_prime, q2, w2 = _check_decode(q, weights, hi_cache, lo_cache, context_lens, block_table,
                                                            index_topk, k_prime, q_rescore, weights_rescore,
                                                            stage1_logits)
     width = block_table.shape[1] * PAGE_SLOTS
     if stage1_logits is None:
-        logits = paged_mqa_logits(q, hi_cache, weights, context_lens, block_table, width, clean_logits=True,
+        logits = paged_mqa_logits(q, hi_cache, weights, context_lens, block_table, width, clean_logits=False,
                                   plan=plan)
-        logits_masked = True
     else:
         width = min(width, stage1_logits.shape[1])
         logits = stage1_logits[:, :width]
     rows = dict(lens0=context_lens, lens1=None, cu_rows=None, next_n=next_n, batch=B, width=width,
                 mode=_DECODE_LENS_2D if context_lens.dim() == 2 else _DECODE_LENS_1D)
     bt_stride = block_table.stride(0) if block_table.shape[1] > 0 else 0
-    return _select(logits, logits_masked, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride,
-                   block_table.shape[1], index_topk, k_prime)
+    return _select(logits, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride, block_table.shape[1],
+                   index_topk, k_prime, fp8_rank)
 
 
 def rescore_topk_prefill(q, weights, hi_cache, lo_cache, ks, ke, block_table, index_topk, k_prime=None, *,
-                         cu_rows=None, q_rescore=None, weights_rescore=None, stage1_logits=None, logits_masked=False,
-                         plan=None) -> RescoreTopK:
+                         cu_rows=None, q_rescore=None, weights_rescore=None, stage1_logits=None, plan=None,
+                         fp8_rank=False) -> RescoreTopK:
     """:func:`rescore_topk` for prefill / extend rows (the contract of :func:`rescore_topk_prefill_reference`):
     stage 1 from :func:`cupy_dsa.mqa_logits` on the hi cache (``plan``: its :func:`cupy_dsa.mqa_logits_plan` for
     ``cu_rows``), or ``stage1_logits`` ``[T, >= width]`` (column = position; width = the block table's pages *
     64). No host sync (a CPU ``cu_rows`` is checked and copied, outside graph capture, as by ``mqa_logits``)."""
-    logits_masked = check_bool("logits_masked", logits_masked)
+    fp8_rank = check_bool("fp8_rank", fp8_rank)
     if not (isinstance(q, torch.Tensor) and q.is_cuda):
         return rescore_topk_prefill_reference(q, weights, hi_cache, lo_cache, ks, ke, block_table, index_topk,
                                               k_prime, cu_rows=cu_rows, stage1_logits=stage1_logits,
-                                              q_rescore=q_rescore, weights_rescore=weights_rescore)
+                                              q_rescore=q_rescore, weights_rescore=weights_rescore,
+                                              fp8_rank=fp8_rank)
     index_topk, k_prime, q2, w2, bt, num_keys, cu_rows = _check_prefill_call(
         q, weights, hi_cache, lo_cache, ks, ke, block_table, index_topk, k_prime, cu_rows, q_rescore,
         weights_rescore, stage1_logits)
     width = num_keys
     if stage1_logits is None:
         logits = mqa_logits(q, hi_cache, weights, ks, ke, block_table=block_table, cu_rows=cu_rows, plan=plan,
-                            clean_logits=True)
-        logits_masked = True
+                            clean_logits=False)
     else:
         width = min(width, stage1_logits.shape[1])
         logits = stage1_logits[:, :width]
@@ -561,8 +583,7 @@ def rescore_topk_prefill(q, weights, hi_cache, lo_cache, ks, ke, block_table, in
                 batch=cu_rows.shape[0] - 1 if varlen else 1, width=width)
     bt_width = bt.shape[1] if varlen else bt.shape[0]
     bt_stride = bt.stride(0) if (varlen and bt_width > 0) else 0
-    return _select(logits, logits_masked, rows, q2, w2, hi_cache, lo_cache, bt, bt_stride, bt_width, index_topk,
-                   k_prime)
+    return _select(logits, rows, q2, w2, hi_cache, lo_cache, bt, bt_stride, bt_width, index_topk, k_prime, fp8_rank)
 
 
 def rescore_candidate_scores(q, weights, hi_cache, lo_cache, context_lens, block_table, candidates) -> torch.Tensor:
@@ -639,38 +660,48 @@ def _stage2(q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, rows, 
             keys=keys)
 
 
-def _select(logits, logits_masked, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, index_topk,
-            k_prime) -> RescoreTopK:
-    """Stage-1 candidates, stage 2 and the selection on the device: torch.topk of the logits (K' candidates),
-    their stage-1 order (keys, sorted), stage-2 keys, torch.topk of those, SGLang's outputs."""
+def _select(logits, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, index_topk, k_prime,
+            fp8_rank) -> RescoreTopK:
+    """Stage-1 candidates (histogram, gather, boundary), stage 2 and the selection (finish) on the device: six
+    launches with a zeroing of the work counts, none of them data-dependent in shape."""
     R, width = logits.shape
     dev = q2.device
     page_out = torch.empty(R, index_topk, dtype=torch.int32, device=dev)
-    raw_out, rank_out = torch.empty_like(page_out), torch.empty_like(page_out)
+    raw_out = torch.empty_like(page_out)
+    rank_out = torch.empty_like(page_out) if fp8_rank else None
     if R == 0:
         return RescoreTopK(page_out, raw_out, rank_out)
+    if index_topk > MAX_DEVICE_TOPK:
+        raise ValueError(f"index_topk: expected <= {MAX_DEVICE_TOPK} on the GPU (SGLang's index_topk is 512 or "
+                         f"2048), got {index_topk}")
     _check_aligned_caches(hi_cache, lo_cache)
-    if width > 0 and not logits_masked:
-        masked = torch.empty(R, width, dtype=torch.float32, device=dev)
-        _launch(("mask",), dev, (R, -(-width // _MASK_COLS), 1), logits=logits, logits_stride=logits.stride(0),
-                out=masked, **rows)
-        logits = masked
-    kp = min(k_prime, width)
-    selected = candidates = None
-    m = 0
-    if kp > 0:
-        vals, idx = torch.topk(logits, kp, dim=1, sorted=False)
-        keys1 = torch.empty(R, kp, dtype=torch.int64, device=dev)
-        _launch(("keys",), dev, (-(-(R * kp) // 256), 1, 1), vals=vals, idx=idx, keys=keys1, n=R * kp)
-        candidates = torch.sort(keys1, dim=1, descending=True).values     # stage-1 order (keys are distinct)
-        keys2 = torch.empty_like(candidates)
-        _stage2(q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, rows, candidates, kp, index_topk, keys2)
-        m = min(index_topk, kp)
-        selected = torch.topk(keys2, m, dim=1, sorted=True).values        # distinct keys: one order
-    _launch(("finish",), dev, (R, 1, 1), selected=selected, m=m, candidates=candidates, k_prime=kp,
-            logits=logits if width > 0 else None, logits_stride=logits.stride(0) if width > 0 else 0,
-            block_table=block_table, bt_stride=bt_stride, **rows, index_topk=index_topk, page_indices=page_out,
-            raw_indices=raw_out, fp8_rank=rank_out)
+    kp = max(1, min(k_prime, width))
+    n_sms, _ = _device_info(dev.index)
+    logit_args = dict(logits=logits if width > 0 else None, logits_stride=logits.stride(0) if width > 0 else 0,
+                      **rows)
+    candidates = torch.empty(R, kp, dtype=torch.int64, device=dev)
+    if width > index_topk:
+        # column chunks: about four CTAs per SM over the rows, at least four tiles of the block each
+        cols = max(4 * SELECT_THREADS, -(-width * R // (4 * n_sms)))
+        cols = -(-cols // SELECT_THREADS) * SELECT_THREADS
+        chunks = -(-width // cols)
+        while chunks > _MAX_GRID_Y:
+            cols *= 2
+            chunks = -(-width // cols)
+        cap = max(_BOUNDARY_MIN, 8 * kp)
+        work = torch.zeros(R, RADIX_BINS + 2, dtype=torch.int32, device=dev)
+        boundary = torch.empty(R, cap, dtype=torch.int64, device=dev)
+        chunked = dict(cols_per_cta=cols, index_topk=index_topk, work=work)
+        _launch(("histogram",), dev, (R, chunks, 1), **logit_args, **chunked)
+        _launch(("gather",), dev, (R, chunks, 1), **logit_args, **chunked, k_prime=kp, candidates=candidates,
+                boundary=boundary, cap=cap)
+        _launch(("boundary",), dev, (R, 1, 1), **logit_args, index_topk=index_topk, work=work, k_prime=kp,
+                candidates=candidates, boundary=boundary, cap=cap)
+    keys = torch.empty_like(candidates)
+    _stage2(q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, rows, candidates, kp, index_topk, keys)
+    _launch(("finish",), dev, (R, 1, 1), keys=keys, k_prime=kp, candidates=candidates, logits=logit_args["logits"],
+            logits_stride=logit_args["logits_stride"], block_table=block_table, bt_stride=bt_stride, **rows,
+            index_topk=index_topk, page_indices=page_out, raw_indices=raw_out, fp8_rank=rank_out)
     return RescoreTopK(page_out, raw_out, rank_out)
 
 

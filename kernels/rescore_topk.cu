@@ -1,14 +1,16 @@
 // Two-level index keys (cupy_dsa.rescore): stage 2 of the fp8-rescore top-k and its small helpers.
 //
-// Stage 1 (cupy_dsa's fp8 logits, or the caller's) and torch.topk give each query row its K' candidate
-// positions; rescore_candidate_keys and a sort put them in stage-1 order (logit descending, ties: lower
-// position). rescore_topk_kernel scores every candidate from its fp8 "hi" and int8 "lo" pages,
+// Stage 1 (cupy_dsa's fp8 logits, or the caller's) gives each query row its logits; rescore_histogram,
+// rescore_gather and rescore_boundary select the row's K' best as stage-1 keys (logit descending, ties: lower
+// position; a radix select whose first 12-bit digit is counted over column chunks by many CTAs per row).
+// rescore_topk_kernel scores every candidate from its fp8 "hi" and int8 "lo" pages,
 //   score = sum_h relu(q_h . k_hat) * w_h,   k_hat = e4m3(hi) * hi_scale + lo * lo_scale,
 // as q_h . k_hat = hi_scale * (q_h . e4m3(hi)) + lo_scale * (q_h . lo): both dot products run on bf16 tensor
 // cores (e4m3 and int8 codes and an fp8 or bf16 q are exact in bf16, every product is exact) with fp32
-// accumulation, then fp32 epilogue. It writes one int64 sort key per candidate (the score, ties: better
-// stage-1 rank), so that torch.topk of the keys is the row's selection in the reference's order, the same
-// on every rerun; rescore_finish turns the selection into SGLang's outputs.
+// accumulation, then fp32 epilogue. It writes one int64 key per candidate (the score, ties: lower position),
+// and rescore_finish radix-selects the row's index_topk greatest into SGLang's outputs. Candidates are
+// written in arrival order (atomics); nothing downstream depends on their order, so every rerun selects the
+// same keys in the same output order.
 //
 // Stage-2 work split: one CTA per (query row, chunk of candidates); 4 warps, each scoring 16-candidate
 // tiles (two mma n-tiles of 8). q is staged once per CTA in shared memory as ready A quads (heads = M, 4
@@ -88,17 +90,107 @@ __device__ __forceinline__ RowKeys row_keys(const RowSpec& s, int r) {
   return {lo, hi, table_row};
 }
 
-// A key that sorts as signed int64 by (value, tie), both descending: the fp32 value's order-preserving int32
-// in the high half, `tie` (greater = earlier) in the low half. -0.0 counts as +0.0.
-__device__ __forceinline__ long long order_key(float value, u32 tie) {
-  const int b = __float_as_int(value + 0.0f);
-  const int ord = b >= 0 ? b : b ^ 0x7FFFFFFF;
-  return static_cast<long long>((static_cast<u64>(static_cast<u32>(ord)) << 32) | tie);
+// The fp32 value's order-preserving int32: NaN (any sign, any payload) above +inf, as torch ranks it; -0.0
+// counts as +0.0.
+__device__ __forceinline__ int ordered_bits(float value) {
+  const int b = __float_as_int(value);
+  if ((b & 0x7FFFFFFF) > 0x7F800000) return 0x7FFFFFFF;
+  if (b == static_cast<int>(0x80000000u)) return 0;
+  return b >= 0 ? b : b ^ 0x7FFFFFFF;
 }
 
-// The index i a key's low half holds as 0xFFFFFFFF - i: a stage-1 key's position, a stage-2 key's candidate.
+// A key that sorts as signed int64 by (value, tie), both descending: ordered_bits(value) in the high half,
+// `tie` (greater = earlier) in the low half.
+__device__ __forceinline__ long long order_key(float value, u32 tie) {
+  return static_cast<long long>((static_cast<u64>(static_cast<u32>(ordered_bits(value))) << 32) | tie);
+}
+
+// The same order as an unsigned one (the radix select's digits) and back.
+__device__ __forceinline__ u64 unsigned_key(long long key) { return static_cast<u64>(key) ^ (1ull << 63); }
+__device__ __forceinline__ long long signed_key(u64 key) { return static_cast<long long>(key ^ (1ull << 63)); }
+
+// The position i a key's low half holds as 0xFFFFFFFF - i (stage-1 and stage-2 keys alike).
 __device__ __forceinline__ u32 tie_index(long long key) {
   return 0xFFFFFFFFu - static_cast<u32>(static_cast<u64>(key));
+}
+
+// ---- block-wide radix selection (kSelectThreads threads, kRadixBins bins of shared or global counts) --------
+constexpr int kSelectThreads = 512;
+constexpr int kSelectWarps = kSelectThreads / 32;
+constexpr int kMaxTopK = 2048;                        // rescore_finish holds a row's selection in shared memory
+constexpr int kDigitBits = 12;
+constexpr int kRadixBins = 1 << kDigitBits;
+constexpr int kBinsPerThread = kRadixBins / kSelectThreads;
+static_assert(kBinsPerThread == 8 && kSelectWarps <= 32, "select: 8 bins per thread, one warp scans the warps");
+
+struct BinFound {
+  int bin;      // the bin holding the need-th greatest key
+  int above;    // keys in the bins above it
+  int count;    // keys in it
+};
+
+// The bin where the keys counted in `hist` (bin = digit, greater digit = greater key) reach `need` >= 1 from
+// the top, given that they hold at least `need`. Every thread of the block calls it; `scratch` is shared
+// (kSelectWarps + 3 ints); every thread returns the same answer.
+__device__ __forceinline__ BinFound find_bin(const int* hist, int need, int* scratch) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int mine[kBinsPerThread];
+  int sum = 0;
+#pragma unroll
+  for (int i = 0; i < kBinsPerThread; ++i) {
+    mine[i] = hist[tid * kBinsPerThread + i];
+    sum += mine[i];
+  }
+  // keys in the bins of the threads above this one: a suffix scan (warp, then warps)
+  int incl = sum;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_down_sync(0xffffffffu, incl, d);
+    if (lane + d < 32) incl += v;
+  }
+  if (lane == 0) scratch[warp] = incl;
+  __syncthreads();
+  int warps_above = 0;
+  for (int w = warp + 1; w < kSelectWarps; ++w) warps_above += scratch[w];
+  int above = warps_above + incl - sum;
+  if (above < need && above + sum >= need) {
+    int i = kBinsPerThread - 1;
+    while (above + mine[i] < need) above += mine[i--];
+    scratch[kSelectWarps] = tid * kBinsPerThread + i;
+    scratch[kSelectWarps + 1] = above;
+    scratch[kSelectWarps + 2] = mine[i];
+  }
+  __syncthreads();
+  const BinFound f = {scratch[kSelectWarps], scratch[kSelectWarps + 1], scratch[kSelectWarps + 2]};
+  __syncthreads();  // scratch is reused by the next call
+  return f;
+}
+
+// The least key T such that exactly `need` >= 1 of the keys `src` yields (distinct unsigned keys whose top
+// `known` bits equal `prefix`'s; src.get(i, key) -> false skips slot i of src.size()) are >= T, given that it
+// yields at least `need`. 12-bit digits from the top; a pass stops early when its bin holds exactly the keys
+// still needed. `hist`: kRadixBins shared ints; every thread returns the same T.
+template <class Source>
+__device__ u64 radix_threshold(const Source& src, int known, u64 prefix, int need, int* hist, int* scratch) {
+  int lo_bit = 64 - known;
+  while (lo_bit > 0) {
+    const int width = min(kDigitBits, lo_bit), shift = lo_bit - width;
+    for (int i = threadIdx.x; i < kRadixBins; i += kSelectThreads) hist[i] = 0;
+    __syncthreads();
+    const int n = src.size();
+    for (int i = threadIdx.x; i < n; i += kSelectThreads) {
+      u64 key;
+      if (src.get(i, key) && (lo_bit == 64 || (key >> lo_bit) == (prefix >> lo_bit)))
+        atomicAdd(&hist[static_cast<int>((key >> shift) & ((1ull << width) - 1))], 1);
+    }
+    __syncthreads();
+    const BinFound f = find_bin(hist, need, scratch);
+    prefix |= static_cast<u64>(f.bin) << shift;
+    need -= f.above;
+    lo_bit = shift;
+    if (f.count == need) break;
+  }
+  return prefix;
 }
 
 // Four int8 codes x = [c0 c1 c2 c3] (c0 lowest) -> even = bf16x2 (c0, c2), odd = (c1, c3) (exact).
@@ -177,33 +269,173 @@ __device__ __forceinline__ void lo_words(const uint4 (&raw)[2][2], u32 (&W)[2][4
 #define DSA_ROW_SPEC \
   dsa::rescore::RowSpec { lens0, lens1, cu_rows, mode, next_n, batch, width }
 
-// out[r, c] = logits[r, c] where row r sees position c, else -inf, for c < width (logits a caller computed,
-// whose columns past a row's keys may hold anything). out: [rows, width] contiguous. Grid (rows,
-// ceil(width / 4096)), 256 threads.
-__global__ void __launch_bounds__(256) rescore_mask_logits(const float* __restrict__ logits, long long logits_stride,
-                                                           float* __restrict__ out, DSA_ROW_SPEC_ARGS) {
-  const int r = blockIdx.x;
-  const dsa::rescore::RowKeys rk = dsa::rescore::row_keys(DSA_ROW_SPEC, r);
-  const float neg_inf = __int_as_float(0xff800000);
-  const int c_end = min(width, static_cast<int>(blockIdx.y + 1) * 4096);
-  for (int c = blockIdx.y * 4096 + threadIdx.x; c < c_end; c += blockDim.x)
-    out[static_cast<long long>(r) * width + c] =
-        (c >= rk.lo && c < rk.hi) ? logits[static_cast<long long>(r) * logits_stride + c] : neg_inf;
+// ---- stage-1 candidates: the K' greatest visible keys of each row --------------------------------------
+// A row's stage-1 keys are order_key(logits[r, c], 0xFFFFFFFF - c) over its visible columns c in [lo, hi)
+// (only those are read: a caller's logits may hold anything elsewhere); they are distinct, so its top-K' set is
+// unique (logit descending, ties to the lower position), and written in no particular order (stage 2 and the
+// selection do not depend on it). Three launches, for rows that see more than index_topk keys (the others are
+// selected without scores): rescore_histogram counts the keys' top 12 bits (grid (rows, column chunks)),
+// rescore_gather writes the keys of the bins above the K'-th key's bin b and collects the keys of bin b
+// (same grid), rescore_boundary (one CTA per row) radix-selects what is still needed among bin b's keys.
+// `work` (int32 [rows, kRadixBins + 2], zeroed): the histogram, then the above and bin-b counts.
+constexpr int kWorkInts = dsa::rescore::kRadixBins + 2;
+
+#define DSA_SELECT_ROW                                                                              \
+  const int r = blockIdx.x;                                                                         \
+  const dsa::rescore::RowKeys rk = dsa::rescore::row_keys(DSA_ROW_SPEC, r);                          \
+  if (rk.hi - rk.lo <= index_topk) return; /* CTA-uniform: selected without scores */               \
+  const float* __restrict__ row = logits + static_cast<long long>(r) * logits_stride;                \
+  int* __restrict__ hist = work + static_cast<long long>(r) * kWorkInts;                            \
+  const int c_begin = rk.lo + blockIdx.y * cols_per_cta, c_end = min(rk.hi, c_begin + cols_per_cta); \
+  if (c_begin >= c_end) return;
+
+// Grid (rows, ceil(width / cols_per_cta)), kSelectThreads threads.
+__global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_histogram(
+    const float* __restrict__ logits, long long logits_stride, DSA_ROW_SPEC_ARGS, int cols_per_cta,
+    int index_topk, int* __restrict__ work) {
+  using namespace dsa;
+  using namespace dsa::rescore;
+  __shared__ int counts[kRadixBins];
+  for (int i = threadIdx.x; i < kRadixBins; i += kSelectThreads) counts[i] = 0;
+  __syncthreads();
+  DSA_SELECT_ROW
+  for (int c = c_begin + threadIdx.x; c < c_end; c += kSelectThreads)
+    atomicAdd(&counts[unsigned_key(order_key(row[c], 0u)) >> (64 - kDigitBits)], 1);
+  __syncthreads();
+  for (int i = threadIdx.x; i < kRadixBins; i += kSelectThreads)
+    if (counts[i] != 0) atomicAdd(&hist[i], counts[i]);
 }
 
-// keys[i] = order_key(vals[i], 0xFFFFFFFF - idx[i]): the stage-1 candidates (torch.topk's values and positions)
-// as keys whose descending order is the reference's (logit descending, ties: lower position). Grid ceil(n / 256).
-__global__ void __launch_bounds__(256) rescore_candidate_keys(const float* __restrict__ vals,
-                                                              const long long* __restrict__ idx,
-                                                              long long* __restrict__ keys, long long n) {
-  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) keys[i] = dsa::rescore::order_key(vals[i], 0xFFFFFFFFu - static_cast<unsigned>(idx[i]));
+// Keys of the bins above b -> candidates[r, 0 ..) and keys of bin b -> boundary[r, 0 .. cap) (counted past
+// cap), in arrival order (warp-aggregated atomics on the row's counters). A row that sees at most k_prime keys
+// writes them all as "above". Grid and block as rescore_histogram.
+__global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_gather(
+    const float* __restrict__ logits, long long logits_stride, DSA_ROW_SPEC_ARGS, int cols_per_cta,
+    int index_topk, int* __restrict__ work, int k_prime, long long* __restrict__ candidates,
+    long long* __restrict__ boundary, int cap) {
+  using namespace dsa;
+  using namespace dsa::rescore;
+  __shared__ int scratch[kSelectWarps + 3];
+  DSA_SELECT_ROW
+  // the bin of the k_prime-th key (every CTA of the row finds the same one); -1: every key is taken
+  const int b = rk.hi - rk.lo > k_prime ? find_bin(hist, k_prime, scratch).bin : -1;
+  int* above_count = hist + kRadixBins;
+  int* bin_count = hist + kRadixBins + 1;
+  long long* __restrict__ cand = candidates + static_cast<long long>(r) * k_prime;
+  long long* __restrict__ bnd = boundary + static_cast<long long>(r) * cap;
+  const int lane = threadIdx.x & 31;
+  for (int c0 = c_begin; c0 < c_end; c0 += kSelectThreads) {
+    const int c = c0 + threadIdx.x;
+    long long key = 0;
+    int digit = -2;
+    if (c < c_end) {
+      key = order_key(row[c], 0xFFFFFFFFu - static_cast<unsigned>(c));
+      digit = static_cast<int>(unsigned_key(key) >> (64 - kDigitBits));
+    }
+    const unsigned take = __ballot_sync(0xffffffffu, digit > b);
+    const unsigned tie = __ballot_sync(0xffffffffu, digit == b);
+    const unsigned before = (1u << lane) - 1u;
+    if (take) {
+      int base = 0;
+      if (lane == 0) base = atomicAdd(above_count, __popc(take));
+      base = __shfl_sync(0xffffffffu, base, 0);
+      if (digit > b) cand[base + __popc(take & before)] = key;
+    }
+    if (tie) {
+      int base = 0;
+      if (lane == 0) base = atomicAdd(bin_count, __popc(tie));
+      base = __shfl_sync(0xffffffffu, base, 0);
+      const int slot = base + __popc(tie & before);
+      if (digit == b && slot < cap) bnd[slot] = key;
+    }
+  }
 }
+
+namespace dsa {
+namespace rescore {
+
+// Bin b's keys as collected (all of them: at most cap).
+struct CollectedKeys {
+  const long long* keys;
+  int n;
+  __device__ int size() const { return n; }
+  __device__ bool get(int i, u64& key) const {
+    key = unsigned_key(keys[i]);
+    return true;
+  }
+};
+
+// Bin b's keys read from the row itself (more than cap of them: ties in a flat stretch of logits).
+struct RowBinKeys {
+  const float* row;
+  int lo, n, bin;
+  __device__ int size() const { return n; }
+  __device__ bool get(int i, u64& key) const {
+    key = unsigned_key(order_key(row[lo + i], 0xFFFFFFFFu - static_cast<u32>(lo + i)));
+    return static_cast<int>(key >> (64 - kDigitBits)) == bin;
+  }
+};
+
+// Writes the `need` keys of src that are >= t to out[0 ..) (slots in arrival order).
+template <class Source>
+__device__ void write_at_least(const Source& src, u64 t, long long* __restrict__ out, int* slot) {
+  const int n = src.size();
+  for (int i = threadIdx.x; i < n; i += kSelectThreads) {
+    u64 key;
+    if (src.get(i, key) && key >= t) out[atomicAdd(slot, 1)] = signed_key(key);
+  }
+}
+
+}  // namespace rescore
+}  // namespace dsa
+
+// The rest of row r's candidates: the (k_prime - above) greatest keys of bin b, from the collected ones or,
+// past cap, from the row; slots a row does not fill (it sees fewer than k_prime keys) get kInvalidKey.
+// Grid (rows), kSelectThreads threads.
+__global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_boundary(
+    const float* __restrict__ logits, long long logits_stride, DSA_ROW_SPEC_ARGS, int index_topk,
+    const int* __restrict__ work, int k_prime, long long* __restrict__ candidates,
+    const long long* __restrict__ boundary, int cap) {
+  using namespace dsa;
+  using namespace dsa::rescore;
+  __shared__ int counts[kRadixBins];
+  __shared__ int scratch[kSelectWarps + 3];
+  __shared__ int slot;
+  const int r = blockIdx.x;
+  const RowKeys rk = row_keys(DSA_ROW_SPEC, r);
+  const int n = rk.hi - rk.lo;
+  if (n <= index_topk) return;  // CTA-uniform
+  const int* hist = work + static_cast<long long>(r) * kWorkInts;
+  long long* __restrict__ cand = candidates + static_cast<long long>(r) * k_prime;
+  if (n <= k_prime) {
+    for (int i = n + threadIdx.x; i < k_prime; i += kSelectThreads) cand[i] = kInvalidKey;
+    return;
+  }
+  const BinFound f = find_bin(hist, k_prime, scratch);
+  const int need = k_prime - f.above, in_bin = hist[kRadixBins + 1];
+  if (threadIdx.x == 0) slot = 0;
+  const int known = kDigitBits;
+  const u64 prefix = static_cast<u64>(f.bin) << (64 - kDigitBits);
+  long long* out = cand + f.above;
+  if (in_bin <= cap) {
+    const CollectedKeys src{boundary + static_cast<long long>(r) * cap, in_bin};
+    const u64 t = need == in_bin ? prefix : radix_threshold(src, known, prefix, need, counts, scratch);
+    __syncthreads();
+    write_at_least(src, t, out, &slot);
+  } else {
+    const RowBinKeys src{logits + static_cast<long long>(r) * logits_stride, rk.lo, n, f.bin};
+    const u64 t = radix_threshold(src, known, prefix, need, counts, scratch);
+    __syncthreads();
+    write_at_least(src, t, out, &slot);
+  }
+}
+
+#undef DSA_SELECT_ROW
 
 // Stage 2. q: [rows, 64, 128] fp8 e4m3 (QFp8) or bf16; weights: fp32 [rows, 64]; hi_cache / lo_cache: fp8-geometry
 // page rows (8448 B), num_pages each; block_table: int32, row b at block_table + b * bt_stride, bt_width entries;
-// candidates: int64 [rows, k_prime], row r's candidates in stage-1 order, each naming its position
-// (tie_index); keys (out): int64 [rows, k_prime], order_key(score, 0xFFFFFFFF - c) for candidate c, or
+// candidates: int64 [rows, k_prime], row r's candidates (any order), each naming its position
+// (tie_index); keys (out): int64 [rows, k_prime], order_key(score, 0xFFFFFFFF - its position), or
 // kInvalidKey where the row does not see the position, its page is not in the caches, or the row sees at most
 // index_topk keys (selected without scores). Grid (rows, ceil(k_prime / cands_per_cta)), 128 threads;
 // cands_per_cta a multiple of 64.
@@ -342,55 +574,114 @@ __global__ void __launch_bounds__(128, 3) rescore_topk_kernel(
     float score = (b3 ? u[1] : u[0]) + __shfl_xor_sync(0xffffffffu, b3 ? u[0] : u[1], 8);
     score += __shfl_xor_sync(0xffffffffu, score, 4);
     const int valid = b4 ? (b3 ? eok[1][1] : eok[1][0]) : (b3 ? eok[0][1] : eok[0][0]);
-    if (writer) out[c_out] = valid ? order_key(score, 0xFFFFFFFFu - static_cast<u32>(c_out)) : kInvalidKey;
+    if (writer) out[c_out] = valid ? order_key(score, static_cast<u32>(cand[c_out])) : kInvalidKey;  // ties: position
   }
 }
 
+namespace dsa {
+namespace rescore {
+
+// A row's scored stage-2 keys (unscored candidates are skipped).
+struct ScoredKeys {
+  const long long* keys;
+  int n;
+  __device__ int size() const { return n; }
+  __device__ bool get(int i, u64& key) const {
+    const long long k = keys[i];
+    key = unsigned_key(k);
+    return k != kInvalidKey;
+  }
+};
+
+}  // namespace rescore
+}  // namespace dsa
+
 // SGLang's outputs of the selection: int32 [rows, index_topk] page_indices (block-table entry * 64 + slot),
-// raw_indices (positions), fp8_rank (stage-1 rank), -1 padded. A row that sees n <= index_topk keys selects
-// lo .. lo + n - 1 in order (fp8_rank counted over its visible logits: greater, or equal at a lower position);
-// any other row takes selected[r, 0 .. m) (the top-m stage-2 keys, descending): candidate c = 0xFFFFFFFF - the
-// key's low half, its position from candidates[r, c], its rank c; kInvalidKey -> -1. Grid (rows), 256 threads.
-__global__ void __launch_bounds__(256) rescore_finish(
-    const long long* __restrict__ selected, int m, const long long* __restrict__ candidates, int k_prime,
+// raw_indices (positions) and, when fp8_rank is not null, each key's stage-1 rank; -1 padded. A row that sees
+// n <= index_topk keys selects lo .. lo + n - 1 in order (its rank counted over its visible logits: greater, or
+// equal at a lower position); any other row selects its min(index_topk, scored) greatest stage-2 keys (a radix
+// select over keys[r, 0 .. k_prime)), written in descending order (slot = how many selected keys are greater);
+// a key's stage-1 rank is how many of the row's candidates have a greater stage-1 key (they hold every key that
+// does). Grid (rows), kSelectThreads threads; index_topk <= kMaxTopK.
+__global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_finish(
+    const long long* __restrict__ keys, int k_prime, const long long* __restrict__ candidates,
     const float* __restrict__ logits, long long logits_stride, const int* __restrict__ block_table,
     long long bt_stride, DSA_ROW_SPEC_ARGS, int index_topk, int* __restrict__ page_indices,
     int* __restrict__ raw_indices, int* __restrict__ fp8_rank) {
   using namespace dsa;
   using namespace dsa::rescore;
-  const int r = blockIdx.x;
+  __shared__ int counts[kRadixBins];
+  __shared__ int scratch[kSelectWarps + 3];
+  __shared__ long long chosen[kMaxTopK];
+  __shared__ int n_chosen, n_scored;
+  const int r = blockIdx.x, tid = threadIdx.x;
   const RowKeys rk = row_keys(DSA_ROW_SPEC, r);
   const int n = rk.hi - rk.lo;
   const int* __restrict__ bt = block_table + static_cast<i64>(rk.table_row) * bt_stride;
+  const float* __restrict__ row = logits + static_cast<i64>(r) * logits_stride;
   const i64 o = static_cast<i64>(r) * index_topk;
-  for (int i = threadIdx.x; i < index_topk; i += blockDim.x) {
-    int raw = -1, rank = -1;
-    if (n <= index_topk) {
+  auto write = [&](int i, int raw, int rank) {
+    // entry * 64 + slot in 32 bits, wrapping as the reference's int64 -> int32 conversion does
+    page_indices[o + i] = raw < 0 ? -1
+                                  : static_cast<int>(static_cast<u32>(bt[raw >> kPageBits]) * kPageSlots +
+                                                     static_cast<u32>(raw & (kPageSlots - 1)));
+    raw_indices[o + i] = raw;
+    if (fp8_rank != nullptr) fp8_rank[o + i] = rank;
+  };
+  if (n <= index_topk) {  // CTA-uniform
+    for (int i = tid; i < index_topk; i += kSelectThreads) {
+      int raw = -1, rank = -1;
       if (i < n) {
         raw = rk.lo + i;
-        const float* __restrict__ row = logits + static_cast<i64>(r) * logits_stride;
-        const float v = row[raw];
-        int ahead = 0;
-        for (int c = rk.lo; c < rk.hi; ++c) {
-          const float x = row[c];
-          ahead += (x > v) || (x == v && c < raw);
+        if (fp8_rank != nullptr) {
+          const float v = row[raw];
+          int ahead = 0;
+          for (int c = rk.lo; c < rk.hi; ++c) {
+            const float x = row[c];
+            ahead += (x > v) || (x == v && c < raw);
+          }
+          rank = ahead;
         }
-        rank = ahead;
       }
-    } else if (i < m) {
-      const long long key = selected[static_cast<i64>(r) * m + i];
-      if (key != kInvalidKey) {
-        rank = static_cast<int>(tie_index(key));
-        raw = static_cast<int>(tie_index(candidates[static_cast<i64>(r) * k_prime + rank]));
-      }
+      write(i, raw, rank);
     }
-    // entry * 64 + slot in 32 bits, wrapping as the reference's int64 -> int32 conversion does
-    const int page = raw < 0 ? -1
-                             : static_cast<int>(static_cast<u32>(bt[raw >> kPageBits]) * kPageSlots +
-                                                static_cast<u32>(raw & (kPageSlots - 1)));
-    page_indices[o + i] = page;
-    raw_indices[o + i] = raw;
-    fp8_rank[o + i] = rank;
+    return;
+  }
+  const ScoredKeys src{keys + static_cast<i64>(r) * k_prime, k_prime};
+  if (tid == 0) n_chosen = n_scored = 0;
+  __syncthreads();
+  int scored = 0;
+  for (int i = tid; i < k_prime; i += kSelectThreads) scored += src.keys[i] != kInvalidKey;
+  atomicAdd(&n_scored, scored);
+  __syncthreads();
+  const int m = min(index_topk, n_scored);
+  if (m > 0) {
+    const u64 t = m == n_scored ? 0ull : radix_threshold(src, 0, 0ull, m, counts, scratch);
+    __syncthreads();
+    const int size = src.size();
+    for (int i = tid; i < size; i += kSelectThreads) {
+      u64 key;
+      if (src.get(i, key) && key >= t) chosen[atomicAdd(&n_chosen, 1)] = signed_key(key);
+    }
+  }
+  __syncthreads();
+  const long long* __restrict__ cand = candidates + static_cast<i64>(r) * k_prime;
+  for (int i = tid; i < index_topk; i += kSelectThreads) {
+    if (i >= m) {
+      write(i, -1, -1);
+      continue;
+    }
+    const long long key = chosen[i];
+    int slot = 0;
+    for (int j = 0; j < m; ++j) slot += chosen[j] > key;
+    const int raw = static_cast<int>(tie_index(key));
+    int rank = -1;
+    if (fp8_rank != nullptr) {
+      const long long key1 = order_key(row[raw], static_cast<u32>(key));
+      rank = 0;
+      for (int j = 0; j < k_prime; ++j) rank += cand[j] > key1;
+    }
+    write(slot, raw, rank);
   }
 }
 

@@ -331,8 +331,10 @@ def test_default_k_prime_is_four_times_index_topk():
     a = rescore.rescore_topk_reference(q, w, hi, lo, lens, table, 16)
     b = rescore.rescore_topk_reference(q, w, hi, lo, lens, table, 16, 64)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
-    c = cupy_dsa.rescore_topk(q, w, hi, lo, lens, table, 16)              # CPU tensors: the reference
+    c = cupy_dsa.rescore_topk(q, w, hi, lo, lens, table, 16, fp8_rank=True)   # CPU tensors: the reference
     assert all(torch.equal(x, y) for x, y in zip(a, c))
+    plain = cupy_dsa.rescore_topk(q, w, hi, lo, lens, table, 16)          # ranks only when asked for
+    assert plain.fp8_rank is None and torch.equal(plain.raw_indices, a.raw_indices)
 
 
 def test_prefill_rows_equal_decode_rows_of_the_same_keys():
@@ -443,18 +445,18 @@ def test_candidate_scores_on_cpu():
 
 
 def test_scores_of_keys_inverts_the_kernel_key():
-    """Stage-2 keys (the kernel's order_key: order-preserving int32 of the score, 0xFFFFFFFF - candidate) sort
-    as (score, better stage-1 rank) and give the scores back."""
+    """Stage-2 keys (the kernel's order_key: order-preserving int32 of the score, 0xFFFFFFFF - position) sort
+    as (score, lower position) and give the scores back."""
     v = torch.tensor([3.5, -2.0, 0.0, -0.0, 3.5, float("inf"), -1e-30, 1e-30, -float("inf")])
     bits = v.view(torch.int32)
     ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    ordered = torch.where(v == 0, torch.zeros_like(ordered), ordered)     # the kernel adds +0.0: -0 -> +0
+    ordered = torch.where(v == 0, torch.zeros_like(ordered), ordered)     # the kernel counts -0 as +0
     c = torch.arange(len(v))
     keys = (ordered.long() << 32) | (0xFFFFFFFF - c)
     back = rescore.scores_of_keys(keys)
     assert torch.equal(back, v) and not bool(torch.signbit(back[3]))
     order = torch.sort(keys, descending=True).indices.tolist()
-    assert order == [5, 0, 4, 7, 2, 3, 6, 1, 8]                            # ties: lower candidate first
+    assert order == [5, 0, 4, 7, 2, 3, 6, 1, 8]                            # ties: lower position first
     assert rescore.scores_of_keys(torch.tensor([rescore.INVALID_KEY])).item() == float("-inf")
     assert rescore.INVALID_KEY < int(keys.min())
 
@@ -474,8 +476,8 @@ def test_new_arguments_name_themselves():
         call(q, w, hi, lo, lens, table, 8, weights_rescore=w[:1].contiguous())
     with pytest.raises(TypeError, match="^weights_rescore: expected dtype torch.float32"):
         call(q, w, hi, lo, lens, table, 8, weights_rescore=w.double())
-    with pytest.raises(TypeError, match="^logits_masked: expected a bool"):
-        call(q, w, hi, lo, lens, table, 8, logits_masked=1)
+    with pytest.raises(TypeError, match="^fp8_rank: expected a bool"):
+        call(q, w, hi, lo, lens, table, 8, fp8_rank=1)
     with pytest.raises(ValueError, match="^hi_cache: expected a tensor on"):
         call(q, w, hi.to("meta"), lo.to("meta"), lens, table, 8)
     pre = rescore.rescore_topk_prefill
@@ -624,9 +626,12 @@ def test_gpu_rescore_topk_vs_reference(seed, next_n, lens_2d, stage2):
     d = _cuda(q8, w8, hi, lo, lens, table)
     dkw = {k_: v.cuda() for k_, v in kw.items()}
     s1 = cupy_dsa.paged_mqa_logits(d[0], d[2], d[1], d[4], d[5], n, clean_logits=True)
-    got = rescore.rescore_topk(*d, K, KP, **dkw)
-    given = rescore.rescore_topk(*d, K, KP, stage1_logits=s1, logits_masked=True, **dkw)
+    got = rescore.rescore_topk(*d, K, KP, fp8_rank=True, **dkw)
+    given = rescore.rescore_topk(*d, K, KP, stage1_logits=s1, fp8_rank=True, **dkw)
     assert all(torch.equal(x, y) for x, y in zip(got, given)), f"seed {seed}: own stage 1 != given logits"
+    plain = rescore.rescore_topk(*d, K, KP, **dkw)                          # without the ranks: same selection
+    assert plain.fp8_rank is None and torch.equal(plain.raw_indices, got.raw_indices)
+    assert torch.equal(plain.page_indices, got.page_indices)
     assert all(t.dtype == torch.int32 and tuple(t.shape) == (B * next_n, K) for t in got)
     s1 = s1.cpu()
     ref = rescore.rescore_topk_reference(q8, w8, hi, lo, lens, table, K, KP, stage1_logits=s1, **kw)
@@ -634,7 +639,7 @@ def test_gpu_rescore_topk_vs_reference(seed, next_n, lens_2d, stage2):
     q2, w2 = (qb, wf) if kw else (q8, w8)
     _check_selection(got, ref, s1, q2.view(-1, 64, 128).float(), w2, hi, lo, table.repeat_interleave(next_n, 0),
                      lo_r, hi_r, K, KP)
-    again = rescore.rescore_topk(*d, K, KP, **dkw)
+    again = rescore.rescore_topk(*d, K, KP, fp8_rank=True, **dkw)
     assert all(torch.equal(x, y) for x, y in zip(got, again)), f"seed {seed}: rerun differs"
 
 
@@ -648,7 +653,7 @@ def test_gpu_rescore_topk_bf16_stage1_and_small_tables(seed):
     d = _cuda(qb, wf, hi, lo, lens, table)
     for K, KP in ((16, 1000), (200, 300)):
         s1 = cupy_dsa.paged_mqa_logits(d[0], d[2], d[1], d[4], d[5], n, clean_logits=True)
-        got = rescore.rescore_topk(*d, K, KP)
+        got = rescore.rescore_topk(*d, K, KP, fp8_rank=True)
         ref = rescore.rescore_topk_reference(qb, wf, hi, lo, lens, table, K, KP, stage1_logits=s1.cpu())
         lo_r, hi_r = rescore._decode_rows_reference(lens, B, 1, n)
         _check_selection(got, ref, s1.cpu(), qb.view(-1, 64, 128).float(), wf, hi, lo, table, lo_r, hi_r, K,
@@ -658,7 +663,7 @@ def test_gpu_rescore_topk_bf16_stage1_and_small_tables(seed):
 @pytest.mark.gpu
 def test_gpu_given_logits_with_junk_past_the_lengths(seed):
     """Caller logits (e.g. DeepGEMM's without clean_logits) may hold anything past a row's length and past the
-    width: the masking pass makes the result that of clean logits."""
+    width: only the columns a row sees are read, so the result is that of clean logits."""
     B, next_n, n, K, KP = 3, 2, 512, 32, 96
     _, hi, lo, table = _gpu_case(B, n, seed)
     q8, w8, _, _ = _query_pair(B, next_n, seed)
@@ -672,9 +677,33 @@ def test_gpu_given_logits_with_junk_past_the_lengths(seed):
     past = cols >= hi_r.cuda()[:, None]
     junk[past & (cols % 3 == 0)] = float("inf")
     junk[past & (cols % 3 == 1)] = 1e30
-    want = rescore.rescore_topk(*d, K, KP, stage1_logits=clean, logits_masked=True)
-    got = rescore.rescore_topk(*d, K, KP, stage1_logits=junk)
+    want = rescore.rescore_topk(*d, K, KP, stage1_logits=clean, fp8_rank=True)
+    got = rescore.rescore_topk(*d, K, KP, stage1_logits=junk, fp8_rank=True)
     assert all(torch.equal(x, y) for x, y in zip(got, want)), f"seed {seed}: junk past the lengths was read"
+
+
+@pytest.mark.gpu
+def test_gpu_long_rows_select_over_column_chunks(seed):
+    """Rows of thousands of keys (the candidates' first digit counted by several CTAs per row, the boundary bin
+    collected by atomics): with the op's own logits, with logits of many exact ties (rounded to 1/8, so bins
+    and ties straddle the chunks), and with a flat row (every key tied: the boundary bin is past what is
+    collected and is read from the row); K' = 2048, index_topk = 512, against the reference on the same logits."""
+    B, n, K, KP = 2, 24576, 512, 2048
+    _, hi, lo, table = _case(B, n, seed=seed % 100000)
+    q8, w8, _, _ = _query_pair(B, 1, seed)
+    lens = torch.tensor([n, 9000], dtype=torch.int32)
+    d = _cuda(q8, w8, hi, lo, lens, table)
+    own = cupy_dsa.paged_mqa_logits(d[0], d[2], d[1], d[4], d[5], n)
+    rounded = torch.round(own * 8) / 8
+    flat = torch.zeros_like(own)
+    lo_r, hi_r = rescore._decode_rows_reference(lens, B, 1, n)
+    for name, s1 in (("own", None), ("rounded", rounded), ("flat", flat)):
+        got = rescore.rescore_topk(*d, K, KP, stage1_logits=s1, fp8_rank=True)
+        s1c = (own if s1 is None else s1).cpu()
+        ref = rescore.rescore_topk_reference(q8, w8, hi, lo, lens, table, K, KP, stage1_logits=s1c)
+        _check_selection(got, ref, s1c, q8.view(-1, 64, 128).float(), w8, hi, lo, table, lo_r, hi_r, K, KP)
+        again = rescore.rescore_topk(*d, K, KP, stage1_logits=s1, fp8_rank=True)
+        assert all(torch.equal(x, y) for x, y in zip(got, again)), f"seed {seed} ({name}): rerun differs"
 
 
 def _prefill_case(seed, varlen):
@@ -698,8 +727,8 @@ def test_gpu_rescore_topk_prefill_vs_reference(seed, varlen):
     d = _cuda(q, w, hi, lo, ks, ke, bt)
     dcu = None if cu is None else cu.cuda()
     s1 = cupy_dsa.mqa_logits(d[0], d[2], d[1], d[4], d[5], block_table=d[6], cu_rows=dcu, clean_logits=True)
-    got = rescore.rescore_topk_prefill(*d, K, KP, cu_rows=dcu)
-    given = rescore.rescore_topk_prefill(*d, K, KP, cu_rows=dcu, stage1_logits=s1, logits_masked=True)
+    got = rescore.rescore_topk_prefill(*d, K, KP, cu_rows=dcu, fp8_rank=True)
+    given = rescore.rescore_topk_prefill(*d, K, KP, cu_rows=dcu, stage1_logits=s1, fp8_rank=True)
     assert all(torch.equal(x, y) for x, y in zip(got, given)), f"seed {seed}: own stage 1 != given logits"
     s1 = s1.cpu()
     ref = rescore.rescore_topk_prefill_reference(q, w, hi, lo, ks, ke, bt, K, KP, cu_rows=cu, stage1_logits=s1)
@@ -708,7 +737,7 @@ def test_gpu_rescore_topk_prefill_vs_reference(seed, varlen):
     _check_selection(got, ref, s1, q.float(), w, hi, lo, rows, lo_r, hi_r, K, KP)
     if varlen:
         assert all(bool((t.cpu()[10:] == -1).all()) for t in got)             # rows of no request
-    again = rescore.rescore_topk_prefill(*d, K, KP, cu_rows=dcu)
+    again = rescore.rescore_topk_prefill(*d, K, KP, cu_rows=dcu, fp8_rank=True)
     assert all(torch.equal(x, y) for x, y in zip(got, again)), f"seed {seed}: rerun differs"
 
 
@@ -725,7 +754,7 @@ def test_gpu_cuda_graph_capture_and_replay(seed):
 
     def step():
         plan = cupy_dsa.paged_mqa_logits_plan(lens_s, next_n, out=plan_s)
-        return rescore.rescore_topk(q_s, w_s, hi_s, lo_s, lens_s, bt_s, K, KP, plan=plan)
+        return rescore.rescore_topk(q_s, w_s, hi_s, lo_s, lens_s, bt_s, K, KP, plan=plan, fp8_rank=True)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
