@@ -313,23 +313,16 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg) -> Forwa
     schedule, _ = peers.deepgemm_decode(dg, q_rows, caches[0], weights, lens_rows[:, None], row_table, width)
     if fp8_route(case) == FP8_NONPAGED:
         n_keys = (case.context + case.chunk) // C4_RATIO           # the request's entries after this chunk
-        max_seqlen_k = math.ceil(n_keys / PAGE_SLOTS) * PAGE_SLOTS  # what SGLang passes: whole pages
-        bind, gather_op = peers.fp8_gather()
-        gather = bind(table[0], n_keys)
-        if gather_op.startswith("SGLang"):  # its gather must return what the torch one does on these pages
-            k, sc = gather(caches[0])
-            k_ref, sc_ref = peers.torch_fp8_gather(caches[0], table[0], n_keys)
-            if not (torch.equal(k.view(torch.uint8), k_ref.view(torch.uint8)) and torch.equal(sc, sc_ref)):
-                raise RuntimeError("SGLang's fp8 gather disagrees with the torch gather on the same pages")
+        nonpaged = peers.nonpaged_prefill(dg, q, weights, ks, ke, table[0], n_keys)
+        nonpaged.check(caches[0])  # SGLang's gather must return what the torch one does on these pages
+        gather_op = nonpaged.gather_op
 
         def layer_logits(i):
-            keys = gather(caches[i % len(caches)])  # per layer, as SGLang gathers each layer's cache
-            return peers.deepgemm_prefill(dg, q, keys, weights, ks, ke, clean_logits=False,
-                                          max_seqlen_k=max_seqlen_k)()
+            return nonpaged.logits(caches[i % len(caches)])  # per layer, as SGLang gathers each layer's cache
 
         def gathers():
             for i in range(model.n_c4):
-                gather(caches[i % len(caches)])
+                nonpaged.gather(caches[i % len(caches)])
     else:
         calls = [peers.deepgemm_decode(dg, q_rows, c, weights, lens_rows[:, None], row_table, width)[1]
                  for c in caches]
