@@ -390,31 +390,59 @@ def variants_cmd(device, quick, seed, emulate_arch, json_path, markdown_path):
 
 @bench.command(name="rescore")
 @click.option("--device", default=None, metavar="DEV", help="CUDA device, e.g. cuda:1 (default: the current one).")
-@click.option("--quick", is_flag=True, default=False, help="one case (8 requests of 64K tokens).")
+@click.option("--quick", is_flag=True, default=False,
+              help="one case per phase: decode 8 x 64K, verify 8 x 64K next_n 2, extend 8 x 512 after 32K-64K, "
+                   "prefill chunk of 4,096 after 32K.")
+@click.option("--phase", "phases", multiple=True, type=click.Choice(["decode", "verify", "extend", "prefill"]),
+              help="time only these phases (repeatable). [all four]")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="random seed, 0 to 2^32 - 1.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
-              callback=_writable_output, help="write the rows as JSON.")
-def rescore_cmd(device, quick, seed, json_path):
-    """Time the exact top-k of two-level keys (fp8-rescore: fp8 logits, K' = 4 x 512 candidates rescored from
-    the fp8 and int8-residual pages) against the top-k of bf16 keys and of fp8 keys (logits + torch.topk), in
-    decode, on the same keys. Needs a CUDA GPU."""
+              callback=_writable_output, help="write the rows as JSON (schema cupy-dsa-rescore/1).")
+@click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
+              default=None, callback=_writable_output, help="write the table as markdown ('-' = stdout).")
+def rescore_cmd(device, quick, phases, seed, json_path, markdown_path):
+    """Time the exact top-k of two-level keys (fp8-rescore: fp8 logits, K' = 4 x index_topk candidates rescored
+    from the fp8 and int8-residual pages) against the top-k of bf16 keys, of fp8 keys (our logits + torch.topk) and
+    of DeepGEMM's fp8 logits as SGLang calls them (+ the same torch.topk; when deep_gemm imports), on the same keys:
+    decode, MTP verify (next_n 2-4), varlen extend and prefill chunks; stage 1 (logits) and stage 2 + selection
+    apart; memory per index entry. Needs a CUDA GPU."""
     from rich.table import Table
 
-    from . import report
+    from . import peers, provenance, report
     from . import rescore as rescore_bench
 
     dev, _ = _resolve_device("cuda", device, has_backend_option=False)
-    rows = rescore_bench.rows(dev, quick, seed)
-    table = Table(title=f"decode top-k {rescore_bench.INDEX_TOPK} on {_device_name(dev)} (us; x bf16)")
-    for col in ("B", "tokens") + rescore_bench.COLUMNS:
+    import torch
+
+    torch.cuda.set_device(dev)
+    err = _console(stderr=True)
+    dg, reason = peers.deepgemm()
+    if dg is None:
+        err.print(f"[yellow]DeepGEMM columns not measured: {reason}[/]")
+    doc = {"schema": rescore_bench.SCHEMA, **provenance.provenance(), "device": _device_name(dev),
+           "driver": provenance.driver_version(), "quick": quick, "seed": seed,
+           "index_topk": rescore_bench.INDEX_TOPK, "k_prime": rescore_bench.K_PRIME, "deepgemm": reason or "live",
+           "columns": dict(rescore_bench.LEGEND), "memory": rescore_bench.memory_rows(),
+           "phases": list(phases) or list(rescore_bench.PHASES), "note": rescore_bench.__doc__}
+    with _progress(err) as progress:
+        doc["rows"] = rescore_bench.rows(dev, quick, seed, dg, reason, progress, phases=phases or None)
+    cols = rescore_bench._columns_of(doc) if doc["rows"] else list(rescore_bench.COLUMNS)
+    table = Table(title=f"top-{rescore_bench.INDEX_TOPK} per query row on {doc['device']} (us per call; x bf16)")
+    for col in ("case", "rows") + tuple(cols):
         table.add_column(col)
-    for r in rows:
-        table.add_row(str(r["B"]), f"{r['tokens'] // 1024}K",
-                      *(f"{r['us'][c]:.1f} ({r['vs_bf16'][c]:.2f})" for c in rescore_bench.COLUMNS))
-    report.print_fitted(_console(), table, keys=2)
+    for r in doc["rows"]:
+        table.add_row(r["case"], str(r["rows"]), *("-" if r["us"][c] is None else
+                                                   f"{r['us'][c]:.1f} ({r['vs_bf16'][c]:.2f})" for c in cols))
+    out = _console(stderr=markdown_path == "-")
+    report.print_fitted(out, table, keys=2)
+    for r in doc["rows"]:
+        for what, why in r["errors"].items():
+            if what not in rescore_bench.DEEPGEMM_COLUMNS or dg is not None:
+                err.print(f"[red]{r['case']}: {what}: {why}[/]")
     if json_path:
-        _write_text(json_path, json.dumps({"device": _device_name(dev), "quick": quick, "seed": seed, "rows": rows,
-                                           "note": rescore_bench.__doc__}, indent=1) + "\n")
+        _write_text(json_path, json.dumps(doc, indent=1) + "\n")
+    if markdown_path:
+        _write_markdown(rescore_bench.markdown(doc), markdown_path)
 
 
 def _archs_option(ctx, param, values):
