@@ -424,7 +424,7 @@ def markdown(doc: dict) -> str:
     topk = doc.get("index_topk") or (doc["rows"][0].get("index_topk") if doc["rows"] else INDEX_TOPK)
     head = (f"{doc.get('device') or 'no GPU'}{', quick sizes' if doc.get('quick') else ''}, commit "
             f"`{(doc.get('git_commit') or 'not recorded')[:12]}`: top-{topk} of each query row, time per call "
-            f"({', '.join(sorted({r['timing'] for r in doc['rows'] if r.get('timing')})) or 'cuda-graph'})"
+            f"({', '.join(sorted({r['timing'] for r in doc['rows'] if r.get('timing')})) or 'timing method not recorded'})"
             f"{'' if dg else '; DeepGEMM: ' + str(doc.get('deepgemm') or 'not recorded')}.")
     ratio_cols = [(RESCORE, "fp8-rescore / fp8 DeepGEMM"), (RESCORE_DG, "fp8-rescore (DG stage 1) / fp8 DeepGEMM")] \
         if dg else [(RESCORE, "fp8-rescore / fp8")]

@@ -551,16 +551,70 @@ def markdown(doc: dict) -> str:
     gather_ops = sorted({r["fp8_gather"] for r in doc["timings"] if r.get("fp8_gather")})
     if gather_ops:
         lines += ["", f"The non-paged route's key gather: {'; '.join(gather_ops)}."]
+    lines += rescore_markdown(doc)
     mem = {r["layout"]: r for r in doc["memory"]}
     if {"bf16", "fp8"} <= mem.keys():
         b, f = mem["bf16"], mem["fp8"]
         lines += ["", f"Index cache: {b['index_bytes_per_token']:.0f} B per token with bf16 keys, "
                       f"{f['index_bytes_per_token']:.0f} B with fp8; {b['memory_gib']:g} GiB hold "
                       f"{b['tokens_fit'] / 1e6:.1f}M tokens of index keys (bf16) or {f['tokens_fit'] / 1e6:.1f}M (fp8)."]
+        if "fp8-rescore" in mem:  # runs from before fp8-rescore keep their line
+            r2 = mem["fp8-rescore"]
+            target = (f"; target <= {r2['target_vs_bf16']:.2f}x: {r2['verdict']}" if r2.get("target_vs_bf16") else "")
+            lines[-1] += (f" fp8-rescore: {r2['index_bytes_per_token']:.0f} B per token ({r2['bytes_per_entry']} B per "
+                          f"entry, {r2['vs_bf16']:.2f}x bf16's{target}), {r2['tokens_fit'] / 1e6:.1f}M tokens.")
     if not doc.get("measured"):
         asked = f" Cases asked for: {'; '.join(doc['cases'])}." if doc.get("cases") else ""
         lines += ["", f"Not measured: {doc.get('not_measured')}.{asked}"]
     return "\n".join(lines) + "\n"
+
+
+def rescore_markdown(doc: dict) -> list[str]:
+    """fp8-rescore's table (lines to append), for runs that timed it; none for older runs."""
+    rows = [r for r in doc["timings"] if r.get("fp8_rescore_ms") is not None or r.get("fp8_rescore_dg_ms") is not None]
+    if not rows:
+        return []
+    dg = any(r.get("fp8_rescore_dg_ms") is not None for r in rows)
+
+    def ms(r, k):
+        return f"{r[k]:.2f} ms" if r.get(k) is not None else "—"
+
+    def x(r, k):
+        return f"{r[k]:.2f}x" if r.get(k) is not None else "—"
+
+    def verdict(v):
+        return {"pass": "pass", "miss": "**miss**"}.get(v, "not evaluated")
+
+    lines = ["", "fp8-rescore (issue 26), top-k included, ms per forward over every C4 layer: **fp8 + top-k** = the fp8 "
+             "step above + `torch.topk(index_topk)` of each layer's logits (a stand-in for SGLang's sgl-kernel "
+             "top-k, not installed where the bench runs); **fp8-rescore** = the store of the hi and lo pages in one "
+             "launch + `rescore_topk` (decode rows, grouped verify) / `rescore_topk_prefill` (the chunk's rows) per "
+             "layer, stage 1 by cupy_dsa's fp8 kernels (the plugin's `stage1=cupy`), K' = 4 x index_topk"
+             + ("; **DeepGEMM stage 1** = the same store + DeepGEMM's paged fp8 logits, one row per token, + "
+                "`rescore_topk` given them (the plugin's `stage1=sglang`)" if dg else "")
+             + ". Targets (H200): decode and verify <= 1.15x, prefill chunks of 4,096 and 16,384 after 32K-128K "
+               "<= 1.2x, of fp8 + top-k.", ""]
+    head = "| step | batch x context (tokens) | fp8 | fp8 + top-k | fp8-rescore | / (fp8 + top-k) | / fp8 |"
+    if dg:
+        head += " fp8-rescore, DeepGEMM stage 1 | / (fp8 + top-k) | / fp8 |"
+    head += " target |"
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        ctx = f"{r['batch']} x {_tokens(r['context'])}" if r["phase"] != "prefill" else f"after {_tokens(r['context'])}"
+        cells = [step_label(r), ctx, ms(r, "fp8_ms"), ms(r, "fp8_topk_ms"), ms(r, "fp8_rescore_ms"),
+                 x(r, "rescore_vs_fp8_topk"), x(r, "rescore_vs_fp8")]
+        if dg:
+            cells += [ms(r, "fp8_rescore_dg_ms"), x(r, "rescore_dg_vs_fp8_topk"), x(r, "rescore_dg_vs_fp8")]
+        t = r.get("rescore_target_ratio")
+        if t:
+            got = f"ours {verdict(r.get('rescore_verdict'))}"
+            if dg:
+                got += f", DeepGEMM stage 1 {verdict(r.get('rescore_dg_verdict'))}"
+            cells.append(f"<= {t:.2f}x: {got}")
+        else:
+            cells.append("—")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def _tokens(n: int) -> str:
