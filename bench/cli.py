@@ -433,10 +433,9 @@ def variants_cmd(device, quick, seed, emulate_arch, json_path, markdown_path):
               help="time only these phases (repeatable). [all four]")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="random seed, 0 to 2^32 - 1.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
-              callback=_writable_output, help="write the rows as JSON (schema cupy-dsa-rescore/1).")
-@click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
-              default=None, callback=_writable_output, help="write the table as markdown ('-' = stdout).")
-def rescore_cmd(device, quick, phases, seed, json_path, markdown_path):
+              callback=_writable_output, help="write the rows as JSON (schema cupy-dsa-rescore/1; `bench report "
+                                               "FILE` prints its markdown table).")
+def rescore_cmd(device, quick, phases, seed, json_path):
     """Time the exact top-k of two-level keys (fp8-rescore: fp8 logits, K' = 4 x index_topk candidates rescored
     from the fp8 and int8-residual pages) against the top-k of bf16 keys, of fp8 keys (our logits + torch.topk) and
     of DeepGEMM's fp8 logits as SGLang calls them (+ the same torch.topk; when deep_gemm imports), on the same keys:
@@ -469,16 +468,13 @@ def rescore_cmd(device, quick, phases, seed, json_path, markdown_path):
     for r in doc["rows"]:
         table.add_row(r["case"], str(r["rows"]), *("-" if r["us"][c] is None else
                                                    f"{r['us'][c]:.1f} ({r['vs_bf16'][c]:.2f})" for c in cols))
-    out = _console(stderr=markdown_path == "-")
-    report.print_fitted(out, table, keys=2)
+    report.print_fitted(_console(), table, keys=2)
     for r in doc["rows"]:
         for what, why in r["errors"].items():
             if what not in rescore_bench.DEEPGEMM_COLUMNS or dg is not None:
                 err.print(f"[red]{r['case']}: {what}: {why}[/]")
     if json_path:
         _write_text(json_path, json.dumps(doc, indent=1) + "\n")
-    if markdown_path:
-        _write_markdown(rescore_bench.markdown(doc), markdown_path)
 
 
 def _archs_option(ctx, param, values):
