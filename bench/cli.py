@@ -215,6 +215,18 @@ def _counts_option(default: tuple, what: str, lo: int = 1, hi: int | None = None
 _contexts_option = _counts_option((8192, 32768, 131072), "positive token counts such as 8192,32K,128K")
 
 
+def _serve_layouts_option(ctx, param, values):
+    """--layouts: names of serve.TIMED (comma list or repeated), in TIMED's order; () = all."""
+    from . import serve
+
+    known = [name for name, _ in serve.TIMED]
+    asked = {part.strip() for value in values for part in str(value).split(",") if part.strip()}
+    unknown = sorted(asked - set(known))
+    if unknown:
+        raise click.BadParameter(f"expected layouts of {', '.join(known)}, got {', '.join(map(repr, unknown))}")
+    return tuple(name for name in known if name in asked)
+
+
 def _model_option(ctx, param, value):
     from . import serve
 
@@ -240,6 +252,10 @@ def _model_option(ctx, param, value):
               help="tokens per prefill chunk; a comma list (or repeated, K suffix) times each. [4096]")
 @click.option("--memory-gib", type=FiniteFloatRange(min=0, min_open=True, max=MAX_MEMORY), default=80.0,
               show_default=True, help="index-cache budget for the tokens-that-fit figure (GiB), up to 1e6.")
+@click.option("--layouts", "layouts", multiple=True, callback=_serve_layouts_option,
+              help="time only these layouts (comma list or repeated) of: bf16, fp8-cupy, fp8 (DeepGEMM on SGLang's "
+                   "route), fp8+topk (fp8 + torch.topk), fp8-rescore (our stage 1), fp8-rescore-dg (DeepGEMM stage "
+                   "1). [all]")
 @click.option("--device", default=None, metavar="DEV", help="CUDA device, e.g. cuda:1 (default: the current one).")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="random seed, 0 to 2^32 - 1.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True), default=None,
@@ -247,11 +263,12 @@ def _model_option(ctx, param, value):
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
               callback=_png_output, help="PNG: ms per step over context, bf16 vs fp8, and the added ms (a row per "
                                           "kind of step).")
-def serve_cmd(model, batch, contexts, next_ns, chunks, memory_gib, device, seed, json_path, plot_path):
+def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, memory_gib, device, seed, json_path, plot_path):
     """Indexer cost of one forward of a DeepSeek-V4 server with bf16 index keys vs SGLang's fp8 (DeepGEMM on the
     route SGLang 0.5.23 takes for the step), and of the fp8-cupy mode (SGLang's fp8 keys on cupy_dsa's kernels): ms
     per decode (verify) step and per prefill chunk over every C4 layer, KV bytes per token and tokens that fit.
-    Without a GPU it prints the memory figures only."""
+    fp8-rescore (two-level keys, its top-k included) against the fp8 step with a top-k (torch.topk standing in for
+    SGLang's). Without a GPU it prints the memory figures only."""
     import torch
     from rich.console import Console
     from rich.table import Table
@@ -269,7 +286,10 @@ def serve_cmd(model, batch, contexts, next_ns, chunks, memory_gib, device, seed,
            "batch": batch, "contexts": list(contexts), "next_n": list(next_ns), "chunk": list(chunks),
            "cases": [serve.case_label(c) for c in case_list],
            "memory": serve.memory_rows(model, memory_gib), "timings": [], "device": None,
+           "layouts": list(layouts or (name for name, _ in serve.TIMED)),
            "measured": False, "not_measured": None, "deepgemm": None, "notes": [serve.COUNTED]}
+    if any(name.startswith("fp8-rescore") for name in doc["layouts"]):
+        doc["notes"].append(serve.RESCORE_COUNTED)
     if model.assumed:
         err.print(f"[yellow]{model.name}: {model.assumed}[/]")
     mem = Table(title=f"{model.name}: index cache, {model.n_c4} C4 layers of {model.n_layers} (per raw token: "
@@ -300,7 +320,7 @@ def serve_cmd(model, batch, contexts, next_ns, chunks, memory_gib, device, seed,
         with _progress(err) as progress:
             task = progress.add_task("serve", total=len(case_list))
             for c in case_list:
-                doc["timings"].append(serve.measure(c, model, dev, dg, seed, reps=10))
+                doc["timings"].append(serve.measure(c, model, dev, dg, seed, reps=10, layouts=layouts or None))
                 progress.advance(task)
         doc["measured"] = True
         t = Table(title=f"indexer ms per forward (all {model.n_c4} C4 layers), {doc['device']}; top-k excluded; "
@@ -318,6 +338,22 @@ def serve_cmd(model, batch, contexts, next_ns, chunks, memory_gib, device, seed,
                       f(r["fp8_cupy_ms"]), f(r["fp8_cupy_ratio"], 2), r["fp8_route"] if dg is not None else "-",
                       f(r["fp8_gather_ms"]), r["error"] or "")
         report.print_fitted(out, t, keys=5)
+        rescored = [r for r in doc["timings"] if r["fp8_rescore_ms"] is not None or r["fp8_rescore_dg_ms"] is not None]
+        if rescored:
+            t2 = Table(title=f"fp8-rescore ms per forward (all {model.n_c4} C4 layers), top-k included; fp8 + top-k = "
+                             "the fp8 step + torch.topk (stand-in for SGLang's top-k)")
+            for col in ("phase", "batch", "context", "next_n", "chunk", "fp8 ms", "fp8 + top-k ms", "fp8-rescore ms",
+                        "/ (fp8 + top-k)", "/ fp8", "DG stage 1 ms", "DG / (fp8 + top-k)", "DG / fp8", "target",
+                        "result (ours, DG)"):
+                t2.add_column(col, justify="right")
+            for r in rescored:
+                t2.add_row(r["phase"], str(r["batch"]), str(r["context"]), str(r["next_n"]), str(r["chunk"] or "-"),
+                           f(r["fp8_ms"]), f(r["fp8_topk_ms"]), f(r["fp8_rescore_ms"]), f(r["rescore_vs_fp8_topk"], 2),
+                           f(r["rescore_vs_fp8"], 2), f(r["fp8_rescore_dg_ms"]), f(r["rescore_dg_vs_fp8_topk"], 2),
+                           f(r["rescore_dg_vs_fp8"], 2),
+                           f"<= {r['rescore_target_ratio']:.2f}x" if r["rescore_target_ratio"] else "-",
+                           f"{r['rescore_verdict'] or '-'}, {r['rescore_dg_verdict'] or '-'}")
+            report.print_fitted(out, t2, keys=5)
         gather_ops = sorted({r["fp8_gather"] for r in doc["timings"] if r["fp8_gather"]})
         if gather_ops:
             doc["notes"].append(f"fp8 non-paged route: keys gathered by {'; '.join(gather_ops)}")
@@ -390,31 +426,55 @@ def variants_cmd(device, quick, seed, emulate_arch, json_path, markdown_path):
 
 @bench.command(name="rescore")
 @click.option("--device", default=None, metavar="DEV", help="CUDA device, e.g. cuda:1 (default: the current one).")
-@click.option("--quick", is_flag=True, default=False, help="one case (8 requests of 64K tokens).")
+@click.option("--quick", is_flag=True, default=False,
+              help="one case per phase: decode 8 x 64K, verify 8 x 64K next_n 2, extend 8 x 512 after 32K-64K, "
+                   "prefill chunk of 4,096 after 32K.")
+@click.option("--phase", "phases", multiple=True, type=click.Choice(["decode", "verify", "extend", "prefill"]),
+              help="time only these phases (repeatable). [all four]")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="random seed, 0 to 2^32 - 1.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
-              callback=_writable_output, help="write the rows as JSON.")
-def rescore_cmd(device, quick, seed, json_path):
-    """Time the exact top-k of two-level keys (fp8-rescore: fp8 logits, K' = 4 x 512 candidates rescored from
-    the fp8 and int8-residual pages) against the top-k of bf16 keys and of fp8 keys (logits + torch.topk), in
-    decode, on the same keys. Needs a CUDA GPU."""
+              callback=_writable_output, help="write the rows as JSON (schema cupy-dsa-rescore/1; `bench report "
+                                               "FILE` prints its markdown table).")
+def rescore_cmd(device, quick, phases, seed, json_path):
+    """Time the exact top-k of two-level keys (fp8-rescore: fp8 logits, K' = 4 x index_topk candidates rescored
+    from the fp8 and int8-residual pages) against the top-k of bf16 keys, of fp8 keys (our logits + torch.topk) and
+    of DeepGEMM's fp8 logits as SGLang calls them (+ the same torch.topk; when deep_gemm imports), on the same keys:
+    decode, MTP verify (next_n 2-4), varlen extend and prefill chunks; stage 1 (logits) and stage 2 + selection
+    apart; memory per index entry. Needs a CUDA GPU."""
     from rich.table import Table
 
-    from . import report
+    from . import peers, provenance, report
     from . import rescore as rescore_bench
 
     dev, _ = _resolve_device("cuda", device, has_backend_option=False)
-    rows = rescore_bench.rows(dev, quick, seed)
-    table = Table(title=f"decode top-k {rescore_bench.INDEX_TOPK} on {_device_name(dev)} (us; x bf16)")
-    for col in ("B", "tokens") + rescore_bench.COLUMNS:
+    import torch
+
+    torch.cuda.set_device(dev)
+    err = _console(stderr=True)
+    dg, reason = peers.deepgemm()
+    if dg is None:
+        err.print(f"[yellow]DeepGEMM columns not measured: {reason}[/]")
+    doc = {"schema": rescore_bench.SCHEMA, **provenance.provenance(), "device": _device_name(dev),
+           "driver": provenance.driver_version(), "quick": quick, "seed": seed,
+           "index_topk": rescore_bench.INDEX_TOPK, "k_prime": rescore_bench.K_PRIME, "deepgemm": reason or "live",
+           "columns": dict(rescore_bench.LEGEND), "memory": rescore_bench.memory_rows(),
+           "phases": list(phases) or list(rescore_bench.PHASES), "note": rescore_bench.__doc__}
+    with _progress(err) as progress:
+        doc["rows"] = rescore_bench.rows(dev, quick, seed, dg, reason, progress, phases=phases or None)
+    cols = rescore_bench._columns_of(doc) if doc["rows"] else list(rescore_bench.COLUMNS)
+    table = Table(title=f"top-{rescore_bench.INDEX_TOPK} per query row on {doc['device']} (us per call; x bf16)")
+    for col in ("case", "rows") + tuple(cols):
         table.add_column(col)
-    for r in rows:
-        table.add_row(str(r["B"]), f"{r['tokens'] // 1024}K",
-                      *(f"{r['us'][c]:.1f} ({r['vs_bf16'][c]:.2f})" for c in rescore_bench.COLUMNS))
+    for r in doc["rows"]:
+        table.add_row(r["case"], str(r["rows"]), *("-" if r["us"][c] is None else
+                                                   f"{r['us'][c]:.1f} ({r['vs_bf16'][c]:.2f})" for c in cols))
     report.print_fitted(_console(), table, keys=2)
+    for r in doc["rows"]:
+        for what, why in r["errors"].items():
+            if what not in rescore_bench.DEEPGEMM_COLUMNS or dg is not None:
+                err.print(f"[red]{r['case']}: {what}: {why}[/]")
     if json_path:
-        _write_text(json_path, json.dumps({"device": _device_name(dev), "quick": quick, "seed": seed, "rows": rows,
-                                           "note": rescore_bench.__doc__}, indent=1) + "\n")
+        _write_text(json_path, json.dumps(doc, indent=1) + "\n")
 
 
 def _archs_option(ctx, param, values):
@@ -482,6 +542,7 @@ def report_cmd(json_files, markdown_path, plot_path, readme_path, allow_cpu_or_q
 
     Several `cupy-dsa needle` results overlay: one table and one plot, a column / line per run (--label)."""
     from . import needle, plots, provenance, readme, report, serve
+    from . import rescore as rescore_bench
 
     docs = []
     for json_file in json_files:
@@ -500,9 +561,13 @@ def report_cmd(json_files, markdown_path, plot_path, readme_path, allow_cpu_or_q
                                  f"{json_files[1]} is {docs[1].get('schema') if isinstance(docs[1], dict) else None!r}: "
                                  "give one bench or serve result", param_hint="JSON_FILE")
     json_file, doc = json_files[0], docs[0]
+    if rescore_bench.is_rescore(doc):  # a `bench rescore` run: its table, its README block
+        _report_rescore(json_file, doc, markdown_path, plot_path, readme_path, allow_cpu_or_quick)
+        return
     is_serve = isinstance(doc, dict) and doc.get("schema") == serve.SCHEMA
     if not is_serve and (not isinstance(doc, dict) or doc.get("schema") not in provenance.READABLE_SCHEMAS):
-        raise click.BadParameter(f"expected schema {provenance.SCHEMA!r}, {serve.SCHEMA!r} or {needle.SCHEMA!r}, got "
+        raise click.BadParameter(f"expected schema {provenance.SCHEMA!r}, {serve.SCHEMA!r}, {rescore_bench.SCHEMA!r} or "
+                                 f"{needle.SCHEMA!r}, got "
                                  f"{doc.get('schema') if isinstance(doc, dict) else type(doc).__name__!r}",
                                  param_hint="JSON_FILE")
     if allow_cpu_or_quick and not readme_path:
@@ -542,6 +607,43 @@ def report_cmd(json_files, markdown_path, plot_path, readme_path, allow_cpu_or_q
             click.echo(f"{readme_path}: rewrote {', '.join('results:' + n for n in rewritten)}", err=True)
         else:
             click.echo(f"{readme_path}: nothing rewritten (the JSON holds data for none of its blocks)", err=True)
+        for name, why in kept.items():
+            click.echo(f"{readme_path}: kept results:{name} ({why})", err=True)
+
+
+def _report_rescore(json_file, doc, markdown_path, plot_path, readme_path, allow_cpu_or_quick):
+    """`bench report` of a `bench rescore` result: its markdown table, and its results:rescore README block."""
+    from . import readme
+    from . import rescore as rescore_bench
+
+    if plot_path:
+        raise click.BadParameter("a `bench rescore` result has no plot", param_hint="'--plot'")
+    if allow_cpu_or_quick and not readme_path:
+        raise click.BadParameter("goes with --readme (it accepts a CPU or --quick run for the README's blocks)",
+                                 param_hint="'--allow-cpu-or-quick'")
+    update = None
+    if readme_path:
+        try:
+            update = readme.readme_update(Path(readme_path).read_text(), doc, readme.RESCORE_README_BLOCKS)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="'--readme'")
+        why = readme.not_gpu_figures(doc)
+        if update[1] and why and not allow_cpu_or_quick:
+            raise click.BadParameter(f"{json_file} is {why}; pass --allow-cpu-or-quick to write results:rescore "
+                                     "anyway", param_hint="'--readme'")
+    md = rescore_bench.markdown(doc)
+    if markdown_path:
+        _write_markdown(md, markdown_path)
+    if markdown_path != "-":
+        click.echo(md)
+    if update is not None:
+        text, rewritten, kept = update
+        if rewritten:
+            Path(readme_path).write_text(text)
+            click.echo(f"{readme_path}: rewrote {', '.join('results:' + n for n in rewritten)}", err=True)
+        else:
+            click.echo(f"{readme_path}: nothing rewritten (it has no results:rescore block, or the JSON holds no "
+                       "timed rows)", err=True)
         for name, why in kept.items():
             click.echo(f"{readme_path}: kept results:{name} ({why})", err=True)
 

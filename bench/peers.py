@@ -74,6 +74,32 @@ def deepgemm_prefill(dg, q_fp8, keys, weights, ks, ke, *, clean_logits=True, max
     return logits
 
 
+def nonpaged_prefill(dg, q_fp8, weights, ks, ke, page_row, n_keys):
+    """SGLang 0.5.23's non-paged prefill logits of one request (``_gather_nonpaged_index_k`` then
+    ``_nonpaged_mqa_logits``): per call the request's first ``n_keys`` fp8 keys gathered out of a paged cache
+    (pages ``page_row``), then DeepGEMM's ``fp8_mqa_logits`` with SGLang's arguments (clean off, ``max_seqlen_k`` =
+    the keys' whole pages; column c of row t holds key ``ks[t] + c``). Returns a namespace: ``logits(fp8_cache)``,
+    ``gather(fp8_cache)`` (the gather alone), ``gather_op`` (what gathers, :func:`fp8_gather`) and
+    ``check(fp8_cache)``, which raises when SGLang's gather disagrees with the torch gather on those pages."""
+    max_seqlen_k = math.ceil(n_keys / PAGE_SLOTS) * PAGE_SLOTS  # what SGLang passes: whole pages
+    bind, gather_op = fp8_gather()
+    gather = bind(page_row, n_keys)
+
+    def logits(fp8_cache):
+        return deepgemm_prefill(dg, q_fp8, gather(fp8_cache), weights, ks, ke, clean_logits=False,
+                                max_seqlen_k=max_seqlen_k)()
+
+    def check(fp8_cache):
+        if not gather_op.startswith("SGLang"):
+            return
+        k, sc = gather(fp8_cache)
+        k_ref, sc_ref = torch_fp8_gather(fp8_cache, page_row, n_keys)
+        if not (torch.equal(k.view(torch.uint8), k_ref.view(torch.uint8)) and torch.equal(sc, sc_ref)):
+            raise RuntimeError("SGLang's fp8 gather disagrees with the torch gather on the same pages")
+
+    return SimpleNamespace(logits=logits, gather=gather, gather_op=gather_op, check=check, max_seqlen_k=max_seqlen_k)
+
+
 def torch_fp8_gather(fp8_cache, page_row, n_entries):
     """A request's first ``n_entries`` fp8 keys out of the paged cache (uint8 ``[P, 8448]``, pages ``page_row``),
     as ``(fp8 [n, 128], fp32 scales [n])``: what SGLang's gather returns, in torch (one page gather, then the

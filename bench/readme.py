@@ -208,6 +208,18 @@ README_BLOCKS = {
                                                     "no query rows (`cupy-dsa bench query` / `bench all` makes them)")),
 }
 
+def _rescore_block(doc) -> str:
+    from .rescore import markdown
+
+    return markdown(doc).rstrip("\n")
+
+
+# blocks rendered from a `bench rescore` JSON
+RESCORE_README_BLOCKS = {
+    "rescore": Block(_rescore_block, lambda d: _none_if([r for r in d.get("rows", []) if any(
+        v is not None for v in r.get("us", {}).values())], "no timed rows")),
+}
+
 # blocks rendered from a `bench serve` JSON (the other blocks: from a `bench` JSON)
 SERVE_README_BLOCKS = {
     "serve": Block(_serve_block, lambda d: None if d.get("measured") and d.get("timings")
@@ -217,6 +229,10 @@ SERVE_README_BLOCKS = {
 
 def not_gpu_figures(doc: dict) -> str | None:
     """Why ``doc`` is not a full-size GPU run (the README's figures are H200 runs), or None."""
+    from .rescore import is_rescore
+
+    if is_rescore(doc):
+        return "a --quick run (smaller sizes)" if doc.get("quick") else None
     if doc.get("schema", "").startswith("cupy-dsa-serve"):
         return None if doc.get("measured") else "a run without a GPU (nothing measured)"
     if doc.get("backend") != "cuda":
@@ -231,7 +247,7 @@ def readme_update(text: str, doc: dict, blocks: dict | None = None) -> tuple[str
     re-rendered, the names rewritten, {name: why kept} of the others). Blocks of the other results file are
     left as they are (and not listed); an unknown block name is a ValueError."""
     blocks = README_BLOCKS if blocks is None else blocks
-    known = {**README_BLOCKS, **SERVE_README_BLOCKS}
+    known = {**README_BLOCKS, **SERVE_README_BLOCKS, **RESCORE_README_BLOCKS}
     rewritten, kept = [], {}
 
     def render(m):

@@ -1,91 +1,458 @@
 """``cupy-dsa bench rescore``: what the exact top-k of two-level keys (``fp8-rescore``, issue 26) costs in decode,
-against the top-k of bf16 keys and of SGLang's fp8 keys, on this GPU.
+MTP verify (next_n 2-4), varlen extend and prefill, against the top-k of bf16 keys and of SGLang's fp8 keys, on
+this GPU.
 
-Per case (batch, context, next_n 1), each timed with the bench's CUDA-graph timer on the same synthetic keys
-(stored by ``store_index_k``: bf16 keys, and fp8 keys with their int8 residual pages in one launch):
+Per case, on the same synthetic keys (stored by ``store_index_k``: bf16 keys, and fp8 keys with their int8 residual
+pages in one launch), each column timed with the bench's CUDA-graph timer (:func:`.timing.time_calls`), the calls
+rotating over distinct page sets of the caches where one call's bytes fit in L2:
 
-* ``bf16``: ``paged_mqa_logits`` on bf16 keys + ``torch.topk(index_topk)`` (what the plugin's bf16 mode runs,
-  with torch's top-k for SGLang's);
+* ``bf16``: our bf16 logits (``paged_mqa_logits``; extend / prefill: ``mqa_logits`` varlen over the request's
+  block-table row) + ``torch.topk(index_topk)``;
 * ``fp8``: the same on SGLang's fp8 keys (same query);
-* ``fp8-rescore``: ``rescore_topk``: fp8 logits, K' candidates, stage-2 scores from the hi and lo pages, the
-  selection (the whole op);
-* ``rescore stages``: ``rescore_topk`` given those logits (candidates, stage 2, selection: the cost on top of the
-  fp8 logits).
+* ``fp8 DeepGEMM``: DeepGEMM's fp8 logits as SGLang 0.5.23 calls them (:func:`.serve.fp8_route`: one row per token
+  through ``fp8_paged_mqa_logits``; a one-request chunk of >= 8192 rows: the key gather + ``fp8_mqa_logits``) + the
+  same ``torch.topk`` (standing in for SGLang's sgl-kernel top-k; DeepGEMM's columns past a row's length are not
+  cleaned, the top-k's cost is the same); the schedule is built once outside the timing;
+* ``fp8-rescore``: the whole op (``rescore_topk`` / ``rescore_topk_prefill``) with our fp8 stage 1 (the plugin's
+  ``stage1=cupy``: grouped verify, varlen extend);
+* ``fp8-rescore (DeepGEMM stage 1)``: DeepGEMM's paged logits, one row per token, passed unmasked as
+  ``stage1_logits`` to ``rescore_topk`` on those rows (the plugin's ``stage1=sglang``);
+* ``stage 1``: our fp8 logits alone (what ``fp8-rescore`` computes first); ``stage 2 + selection``: ``rescore_topk``
+  given those logits: K' candidates, stage-2 scores from hi + lo, the selection;
+* ``stage 1 (DeepGEMM)`` / ``stage 2 + selection (DeepGEMM logits)``: the same split of the DeepGEMM variant (the
+  selection reads only the columns a row sees, so unmasked logits cost nothing extra).
 
-Bytes counted per request: keys read by the logits (256 / 132 B per visible entry) and, for the rescore, K' x
-264 B per query row. Public ops only.
+``fp8-rescore`` = ``stage 1`` + ``stage 2 + selection`` up to launch overlap. Memory per index entry: bf16 256 B, fp8
+132 B, fp8-rescore 264 B (hi + lo). Public ops only.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 import cupy_dsa
 from cupy_dsa import layouts, rescore
 
-from .sweeps import make_freqs
+from . import peers
 
+SCHEMA = "cupy-dsa-rescore/1"
 INDEX_TOPK = 512
 K_PRIME = rescore.K_PRIME_MULTIPLE * INDEX_TOPK
-CASES = [(1, 65536), (8, 65536), (64, 65536), (8, 262144), (64, 262144), (4, 1048576)]   # (batch, raw tokens)
-QUICK_CASES = [(8, 65536)]
-COLUMNS = ("bf16", "fp8", "fp8-rescore", "rescore stages")
+CPU_INDEX_TOPK = 16  # the CPU cases' rows see a few hundred keys: a top-k that still selects among them
+K = 1024
+PHASES = ("decode", "verify", "extend", "prefill")
+
+BF16, FP8, FP8_DG = "bf16", "fp8", "fp8 DeepGEMM"
+RESCORE, RESCORE_DG = "fp8-rescore", "fp8-rescore (DeepGEMM stage 1)"
+STAGE1, STAGE2 = "stage 1", "stage 2 + selection"
+STAGE1_DG, STAGE2_DG = "stage 1 (DeepGEMM)", "stage 2 + selection (DeepGEMM logits)"
+COLUMNS = (BF16, FP8, FP8_DG, RESCORE, RESCORE_DG, STAGE1, STAGE2, STAGE1_DG, STAGE2_DG)
+DEEPGEMM_COLUMNS = (FP8_DG, RESCORE_DG, STAGE1_DG, STAGE2_DG)
+
+LEGEND = {
+    BF16: "our bf16-key logits + torch.topk(index_topk)",
+    FP8: "our fp8-key logits + torch.topk(index_topk)",
+    FP8_DG: "DeepGEMM's fp8 logits on SGLang 0.5.23's route for the step + torch.topk(index_topk) (standing in for "
+            "SGLang's sgl-kernel top-k)",
+    RESCORE: "rescore_topk / rescore_topk_prefill, the whole op, stage 1 by cupy_dsa's fp8 kernels",
+    RESCORE_DG: "DeepGEMM's paged fp8 logits (one row per token) + rescore_topk given them unmasked (the plugin's "
+                "stage1=sglang)",
+    STAGE1: "cupy_dsa's fp8 logits alone (stage 1 of fp8-rescore)",
+    STAGE2: "rescore_topk given stage 1's logits: K' candidates, stage 2 from hi + lo, the selection",
+    STAGE1_DG: "DeepGEMM's paged fp8 logits alone (stage 1 of the DeepGEMM variant)",
+    STAGE2_DG: "rescore_topk given DeepGEMM's unmasked logits (candidates, stage 2, selection)",
+}
+
+# memory per index entry; issue 26's target: fp8-rescore <= 1.05x bf16's
+MEMORY_TARGET_VS_BF16 = 1.05
+BYTES_PER_ENTRY = {"bf16": layouts.BF16_BYTES_PER_TOKEN, "fp8": layouts.FP8_BYTES_PER_TOKEN,
+                   "fp8-rescore": rescore.TWO_LEVEL_BYTES_PER_TOKEN}
 
 
-def _case(device, B, tokens, g):
-    """Caches of B requests of tokens / 4 index entries (bf16; fp8 + lo), an fp8 query with its folded weights."""
-    n = tokens // 4
-    pages = math.ceil(n / layouts.PAGE_SLOTS)
-    P = B * pages
-    kv = torch.randn(B * pages * layouts.PAGE_SLOTS, layouts.HEAD_DIM, device=device, generator=g)
-    freqs = make_freqs(4 * n, device)
-    pos = (4 * torch.arange(pages * layouts.PAGE_SLOTS, device=device)).clamp(max=4 * n - 1).repeat(B)
-    loc = torch.arange(P * layouts.PAGE_SLOTS, device=device)
+@dataclass(frozen=True)
+class Case:
+    phase: str                   # decode | verify | extend | prefill
+    prefixes: tuple              # raw tokens of each request before this step (one index entry per 4)
+    next_n: int = 1              # decode / verify: rows per request
+    chunk: int = 0               # extend / prefill: new tokens (rows) per request
+    index_topk: int = INDEX_TOPK
+
+    @property
+    def batch(self) -> int:
+        return len(self.prefixes)
+
+    @property
+    def rows(self) -> int:
+        return self.batch * (self.next_n if self.phase in ("decode", "verify") else self.chunk)
+
+    @property
+    def k_prime(self) -> int:
+        return rescore.K_PRIME_MULTIPLE * self.index_topk
+
+    def entries(self) -> list[int]:
+        """Index entries of each request after the step (what its caches hold)."""
+        if self.phase in ("decode", "verify"):
+            return [p // 4 for p in self.prefixes]
+        return [p // 4 + self.chunk // 4 for p in self.prefixes]
+
+
+def _tokens(n: int) -> str:
+    return f"{n // (1 << 20)}M" if n % (1 << 20) == 0 else (f"{n // K}K" if n % K == 0 else f"{n:,}")
+
+
+def case_label(c: Case) -> str:
+    """'decode 8 x 64K', 'verify 64 x 32K, next_n 2', 'extend 8 x 512 after 32K-64K', 'prefill chunk of 4,096
+    after 32K' (raw tokens)."""
+    if c.phase in ("decode", "verify"):
+        ctx = _tokens(c.prefixes[0]) if len(set(c.prefixes)) == 1 else f"{_tokens(min(c.prefixes))}-" \
+                                                                       f"{_tokens(max(c.prefixes))}"
+        return f"{c.phase} {c.batch} x {ctx}" + (f", next_n {c.next_n}" if c.phase == "verify" else "")
+    if c.phase == "prefill":
+        return f"prefill chunk of {c.chunk:,} after {_tokens(c.prefixes[0])}"
+    return f"extend {c.batch} x {c.chunk:,} after {_tokens(min(c.prefixes))}-{_tokens(max(c.prefixes))}"
+
+
+def _spread(n: int, lo: int, hi: int) -> tuple:
+    """n prefixes from lo to hi tokens, evenly, in whole 1K."""
+    return tuple(lo + round(i * (hi - lo) / max(n - 1, 1) / K) * K for i in range(n))
+
+
+DECODE = [(1, 64 * K), (8, 64 * K), (64, 64 * K), (8, 256 * K), (64, 256 * K), (4, 1024 * K)]  # (batch, tokens)
+VERIFY = [(64, 32 * K), (16, 128 * K)]
+VERIFY_NEXT_N = (2, 3, 4)
+EXTEND = [(8, 512, 32 * K, 64 * K)]                          # (requests, rows each, shortest, longest prefix)
+PREFILL = [(4096, 32 * K), (4096, 128 * K), (16384, 32 * K), (16384, 128 * K)]   # (chunk, prefix tokens)
+
+
+def cases(device: torch.device, quick: bool) -> list[Case]:
+    """Decode, verify (next_n 2-4, ``[B]`` lengths), extend (varlen) and prefill (one request) cases; on a CPU tiny
+    ones (the ops' torch references) at index_topk 16."""
+    if device.type != "cuda":
+        t = CPU_INDEX_TOPK
+        return [Case("decode", (1024, 1024), index_topk=t), Case("verify", (1024, 768), 2, index_topk=t),
+                Case("extend", (512, 1024), chunk=8, index_topk=t), Case("prefill", (1024,), chunk=16, index_topk=t)]
+    if quick:
+        return [Case("decode", (64 * K,) * 8), Case("verify", (64 * K,) * 8, 2),
+                Case("extend", _spread(8, 32 * K, 64 * K), chunk=512), Case("prefill", (32 * K,), chunk=4096)]
+    return ([Case("decode", (tokens,) * B) for B, tokens in DECODE]
+            + [Case("verify", (tokens,) * B, n) for B, tokens in VERIFY for n in VERIFY_NEXT_N]
+            + [Case("extend", _spread(B, lo, hi), chunk=rows) for B, rows, lo, hi in EXTEND]
+            + [Case("prefill", (prefix,), chunk=chunk) for chunk, prefix in PREFILL])
+
+
+def memory_rows() -> list[dict]:
+    """Bytes per index entry of each layout, their ratio to bf16's, and the target of fp8-rescore's."""
+    out = []
+    for layout, b in BYTES_PER_ENTRY.items():
+        ratio = b / BYTES_PER_ENTRY["bf16"]
+        target = MEMORY_TARGET_VS_BF16 if layout == "fp8-rescore" else None
+        out.append({"layout": layout, "bytes_per_entry": b, "vs_bf16": ratio, "target_vs_bf16": target,
+                    "verdict": None if target is None else ("pass" if ratio <= target else "miss")})
+    return out
+
+
+def deepgemm_route(c: Case) -> str:
+    """The route SGLang 0.5.23 takes for the case's fp8 logits (:func:`.serve.fp8_route`); decode and verify rows,
+    and a varlen extend of several requests, go one row per token through the paged call."""
+    from . import serve
+
+    if c.phase in ("decode", "verify"):
+        return serve.FP8_PAGED
+    return serve.fp8_route(serve.Case("prefill", c.batch, c.prefixes[0], 1, c.chunk))
+
+
+# --------------------------------------------------------------------------------------------------
+# inputs
+# --------------------------------------------------------------------------------------------------
+
+@dataclass
+class Inputs:
+    bf16: torch.Tensor
+    hi: torch.Tensor
+    lo: torch.Tensor
+    tables: list                 # per rotation: block table [batch, pages] over distinct pages of the caches
+    row_tables: list             # per rotation: the same, one row per query row (SGLang's paged rows)
+    q: torch.Tensor              # decode / verify [B, next_n, 64, 128]; extend / prefill [T, 64, 128] (fp8)
+    q_rows: torch.Tensor         # [rows, 1, 64, 128]
+    weights: torch.Tensor        # [rows, 64] (q's scale folded in)
+    lens: torch.Tensor           # decode / verify: int32 [B]; extend / prefill: ke, int32 [T]
+    lens_rows: torch.Tensor      # int32 [rows]: the keys each row sees
+    ks: torch.Tensor | None
+    cu_rows: torch.Tensor | None
+    width: int
+
+
+def _bytes_per_call(c: Case) -> int:
+    """The bytes one call of the case touches at most (bf16 keys and fp32 logits): decides the rotations."""
+    entries = c.entries()
+    width = max(math.ceil(n / layouts.PAGE_SLOTS) for n in entries) * layouts.PAGE_SLOTS
+    return sum(entries) * layouts.BF16_BYTES_PER_TOKEN + c.rows * width * 4
+
+
+def _inputs(c: Case, device, g, rot: int) -> Inputs:
+    """The case's caches (``rot`` disjoint page sets, keys written by ``store_index_k``: bf16, and hi + lo in one
+    launch), block tables, query and lengths."""
+    from .sweeps import _paged_tables, make_freqs
+
+    entries = c.entries()
+    pages = [math.ceil(n / layouts.PAGE_SLOTS) for n in entries]
+    table_w = max(pages)
+    tables, P = _paged_tables(pages, rot, table_w, device, g)
+    slots = P * layouts.PAGE_SLOTS
+    longest = max(entries)
+    kv = torch.randn(slots, layouts.HEAD_DIM, device=device, generator=g)
+    pos = 4 * (torch.arange(slots, device=device) % longest)
+    loc = torch.arange(slots, device=device)
+    freqs = make_freqs(4 * longest, device)
     w_norm = torch.ones(layouts.HEAD_DIM, device=device)
     bf16 = layouts.empty_cache(P, "bf16", device)
     hi, lo = layouts.empty_cache(P, "fp8", device), rescore.empty_lo_cache(P, device)
     cupy_dsa.store_index_k(kv, bf16, positions=pos, out_loc=loc, norm_weight=w_norm, freqs_cis=freqs)
     cupy_dsa.store_index_k(kv, hi, positions=pos, out_loc=loc, norm_weight=w_norm, freqs_cis=freqs, lo_cache=lo)
-    del kv
-    qf = torch.randn(B, 1, layouts.N_HEADS, layouts.HEAD_DIM, device=device, generator=g)
+    del kv, freqs
+    B, R = c.batch, c.rows
+    shape = (B, c.next_n) if c.phase in ("decode", "verify") else (R,)
+    qf = torch.randn(*shape, layouts.N_HEADS, layouts.HEAD_DIM, device=device, generator=g)
     s = qf.abs().amax(-1).clamp_min(1e-4) / 448.0
     q = (qf / s[..., None]).to(torch.float8_e4m3fn)
-    w = (torch.randn(B, layouts.N_HEADS, device=device, generator=g) / 90.5 * s.view(B, -1)).contiguous()
-    lens = torch.full((B,), n, dtype=torch.int32, device=device)
-    table = torch.randperm(P, device=device, generator=g).to(torch.int32).view(B, pages)
-    return n, bf16, hi, lo, q, w, lens, table
+    w = (torch.randn(R, layouts.N_HEADS, device=device, generator=g) / 90.5 * s.reshape(R, -1)).contiguous()
+    ks = cu_rows = None
+    if c.phase in ("decode", "verify"):
+        lens = torch.tensor(entries, dtype=torch.int32, device=device)
+        lens_rows = (lens[:, None] - (c.next_n - 1) + torch.arange(c.next_n, device=device)[None, :]).clamp_min(0)
+        lens_rows = lens_rows.reshape(-1).to(torch.int32).contiguous()
+        per_request = c.next_n
+    else:  # row j of request b sees its prefix's entries and one more per 4 new tokens
+        lens = torch.cat([p // 4 + (torch.arange(c.chunk, device=device) + 1) // 4 for p in c.prefixes])
+        lens = lens.to(torch.int32).contiguous()
+        lens_rows = lens
+        ks = torch.zeros(R, dtype=torch.int32, device=device)
+        cu_rows = (c.chunk * torch.arange(B + 1, device=device)).to(torch.int32)
+        per_request = c.chunk
+    row_tables = [bt.repeat_interleave(per_request, 0) for bt in tables]
+    return Inputs(bf16, hi, lo, tables, row_tables, q, q.reshape(R, 1, layouts.N_HEADS, layouts.HEAD_DIM), w, lens,
+                  lens_rows, ks, cu_rows, table_w * layouts.PAGE_SLOTS)
 
 
-def rows(device: torch.device, quick: bool, seed: int) -> list[dict]:
-    from .timing import time_calls
+# --------------------------------------------------------------------------------------------------
+# the timed calls
+# --------------------------------------------------------------------------------------------------
 
-    g = torch.Generator(device=device).manual_seed(seed)
-    out = []
-    for B, tokens in QUICK_CASES if quick else CASES:
-        n, bf16, hi, lo, q, w, lens, table = _case(device, B, tokens, g)
-        width = table.shape[1] * layouts.PAGE_SLOTS
-        plan = cupy_dsa.paged_mqa_logits_plan(lens, 1)
-        logits = cupy_dsa.paged_mqa_logits(q, hi, w, lens, table, width, clean_logits=True, plan=plan)
+def _calls(c: Case, x: Inputs, dg) -> dict:
+    """{column: [one call per rotation]}; the DeepGEMM columns only with ``dg``."""
+    topk = c.index_topk
+    kp = c.k_prime
+    rot = len(x.tables)
+    decode = c.phase in ("decode", "verify")
+    if decode:
+        plan = cupy_dsa.paged_mqa_logits_plan(x.lens, c.next_n)
 
-        def topk_of(cache):
-            return lambda: torch.topk(cupy_dsa.paged_mqa_logits(q, cache, w, lens, table, width, plan=plan,
-                                                                clean_logits=True), INDEX_TOPK, dim=1)
+        def ours(cache, i):
+            return cupy_dsa.paged_mqa_logits(x.q, cache, x.weights, x.lens, x.tables[i], x.width, clean_logits=True,
+                                             plan=plan)
 
-        runs = {
-            "bf16": topk_of(bf16),
-            "fp8": topk_of(hi),
-            "fp8-rescore": lambda: rescore.rescore_topk(q, w, hi, lo, lens, table, INDEX_TOPK, K_PRIME, plan=plan),
-            "rescore stages": lambda: rescore.rescore_topk(q, w, hi, lo, lens, table, INDEX_TOPK, K_PRIME,
-                                                           stage1_logits=logits),
-        }
-        us = {name: time_calls([fn] * 3, device, reps=10 if quick else 25).seconds * 1e6 for name, fn in runs.items()}
-        bytes_ = {"bf16": B * n * layouts.BF16_BYTES_PER_TOKEN, "fp8": B * n * layouts.FP8_BYTES_PER_TOKEN,
-                  "fp8-rescore": B * (n * layouts.FP8_BYTES_PER_TOKEN + K_PRIME * rescore.TWO_LEVEL_BYTES_PER_TOKEN),
-                  "rescore stages": B * K_PRIME * rescore.TWO_LEVEL_BYTES_PER_TOKEN}
-        out.append(dict(B=B, tokens=tokens, index_entries=n, next_n=1, index_topk=INDEX_TOPK, k_prime=K_PRIME,
-                        us=us, bytes=bytes_, vs_bf16={k: v / us["bf16"] for k, v in us.items()}))
-        del bf16, hi, lo, logits
+        def whole(i, **kw):
+            return rescore.rescore_topk(x.q, x.weights, x.hi, x.lo, x.lens, x.tables[i], topk, kp, **kw)
+    else:
+        plan = cupy_dsa.mqa_logits_plan(x.cu_rows)
+
+        def ours(cache, i):
+            return cupy_dsa.mqa_logits(x.q, cache, x.weights, x.ks, x.lens, block_table=x.tables[i],
+                                       cu_rows=x.cu_rows, plan=plan, clean_logits=True)
+
+        def whole(i, **kw):
+            return rescore.rescore_topk_prefill(x.q, x.weights, x.hi, x.lo, x.ks, x.lens, x.tables[i], topk, kp,
+                                                cu_rows=x.cu_rows, **kw)
+
+    stage1 = [ours(x.hi, i) for i in range(rot)]  # stage 2's input, one per rotation
+    calls = {
+        BF16: [lambda i=i: torch.topk(ours(x.bf16, i), topk, dim=1) for i in range(rot)],
+        FP8: [lambda i=i: torch.topk(ours(x.hi, i), topk, dim=1) for i in range(rot)],
+        RESCORE: [lambda i=i: whole(i, plan=plan) for i in range(rot)],
+        STAGE1: [lambda i=i: ours(x.hi, i) for i in range(rot)],
+        STAGE2: [lambda i=i: whole(i, stage1_logits=stage1[i]) for i in range(rot)],
+    }
+    if dg is None:
+        return calls
+    # DeepGEMM's paged rows (SGLang's paged route, and the plugin's stage1=sglang), its schedule built here once
+    _, dg_rows = peers.deepgemm_decode(dg, x.q_rows, x.hi, x.weights, x.lens_rows[:, None], x.row_tables[0], x.width)
+
+    def rows_rescore(i, logits):
+        return rescore.rescore_topk(x.q_rows, x.weights, x.hi, x.lo, x.lens_rows, x.row_tables[i], topk, kp,
+                                    stage1_logits=logits)
+
+    from . import serve
+
+    if deepgemm_route(c) == serve.FP8_NONPAGED:
+        from .sweeps import _sgl_topk_ranges
+
+        ks, ke = _sgl_topk_ranges(x.ks, x.lens, topk)  # the ranges SGLang passes with its own top-k
+        n_keys = c.entries()[0]
+        nonpaged = [peers.nonpaged_prefill(dg, x.q, x.weights, ks, ke, x.tables[i][0], n_keys) for i in range(rot)]
+        nonpaged[0].check(x.hi)
+        stock = [lambda i=i: nonpaged[i].logits(x.hi) for i in range(rot)]
+    else:
+        stock = [lambda i=i: dg_rows(x.row_tables[i]) for i in range(rot)]
+    dg_stage1 = [dg_rows(x.row_tables[i]) for i in range(rot)]
+    calls.update({
+        FP8_DG: [lambda i=i: torch.topk(stock[i](), topk, dim=1) for i in range(rot)],
+        RESCORE_DG: [lambda i=i: rows_rescore(i, dg_rows(x.row_tables[i])) for i in range(rot)],
+        STAGE1_DG: [lambda i=i: dg_rows(x.row_tables[i]) for i in range(rot)],
+        STAGE2_DG: [lambda i=i: rows_rescore(i, dg_stage1[i]) for i in range(rot)],
+    })
+    return calls
+
+
+def _key_bytes(c: Case) -> dict:
+    """Index-key bytes each column reads at least: every stored entry once (256 / 132 B), and for the rescore K' x
+    264 B (hi + lo) per query row."""
+    entries = sum(c.entries())
+    stage2 = c.rows * c.k_prime * rescore.TWO_LEVEL_BYTES_PER_TOKEN
+    fp8 = entries * layouts.FP8_BYTES_PER_TOKEN
+    return {BF16: entries * layouts.BF16_BYTES_PER_TOKEN, FP8: fp8, FP8_DG: fp8, RESCORE: fp8 + stage2,
+            RESCORE_DG: fp8 + stage2, STAGE1: fp8, STAGE2: stage2, STAGE1_DG: fp8, STAGE2_DG: stage2}
+
+
+def measure(c: Case, device, dg, dg_reason: str | None, seed: int, reps: int) -> dict:
+    """One case: us per call of every column (None where it did not run, with why), per query row, and their
+    ratios to bf16 and to DeepGEMM's fp8 + top-k."""
+    from .sweeps import _gen
+    from .timing import rotations, time_calls
+
+    rot = rotations(device, _bytes_per_call(c))
+    row = {"phase": c.phase, "case": case_label(c), "batch": c.batch, "prefixes": list(c.prefixes),
+           "next_n": c.next_n, "chunk": c.chunk, "rows": c.rows, "index_entries": sum(c.entries()),
+           "index_topk": c.index_topk, "k_prime": c.k_prime, "deepgemm_route": deepgemm_route(c),
+           "rotating_buffers": rot, "us": {col: None for col in COLUMNS}, "errors": {}, "timing": None,
+           "key_bytes": _key_bytes(c)}
+    for col in DEEPGEMM_COLUMNS if dg is None else ():
+        row["errors"][col] = f"not measured: {dg_reason}"
+    try:
+        x = _inputs(c, device, _gen(device, seed), rot)
+        calls = _calls(c, x, dg)
+    except Exception as exc:  # one case failing must not end the run
+        row["errors"]["inputs"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        return _ratios(row)
+    for col in COLUMNS:
+        if col not in calls:
+            continue
+        try:
+            t = time_calls(calls[col], device, reps=reps)
+            row["us"][col] = t.seconds * 1e6
+            row["timing"] = t.method
+        except Exception as exc:
+            row["errors"][col] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    del x, calls
+    if device.type == "cuda":
         torch.cuda.empty_cache()
+    return _ratios(row)
+
+
+def _ratios(row: dict) -> dict:
+    us = row["us"]
+    row["us_per_row"] = {k: (v / row["rows"] if v is not None else None) for k, v in us.items()}
+    row["vs_bf16"] = {k: (v / us[BF16] if v is not None and us[BF16] else None) for k, v in us.items()}
+    row["vs_fp8_deepgemm"] = {k: (v / us[FP8_DG] if v is not None and us[FP8_DG] else None) for k, v in us.items()}
+    return row
+
+
+def rows(device: torch.device, quick: bool, seed: int, dg=None, dg_reason: str | None = "not asked for",
+         progress=None, phases=None) -> list[dict]:
+    """The measured rows of :func:`cases` (only ``phases`` when given)."""
+    case_list = [c for c in cases(device, quick) if phases is None or c.phase in phases]
+    reps = (10 if quick else 25) if device.type == "cuda" else 2
+    task = progress.add_task("rescore", total=len(case_list)) if progress is not None else None
+    out = []
+    for c in case_list:
+        out.append(measure(c, device, dg, dg_reason, seed, reps))
+        if task is not None:
+            progress.advance(task)
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# rendering (old results: decode rows with columns bf16 / fp8 / fp8-rescore / rescore stages, no schema)
+# --------------------------------------------------------------------------------------------------
+
+OLD_STAGES = "rescore stages"  # the first runs' name of "stage 2 + selection"
+
+
+def is_rescore(doc) -> bool:
+    """A `bench rescore` result: its schema, or the first runs' form (no schema; rows of 'us' per column)."""
+    if not isinstance(doc, dict):
+        return False
+    if doc.get("schema") == SCHEMA:
+        return True
+    rs = doc.get("rows")
+    return "schema" not in doc and isinstance(rs, list) and bool(rs) and all(
+        isinstance(r, dict) and isinstance(r.get("us"), dict) and RESCORE in r["us"] for r in rs)
+
+
+def _columns_of(doc) -> list[str]:
+    """The columns a run holds a figure for, in :data:`COLUMNS` order (an old run's 'rescore stages' as stage 2)."""
+    have = {k for r in doc["rows"] for k, v in r["us"].items() if v is not None}
+    if OLD_STAGES in have:
+        have.add(STAGE2)
+    return [c for c in COLUMNS if c in have]
+
+
+def _us(r, col):
+    v = r["us"].get(col)
+    if v is None and col == STAGE2:
+        v = r["us"].get(OLD_STAGES)
+    return v
+
+
+def _row_label(r) -> str:
+    if "case" in r:
+        return r["case"]
+    return f"decode {r['B']} x {_tokens(r['tokens'])}"  # the first runs' rows
+
+
+def _fmt_us(v) -> str:
+    return "—" if v is None else (f"{v / 1e3:.2f} ms" if v >= 1e3 else f"{v:.1f} us")
+
+
+def markdown(doc: dict) -> str:
+    """The run as markdown: a table per run (us per call; the fp8-rescore columns also per query row and as a
+    ratio to DeepGEMM's fp8 + top-k where measured), the legend, memory per index entry."""
+    cols = _columns_of(doc)
+    dg = FP8_DG in cols
+    topk = doc.get("index_topk") or (doc["rows"][0].get("index_topk") if doc["rows"] else INDEX_TOPK)
+    head = (f"{doc.get('device') or 'no GPU'}{', quick sizes' if doc.get('quick') else ''}, commit "
+            f"`{(doc.get('git_commit') or 'not recorded')[:12]}`: top-{topk} of each query row, time per call "
+            f"({', '.join(sorted({r['timing'] for r in doc['rows'] if r.get('timing')})) or 'timing method not recorded'})"
+            f"{'' if dg else '; DeepGEMM: ' + str(doc.get('deepgemm') or 'not recorded')}.")
+    ratio_cols = [(RESCORE, "fp8-rescore / fp8 DeepGEMM"), (RESCORE_DG, "fp8-rescore (DG stage 1) / fp8 DeepGEMM")] \
+        if dg else [(RESCORE, "fp8-rescore / fp8")]
+    hdr = ["case"] + cols + ["fp8-rescore per token"] + [name for _, name in ratio_cols]
+    lines = [head, "", "| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
+    base = FP8_DG if dg else FP8
+    for r in doc["rows"]:
+        rows_n = r.get("rows") or r.get("B")
+        per = _us(r, RESCORE)
+        cells = [_row_label(r)] + [_fmt_us(_us(r, c)) for c in cols]
+        cells.append("—" if per is None or not rows_n else f"{per / rows_n:.2f} us")
+        for col, _ in ratio_cols:
+            a, b = _us(r, col), _us(r, base)
+            cells.append("—" if a is None or not b else f"{a / b:.2f}x")
+        lines.append("| " + " | ".join(cells) + " |")
+    nonpaged = [_row_label(r) for r in doc["rows"] if r.get("deepgemm_route") and r["deepgemm_route"] != "paged rows"
+                and _us(r, FP8_DG) is not None]
+    if nonpaged:
+        lines += ["", f"fp8 DeepGEMM on SGLang's non-paged route (key gather + fp8_mqa_logits): {'; '.join(nonpaged)}; "
+                      "every other case: paged rows."]
+    lines += ["", "Columns: " + "; ".join(f"**{c}**: {LEGEND[c]}" for c in cols) + "."]
+    mem = doc.get("memory") or memory_rows()
+    parts = [f"{m['layout']} {m['bytes_per_entry']} B ({m['vs_bf16']:.2f}x bf16"
+             + (f", target <= {m['target_vs_bf16']:.2f}x: {m['verdict']}" if m.get("target_vs_bf16") else "") + ")"
+             for m in mem]
+    lines += ["", "Memory per index entry: " + ", ".join(parts) + "."]
+    errors = [f"{_row_label(r)}: {k}: {v}" for r in doc["rows"] for k, v in (r.get("errors") or {}).items()
+              if k not in DEEPGEMM_COLUMNS or dg]
+    if errors:
+        lines += ["", "Not measured: " + "; ".join(errors) + "."]
+    return "\n".join(lines) + "\n"

@@ -8,6 +8,13 @@ DeepGEMM on the route SGLang 0.5.23 takes for the step (:func:`fp8_route`): a lo
 gathers the request's fp8 keys and runs ``fp8_mqa_logits``, every other step ``fp8_paged_mqa_logits`` on one row
 per token; our store op writing the fp8 layout stands in for SGLang's fp8 store kernel. Top-k is the same in
 all three and left out.
+
+fp8-rescore (issue 26) replaces the top-k, so it is compared with the stock step plus a top-k: ``fp8+topk`` is the
+fp8 step with ``torch.topk(index_topk)`` of each layer's logits (a named stand-in: SGLang's sgl-kernel top-k is not
+installed where the bench runs); ``fp8-rescore`` is the store of the hi and lo pages in one launch, then per layer
+``rescore_topk`` (decode rows, grouped verify) or ``rescore_topk_prefill`` (the chunk's varlen rows), stage 1 by
+cupy_dsa's fp8 kernels (the plugin's ``stage1=cupy``); ``fp8-rescore-dg`` the same store, then per layer
+DeepGEMM's paged fp8 logits (one row per token) and ``rescore_topk`` given them (the plugin's ``stage1=sglang``).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Callable
 import torch
 
 from cupy_dsa.layouts import BYTES_PER_TOKEN, HEAD_DIM, N_HEADS, PAGE_SLOTS
+from cupy_dsa.rescore import TWO_LEVEL_BYTES_PER_TOKEN
 
 from .bytes import C4_RATIO, C128_RATIO, v4_compress_ratios
 
@@ -58,8 +66,45 @@ NONPAGED_MIN_ROWS = 8192
 FP8_NONPAGED = "non-paged gather + fp8_mqa_logits"
 FP8_PAGED = "paged rows"
 
-# What `measure` times: (layout name, cache layout); "fp8" is DeepGEMM's call, the others are our ops.
-TIMED = (("bf16", "bf16"), ("fp8-cupy", "fp8"), ("fp8", "fp8"))
+# What `measure` times: (layout name, cache layout); "fp8", "fp8+topk" and "fp8-rescore-dg" call DeepGEMM.
+TIMED = (("bf16", "bf16"), ("fp8-cupy", "fp8"), ("fp8", "fp8"), ("fp8+topk", "fp8"), ("fp8-rescore", "fp8-rescore"),
+         ("fp8-rescore-dg", "fp8-rescore"))
+NEEDS_DEEPGEMM = ("fp8", "fp8+topk", "fp8-rescore-dg")
+OURS = ("bf16", "fp8-cupy", "fp8-rescore")  # our logits (or rescore op) on the plugin's routes
+MS_KEY = {"bf16": "bf16_ms", "fp8-cupy": "fp8_cupy_ms", "fp8": "fp8_ms", "fp8+topk": "fp8_topk_ms",
+          "fp8-rescore": "fp8_rescore_ms", "fp8-rescore-dg": "fp8_rescore_dg_ms"}
+# bytes per index entry of each cache layout: fp8-rescore keeps SGLang's fp8 page (hi) and an int8 residual page (lo)
+ENTRY_BYTES = {**BYTES_PER_TOKEN, "fp8-rescore": TWO_LEVEL_BYTES_PER_TOKEN}
+
+# Issue 26's targets on an H200, fp8-rescore's step over the fp8 step with its top-k (fp8+topk): every decode and
+# verify step; a prefill chunk of 4,096 or 16,384 tokens after 32K-128K tokens. Memory per index entry <= 1.05x
+# bf16's.
+RESCORE_TARGET_DECODE = 1.15
+RESCORE_TARGET_PREFILL = 1.2
+RESCORE_TARGET_CHUNKS = (4096, 16384)
+RESCORE_TARGET_CONTEXTS = (32768, 131072)   # inclusive range of the prefix
+RESCORE_MEMORY_TARGET = 1.05
+
+RESCORE_COUNTED = (
+    "fp8-rescore rows (top-k included, over every C4 layer): 'fp8 + top-k' = the fp8 step (DeepGEMM on SGLang's "
+    "route) + torch.topk(index_topk) of each layer's logits, a stand-in for SGLang's sgl-kernel top-k (not installed "
+    "where the bench runs); 'fp8-rescore' = store of the hi and lo pages in one launch + rescore_topk (decode rows, "
+    "grouped verify) / rescore_topk_prefill (the chunk's varlen rows, every row its whole range) per layer, stage 1 "
+    "by cupy_dsa's fp8 kernels, K' = 4 x index_topk, the plan once per forward (the plugin's stage1=cupy); "
+    "'fp8-rescore, DeepGEMM stage 1' = the same store + DeepGEMM's paged fp8 logits (one row per token, the schedule "
+    "once per forward) + rescore_topk given them unmasked (the plugin's stage1=sglang). Ratios: to 'fp8 + top-k' "
+    "(the fair one, the targets' basis) and to the plain fp8 step.")
+
+
+def rescore_target(case) -> float | None:
+    """Issue 26's bound on fp8-rescore's step over fp8 + top-k for a case (a Case or a timing row), or None."""
+    get = case.get if isinstance(case, dict) else (lambda k: getattr(case, k))
+    if get("phase") in ("decode", "verify"):
+        return RESCORE_TARGET_DECODE
+    lo, hi = RESCORE_TARGET_CONTEXTS
+    if get("phase") == "prefill" and get("chunk") in RESCORE_TARGET_CHUNKS and lo <= get("context") <= hi:
+        return RESCORE_TARGET_PREFILL
+    return None
 
 
 @dataclass(frozen=True)
@@ -136,12 +181,16 @@ def memory_rows(model: ServeModel, memory_gib: float) -> list[dict]:
     """Index-cache bytes per raw token of all C4 layers and the tokens that fit in ``memory_gib`` (partial
     pages ignored), per layout."""
     out = []
-    for layout in ("bf16", "fp8"):
-        entry = BYTES_PER_TOKEN[layout]
+    for layout in ("bf16", "fp8", "fp8-rescore"):
+        entry = ENTRY_BYTES[layout]
         per_token = model.n_c4 * entry / C4_RATIO
-        out.append({"layout": layout, "bytes_per_entry": entry, "index_layers": model.n_c4,
-                    "index_bytes_per_token": per_token, "memory_gib": memory_gib,
-                    "tokens_fit": int(memory_gib * GIB // per_token)})
+        row = {"layout": layout, "bytes_per_entry": entry, "index_layers": model.n_c4,
+               "index_bytes_per_token": per_token, "memory_gib": memory_gib,
+               "tokens_fit": int(memory_gib * GIB // per_token), "vs_bf16": entry / ENTRY_BYTES["bf16"]}
+        if layout == "fp8-rescore":  # issue 26: <= 1.05x bf16's bytes per entry
+            row["target_vs_bf16"] = RESCORE_MEMORY_TARGET
+            row["verdict"] = "pass" if row["vs_bf16"] <= RESCORE_MEMORY_TARGET else "miss"
+        out.append(row)
     return out
 
 
@@ -208,11 +257,14 @@ def _layer_caches(case: Case, layout: str, n_c4: int, device, g):
     from .sweeps import _random_cache
 
     pages = _cache_pages(case)
-    one = pages * PAGE_SLOTS * BYTES_PER_TOKEN[layout]
+    one = pages * PAGE_SLOTS * ENTRY_BYTES[layout]
     if device.type == "cuda":
         fit = max(1, min(n_c4, int(torch.cuda.mem_get_info(device)[0] * CACHE_BUDGET_SHARE // one)))
     else:  # the torch reference at test sizes
         fit = n_c4
+    if layout == "fp8-rescore":  # (hi, lo): the lo page has the fp8 page's geometry (int8 codes, fp32 scales)
+        return [(_random_cache(pages, "fp8", device, g), _random_cache(pages, "fp8", device, g))
+                for _ in range(fit)], pages
     return [_random_cache(pages, layout, device, g) for _ in range(fit)], pages
 
 
@@ -241,12 +293,14 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg) -> Forwa
     """One layout of :data:`TIMED`: ``bf16`` and ``fp8-cupy`` run our ops on the plugin's routes (bf16 rows, or
     SGLang's fp8 rows), ``fp8`` DeepGEMM on SGLang's route for the step (:func:`fp8_route`)."""
     import cupy_dsa
+    from cupy_dsa import rescore
 
     from . import peers
     from .sweeps import _sgl_topk_ranges, make_freqs
 
     cache_layout = dict(TIMED)[layout]
-    ours = layout != "fp8"
+    ours = layout in OURS
+    two_level = cache_layout == "fp8-rescore"
     caches, pages = _layer_caches(case, cache_layout, model.n_c4, device, g)
     n_new = case.new_entries
     kv = torch.randn(n_new, HEAD_DIM, device=device, generator=g)
@@ -262,6 +316,10 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg) -> Forwa
     gathers = gather_op = None
 
     def store(cache):
+        if two_level:  # hi and lo pages in one launch
+            cupy_dsa.store_index_k(kv, cache[0], positions=positions, out_loc=out_loc, norm_weight=norm_w,
+                                   freqs_cis=freqs, lo_cache=cache[1])
+            return
         cupy_dsa.store_index_k(kv, cache, positions=positions, out_loc=out_loc, norm_weight=norm_w, freqs_cis=freqs)
 
     if case.phase == "prefill":
@@ -275,6 +333,9 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg) -> Forwa
             cu_rows = torch.tensor([0, T], dtype=torch.int32, device=device)
 
             def layer_logits(cache, plan):
+                if two_level:  # every row keeps its whole range: the rescored top-k replaces SGLang's
+                    return rescore.rescore_topk_prefill(q, weights, cache[0], cache[1], torch.zeros_like(lens), lens,
+                                                        table, model.index_topk, cu_rows=cu_rows, plan=plan)
                 return cupy_dsa.mqa_logits(q, cache, weights, ks, ke, block_table=table, cu_rows=cu_rows,
                                            plan=plan, clean_logits=False)
 
@@ -291,6 +352,9 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg) -> Forwa
         lens = lens_2d.reshape(-1) if n == 1 else lens_2d
         if ours:
             def layer_logits(cache, plan):
+                if two_level:
+                    return rescore.rescore_topk(q, weights, cache[0], cache[1], lens, table, model.index_topk,
+                                                plan=plan)
                 return cupy_dsa.paged_mqa_logits(q, cache, weights, lens, table, width, plan=plan)
 
             def build_plan():
@@ -310,26 +374,28 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg) -> Forwa
 
     # SGLang builds the paged schedule once per forward on either route (PagedIndexerMetadata.__post_init__,
     # srt/layers/attention/dsv4/metadata.py); DeepGEMM's stands in for it
-    schedule, _ = peers.deepgemm_decode(dg, q_rows, caches[0], weights, lens_rows[:, None], row_table, width)
-    if fp8_route(case) == FP8_NONPAGED:
-        n_keys = (case.context + case.chunk) // C4_RATIO           # the request's entries after this chunk
-        max_seqlen_k = math.ceil(n_keys / PAGE_SLOTS) * PAGE_SLOTS  # what SGLang passes: whole pages
-        bind, gather_op = peers.fp8_gather()
-        gather = bind(table[0], n_keys)
-        if gather_op.startswith("SGLang"):  # its gather must return what the torch one does on these pages
-            k, sc = gather(caches[0])
-            k_ref, sc_ref = peers.torch_fp8_gather(caches[0], table[0], n_keys)
-            if not (torch.equal(k.view(torch.uint8), k_ref.view(torch.uint8)) and torch.equal(sc, sc_ref)):
-                raise RuntimeError("SGLang's fp8 gather disagrees with the torch gather on the same pages")
+    hi_caches = [c[0] for c in caches] if two_level else caches
+    schedule, _ = peers.deepgemm_decode(dg, q_rows, hi_caches[0], weights, lens_rows[:, None], row_table, width)
+    if layout == "fp8-rescore-dg":  # the plugin's stage1=sglang: DeepGEMM's paged rows on every step, then stage 2
+        calls = [peers.deepgemm_decode(dg, q_rows, c, weights, lens_rows[:, None], row_table, width)[1]
+                 for c in hi_caches]
 
         def layer_logits(i):
-            keys = gather(caches[i % len(caches)])  # per layer, as SGLang gathers each layer's cache
-            return peers.deepgemm_prefill(dg, q, keys, weights, ks, ke, clean_logits=False,
-                                          max_seqlen_k=max_seqlen_k)()
+            hi, lo = caches[i % len(caches)]
+            return rescore.rescore_topk(q_rows, weights, hi, lo, lens_rows, row_table, model.index_topk,
+                                        stage1_logits=calls[i % len(calls)]())
+    elif fp8_route(case) == FP8_NONPAGED:
+        n_keys = (case.context + case.chunk) // C4_RATIO           # the request's entries after this chunk
+        nonpaged = peers.nonpaged_prefill(dg, q, weights, ks, ke, table[0], n_keys)
+        nonpaged.check(caches[0])  # SGLang's gather must return what the torch one does on these pages
+        gather_op = nonpaged.gather_op
+
+        def layer_logits(i):
+            return nonpaged.logits(caches[i % len(caches)])  # per layer, as SGLang gathers each layer's cache
 
         def gathers():
             for i in range(model.n_c4):
-                gather(caches[i % len(caches)])
+                nonpaged.gather(caches[i % len(caches)])
     else:
         calls = [peers.deepgemm_decode(dg, q_rows, c, weights, lens_rows[:, None], row_table, width)[1]
                  for c in caches]
@@ -337,18 +403,23 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg) -> Forwa
         def layer_logits(i):
             return calls[i % len(calls)]()
 
+    with_topk = layout == "fp8+topk"
+
     def forward():
         schedule()
         for i in range(model.n_c4):
             store(caches[i % len(caches)])
-            layer_logits(i)
+            logits = layer_logits(i)
+            if with_topk:  # stand-in for SGLang's sgl-kernel top-k over the stock logits
+                torch.topk(logits, min(model.index_topk, logits.shape[1]), dim=1)
 
-    return Forward(forward, len(caches), gathers, gather_op)
+    return Forward(forward, len(caches), gathers if layout == "fp8" else None, gather_op)
 
 
-def measure(case: Case, model: ServeModel, device, dg, seed: int, reps: int) -> dict:
-    """ms of one forward for bf16, fp8-cupy and (with DeepGEMM) fp8, for one case; the fp8 row says its route
-    and, on the non-paged route, what gathered the keys and the ms the gathers take of the step."""
+def measure(case: Case, model: ServeModel, device, dg, seed: int, reps: int, layouts=None) -> dict:
+    """ms of one forward for each layout of :data:`TIMED` (``layouts``: only those; the DeepGEMM ones only with
+    ``dg``), for one case; the fp8 row says its route and, on the non-paged route, what gathered the keys and the
+    ms the gathers take of the step; fp8-rescore's ratios to fp8 + top-k and to fp8, and its target's verdict."""
     from .sweeps import _gen, _verdict
     from .timing import time_calls
 
@@ -357,14 +428,18 @@ def measure(case: Case, model: ServeModel, device, dg, seed: int, reps: int) -> 
            "fp8_cupy_ms": None, "added_ms": None, "ratio": None, "fp8_cupy_ratio": None, "layer_caches": {},
            "fp8_route": fp8_route(case), "fp8_gather": None, "fp8_gather_ms": None,
            "target_ratio": TARGETS.get((case.batch, case.next_n, case.context)) if case.phase == "verify" else None,
-           "verdict": None, "timing": None, "error": None}
+           "verdict": None, "timing": None, "error": None,
+           "fp8_topk_ms": None, "fp8_rescore_ms": None, "fp8_rescore_dg_ms": None,
+           "rescore_vs_fp8_topk": None, "rescore_vs_fp8": None, "rescore_dg_vs_fp8_topk": None,
+           "rescore_dg_vs_fp8": None, "rescore_target_ratio": rescore_target(case), "rescore_verdict": None,
+           "rescore_dg_verdict": None}
     for layout, _ in TIMED:
-        if layout == "fp8" and dg is None:
+        if (layout in NEEDS_DEEPGEMM and dg is None) or (layouts is not None and layout not in layouts):
             continue
         try:
             fwd = _forward(case, layout, model, device, _gen(device, seed), dg)
             t = time_calls([fwd.run], device, reps=reps)
-            row[f"{layout.replace('-', '_')}_ms"] = t.seconds * 1e3
+            row[MS_KEY[layout]] = t.seconds * 1e3
             row["layer_caches"][layout] = fwd.layer_caches
             row["timing"] = t.method
             if fwd.gathers is not None:
@@ -374,13 +449,23 @@ def measure(case: Case, model: ServeModel, device, dg, seed: int, reps: int) -> 
         except Exception as exc:  # one case failing must not end the run
             failed = f"{layout}: {type(exc).__name__}: {str(exc)[:200]}"
             row["error"] = f"{row['error']}; {failed}" if row["error"] else failed
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     if row["bf16_ms"] is not None and row["fp8_ms"] is not None:
         row["added_ms"] = row["bf16_ms"] - row["fp8_ms"]
         row["ratio"] = row["bf16_ms"] / row["fp8_ms"]
         row["verdict"] = _verdict(row["ratio"], row["target_ratio"], higher_is_better=False)
     if row["fp8_cupy_ms"] is not None and row["fp8_ms"] is not None:
         row["fp8_cupy_ratio"] = row["fp8_cupy_ms"] / row["fp8_ms"]  # our kernels against DeepGEMM, same bytes
+    for variant, key in (("rescore", "fp8_rescore_ms"), ("rescore_dg", "fp8_rescore_dg_ms")):
+        if row[key] is None:
+            continue
+        if row["fp8_topk_ms"] is not None:  # the fair comparison: both steps select the top-k
+            row[f"{variant}_vs_fp8_topk"] = row[key] / row["fp8_topk_ms"]
+            row[f"{variant}_verdict"] = _verdict(row[f"{variant}_vs_fp8_topk"], row["rescore_target_ratio"],
+                                                 higher_is_better=False)
+        if row["fp8_ms"] is not None:
+            row[f"{variant}_vs_fp8"] = row[key] / row["fp8_ms"]
     return row
 
 
@@ -466,16 +551,70 @@ def markdown(doc: dict) -> str:
     gather_ops = sorted({r["fp8_gather"] for r in doc["timings"] if r.get("fp8_gather")})
     if gather_ops:
         lines += ["", f"The non-paged route's key gather: {'; '.join(gather_ops)}."]
+    lines += rescore_markdown(doc)
     mem = {r["layout"]: r for r in doc["memory"]}
     if {"bf16", "fp8"} <= mem.keys():
         b, f = mem["bf16"], mem["fp8"]
         lines += ["", f"Index cache: {b['index_bytes_per_token']:.0f} B per token with bf16 keys, "
                       f"{f['index_bytes_per_token']:.0f} B with fp8; {b['memory_gib']:g} GiB hold "
                       f"{b['tokens_fit'] / 1e6:.1f}M tokens of index keys (bf16) or {f['tokens_fit'] / 1e6:.1f}M (fp8)."]
+        if "fp8-rescore" in mem:  # runs from before fp8-rescore keep their line
+            r2 = mem["fp8-rescore"]
+            target = (f"; target <= {r2['target_vs_bf16']:.2f}x: {r2['verdict']}" if r2.get("target_vs_bf16") else "")
+            lines[-1] += (f" fp8-rescore: {r2['index_bytes_per_token']:.0f} B per token ({r2['bytes_per_entry']} B per "
+                          f"entry, {r2['vs_bf16']:.2f}x bf16's{target}), {r2['tokens_fit'] / 1e6:.1f}M tokens.")
     if not doc.get("measured"):
         asked = f" Cases asked for: {'; '.join(doc['cases'])}." if doc.get("cases") else ""
         lines += ["", f"Not measured: {doc.get('not_measured')}.{asked}"]
     return "\n".join(lines) + "\n"
+
+
+def rescore_markdown(doc: dict) -> list[str]:
+    """fp8-rescore's table (lines to append), for runs that timed it; none for older runs."""
+    rows = [r for r in doc["timings"] if r.get("fp8_rescore_ms") is not None or r.get("fp8_rescore_dg_ms") is not None]
+    if not rows:
+        return []
+    dg = any(r.get("fp8_rescore_dg_ms") is not None for r in rows)
+
+    def ms(r, k):
+        return f"{r[k]:.2f} ms" if r.get(k) is not None else "—"
+
+    def x(r, k):
+        return f"{r[k]:.2f}x" if r.get(k) is not None else "—"
+
+    def verdict(v):
+        return {"pass": "pass", "miss": "**miss**"}.get(v, "not evaluated")
+
+    lines = ["", "fp8-rescore (issue 26), top-k included, ms per forward over every C4 layer: **fp8 + top-k** = the fp8 "
+             "step above + `torch.topk(index_topk)` of each layer's logits (a stand-in for SGLang's sgl-kernel "
+             "top-k, not installed where the bench runs); **fp8-rescore** = the store of the hi and lo pages in one "
+             "launch + `rescore_topk` (decode rows, grouped verify) / `rescore_topk_prefill` (the chunk's rows) per "
+             "layer, stage 1 by cupy_dsa's fp8 kernels (the plugin's `stage1=cupy`), K' = 4 x index_topk"
+             + ("; **DeepGEMM stage 1** = the same store + DeepGEMM's paged fp8 logits, one row per token, + "
+                "`rescore_topk` given them (the plugin's `stage1=sglang`)" if dg else "")
+             + ". Targets (H200): decode and verify <= 1.15x, prefill chunks of 4,096 and 16,384 after 32K-128K "
+               "<= 1.2x, of fp8 + top-k.", ""]
+    head = "| step | batch x context (tokens) | fp8 | fp8 + top-k | fp8-rescore | / (fp8 + top-k) | / fp8 |"
+    if dg:
+        head += " fp8-rescore, DeepGEMM stage 1 | / (fp8 + top-k) | / fp8 |"
+    head += " target |"
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        ctx = f"{r['batch']} x {_tokens(r['context'])}" if r["phase"] != "prefill" else f"after {_tokens(r['context'])}"
+        cells = [step_label(r), ctx, ms(r, "fp8_ms"), ms(r, "fp8_topk_ms"), ms(r, "fp8_rescore_ms"),
+                 x(r, "rescore_vs_fp8_topk"), x(r, "rescore_vs_fp8")]
+        if dg:
+            cells += [ms(r, "fp8_rescore_dg_ms"), x(r, "rescore_dg_vs_fp8_topk"), x(r, "rescore_dg_vs_fp8")]
+        t = r.get("rescore_target_ratio")
+        if t:
+            got = f"ours {verdict(r.get('rescore_verdict'))}"
+            if dg:
+                got += f", DeepGEMM stage 1 {verdict(r.get('rescore_dg_verdict'))}"
+            cells.append(f"<= {t:.2f}x: {got}")
+        else:
+            cells.append("—")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def _tokens(n: int) -> str:

@@ -378,7 +378,8 @@ def test_serve_cli_on_a_gpu_records_routes_targets_and_the_gather(monkeypatch, t
     monkeypatch.setattr(provenance, "driver_version", lambda: None)
     monkeypatch.setattr(peers, "deepgemm", lambda: (FakeDeepGEMM(), None))
     real = serve.measure
-    monkeypatch.setattr(serve, "measure", lambda case, model, dev, dg, seed, reps: real(case, model, CPU, dg, seed, 1))
+    monkeypatch.setattr(serve, "measure", lambda case, model, dev, dg, seed, reps, **kw: real(case, model, CPU, dg,
+                                                                                               seed, 1, **kw))
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"num_hidden_layers": 3, "compress_ratios": [4, 0, 4], "index_topk": 66}))
     res = CliRunner().invoke(main, ["bench", "serve", "--model", str(cfg), "--batch", "2", "--context", "256",
@@ -394,4 +395,9 @@ def test_serve_cli_on_a_gpu_records_routes_targets_and_the_gather(monkeypatch, t
     assert "fp8 non-paged route: keys gathered by torch gather (test)" in doc["notes"]
     md = serve.markdown(doc)
     assert "| fp8 route | target |" in md and "| verify, next_n 2 | 2 x 256 |" in md and "<= 1000000000.00x: pass" in md
+    # fp8-rescore on every step, both stage 1s, against fp8 + top-k; the targets of decode / verify
+    assert all(r["fp8_topk_ms"] and r["fp8_rescore_ms"] and r["fp8_rescore_dg_ms"] for r in doc["timings"])
+    assert [r["rescore_target_ratio"] for r in by_step.values()] == [1.15, 1.15, None, None]
+    assert "| fp8-rescore | / (fp8 + top-k) | / fp8 | fp8-rescore, DeepGEMM stage 1 |" in md
+    assert "fp8-rescore ms per forward" in res.output
     assert "fp8 route" in res.stderr or "fp8 route" in res.output

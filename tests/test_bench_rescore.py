@@ -1,0 +1,256 @@
+"""`bench rescore` (decode, verify, extend, prefill; stage 1 and stage 2 apart; DeepGEMM's logits as SGLang calls
+them) and `bench serve`'s fp8-rescore layouts (issue 26), on CPU: the ops' torch references and the DeepGEMM
+stand-in of test_bench_routes. No timed assertions."""
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cupy_dsa.bench import peers, readme, serve
+from cupy_dsa.bench import rescore as rb
+from cupy_dsa.bench.cli import main
+
+from test_bench_routes import FakeDeepGEMM, _serve_doc, _serve_row, _torch_gather
+
+K = 1024
+CPU = torch.device("cpu")
+GPU = torch.device("cuda")  # only its type is read: the GPU case lists, built without a GPU
+
+
+# --------------------------------------------------------------------------------------------------
+# bench rescore: cases, columns, routes
+# --------------------------------------------------------------------------------------------------
+
+def test_rescore_cases_are_the_issue_shapes():
+    full = rb.cases(GPU, False)
+    labels = [rb.case_label(c) for c in full]
+    assert labels[:6] == ["decode 1 x 64K", "decode 8 x 64K", "decode 64 x 64K", "decode 8 x 256K",
+                          "decode 64 x 256K", "decode 4 x 1M"]
+    verify = [c for c in full if c.phase == "verify"]
+    assert {c.next_n for c in verify} == {2, 3, 4} and all(len(set(c.prefixes)) == 1 for c in verify)
+    ext, = [c for c in full if c.phase == "extend"]
+    assert ext.batch == 8 and ext.chunk == 512 and min(ext.prefixes) == 32 * K and max(ext.prefixes) == 64 * K
+    assert rb.case_label(ext) == "extend 8 x 512 after 32K-64K" and ext.rows == 4096
+    pre = [(c.chunk, c.prefixes) for c in full if c.phase == "prefill"]
+    assert pre == [(4096, (32 * K,)), (4096, (128 * K,)), (16384, (32 * K,)), (16384, (128 * K,))]
+    assert all(c.index_topk == 512 and c.k_prime == 2048 for c in full)
+    quick = rb.cases(GPU, True)
+    assert [c.phase for c in quick] == list(rb.PHASES) and len(quick) == 4
+    assert [c.phase for c in rb.cases(CPU, False)] == list(rb.PHASES)
+
+
+def test_rescore_deepgemm_route_follows_sglang():
+    by = {rb.case_label(c): rb.deepgemm_route(c) for c in rb.cases(GPU, False)}
+    assert by["prefill chunk of 16,384 after 128K"] == by["prefill chunk of 16,384 after 32K"] == serve.FP8_NONPAGED
+    assert by["prefill chunk of 4,096 after 32K"] == serve.FP8_PAGED
+    assert by["extend 8 x 512 after 32K-64K"] == serve.FP8_PAGED  # several requests: paged rows
+    assert all(r == serve.FP8_PAGED for label, r in by.items() if not label.startswith("prefill"))
+
+
+def test_rescore_memory_per_entry():
+    mem = {m["layout"]: m for m in rb.memory_rows()}
+    assert [mem[k]["bytes_per_entry"] for k in ("bf16", "fp8", "fp8-rescore")] == [256, 132, 264]
+    assert mem["fp8-rescore"]["vs_bf16"] == 264 / 256 and mem["fp8-rescore"]["verdict"] == "pass"
+    assert mem["fp8-rescore"]["target_vs_bf16"] == 1.05 and mem["bf16"]["verdict"] is None
+
+
+def test_rescore_rows_on_cpu_with_deepgemm_stand_in():
+    """Every column of every phase runs (the references), the DeepGEMM ones with the stand-in; without it they
+    say why."""
+    rows = rb.rows(CPU, False, 0, FakeDeepGEMM(), None)
+    assert [r["phase"] for r in rows] == list(rb.PHASES)
+    for r in rows:
+        assert r["errors"] == {} and all(r["us"][c] > 0 for c in rb.COLUMNS), r
+        assert r["vs_fp8_deepgemm"][rb.FP8_DG] == 1.0 and r["us_per_row"][rb.RESCORE] == r["us"][rb.RESCORE] / r["rows"]
+    none = rb.rows(CPU, False, 0, None, "deep_gemm not importable (x)", phases=("verify",))
+    assert len(none) == 1 and none[0]["phase"] == "verify"
+    assert all(none[0]["us"][c] is None and "deep_gemm not importable" in none[0]["errors"][c]
+               for c in rb.DEEPGEMM_COLUMNS)
+    assert all(none[0]["us"][c] > 0 for c in rb.COLUMNS if c not in rb.DEEPGEMM_COLUMNS)
+
+
+@pytest.mark.parametrize("phase", rb.PHASES)
+def test_rescore_routes_select_the_same_keys(phase, monkeypatch):
+    """The whole op on our route (grouped verify, varlen extend), given stage 1, and on DeepGEMM's rows given its
+    logits select the same keys; the stock columns' top-k is that of the same logits (CPU references)."""
+    _torch_gather(monkeypatch)
+    monkeypatch.setattr(serve, "NONPAGED_MIN_ROWS", 16)  # the CPU prefill chunk takes SGLang's non-paged route
+    c, = [c for c in rb.cases(CPU, False) if c.phase == phase]
+    x = rb._inputs(c, CPU, torch.Generator().manual_seed(1), 1)
+    calls = rb._calls(c, x, FakeDeepGEMM())
+    whole, given, on_rows = (calls[k][0]().raw_indices for k in (rb.RESCORE, rb.STAGE2, rb.RESCORE_DG))
+    assert torch.equal(whole, given) and torch.equal(whole, on_rows)
+    assert torch.equal(calls[rb.STAGE2_DG][0]().raw_indices, whole)
+    assert rb.deepgemm_route(c) == (serve.FP8_NONPAGED if phase == "prefill" else serve.FP8_PAGED)
+    ours, stock = calls[rb.FP8][0](), calls[rb.FP8_DG][0]()
+    assert ours.values.shape == stock.values.shape == (c.rows, c.index_topk)
+    torch.testing.assert_close(ours.values, stock.values, rtol=1e-4, atol=1e-6)
+
+
+def test_rescore_cli_options(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for args in (["--phase", "verify", "--phase", "prefill"], ["--quick"]):
+        res = CliRunner().invoke(main, ["bench", "rescore", *args])
+        assert res.exit_code == 2 and "needs a GPU" in res.output, res.output
+    res = CliRunner().invoke(main, ["bench", "rescore", "--phase", "warmup"])
+    assert res.exit_code == 2 and "--phase" in res.output
+    res = CliRunner().invoke(main, ["bench", "rescore", "--help"])
+    assert res.exit_code == 0 and "--phase" in res.output and "--json" in res.output
+
+
+def test_rescore_cli_on_a_stand_in_gpu(monkeypatch, tmp_path):
+    """`bench rescore`'s GPU branch end to end on the CPU stand-in: JSON (schema, memory, columns, rows), table,
+    markdown, then `bench report` of it and of the README block."""
+    from cupy_dsa.bench import cli, provenance
+
+    _torch_gather(monkeypatch)
+    for name, value in (("is_available", lambda: True), ("current_device", lambda: 0), ("device_count", lambda: 1),
+                        ("set_device", lambda dev: None)):
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(cli, "_device_name", lambda dev: "stand-in GPU")
+    monkeypatch.setattr(provenance, "driver_version", lambda: None)
+    monkeypatch.setattr(peers, "deepgemm", lambda: (FakeDeepGEMM(), None))
+    real = rb.rows
+    monkeypatch.setattr(rb, "rows", lambda dev, quick, seed, dg, reason, progress, phases=None:
+                        real(CPU, quick, seed, dg, reason, progress, phases))
+    j, md = tmp_path / "r.json", tmp_path / "r.md"
+    res = CliRunner().invoke(main, ["bench", "rescore", "--phase", "decode", "--phase", "extend", "--json", str(j)])
+    assert res.exit_code == 0, res.output
+    assert "fp8-rescore (DeepGEMM stage 1)" in res.output  # the table's columns
+    doc = json.loads(j.read_text())
+    assert doc["schema"] == rb.SCHEMA and doc["deepgemm"] == "live" and doc["phases"] == ["decode", "extend"]
+    assert [r["phase"] for r in doc["rows"]] == ["decode", "extend"] and set(doc["columns"]) == set(rb.COLUMNS)
+    again = CliRunner().invoke(main, ["bench", "report", str(j), "--markdown", str(md)])
+    assert again.exit_code == 0, again.output
+    text = md.read_text()
+    assert "| fp8-rescore / fp8 DeepGEMM |" in text and "fp8-rescore 264 B (1.03x bf16, target <= 1.05x: pass)" in text
+    assert again.output.strip() == text.strip() == rb.markdown(doc).strip()
+    readme_md = tmp_path / "README.md"
+    readme_md.write_text("x\n<!-- results:rescore -->\nold\n<!-- /results:rescore -->\n")
+    res = CliRunner().invoke(main, ["bench", "report", str(j), "--readme", str(readme_md)])
+    assert res.exit_code == 0 and "rewrote results:rescore" in res.output, res.output
+    assert "| decode 2 x 1K |" in readme_md.read_text() and "old" not in readme_md.read_text()
+
+
+# --------------------------------------------------------------------------------------------------
+# bench rescore: rendering old and new results
+# --------------------------------------------------------------------------------------------------
+
+def _new_doc(dg=True):
+    us = {c: 10.0 * (i + 1) for i, c in enumerate(rb.COLUMNS)}
+    if not dg:
+        us.update({c: None for c in rb.DEEPGEMM_COLUMNS})
+    row = {"phase": "verify", "case": "verify 64 x 32K, next_n 2", "rows": 128, "us": us, "timing": "cuda-graph",
+           "deepgemm_route": serve.FP8_PAGED,
+           "errors": {} if dg else {c: "not measured: deep_gemm not importable" for c in rb.DEEPGEMM_COLUMNS}}
+    return {"schema": rb.SCHEMA, "device": "H200", "git_commit": "abcdef1234567", "index_topk": 512,
+            "deepgemm": "live" if dg else "deep_gemm not importable", "memory": rb.memory_rows(), "rows": [row]}
+
+
+def test_rescore_markdown_new_and_old_results():
+    new = rb.markdown(_new_doc())
+    assert "| case | bf16 | fp8 | fp8 DeepGEMM | fp8-rescore | fp8-rescore (DeepGEMM stage 1) | stage 1 |" in new
+    # fp8-rescore 40 us over fp8 DeepGEMM 30 us; the DeepGEMM stage-1 variant 50 us; per token 40 / 128
+    assert "| verify 64 x 32K, next_n 2 | 10.0 us |" in new and "| 0.31 us | 1.33x | 1.67x |" in new
+    no_dg = rb.markdown(_new_doc(dg=False))
+    assert "fp8 DeepGEMM" not in no_dg and "DeepGEMM: deep_gemm not importable" in no_dg
+    assert "| fp8-rescore / fp8 |" in no_dg and "| 2.00x |" in no_dg  # 40 us over fp8 20 us and "Not measured" not in no_dg
+    old = {"device": "NVIDIA H200", "quick": False, "seed": 0, "rows": [
+        {"B": 8, "tokens": 65536, "index_entries": 16384, "next_n": 1, "index_topk": 512, "k_prime": 2048,
+         "us": {"bf16": 100.0, "fp8": 90.0, "fp8-rescore": 180.0, "rescore stages": 160.0}}]}
+    assert rb.is_rescore(old) and rb.is_rescore(_new_doc()) and not rb.is_rescore({"schema": serve.SCHEMA})
+    text = rb.markdown(old)
+    assert "| decode 8 x 64K | 100.0 us | 90.0 us | 180.0 us | 160.0 us | 22.50 us | 2.00x |" in text
+    assert "timing method not recorded" in text
+    assert readme.not_gpu_figures(old) is None and readme.not_gpu_figures(dict(old, quick=True))
+
+
+# --------------------------------------------------------------------------------------------------
+# bench serve: the fp8-rescore layouts
+# --------------------------------------------------------------------------------------------------
+
+def test_serve_rescore_targets():
+    assert serve.rescore_target(serve.Case("decode", 64, 8 * K, 1, 0)) == 1.15
+    assert serve.rescore_target(serve.Case("verify", 64, 128 * K, 4, 0)) == 1.15
+    for chunk, ctx, want in ((4096, 32 * K, 1.2), (16384, 128 * K, 1.2), (4096, 16 * K, None),
+                             (8192, 32 * K, None), (16384, 256 * K, None)):
+        assert serve.rescore_target(serve.Case("prefill", 1, ctx, 1, chunk)) == want, (chunk, ctx)
+    assert serve.rescore_target({"phase": "prefill", "chunk": 4096, "context": 64 * K}) == 1.2
+
+
+def test_serve_memory_rows_add_fp8_rescore(tmp_path):
+    mem = {r["layout"]: r for r in serve.memory_rows(serve.BUILTIN["v4-flash"], 80.0)}
+    r = mem["fp8-rescore"]
+    assert r["bytes_per_entry"] == 264 and r["index_bytes_per_token"] == 21 * 264 / 4
+    assert r["vs_bf16"] == 264 / 256 and r["verdict"] == "pass" and mem["bf16"]["vs_bf16"] == 1.0
+
+
+def test_serve_rescore_forwards_select_what_the_reference_does(monkeypatch):
+    """fp8-rescore's forward (store of hi + lo, rescore op per layer) and its DeepGEMM-stage-1 variant run on the
+    references at tiny sizes on every step; fp8+topk is the fp8 step with a top-k per layer."""
+    _torch_gather(monkeypatch)
+    monkeypatch.setattr(serve, "NONPAGED_MIN_ROWS", 16)
+    model = serve.ServeModel("tiny", 5, 2, 66, "test", None)
+    for case in serve.cases(2, (256,), (1, 2, 4), (8, 32)):
+        for layout in ("fp8+topk", "fp8-rescore", "fp8-rescore-dg"):
+            fwd = serve._forward(case, layout, model, CPU, torch.Generator().manual_seed(0), FakeDeepGEMM())
+            assert fwd.layer_caches == 2 and fwd.gathers is None
+            fwd.run()
+    caches, _ = serve._layer_caches(serve.Case("decode", 2, 64, 1, 0), "fp8-rescore", 3, CPU, torch.Generator())
+    assert len(caches) == 3 and all(hi.shape == lo.shape and hi.dtype == lo.dtype == torch.uint8 for hi, lo in caches)
+    # the store writes hi and lo of the forward's new entries in one launch
+    case = serve.Case("decode", 2, 256, 1, 0)
+    fwd = serve._forward(case, "fp8-rescore", model, CPU, torch.Generator().manual_seed(0), None)
+    fwd.run()
+
+
+def test_serve_measure_records_rescore_ratios_and_verdicts(monkeypatch):
+    _torch_gather(monkeypatch)
+    model = serve.ServeModel("tiny", 5, 2, 66, "test", None)
+    row = serve.measure(serve.Case("verify", 2, 256, 2, 0), model, CPU, FakeDeepGEMM(), 0, reps=1)
+    assert row["error"] is None and row["rescore_target_ratio"] == 1.15
+    for v in ("rescore", "rescore_dg"):
+        ms = row[f"fp8_{v}_ms"]
+        assert row[f"{v}_vs_fp8_topk"] == ms / row["fp8_topk_ms"] and row[f"{v}_vs_fp8"] == ms / row["fp8_ms"]
+        assert row[f"{v}_verdict"] == ("pass" if row[f"{v}_vs_fp8_topk"] <= 1.15 else "miss")
+    only = serve.measure(serve.Case("decode", 2, 256, 1, 0), model, CPU, None, 0, reps=1, layouts=("fp8-rescore",))
+    assert only["fp8_rescore_ms"] > 0 and only["bf16_ms"] is None and only["rescore_vs_fp8_topk"] is None
+    assert only["rescore_verdict"] is None and only["fp8_rescore_dg_ms"] is None
+
+
+def test_serve_layouts_option(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    res = CliRunner().invoke(main, ["bench", "serve", "--layouts", "fp8-rescore,fp8+topk", "--layouts", "fp8",
+                                    "--json", "-"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout[res.stdout.index("{"):])
+    assert doc["layouts"] == ["fp8", "fp8+topk", "fp8-rescore"] and serve.RESCORE_COUNTED in doc["notes"]
+    assert "fp8-rescore" in {r["layout"] for r in doc["memory"]}
+    default = json.loads((r := CliRunner().invoke(main, ["bench", "serve", "--json", "-"])).stdout[r.stdout.index("{"):])
+    assert default["layouts"] == [name for name, _ in serve.TIMED]
+    res = CliRunner().invoke(main, ["bench", "serve", "--layouts", "fp16"])
+    assert res.exit_code == 2 and "--layouts" in res.output and "'fp16'" in res.output
+
+
+def test_serve_markdown_rescore_table_only_for_runs_that_have_it():
+    old_rows = [_serve_row("verify", 4, 0, fp8_route=serve.FP8_PAGED, target_ratio=1.2, verdict="miss")]
+    old = serve.markdown(_serve_doc(old_rows))
+    assert "fp8-rescore" not in old
+    new_rows = [dict(old_rows[0], fp8_topk_ms=1.2, fp8_rescore_ms=1.32, rescore_vs_fp8_topk=1.1, rescore_vs_fp8=1.32,
+                     fp8_rescore_dg_ms=1.5, rescore_dg_vs_fp8_topk=1.25, rescore_dg_vs_fp8=1.5,
+                     rescore_target_ratio=1.15, rescore_verdict="pass", rescore_dg_verdict="miss"),
+                _serve_row("prefill", 1, 4096, context=8 * K, fp8_route=serve.FP8_PAGED, fp8_topk_ms=1.1, fp8_rescore_ms=1.0,
+                           rescore_vs_fp8_topk=0.91, rescore_vs_fp8=1.0, rescore_target_ratio=None)]
+    doc = _serve_doc(new_rows)
+    doc["memory"] = serve.memory_rows(serve.BUILTIN["v4-flash"], 80.0)
+    new = serve.markdown(doc)
+    assert new.startswith(old.split("\n\n")[0])  # the cost table's head as before
+    assert ("| verify, next_n 4 | 64 x 32K | 1.00 ms | 1.20 ms | 1.32 ms | 1.10x | 1.32x | 1.50 ms | 1.25x | 1.50x | "
+            "<= 1.15x: ours pass, DeepGEMM stage 1 **miss** |") in new
+    assert "| prefill chunk of 4,096 | after 8K | 1.00 ms | 1.10 ms | 1.00 ms | 0.91x | 1.00x | — | — | — | — |" in new
+    assert "fp8-rescore: 1386 B per token (264 B per entry, 1.03x bf16's; target <= 1.05x: pass)" in new
+    assert "torch.topk(index_topk)" in new and "stage1=sglang" in new
+    only_ours = serve.markdown(_serve_doc([dict(new_rows[1])]))
+    assert "DeepGEMM stage 1" not in only_ours and "| fp8-rescore | / (fp8 + top-k) | / fp8 | target |" in only_ours
+    assert "<!--" not in readme._serve_block(doc)
