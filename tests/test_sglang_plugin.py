@@ -86,7 +86,7 @@ SCENARIO_ENV = {
 }
 _CLEARED = (ENV, "SGLANG_PLUGINS", "SGLANG_PLATFORM", "SGLANG_OPT_DSV4_NONPAGED_INDEXER",
             "SGLANG_OPT_DSV4_NONPAGED_INDEXER_MIN_QUERY_TOKENS", "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH",
-            "SGLANG_OPT_USE_TOPK_V2", core.RESCORE_STAGE1_ENV, core.RESCORE_KPRIME_ENV)
+            "SGLANG_OPT_USE_TOPK_V2") + core.RESCORE_ENVS
 
 
 def _require_sglang():
@@ -339,8 +339,8 @@ def test_fp8_rescore_mode_and_settings(monkeypatch):
     """fp8-rescore: a value of the switch, SGLang's fp8 rows in its pool plus residual pages (264 B per entry), its own
     PD tag; stage 1 and K' from their variables, read once per process, invalid values named."""
     monkeypatch.setenv(ENV, "FP8-Rescore")
-    monkeypatch.delenv(core.RESCORE_STAGE1_ENV, raising=False)
-    monkeypatch.delenv(core.RESCORE_KPRIME_ENV, raising=False)
+    for name in core.RESCORE_ENVS:
+        monkeypatch.delenv(name, raising=False)
     core.reset_mode()
     try:
         assert core.index_k_mode() == "fp8-rescore" and core.enabled() and core.is_two_level("fp8-rescore")
@@ -350,8 +350,9 @@ def test_fp8_rescore_mode_and_settings(monkeypatch):
         assert "264 B per entry" in core.describe("fp8-rescore")
         assert not any(core.is_two_level(m) for m in core.MODES[:-1])
         settings = core.rescore_settings()
-        assert settings == ("sglang", 4, None) and settings.k_prime(512) == 2048 and settings.k_prime(1024) == 4096
+        assert settings == ("sglang", 4, None, "fp8") and settings.k_prime(512) == 2048 and settings.k_prime(1024) == 4096
         assert "stage 1 = SGLang's own fp8 logits call" in settings.describe() and "K' = 4x index_topk" in settings.describe()
+        assert f"stage 2 with SGLang's fp8 query ({core.RESCORE_Q_ENV}=fp8)" in settings.describe()
         monkeypatch.setenv(core.RESCORE_KPRIME_ENV, "1500")
         assert core.rescore_settings().k_prime(512) == 2048, "the settings were re-read without reset_mode"
         core.reset_mode()
@@ -366,6 +367,18 @@ def test_fp8_rescore_mode_and_settings(monkeypatch):
         assert core.parse_stage1(" CUPY ") == "cupy" and core.parse_stage1(None) == "sglang"
         with pytest.raises(ValueError, match="expected one of sglang, cupy"):
             core.parse_stage1("deepgemm")
+        assert core.parse_stage2_q(" BF16 ") == "bf16" and core.parse_stage2_q(None) == core.DEFAULT_STAGE2_Q == "fp8"
+        for bad in ("fp16", "bfloat16", "fp32"):
+            with pytest.raises(ValueError, match=f"{core.RESCORE_Q_ENV}='{bad}': expected one of fp8, bf16"):
+                core.parse_stage2_q(bad)
+        monkeypatch.setenv(core.RESCORE_Q_ENV, "bf16")
+        core.reset_mode()
+        assert core.rescore_settings() == ("sglang", None, 1500, "bf16"), core.rescore_settings()
+        assert "the unquantized query rounded to bf16" in core.rescore_settings().describe()
+        monkeypatch.setenv(core.RESCORE_Q_ENV, "fp4")
+        assert f"{core.RESCORE_Q_ENV}='fp4'" in core.rescore_settings_problem("fp8-rescore")
+        monkeypatch.setenv(core.RESCORE_Q_ENV, "bf16")
+        assert f"{core.RESCORE_Q_ENV}" in core.rescore_settings_problem("fp8-cupy")  # set for another mode: refused
         assert core.rescore_settings_problem("fp8-rescore") is None
         monkeypatch.setenv(core.RESCORE_STAGE1_ENV, "tilelang")
         assert "'tilelang'" in core.rescore_settings_problem("fp8-rescore")
@@ -410,6 +423,11 @@ def test_warm_expressions_fp8_rescore():
         sg = core.warm_expressions(arch, mode="fp8-rescore", next_ns=(1, 2), stage1="sglang")
         assert core.LOGITS_SOURCE not in sg and sg[core.RESCORE_SOURCE] == exprs[core.RESCORE_SOURCE]
         assert core.QUERY_SOURCE not in exprs
+        # a bf16 stage-2 q: stage 2's bf16-q instantiation instead of the fp8-q one, the rest unchanged
+        bq = core.warm_expressions(arch, mode="fp8-rescore", next_ns=(1, 2), stage1="cupy", stage2_q="bf16")
+        assert bq[core.RESCORE_SOURCE] == [e for e in rescore.product_instantiations() if e != "rescore_topk_kernel<1>"]
+        assert {f: e for f, e in bq.items() if f != core.RESCORE_SOURCE} == \
+            {f: e for f, e in exprs.items() if f != core.RESCORE_SOURCE}
 
 
 def test_rescore_routes_share_the_forward_plans(monkeypatch):
