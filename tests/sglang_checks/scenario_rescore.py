@@ -153,8 +153,10 @@ def _sets(t):
     return [set(int(i) for i in row.tolist() if i >= 0) for row in t]
 
 
-def _run(mode_, batch, stage1, ns=None, kprime=None, stage2_q=None, **setup):
-    """The hooked forward in fp8-rescore over a two-level pool: (metadata, spies, setup namespace)."""
+def _run(mode_, batch, stage1, ns=None, kprime=None, stage2_q="fp8", **setup):
+    """The hooked forward in fp8-rescore over a two-level pool: (metadata, spies, setup namespace). ``stage2_q``: fp8
+    for the set-ups whose layer has no projections (their q is drawn in fp8, stage 1's and stage 2's); None: the
+    default (bf16), which needs :func:`_bf16q_setup`'s layer."""
     ns = ns or _setup(**setup)
     with settings_env(stage1=stage1, kprime=kprime, stage2_q=stage2_q), one_attention_cp_rank(), \
             spied_rescore(f"in {MODE}") as spies:
@@ -285,7 +287,7 @@ def scenario_rescore():
 
         every_hook_in_place()
         assert envs.SGLANG_CUPY_DSA_INDEX_K.get() == MODE and core.index_k_mode() == MODE
-        assert core.rescore_settings() == ("sglang", 4, None, "fp8"), core.rescore_settings()
+        assert core.rescore_settings() == ("sglang", 4, None, "bf16"), core.rescore_settings()
 
     @check
     def budget_counts_264_bytes():
@@ -481,7 +483,7 @@ def scenario_rescore():
                 ns.Backend._forward_prepare_normal = refused
                 try:
                     with sglang_fused_q_on_cpu(fused_calls):
-                        md, spies, _ = _run(mode_, batch, stage1, ns=ns, stage2_q="bf16")
+                        md, spies, _ = _run(mode_, batch, stage1, ns=ns, stage2_q=None if stage1 == "cupy" else "bf16")
                 finally:
                     ns.Backend._forward_prepare_normal = prepare
                 assert [p[0] for p in ns.projections] == ["weights_proj", "wq_b"], ns.projections
@@ -508,7 +510,7 @@ def scenario_rescore():
                           if a != b]
                 assert differ, f"{what}, stage1={stage1}: the bf16 and fp8 stage-2 queries select the same keys"
                 INFO.setdefault("rescore_bf16q_rows_differing_from_fp8q", {})[f"{what}, {stage1}"] = differ
-        # with the default (fp8) stage 2 gets no q_rescore: stage 1's fp8 q and weights; recall of the exact top-k
+        # with SGLANG_CUPY_DSA_RESCORE_Q=fp8 stage 2 gets no q_rescore: stage 1's fp8 q and weights; recall of the exact top-k
         # (fp64 scores of the fp32 keys and the fp32 rotated q) of both stage-2 queries, for the record
         ns = _bf16q_setup(lens=(2560, 2400, 2100, 1800))
         k = ns.keys.double().view(40, 64, 128)[ns.page_table.long()].reshape(4, -1, 128)
@@ -519,7 +521,7 @@ def scenario_rescore():
             INFO[f"rescore_recall_exact_stage2_{name}_q"] = [
                 len(got[r] & set(oracle[r, :n].topk(512).indices.tolist())) / 512 for r, n in enumerate(ns.lens)]
         md, spies, _ = _run(ForwardMode.DECODE, 4, "cupy", ns=ns)
-        assert spies.stage2 == [(None, None)], "the fp8 default passed a stage-2 query"
+        assert spies.stage2 == [(None, None)], "SGLANG_CUPY_DSA_RESCORE_Q=fp8 passed a stage-2 query"
         _assert_equal_reference(md, _reference_bf16q(ns, bf16=False), "decode, fp8 stage-2 q")
 
     @check
@@ -584,7 +586,7 @@ def scenario_rescore():
         ns = _setup(lens=(700, 900))
         for pool in (ns.fp8_pool,):  # SGLang's fp8 pages without residual pages
             try:
-                with one_attention_cp_rank():
+                with one_attention_cp_rank(), settings_env(stage2_q="fp8"):
                     ns.run(pool)
             except RuntimeError as e:
                 assert "has no residual (lo) pages" in str(e) and MODE in str(e), str(e)
@@ -807,6 +809,7 @@ def scenario_rescore():
         text = " ".join(t for _, t in lines)
         assert "int8 residual pages (264 B per entry)" in text and "stage 1 = SGLang's own fp8 logits call" in text, text
         assert "K' = 4x index_topk" in text and ",c4idx:fp8-rescore" in text, text
+        assert f"stage 2 with the unquantized query rounded to bf16 ({STAGE2_Q}=bf16)" in text, text
         with settings_env(kprime="4y"):
             mode, lines = check_cmd._mode_lines()
             assert mode is None and lines[0][0] == check_cmd.PROBLEM and f"{KPRIME}='4y'" in lines[0][1], lines
