@@ -16,7 +16,8 @@ Formats cupy_dsa implements (fp8 and bf16 layouts, exact and fp4sim keys) run th
 (fp8, bf16, fp4) are simulated in torch. ``fp8-rescore-Nx`` (two-level keys, issue 26) is scored by its torch
 reference (``rescore_topk_reference``; the kernels of ``rescore_topk`` select the same keys up to ties,
 tests/test_rescore.py): stage 1 = the fp8 format's logits, K' = N x k candidates,
-stage 2 = fp8 q against fp8 + int8-residual keys; its rows add the missed exact top-k entries and their fp8 ranks.
+stage 2 = fp8 q (or, ``-bf16q``, the unquantized q rounded to bf16) against fp8 + int8-residual keys; its rows add
+the missed exact top-k entries and their fp8 ranks.
 """
 
 from __future__ import annotations
@@ -34,7 +35,11 @@ from .sweeps import DIM, HEADS, make_freqs
 TOPKS = (512, 1024)
 MARGINS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.02, 0.05, 0.1)
 RESOLUTION_RATE = 0.99           # a format "resolves" a margin when it keeps >= 99% of the needles
-RESCORE_MULTIPLES = {"fp8-rescore-2x": 2, "fp8-rescore-3x": 3, "fp8-rescore-4x": 4}   # K' = multiple x k
+# fp8-rescore formats: K' = multiple x k; stage 2's query is SGLang's fp8 q (scale folded in the weights) or, for the
+# -bf16q rows, the unquantized query rounded to bf16 with the weights without that scale
+RESCORE_MULTIPLES = {"fp8-rescore-2x": 2, "fp8-rescore-3x": 3, "fp8-rescore-4x": 4,
+                     "fp8-rescore-2x-bf16q": 2, "fp8-rescore-3x-bf16q": 3, "fp8-rescore-4x-bf16q": 4}
+RESCORE_STAGE2_Q = {f: ("bf16" if f.endswith("-bf16q") else "fp8") for f in RESCORE_MULTIPLES}
 FORMATS = ("fp8", "fp4", "bf16", "bf16-fp4sim", "bf16+q-bf16", "bf16-reference") + tuple(RESCORE_MULTIPLES)
 ORACLES = ("exact", "reference")
 FORMAT_NOTES = {
@@ -48,9 +53,13 @@ FORMAT_NOTES = {
                       "numerics: fp4sim keys in the bf16 layout, q fp4-simulated in bf16 as prepare_index_q rounds "
                       "it (its RoPE and Hadamard are the bench's rotated basis), fp32 accumulation in the logits op",
     **{f: f"two-level keys (scored by rescore_topk's CPU reference): fp8 logits pick each row's top {m} x k candidates "
-          f"(ties: lower position), which are rescored with fp8 q (scale in the weights) against fp8 + int8-residual "
-          f"keys (264 B per entry) in fp32; missed = exact top-k entries outside the selection, with their fp8 rank "
-          f"(0-based; the K' that would have kept one is its rank + 1)" for f, m in RESCORE_MULTIPLES.items()},
+          f"(ties: lower position), which are rescored with "
+          + ("fp8 q (scale in the weights)" if RESCORE_STAGE2_Q[f] == "fp8" else
+             "a bf16 q (q_rescore: the unquantized query rounded to bf16, as SGLang's fp32 rotated q would be before "
+             "its fp8 quantization; weights_rescore without the q scale)")
+          + f" against fp8 + int8-residual keys (264 B per entry) in fp32; missed = exact top-k entries outside the "
+          f"selection, with their fp8 rank (0-based; the K' that would have kept one is its rank + 1)"
+       for f, m in RESCORE_MULTIPLES.items()},
     "exact": "oracle: fp64 scores of the fp32 rotated keys and fp32 q",
     "reference": "oracle: DeepSeek-V4 reference numerics (fp4-simulated q and keys, fp32 scores)",
 }
@@ -237,7 +246,7 @@ class _Acc:
         kp = RESCORE_MULTIPLES[fmt] * k
         m = self.missed.get((fmt, k))
         need = sorted(self.rank_needed.get(k, []))
-        return {"k_prime": kp, "missed_entries": m[0] if m else None, "missed_beyond_k_prime": m[1] if m else None,
+        return {"k_prime": kp, "stage2_q": RESCORE_STAGE2_Q[fmt], "missed_entries": m[0] if m else None, "missed_beyond_k_prime": m[1] if m else None,
                 "missed_fp8_rank_max": (max(m[2]) if m[2] else None) if m else None,
                 "fp8_rank_needed_max": need[-1] if need else None,
                 "fp8_rank_needed_median": need[len(need) // 2] if need else None}
@@ -439,8 +448,9 @@ def _chunk(world, freqs, had, B, n, device, g, acc):
         logits = cupy_dsa.paged_mqa_logits(qq[:, None].contiguous(), cache, ww.float().contiguous(), lens,
                                            table_rows, n, clean_logits=False)[:, :n]
         scores[fmt] = logits.view(B, M, n)
-    _rescore(acc, scores["fp8"], k_all, q8, w8, out_loc, num_pages, lens, table_rows, needles, top_exact, top_ref,
-             B, M, n, last)
+    stage2_q = {"fp8": (q8, w8), "bf16": (q_rows.to(torch.bfloat16), w_rows)}
+    _rescore(acc, scores["fp8"], k_all, q8, w8, stage2_q, out_loc, num_pages, lens, table_rows, needles, top_exact,
+             top_ref, B, M, n, last)
     for fmt, s in scores.items():
         s_needle = s[ar_b, :, needles]                                                  # [B, M]
         ahead = (s >= s_needle[..., None]).sum(-1) - 1                                  # others at or above the needle
@@ -454,10 +464,11 @@ def _chunk(world, freqs, had, B, n, device, g, acc):
     acc.queries += B
 
 
-def _rescore(acc, fp8, k_all, q8, w8, out_loc, num_pages, lens, table_rows, needles, top_exact, top_ref, B, M, n,
-             last):
+def _rescore(acc, fp8, k_all, q8, w8, stage2_q, out_loc, num_pages, lens, table_rows, needles, top_exact, top_ref,
+             B, M, n, last):
     """The fp8-rescore formats: two-level pages from the keys the store makes, stage 1 = the fp8 format's logits
-    (``fp8`` [B, M, n]), per k and K' the selection's needle hits, recall, reference overlap, and the missed exact
+    (``fp8`` [B, M, n], from ``q8`` / ``w8``), stage 2 with ``stage2_q[RESCORE_STAGE2_Q[format]]`` (q [B*M, 64, 128],
+    weights [B*M, 64]); per k and K' the selection's needle hits, recall, reference overlap, and the missed exact
     top-k entries with their fp8 ranks (on the largest-margin rows, as recall)."""
     from cupy_dsa.rescore import empty_lo_cache, rescore_topk_reference, store_two_level_reference
 
@@ -473,8 +484,10 @@ def _rescore(acc, fp8, k_all, q8, w8, out_loc, num_pages, lens, table_rows, need
         kk = min(k, n)
         acc.rank_needed.setdefault(k, []).extend((rank.gather(1, top_exact[k]).amax(-1) + 1).tolist())
         for fmt, mult in RESCORE_MULTIPLES.items():
+            q2, w2 = stage2_q[RESCORE_STAGE2_Q[fmt]]
             sel = rescore_topk_reference(q8[:, None].contiguous(), w8.float().contiguous(), hi, lo, lens, table_rows,
-                                         k, mult * k, stage1_logits=s1).raw_indices.long().view(B, M, k)
+                                         k, mult * k, stage1_logits=s1, q_rescore=q2.contiguous(),
+                                         weights_rescore=w2.float().contiguous()).raw_indices.long().view(B, M, k)
             hits = (sel == needles[:, None, None]).any(-1).sum(0).tolist()
             top = sel[:, last, :kk]
             recall = _overlap(top, top_exact[k], n) / kk

@@ -42,7 +42,12 @@ The ``fp8-rescore`` phase repeats it with ``SGLANG_CUPY_DSA_INDEX_K=fp8-rescore`
 pages beside it, both written by one store launch (the fp8 bytes checked as in fp8-cupy, the keys the two pages hold
 within 1e-3 of the CPU path's), then extend, decode, verify and both CUDA graphs twice, with stage 1 from cupy_dsa's
 kernels (the plugin's routes) and from SGLang's own fp8 logits call (here its torch fp8 logits: DeepGEMM is not on
-this machine), each rescored top-k against the CPU path's (overlap >= 0.99 per row, SGLang's slot transform).
+this machine), each rescored top-k against the CPU path's (overlap >= 0.99 per row, SGLang's slot transform). Stage 2
+takes stage 1's fp8 q here (``SGLANG_CUPY_DSA_RESCORE_Q=fp8``: the layer stand-in has no projections). Not yet run on
+the device: the default bf16 stage-2 query (wq_b's output rotated in torch, SGLang's fused fp8 q kernel stood in; checked
+on CPU in tests/sglang_checks) and, GPU-only (TODO), a HiCache backup / load of the hi and lo pages through SGLang's
+``DeepSeekV4PagedHostPool`` (its transfer functions come from ``sgl_kernel.kvcacheio`` and are imported only on
+CUDA / HIP, and its pinned host buffers need CUDA): both regions byte-identical after device -> host -> device.
 Last line: ``SGLANG GPU PATH: PASS ...`` or ``FAIL ...``.
 """
 from __future__ import annotations
@@ -803,6 +808,7 @@ def run(device, seed, only=None):
             worlds2 = [World(sg, device, norm_w, freq_cis), World(sg, "cpu", norm_w, freq_cis)]
             batch2 = Batch(g)
             prompt_store(worlds2, batch2)
+            os.environ[core.RESCORE_Q_ENV] = "fp8"  # the layer stand-in has no projections to build a bf16 q from
             for stage1 in ("cupy", "sglang"):
                 os.environ[core.RESCORE_STAGE1_ENV] = stage1
                 core.reset_mode()
@@ -821,6 +827,7 @@ def run(device, seed, only=None):
         finally:
             os.environ[core.ENV_NAME] = "bf16"
             os.environ.pop(core.RESCORE_STAGE1_ENV, None)
+            os.environ.pop(core.RESCORE_Q_ENV, None)
             core.reset_mode()
 
     phase("fp8-cupy", fp8_cupy)

@@ -53,6 +53,7 @@ CHECKS = {
                  "hook_failure_undoes_applied_hooks", "hook_failing_after_its_patch_counts_only_earlier_hooks",
                  "resolution_hook_failure_undoes_hooks",
                  "invalid_value_direct_load_plugins", "invalid_value_engine", "invalid_value_ray_worker_hook",
+                 "invalid_rescore_setting_refused_before_patching",
                  "switch_off_hook_failure_leaves_sglang_unchanged", "registers_after_refusals"],
     "fp8cupy": ["hooks_applied_fp8cupy", "pool_and_budget_are_sglangs", "store_fp8_decode_plan_matches_sglang",
                 "store_fp8_prefill_plan_matches_sglang", "store_fp8_via_sglang_call_site", "store_fp8cupy_strictness",
@@ -64,6 +65,7 @@ CHECKS = {
                 "pd_registers_the_lo_pages", "store_two_level_decode_plan", "store_two_level_prefill_plan",
                 "store_two_level_one_launch_via_sglang_call_site", "store_rescore_strictness",
                 "indexer_decode_matches_reference_both_stage1", "indexer_routes_match_reference",
+                "indexer_bf16_stage2_query_reaches_stage2",
                 "indexer_exact_topk_where_unambiguous", "indexer_small_rows_padding_and_kprime_cap",
                 "indexer_rescore_refuses_pools_without_lo", "indexer_rescore_refuses_a_tbo_micro_batch",
                 "indexer_rescore_hisparse_and_capturer",
@@ -86,7 +88,7 @@ SCENARIO_ENV = {
 }
 _CLEARED = (ENV, "SGLANG_PLUGINS", "SGLANG_PLATFORM", "SGLANG_OPT_DSV4_NONPAGED_INDEXER",
             "SGLANG_OPT_DSV4_NONPAGED_INDEXER_MIN_QUERY_TOKENS", "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH",
-            "SGLANG_OPT_USE_TOPK_V2", core.RESCORE_STAGE1_ENV, core.RESCORE_KPRIME_ENV)
+            "SGLANG_OPT_USE_TOPK_V2") + core.RESCORE_ENVS
 
 
 def _require_sglang():
@@ -339,8 +341,8 @@ def test_fp8_rescore_mode_and_settings(monkeypatch):
     """fp8-rescore: a value of the switch, SGLang's fp8 rows in its pool plus residual pages (264 B per entry), its own
     PD tag; stage 1 and K' from their variables, read once per process, invalid values named."""
     monkeypatch.setenv(ENV, "FP8-Rescore")
-    monkeypatch.delenv(core.RESCORE_STAGE1_ENV, raising=False)
-    monkeypatch.delenv(core.RESCORE_KPRIME_ENV, raising=False)
+    for name in core.RESCORE_ENVS:
+        monkeypatch.delenv(name, raising=False)
     core.reset_mode()
     try:
         assert core.index_k_mode() == "fp8-rescore" and core.enabled() and core.is_two_level("fp8-rescore")
@@ -350,8 +352,9 @@ def test_fp8_rescore_mode_and_settings(monkeypatch):
         assert "264 B per entry" in core.describe("fp8-rescore")
         assert not any(core.is_two_level(m) for m in core.MODES[:-1])
         settings = core.rescore_settings()
-        assert settings == ("sglang", 4, None) and settings.k_prime(512) == 2048 and settings.k_prime(1024) == 4096
+        assert settings == ("sglang", 4, None, "bf16") and settings.k_prime(512) == 2048 and settings.k_prime(1024) == 4096
         assert "stage 1 = SGLang's own fp8 logits call" in settings.describe() and "K' = 4x index_topk" in settings.describe()
+        assert f"stage 2 with the unquantized query rounded to bf16 ({core.RESCORE_Q_ENV}=bf16)" in settings.describe()
         monkeypatch.setenv(core.RESCORE_KPRIME_ENV, "1500")
         assert core.rescore_settings().k_prime(512) == 2048, "the settings were re-read without reset_mode"
         core.reset_mode()
@@ -366,6 +369,18 @@ def test_fp8_rescore_mode_and_settings(monkeypatch):
         assert core.parse_stage1(" CUPY ") == "cupy" and core.parse_stage1(None) == "sglang"
         with pytest.raises(ValueError, match="expected one of sglang, cupy"):
             core.parse_stage1("deepgemm")
+        assert core.parse_stage2_q(" FP8 ") == "fp8" and core.parse_stage2_q(None) == core.DEFAULT_STAGE2_Q == "bf16"
+        for bad in ("fp16", "bfloat16", "fp32"):
+            with pytest.raises(ValueError, match=f"{core.RESCORE_Q_ENV}='{bad}': expected one of fp8, bf16"):
+                core.parse_stage2_q(bad)
+        monkeypatch.setenv(core.RESCORE_Q_ENV, "fp8")
+        core.reset_mode()
+        assert core.rescore_settings() == ("sglang", None, 1500, "fp8"), core.rescore_settings()
+        assert "stage 2 with SGLang's fp8 query" in core.rescore_settings().describe()
+        monkeypatch.setenv(core.RESCORE_Q_ENV, "fp4")
+        assert f"{core.RESCORE_Q_ENV}='fp4'" in core.rescore_settings_problem("fp8-rescore")
+        monkeypatch.setenv(core.RESCORE_Q_ENV, "bf16")
+        assert f"{core.RESCORE_Q_ENV}" in core.rescore_settings_problem("fp8-cupy")  # set for another mode: refused
         assert core.rescore_settings_problem("fp8-rescore") is None
         monkeypatch.setenv(core.RESCORE_STAGE1_ENV, "tilelang")
         assert "'tilelang'" in core.rescore_settings_problem("fp8-rescore")
@@ -394,12 +409,12 @@ def test_lo_cache_registry():
 
 
 def test_warm_expressions_fp8_rescore():
-    """fp8-rescore warms the two-level store (both pages in one launch), the rescoring kernels of SGLang's fp8 q,
-    and its own fp8-key logits only when cupy_dsa computes stage 1."""
+    """fp8-rescore warms the two-level store (both pages in one launch), the rescoring kernels of stage 2's q (fp8 or
+    bf16, the default), and its own fp8-key logits only when cupy_dsa computes stage 1."""
     from cupy_dsa import launch, logits, rescore, store
 
     for arch in ("sm_80", "sm_90", "sm_120"):
-        exprs = core.warm_expressions(arch, mode="fp8-rescore", next_ns=(1, 2), stage1="cupy")
+        exprs = core.warm_expressions(arch, mode="fp8-rescore", next_ns=(1, 2), stage1="cupy", stage2_q="fp8")
         assert exprs[core.STORE_SOURCE] == store.product_instantiations(
             layouts=("two-level",), numerics=("exact",), in_dtypes=(torch.bfloat16,), sources=("decode", "prefill"))
         assert exprs[core.LOGITS_SOURCE] == logits.product_instantiations(arch, q_fp8=(1,), next_ns=(1, 2),
@@ -407,9 +422,14 @@ def test_warm_expressions_fp8_rescore():
         assert exprs[core.RESCORE_SOURCE] == [e for e in rescore.product_instantiations()
                                               if e != "rescore_topk_kernel<0>"]
         assert set(exprs[core.RESCORE_SOURCE]) <= set(launch.product_expressions(arch)[core.RESCORE_SOURCE])
-        sg = core.warm_expressions(arch, mode="fp8-rescore", next_ns=(1, 2), stage1="sglang")
+        sg = core.warm_expressions(arch, mode="fp8-rescore", next_ns=(1, 2), stage1="sglang", stage2_q="fp8")
         assert core.LOGITS_SOURCE not in sg and sg[core.RESCORE_SOURCE] == exprs[core.RESCORE_SOURCE]
         assert core.QUERY_SOURCE not in exprs
+        # a bf16 stage-2 q: stage 2's bf16-q instantiation instead of the fp8-q one, the rest unchanged
+        bq = core.warm_expressions(arch, mode="fp8-rescore", next_ns=(1, 2), stage1="cupy")  # default: bf16
+        assert bq[core.RESCORE_SOURCE] == [e for e in rescore.product_instantiations() if e != "rescore_topk_kernel<1>"]
+        assert {f: e for f, e in bq.items() if f != core.RESCORE_SOURCE} == \
+            {f: e for f, e in exprs.items() if f != core.RESCORE_SOURCE}
 
 
 def test_rescore_routes_share_the_forward_plans(monkeypatch):

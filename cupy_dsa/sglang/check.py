@@ -83,11 +83,10 @@ def _mode_lines(flag: str | None = None) -> tuple[str | None, list[tuple[str, st
         lines = [(OK, f"{shown} -> fp8: the switch is off, SGLang runs unchanged with its fp8 "
                       f"index keys (set {ENV_NAME}=bf16 or pass {CLI_FLAG} bf16 to turn it on)")]
     elif core.is_two_level(mode):
-        settings = core.parse_rescore_settings(os.environ.get(core.RESCORE_STAGE1_ENV),
-                                               os.environ.get(core.RESCORE_KPRIME_ENV)).describe()
+        settings = core.rescore_settings_from_env().describe()
         lines = [(OK, f"{ENV_NAME}={raw}{source} -> {mode}: two-level index keys, SGLang's fp8 keys (its bytes, its "
                       f"pool buffer) + int8 residual pages ({core.index_bytes_per_entry(mode)} B per entry), SGLang's "
-                      f"fp8 query; {settings}")]
+                      f"fp8 query in stage 1; {settings}")]
     elif core.cache_layout(mode) == "fp8":
         lines = [(OK, f"{ENV_NAME}={raw}{source} -> {mode}: SGLang's fp8 index keys (132 B per entry, SGLang's bytes) "
                        f"written by cupy_dsa's store and scored by cupy_dsa's kernels, SGLang's fp8 query")]

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from cupy_dsa.layouts import BF16_PAGE_BYTES, FP8_PAGE_BYTES, PAGE_SLOTS
+from cupy_dsa.store import HADAMARD_SCALE as _HADAMARD_SCALE
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +39,24 @@ RESCORE_MODE = "fp8-rescore"
 DEFAULT_MODE = "fp8"
 
 # fp8-rescore's settings: which kernel computes stage 1 (SGLang's own fp8 logits call, or cupy_dsa's fp8-key
-# kernels) and K' (a multiple of index_topk, "4x", or a count of candidates per row, "2048")
+# kernels), K' (a multiple of index_topk, "4x", or a count of candidates per row, "2048") and stage 2's query
+# (SGLang's fp8 q, or the unquantized q rounded to bf16: SGLang's fused kernel keeps the rotated q only in registers
+# on its way to fp8, so "bf16" rotates wq_b's bf16 output once more, in torch, for stage 2)
 RESCORE_STAGE1_ENV = "SGLANG_CUPY_DSA_RESCORE_STAGE1"
 RESCORE_KPRIME_ENV = "SGLANG_CUPY_DSA_RESCORE_KPRIME"
+RESCORE_Q_ENV = "SGLANG_CUPY_DSA_RESCORE_Q"
 RESCORE_STAGE1_FLAG = "--cupy-dsa-rescore-stage1"
 RESCORE_KPRIME_FLAG = "--cupy-dsa-rescore-kprime"
+RESCORE_Q_FLAG = "--cupy-dsa-rescore-q"
 STAGE1_CHOICES = ("sglang", "cupy")
+STAGE2_Q_CHOICES = ("fp8", "bf16")
 DEFAULT_STAGE1 = "sglang"
 DEFAULT_KPRIME = "4x"
+# bf16 by default: on diverse keys the fp8 q is what limits stage 2 (bench recall's background keys, K' = 4k: 99.6-99.9%
+# of the exact top-k with the fp8 q, 99.98-100% with the bf16 q); on its near-duplicate stress suite the residual keys
+# limit both alike
+DEFAULT_STAGE2_Q = "bf16"
+RESCORE_ENVS = (RESCORE_STAGE1_ENV, RESCORE_KPRIME_ENV, RESCORE_Q_ENV)
 
 # Without SGLang's row-chunk plan (SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1 builds none) an eager call still
 # bounds one fp32 logits block to this many bytes; graph-captured calls are never split (fixed shapes).
@@ -149,10 +160,13 @@ def describe(mode: str) -> str:
 
 class RescoreSettings(NamedTuple):
     """``stage1``: ``"sglang"`` (SGLang's own fp8 logits call, the function its forward would call) or ``"cupy"``
-    (cupy_dsa's fp8-key kernels on the plugin's routes); K' is ``multiple x index_topk`` or ``count``."""
+    (cupy_dsa's fp8-key kernels on the plugin's routes); K' is ``multiple x index_topk`` or ``count``;
+    ``stage2_q``: ``"fp8"`` (SGLang's fp8 q, its scale in the weights) or ``"bf16"`` (the rotated, unquantized q
+    rounded to bf16, the weights without the q scale)."""
     stage1: str
     multiple: int | None
     count: int | None
+    stage2_q: str = DEFAULT_STAGE2_Q
 
     def k_prime(self, index_topk: int) -> int:
         """Candidates per row for a layer of ``index_topk`` (the ops cap it at the row's width)."""
@@ -166,7 +180,9 @@ class RescoreSettings(NamedTuple):
     def describe(self) -> str:
         kp = f"{self.multiple}x index_topk" if self.count is None else f"{self.count}"
         first = ("SGLang's own fp8 logits call" if self.stage1 == "sglang" else "cupy_dsa's fp8-key kernels")
-        return f"stage 1 = {first} ({RESCORE_STAGE1_ENV}={self.stage1}), K' = {kp} ({RESCORE_KPRIME_ENV})"
+        second = ("SGLang's fp8 query" if self.stage2_q == "fp8" else "the unquantized query rounded to bf16")
+        return (f"stage 1 = {first} ({RESCORE_STAGE1_ENV}={self.stage1}), K' = {kp} ({RESCORE_KPRIME_ENV}), stage 2 "
+                f"with {second} ({RESCORE_Q_ENV}={self.stage2_q})")
 
 
 def parse_stage1(value) -> str:
@@ -176,6 +192,16 @@ def parse_stage1(value) -> str:
     if v not in STAGE1_CHOICES:
         raise ValueError(f"{RESCORE_STAGE1_ENV}={value!r}: expected one of {', '.join(STAGE1_CHOICES)} (sglang: "
                          f"SGLang's own fp8 logits call computes stage 1; cupy: cupy_dsa's fp8-key kernels)")
+    return v
+
+
+def parse_stage2_q(value) -> str:
+    if value is None or str(value).strip() == "":
+        return DEFAULT_STAGE2_Q
+    v = str(value).strip().lower()
+    if v not in STAGE2_Q_CHOICES:
+        raise ValueError(f"{RESCORE_Q_ENV}={value!r}: expected one of {', '.join(STAGE2_Q_CHOICES)} (stage 2's query: "
+                         f"fp8 = SGLang's fp8 q; bf16 = the unquantized q rounded to bf16)")
     return v
 
 
@@ -193,8 +219,13 @@ def parse_k_prime(value) -> tuple[int | None, int | None]:
     return (int(digits), None) if multiple else (None, int(digits))
 
 
-def parse_rescore_settings(stage1=None, k_prime=None) -> RescoreSettings:
-    return RescoreSettings(parse_stage1(stage1), *parse_k_prime(k_prime))
+def parse_rescore_settings(stage1=None, k_prime=None, stage2_q=None) -> RescoreSettings:
+    return RescoreSettings(parse_stage1(stage1), *parse_k_prime(k_prime), parse_stage2_q(stage2_q))
+
+
+def rescore_settings_from_env() -> RescoreSettings:
+    """fp8-rescore's settings as the environment holds them now (raises ValueError naming a bad variable)."""
+    return parse_rescore_settings(*(os.environ.get(n) for n in RESCORE_ENVS))
 
 
 _RESCORE: RescoreSettings | None = None
@@ -204,7 +235,7 @@ def rescore_settings() -> RescoreSettings:
     """fp8-rescore's settings from the environment, read once per process (like the switch)."""
     global _RESCORE
     if _RESCORE is None:
-        _RESCORE = parse_rescore_settings(os.environ.get(RESCORE_STAGE1_ENV), os.environ.get(RESCORE_KPRIME_ENV))
+        _RESCORE = rescore_settings_from_env()
     return _RESCORE
 
 
@@ -214,14 +245,14 @@ def rescore_settings_problem(mode: str) -> str | None:
     if mode == "fp8":
         return None
     if mode != RESCORE_MODE:
-        stray = [n for n in (RESCORE_STAGE1_ENV, RESCORE_KPRIME_ENV) if (os.environ.get(n) or "").strip()]
+        stray = [n for n in RESCORE_ENVS if (os.environ.get(n) or "").strip()]
         if stray:
             verb = "they apply" if len(stray) > 1 else "it applies"
             return (f"{', '.join(stray)} set with {ENV_NAME}={mode}: {verb} to {RESCORE_MODE} only. Unset "
                     f"{' and '.join(stray)}, or set {ENV_NAME}={RESCORE_MODE}")
         return None
     try:
-        parse_rescore_settings(os.environ.get(RESCORE_STAGE1_ENV), os.environ.get(RESCORE_KPRIME_ENV))
+        rescore_settings_from_env()
     except ValueError as e:
         return str(e)
     return None
@@ -263,15 +294,16 @@ RESCORE_SOURCE = "rescore_topk.cu"
 
 
 def warm_expressions(arch: str, *, mode: str, next_ns=(1,), kv_dtypes=(torch.bfloat16,),
-                     stage1: str = "cupy") -> dict[str, list[str]]:
+                     stage1: str = "cupy", stage2_q: str = DEFAULT_STAGE2_Q) -> dict[str, list[str]]:
     """The kernel instantiations one SGLang server launches, ``{source_file: [name expressions]}``: the mode's
     cache layout (:func:`cache_layout`), fp8 q, the given ``next_ns`` (1, plus the MTP draft count), the mode's
     store numerics on SGLang's decode and prefill plan rows for the model's kv dtype. Everything else compiles
     on first use.
     The logits expressions are ``cupy_dsa.logits.product_instantiations``; bf16-reference adds the query prep
     for bf16 head weights (``weights_proj``'s dtype) and takes the bf16-query logits. fp8-rescore stores both
-    pages in one launch (the store's ``two-level`` layout), adds the rescoring kernels for SGLang's fp8 q, and
-    launches no logits kernel of its own when SGLang's call computes stage 1 (``stage1="sglang"``)."""
+    pages in one launch (the store's ``two-level`` layout), adds the rescoring kernels for stage 2's query
+    (``stage2_q``: SGLang's fp8 q, or a bf16 q), and launches no logits kernel of its own when SGLang's call computes
+    stage 1 (``stage1="sglang"``)."""
     from cupy_dsa import launch, logits, query, rescore, store
 
     product = launch.product_expressions(arch)
@@ -283,9 +315,9 @@ def warm_expressions(arch: str, *, mode: str, next_ns=(1,), kv_dtypes=(torch.bfl
     if not (is_two_level(mode) and stage1 == "sglang"):
         out[LOGITS_SOURCE] = logits.product_instantiations(arch, q_fp8=(int(query_is_fp8(mode)),),
                                                            next_ns=tuple(sorted(set(next_ns))), layouts=(layout,))
-    if is_two_level(mode):  # SGLang's fp8 q in stage 2: not the bf16-q instantiation of stage 2
-        out[RESCORE_SOURCE] = [rescore.RESCORE.select(p, None).expr for p in rescore.RESCORE.problems
-                               if p != ("stage2", 0)]
+    if is_two_level(mode):  # the stage-2 instantiation of the one q type stage 2 gets (1: fp8, 0: bf16)
+        unused = ("stage2", 0 if parse_stage2_q(stage2_q) == "fp8" else 1)
+        out[RESCORE_SOURCE] = [rescore.RESCORE.select(p, None).expr for p in rescore.RESCORE.problems if p != unused]
     if not query_is_fp8(mode):
         out[QUERY_SOURCE] = query.product_instantiations(numerics=("fp4sim",), weight_dtypes=(torch.bfloat16,))
     for filename, exprs in out.items():
@@ -329,8 +361,10 @@ def ensure_warm(device: torch.device) -> None:
         return
     idx = device.index if device.index is not None else torch.cuda.current_device()
     mode = index_k_mode()
-    stage1 = rescore_settings().stage1 if is_two_level(mode) else "cupy"
-    key = (idx, mode, stage1, _WARM_CONFIG["next_ns"], _WARM_CONFIG["kv_dtypes"])
+    settings = rescore_settings() if is_two_level(mode) else None
+    stage1 = settings.stage1 if settings else "cupy"
+    stage2_q = settings.stage2_q if settings else DEFAULT_STAGE2_Q
+    key = (idx, mode, stage1, stage2_q, _WARM_CONFIG["next_ns"], _WARM_CONFIG["kv_dtypes"])
     if key in _WARMED:
         return
     with _WARM_LOCK:
@@ -342,7 +376,8 @@ def ensure_warm(device: torch.device) -> None:
         from cupy_dsa import runtime
 
         exprs = warm_expressions(runtime.device_arch(idx), mode=mode if mode != "fp8" else "bf16",
-                                 next_ns=_WARM_CONFIG["next_ns"], kv_dtypes=_WARM_CONFIG["kv_dtypes"], stage1=stage1)
+                                 next_ns=_WARM_CONFIG["next_ns"], kv_dtypes=_WARM_CONFIG["kv_dtypes"], stage1=stage1,
+                                 stage2_q=stage2_q)
         n = runtime.warm_up_expressions(idx, exprs)
         logger.info("cupy_dsa: warmed %d kernel instantiations on cuda:%d (%s)", n, idx,
                     ", ".join(f"{f}: {len(e)}" for f, e in exprs.items()))
@@ -448,6 +483,59 @@ def reference_query(c4_indexer, x: torch.Tensor, q_lora: torch.Tensor, positions
     return q_ref, w_ref.unsqueeze(2)
 
 
+# fp8-rescore's bf16 stage-2 query: tokens per block of the rotation (bounds its fp32 temporaries to 64 MiB each)
+_ROTATE_BLOCK_TOKENS = 2048
+
+
+def rotated_query_bf16(q: torch.Tensor, freqs_cis: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """fp8-rescore's bf16 stage-2 query: ``wq_b``'s bf16 output ``q [T, 64, 128]`` rotated as SGLang's fused q kernel
+    rotates it before its fp8 quantization (RoPE of the trailing 64 dims, interleaved pairs, at ``positions[t]``, then
+    the natural-order Hadamard-128 and its ``128^-0.5``; fp32, in the operation order of
+    ``cupy_dsa.prepare_index_q_reference``), rounded to bf16 once. Returns bf16 ``[T, 64, 128]``, contiguous.
+
+    SGLang never holds this tensor (its kernel keeps the rotated q in registers on the way to fp8), so it is made
+    here: torch ops on the current stream, fixed shapes, no host sync (capturable)."""
+    table = rope_table(freqs_cis)
+    T, heads, dim = q.shape
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    half = dim // 2
+    for s in range(0, T, _ROTATE_BLOCK_TOKENS):
+        e = min(T, s + _ROTATE_BLOCK_TOKENS)
+        x = q[s:e].to(torch.float32)
+        f = table.index_select(0, positions[s:e].to(torch.int64))[:, None, :]   # [t, 1, 64]: every head's row
+        cos, sin = f[..., 0::2], f[..., 1::2]
+        re, im = x[..., half::2], x[..., half + 1::2]
+        re2 = re * cos - im * sin
+        im2 = re * sin + im * cos
+        re.copy_(re2)
+        im.copy_(im2)
+        # Hadamard butterflies over element bits 0..6 (lower index a + b, upper a - b), ping-pong buffers
+        y = torch.empty_like(x)
+        n = x.numel() // dim
+        for bit in range(dim.bit_length() - 1):
+            shape = (n, (dim >> 1) >> bit, 2, 1 << bit)
+            a, b = x.view(shape).unbind(2)
+            o = y.view(shape)
+            torch.add(a, b, out=o[:, :, 0])
+            torch.sub(a, b, out=o[:, :, 1])
+            x, y = y, x
+        torch.mul(x, _HADAMARD_SCALE, out=out[s:e])                             # fp32 product, one bf16 rounding
+    return out
+
+
+def unscaled_query_weights(weights: torch.Tensor, weight_scale: float) -> torch.Tensor:
+    """The head weights of a bf16 stage-2 query: ``float(weights_proj output) * weight_scale`` in fp32 (SGLang's
+    fused q kernel's weights without the fp8 q scale it folds in), float32 ``[T, 64]``."""
+    return weights.to(torch.float32) * _fp32(weight_scale)
+
+
+def _fp32(value: float) -> float:
+    """``value`` rounded to fp32 (what a kernel taking it as a float argument computes with)."""
+    import numpy as np
+
+    return float(np.float32(value))
+
+
 # --------------------------------------------------------------------------------------------------
 # Logits (H3): one row chunk at a time, fp32 [rows, width] with a row stride % 4 == 0
 # --------------------------------------------------------------------------------------------------
@@ -549,35 +637,49 @@ def extend_logits(q: torch.Tensor, weights: torch.Tensor, ks: torch.Tensor, ke: 
 # fp8-rescore (H3): the two-stage top-k of one row chunk (cupy_dsa.rescore), in SGLang's output form
 # --------------------------------------------------------------------------------------------------
 
+def _stage2_rows(q_rescore: torch.Tensor | None, weights_rescore: torch.Tensor | None, rows: slice) -> dict:
+    """The rescore ops' stage-2 keywords for a row chunk: the forward's ``q_rescore [rows, 64, 128]`` /
+    ``weights_rescore [rows, 64]`` sliced (contiguous: views when the chunk is the whole forward), or none (stage 2
+    takes stage 1's q and weights)."""
+    if q_rescore is None:
+        return {}
+    return dict(q_rescore=q_rescore[rows].contiguous(), weights_rescore=weights_rescore[rows].contiguous())
+
+
 def rescore_rows(q: torch.Tensor, weights: torch.Tensor, lens: torch.Tensor, page_table: torch.Tensor,
                  hi: torch.Tensor, lo: torch.Tensor, rows: slice, index_topk: int, k_prime: int,
-                 plans: "ForwardPlans | None" = None, stage1_logits: torch.Tensor | None = None):
+                 plans: "ForwardPlans | None" = None, stage1_logits: torch.Tensor | None = None,
+                 q_rescore: torch.Tensor | None = None, weights_rescore: torch.Tensor | None = None):
     """SGLang's rows as requests of one row each (``paged_logits``' contract: row r sees positions ``[0, lens[r])``
     through its page-table row). Stage 1: ``stage1_logits`` (``[len(rows), >= width]``, unmasked: SGLang's own fp8
-    logits call) or cupy_dsa's fp8 logits on ``hi``. Returns ``cupy_dsa.rescore.RescoreTopK``."""
+    logits call) or cupy_dsa's fp8 logits on ``hi``; stage 2 with ``q_rescore`` / ``weights_rescore`` (all the
+    forward's rows) when given. Returns ``cupy_dsa.rescore.RescoreTopK``."""
     from cupy_dsa import rescore
 
     q1, w, lens_r, block_table, kw = _rows_call(q, weights, lens, page_table, rows, plans,
                                                 plan=stage1_logits is None)
     return rescore.rescore_topk(q1, w, hi, lo, lens_r, block_table, index_topk, k_prime,
-                                stage1_logits=stage1_logits, **kw)
+                                stage1_logits=stage1_logits, **_stage2_rows(q_rescore, weights_rescore, rows), **kw)
 
 
 def rescore_verify(q: torch.Tensor, weights: torch.Tensor, lens: torch.Tensor, page_table: torch.Tensor,
                    hi: torch.Tensor, lo: torch.Tensor, next_n: int, rows: slice, index_topk: int, k_prime: int,
-                   plans: "ForwardPlans | None" = None):
+                   plans: "ForwardPlans | None" = None, q_rescore: torch.Tensor | None = None,
+                   weights_rescore: torch.Tensor | None = None):
     """MTP target-verify rows grouped by request (``verify_logits``' contract: rows ``[b*n, b*n + n)`` of the chunk
     are request b's, one page-table row each); stage 1 from cupy_dsa's fp8 logits at next_n = n. Output rows keep
     SGLang's order."""
     from cupy_dsa import rescore
 
     qb, w, lens_2d, block_table, kw = _verify_call(q, weights, lens, page_table, next_n, rows, plans, "rescore_verify")
-    return rescore.rescore_topk(qb, w, hi, lo, lens_2d, block_table, index_topk, k_prime, **kw)
+    return rescore.rescore_topk(qb, w, hi, lo, lens_2d, block_table, index_topk, k_prime,
+                                **_stage2_rows(q_rescore, weights_rescore, rows), **kw)
 
 
 def rescore_extend(q: torch.Tensor, weights: torch.Tensor, lens: torch.Tensor, cu_rows: torch.Tensor,
                    block_table: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, rows: slice, index_topk: int,
-                   k_prime: int, plans: "ForwardPlans | None" = None):
+                   k_prime: int, plans: "ForwardPlans | None" = None, q_rescore: torch.Tensor | None = None,
+                   weights_rescore: torch.Tensor | None = None):
     """A multi-request extend (``extend_logits``' contract): row i of request b sees positions ``[0, lens[i])`` of
     block-table row b; stage 1 from one varlen ``mqa_logits`` launch. A row chunk is a call of its own, with the
     request offsets shifted to the chunk (requests outside it own no row); its offsets and tile plan are built once
@@ -598,7 +700,7 @@ def rescore_extend(q: torch.Tensor, weights: torch.Tensor, lens: torch.Tensor, c
     ke = _as_i32(lens[rows]).contiguous()
     return rescore.rescore_topk_prefill(q[rows].contiguous(), weights[rows].contiguous(), hi, lo,
                                         torch.zeros_like(ke), ke, block_table, index_topk, k_prime, cu_rows=cu,
-                                        plan=plan)
+                                        plan=plan, **_stage2_rows(q_rescore, weights_rescore, rows))
 
 
 class ForwardPlans:

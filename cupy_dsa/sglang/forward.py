@@ -99,6 +99,7 @@ def forward_c4_indexer_bf16(self, *, x, q_lora, c4_indexer, forward_batch, alt_s
     if positions.shape[0] != n:
         positions = positions[:n]
 
+    q_rescore = weights_rescore = None
     if not core.query_is_fp8(index_k_mode()):
         # bf16-reference: DeepSeek-V4's reference query (FP4-simulated bf16) in place of SGLang's fp8 one, then the
         # compressor as _forward_prepare_normal orders them; one stream (the multi-stream split only overlaps
@@ -106,6 +107,17 @@ def forward_c4_indexer_bf16(self, *, x, q_lora, c4_indexer, forward_batch, alt_s
         if q_lora_ready is not None:
             torch.cuda.current_stream(q_lora.device).wait_event(q_lora_ready)
         q, weights = core.reference_query(c4_indexer, x, q_lora, positions, q_lora_quant)
+        if not skip_compressor:
+            self.forward_indexer_compressor(x=x, forward_batch=forward_batch, layer_id=c4_indexer.layer_id,
+                                            compressor=c4_indexer.compressor)
+    elif core.is_two_level(index_k_mode()) and core.rescore_settings().stage2_q == "bf16":
+        # fp8-rescore with a bf16 stage-2 query: wq_b's bf16 output is needed beside SGLang's fp8 q, and only
+        # SGLang's compute_q holds it; so the projections and SGLang's fused fp8 q kernel are called here, in
+        # _forward_prepare_normal's order, on one stream (the multi-stream split only overlaps them with the
+        # compressor)
+        if q_lora_ready is not None:
+            torch.cuda.current_stream(q_lora.device).wait_event(q_lora_ready)
+        q, weights, q_rescore, weights_rescore = _rescore_queries(ix, c4_indexer, x, q_lora, positions, q_lora_quant)
         if not skip_compressor:
             self.forward_indexer_compressor(x=x, forward_batch=forward_batch, layer_id=c4_indexer.layer_id,
                                             compressor=c4_indexer.compressor)
@@ -179,7 +191,7 @@ def forward_c4_indexer_bf16(self, *, x, q_lora, c4_indexer, forward_batch, alt_s
     if core.is_two_level(index_k_mode()):
         _rescored_topk(self, ix, forward_batch, c4_indexer, q=q, weights=weights, lens=lens, page_table=page_table,
                        page_indices=page_indices, raw_indices=raw_indices, kvcache=kvcache, route=route,
-                       next_n=next_n, capturing=capturing)
+                       next_n=next_n, capturing=capturing, q_rescore=q_rescore, weights_rescore=weights_rescore)
         _epilogue(self, forward_batch, c4_indexer, hisparse, hisparse_decode, raw_indices, capturer)
         return
     chunks = core.row_chunks(rows, rows_per_chunk, width, capturing, multiple=next_n)
@@ -255,8 +267,22 @@ def sglang_fp8_logits_fn(ix):
     return fn, True
 
 
+def _rescore_queries(ix, c4_indexer, x, q_lora, positions, q_lora_quant):
+    """fp8-rescore's queries when stage 2 takes a bf16 q: ``(q fp8 [T, 64, 128], weights fp32 [T, 64, 1])`` from
+    SGLang's own fused q kernel, as its ``compute_q`` calls it (stage 1), and ``(q_rescore bf16 [T, 64, 128],
+    weights_rescore fp32 [T, 64])``: the same ``wq_b`` output rotated and rounded to bf16, and the same head weights
+    without the fp8 q scale (stage 2). One ``wq_b`` and one ``weights_proj`` for both."""
+    weights = c4_indexer.compute_weights(x, skip_scale=True)
+    q, _ = c4_indexer.wq_b(q_lora if q_lora_quant is None else q_lora_quant)
+    q = q.view(-1, c4_indexer.n_local_heads, c4_indexer.head_dim)
+    q_fp8, weights_fp8 = ix.fused_q_indexer_rope_hadamard_quant(q, weights, c4_indexer.weight_scale,
+                                                                 c4_indexer.freqs_cis, positions)
+    return (q_fp8, weights_fp8, core.rotated_query_bf16(q, c4_indexer.freqs_cis, positions),
+            core.unscaled_query_weights(weights, c4_indexer.weight_scale))
+
+
 def _rescored_topk(self, ix, forward_batch, c4_indexer, *, q, weights, lens, page_table, page_indices, raw_indices,
-                   kvcache, route, next_n, capturing) -> None:
+                   kvcache, route, next_n, capturing, q_rescore=None, weights_rescore=None) -> None:
     """fp8-rescore: each row's top ``index_topk`` (the width of SGLang's page-index buffer, as its own top-k fills
     it) chosen among its K' best stage-1 fp8 logits by their scores from the hi and lo pages
     (``cupy_dsa.rescore``), written in SGLang's form: ``c4_sparse_page_indices`` (``page_table[r, i // 64] * 64 + i %
@@ -265,7 +291,10 @@ def _rescored_topk(self, ix, forward_batch, c4_indexer, *, q, weights, lens, pag
     Stage 1 (``SGLANG_CUPY_DSA_RESCORE_STAGE1``): ``sglang`` calls the fp8 logits function SGLang's own forward
     would call, on its row chunks with its schedules (one row per token, unmasked logits; stage 2 per row);
     ``cupy`` runs cupy_dsa's fp8-key kernels on the plugin's routes (decode rows, grouped verify, varlen extend),
-    with the forward's plans built by its first C4 layer."""
+    with the forward's plans built by its first C4 layer.
+
+    Stage 2 (``SGLANG_CUPY_DSA_RESCORE_Q``) scores the candidates with ``q_rescore`` / ``weights_rescore`` (the bf16
+    query and its weights, ``[rows, 64, 128]`` / ``[rows, 64]``) when given, else with stage 1's fp8 q and weights."""
     if getattr(forward_batch, "tbo_parent_token_range", None) is not None:
         raise RuntimeError(f"cupy_dsa ({ENV_NAME}={index_k_mode()}): a two-batch-overlap micro-batch reached the indexer; "
                            f"fp8-rescore refuses --enable-two-batch-overlap at start-up and was not written for it")
@@ -275,6 +304,8 @@ def _rescored_topk(self, ix, forward_batch, c4_indexer, *, q, weights, lens, pag
     rows = q.shape[0]
     index_topk = page_indices.shape[1]
     k_prime = settings.k_prime(index_topk)
+
+    stage2 = dict(q_rescore=q_rescore, weights_rescore=weights_rescore)
 
     def put(r: slice, res) -> None:
         page_indices[r].copy_(res.page_indices)
@@ -298,7 +329,7 @@ def _rescored_topk(self, ix, forward_batch, c4_indexer, *, q, weights, lens, pag
             logits = fn(q[r].unsqueeze(1), kv, weights[r], c4sl[r], page_table[r], sched,
                         indexer_metadata.max_compressed_seq_len, False)
             put(r, core.rescore_rows(q, weights, lens, page_table, kvcache, lo, r, index_topk, k_prime,
-                                     stage1_logits=logits))
+                                     stage1_logits=logits, **stage2))
             del logits
         return
 
@@ -312,9 +343,10 @@ def _rescored_topk(self, ix, forward_batch, c4_indexer, *, q, weights, lens, pag
     for r in chunks:
         if route == ROUTE_VARLEN:
             res = core.rescore_extend(q, weights, lens, cu_rows, block_table, kvcache, lo, r, index_topk, k_prime,
-                                      plans)
+                                      plans, **stage2)
         elif route == ROUTE_GROUPED:
-            res = core.rescore_verify(q, weights, lens, page_table, kvcache, lo, next_n, r, index_topk, k_prime, plans)
+            res = core.rescore_verify(q, weights, lens, page_table, kvcache, lo, next_n, r, index_topk, k_prime, plans,
+                                      **stage2)
         else:
-            res = core.rescore_rows(q, weights, lens, page_table, kvcache, lo, r, index_topk, k_prime, plans)
+            res = core.rescore_rows(q, weights, lens, page_table, kvcache, lo, r, index_topk, k_prime, plans, **stage2)
         put(r, res)

@@ -8,7 +8,8 @@ memory, written by cupy_dsa's store and scored by cupy_dsa's kernels; ``fp8-resc
 132-byte int8 residual page per entry, each row's top-k rescored among its K' best fp8 logits), or the server flag
 ``--cupy-dsa-index-k-dtype`` (also a ``--config`` YAML key), which sets the variable in the launcher before the
 schedulers are spawned. fp8-rescore's settings have flags and variables of their own (``--cupy-dsa-rescore-stage1``
-/ ``SGLANG_CUPY_DSA_RESCORE_STAGE1``, ``--cupy-dsa-rescore-kprime`` / ``SGLANG_CUPY_DSA_RESCORE_KPRIME``).
+/ ``SGLANG_CUPY_DSA_RESCORE_STAGE1``, ``--cupy-dsa-rescore-kprime`` / ``SGLANG_CUPY_DSA_RESCORE_KPRIME``,
+``--cupy-dsa-rescore-q`` / ``SGLANG_CUPY_DSA_RESCORE_Q``: stage 2's query, SGLang's fp8 q or a bf16 q).
 
 Start-up is all or nothing. With the switch on, :func:`register` first checks that the installed SGLang is
 one the hooks were written for (:data:`~cupy_dsa.sglang.guard.SUPPORTED_SGLANG` and
@@ -399,6 +400,12 @@ def _flags():
             help=(f"[cupy_dsa plugin, fp8-rescore] K', the fp8 candidates per row that stage 2 rescores: a multiple "
                   f"of index_topk (default {core.DEFAULT_KPRIME}) or a count (>= index_topk). Same as "
                   f"{core.RESCORE_KPRIME_ENV}."))),
+        (core.RESCORE_Q_FLAG, core.RESCORE_Q_ENV, core.parse_stage2_q, dict(
+            type=str.lower, choices=core.STAGE2_Q_CHOICES,
+            help=(f"[cupy_dsa plugin, fp8-rescore] stage 2's query (the one that rescores the candidates): fp8 "
+                  f"(SGLang's fp8 q, its scale folded in the weights) or bf16 (the rotated, unquantized q rounded "
+                  f"to bf16, the weights without that scale); default {core.DEFAULT_STAGE2_Q}. Same as "
+                  f"{core.RESCORE_Q_ENV}."))),
     )
 
 

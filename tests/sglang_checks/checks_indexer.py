@@ -14,14 +14,15 @@ from harness import check, INFO, make_index_pool, mode_env
 
 
 def _indexer_setup(lens=(2000, 1500, 2560), topk=512, seed=None, one_request=False, groups=None, reference=False,
-                   two_level=False, keys=None, q=None, w=None):
+                   two_level=False, keys=None, q=None, w=None, layer=None):
     """groups: rows per request (consecutive rows of a request share its page table), as SGLang lays out an
     extend or a verify batch; one_request = one group of every row. reference: the bf16 pool holds FP4-simulated
     keys, the indexer layer has SGLang's projections (bf16 wq_b output and weights_proj output, the RoPE table)
     for bf16-reference to build its query from, and the oracle is DeepSeek-V4's reference numerics in fp64.
     two_level: the keys also go into an fp8-rescore pool (SGLang's fp8 pages and their residual pages, written by
     cupy_dsa.rescore's reference store); returns a namespace (run, pool, keys, q, w, page_table, lens, ...).
-    keys / q / w: given instead of drawn (fp32 [2560, 128], [rows, 64, 128] fp8, [rows, 64])."""
+    keys / q / w: given instead of drawn (fp32 [2560, 128], [rows, 64, 128] fp8, [rows, 64]); layer: the indexer layer
+    the forward gets (one with SGLang's projections) instead of a bare one."""
     if seed is None:
         seed = int(os.environ.get("CUPY_DSA_SEED", "0"))
     from sglang.srt.layers.attention.dsa.dsa_topk_backend import DSATopKBackend
@@ -72,7 +73,7 @@ def _indexer_setup(lens=(2000, 1500, 2560), topk=512, seed=None, one_request=Fal
 
     # the reference: top-k of fp32-key logits over each row's pages
     kr = keys.view(n_pages, 64, 128)[page_table.long()].reshape(rows, -1, 128)
-    c4 = types.SimpleNamespace(layer_id=0, use_fp4_indexer=False, index_topk=topk)
+    c4 = layer if layer is not None else types.SimpleNamespace(layer_id=0, use_fp4_indexer=False, index_topk=topk)
     if reference:
         q, w, c4 = _reference_layer(c4, rows, g)
         kr = kr.double()

@@ -152,6 +152,23 @@ def scenario_refusals():
         invalid(hooks.ray_worker_setup)
 
     @check
+    def invalid_rescore_setting_refused_before_patching():
+        # fp8-rescore's stage-2 query: a bad value, or a value with another mode on, stops start-up in
+        # load_plugins() before any hook is applied
+        from cupy_dsa.sglang import core
+
+        for mode, value, fragments in (("fp8-rescore", "fp16", (f"{core.RESCORE_Q_ENV}='fp16'", "expected one of fp8, bf16")),
+                                       ("bf16", "bf16", (f"{core.RESCORE_Q_ENV} set with {ENV}=bf16", "fp8-rescore only"))):
+            os.environ[core.RESCORE_Q_ENV] = value
+            try:
+                with mode_env(mode):
+                    _load_expect_refusal(*fragments, "Refusing to start")
+            finally:
+                os.environ.pop(core.RESCORE_Q_ENV, None)
+                core.reset_mode()
+            nothing_patched()
+
+    @check
     def switch_off_hook_failure_leaves_sglang_unchanged():
         import sglang.srt.plugins as sp
         from sglang.srt.plugins.hook_registry import HookRegistry

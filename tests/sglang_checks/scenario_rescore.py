@@ -33,14 +33,14 @@ from scenario_fp8cupy import assert_sglang_fp8_pages
 
 MODE = "fp8-rescore"
 FP8_PAGE = 8448
-STAGE1, KPRIME = core.RESCORE_STAGE1_ENV, core.RESCORE_KPRIME_ENV
+STAGE1, KPRIME, STAGE2_Q = core.RESCORE_STAGE1_ENV, core.RESCORE_KPRIME_ENV, core.RESCORE_Q_ENV
 
 
 @contextlib.contextmanager
-def settings_env(stage1=None, kprime=None):
+def settings_env(stage1=None, kprime=None, stage2_q=None):
     """fp8-rescore's settings for a block (read once per process: the cache is reset on entry and exit)."""
-    old = {n: os.environ.get(n) for n in (STAGE1, KPRIME)}
-    for name, value in ((STAGE1, stage1), (KPRIME, kprime)):
+    old = {n: os.environ.get(n) for n in (STAGE1, KPRIME, STAGE2_Q)}
+    for name, value in ((STAGE1, stage1), (KPRIME, kprime), (STAGE2_Q, stage2_q)):
         if value is None:
             os.environ.pop(name, None)
         else:
@@ -110,12 +110,13 @@ def spied_rescore(what):
     SGLang's top-k transforms and cupy_dsa's plain logits routes refused: the rescored top-k replaces them."""
     from sglang.srt.layers.attention.dsv4 import indexer as ix
 
-    calls, stage1 = [], []
+    calls, stage1, stage2 = [], [], []
     real = {name: getattr(core, name) for name in ("rescore_rows", "rescore_verify", "rescore_extend")}
 
     def spy(name):
         def f(*a, **k):
             calls.append((name, a[8] if name == "rescore_rows" else a[9]))  # k_prime
+            stage2.append((k.get("q_rescore"), k.get("weights_rescore")))
             return real[name](*a, **k)
         return f
 
@@ -138,7 +139,7 @@ def spied_rescore(what):
         setattr(ix, n, refused)
     try:
         with spied_logits_routes(what) as plain:
-            yield types.SimpleNamespace(calls=calls, stage1=stage1)
+            yield types.SimpleNamespace(calls=calls, stage1=stage1, stage2=stage2)
         assert not plain, f"cupy_dsa's plain logits routes ran {what}: {[r for r, _ in plain]}"
     finally:
         for name, f in real.items():
@@ -152,10 +153,13 @@ def _sets(t):
     return [set(int(i) for i in row.tolist() if i >= 0) for row in t]
 
 
-def _run(mode_, batch, stage1, ns=None, kprime=None, **setup):
-    """The hooked forward in fp8-rescore over a two-level pool: (metadata, spies, setup namespace)."""
+def _run(mode_, batch, stage1, ns=None, kprime=None, stage2_q="fp8", **setup):
+    """The hooked forward in fp8-rescore over a two-level pool: (metadata, spies, setup namespace). ``stage2_q``: fp8
+    for the set-ups whose layer has no projections (their q is drawn in fp8, stage 1's and stage 2's); None: the
+    default (bf16), which needs :func:`_bf16q_setup`'s layer."""
     ns = ns or _setup(**setup)
-    with settings_env(stage1=stage1, kprime=kprime), one_attention_cp_rank(), spied_rescore(f"in {MODE}") as spies:
+    with settings_env(stage1=stage1, kprime=kprime, stage2_q=stage2_q), one_attention_cp_rank(), \
+            spied_rescore(f"in {MODE}") as spies:
         md, _ = ns.run(ns.pool, mode_, batch)
     return md, spies, ns
 
@@ -205,6 +209,75 @@ def _up_to_ties(md, oracle, lens, topk, tol_rel, what):
 TWO_LEVEL_TIE = 2e-3
 
 
+# --------------------------------------------------------------------------------------------------
+# Stage 2 with a bf16 query: a layer with SGLang's projections, SGLang's fused fp8 q kernel stood in on CPU
+# --------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def sglang_fused_q_on_cpu(calls):
+    """SGLang's fused_q_indexer_rope_hadamard_quant (a CUDA JIT kernel) stood in by cupy_dsa's reference of the same
+    math (RoPE, Hadamard, per (token, head) fp8 with the scale folded into the weights: dsv4-indexer section 3), with
+    SGLang's shapes: (q fp8 [T, 64, 128], weights fp32 [T, 64, 1]); ``calls`` gets its arguments."""
+    from sglang.srt.layers.attention.dsv4 import indexer as ix
+
+    from cupy_dsa.query import prepare_index_q_reference
+
+    def fused(q, weight, weight_scale, freqs_cis, positions):
+        calls.append((q, weight, weight_scale, positions))
+        q8, w8 = prepare_index_q_reference(q.contiguous(), weight, freqs_cis=core.rope_table(freqs_cis),
+                                           positions=positions, weight_scale=weight_scale, numerics="fp8")
+        return q8, w8.unsqueeze(2)
+
+    orig = ix.fused_q_indexer_rope_hadamard_quant
+    ix.fused_q_indexer_rope_hadamard_quant = fused
+    try:
+        yield
+    finally:
+        ix.fused_q_indexer_rope_hadamard_quant = orig
+
+
+def _bf16q_setup(lens, groups=None, seed=11, max_pos=4096):
+    """A two-level set-up whose indexer layer has SGLang's projections (wq_b's bf16 output, weights_proj's bf16
+    output, the RoPE table, weight_scale): ns.q / ns.w are stage 1's fp8 q and weights (SGLang's kernel, stood in),
+    ns.q_bf16 / ns.w_bf16 what stage 2 must get, computed here independently (cupy_dsa's reference RoPE and Hadamard
+    stages in fp32, one bf16 rounding; fp32 weights times fp32 weight_scale), ns.q_exact the fp32 rotated q."""
+    from cupy_dsa.query import prepare_index_q_reference
+    from cupy_dsa.store import HADAMARD_SCALE, _hadamard128, rope_reference
+
+    rows = len(lens)
+    g = torch.Generator().manual_seed(seed)
+    q_raw = (2 * torch.randn(rows, 64, 128, generator=g)).bfloat16()
+    w_raw = torch.rand(rows, 64, generator=g).bfloat16()
+    angles = torch.outer(torch.arange(max_pos, dtype=torch.float64), 1.6e5 ** (-torch.arange(32) / 32.0))
+    freqs_cis = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+    weight_scale = 128 ** -0.5 * 64 ** -0.5
+    positions = torch.arange(rows)                      # the set-up's core_metadata.positions
+    table = core.rope_table(freqs_cis)
+    q8, w8 = prepare_index_q_reference(q_raw, w_raw, freqs_cis=table, positions=positions, weight_scale=weight_scale,
+                                       numerics="fp8")
+    x = rope_reference(q_raw.float().reshape(-1, 128).clone(), table[positions].repeat_interleave(64, dim=0))
+    q_exact = (_hadamard128(x.reshape(-1, 32, 4)).reshape(-1, 128) * HADAMARD_SCALE).view(rows, 64, 128)
+    projections = []
+    layer = types.SimpleNamespace(
+        layer_id=0, use_fp4_indexer=False, index_topk=512, n_local_heads=64, head_dim=128, freqs_cis=freqs_cis,
+        weight_scale=weight_scale, compressor=None,
+        compute_weights=lambda x, skip_scale=False: projections.append(("weights_proj", skip_scale)) or w_raw,
+        wq_b=lambda a: projections.append(("wq_b", a)) or (q_raw.reshape(rows, -1), None))
+    ns = _setup(lens=lens, groups=groups, q=q8, w=w8, layer=layer)
+    ns.q_bf16, ns.w_bf16, ns.q_exact = q_exact.bfloat16(), w_raw.float() * torch.tensor(weight_scale), q_exact
+    ns.projections = projections
+    return ns
+
+
+def _reference_bf16q(ns, k_prime=None, stage1_logits=None, bf16=True):
+    """rescore_topk_reference of the rows with stage 2's q / weights the bf16 ones (``bf16``) or stage 1's."""
+    hi, lo = ns.pool.index_k_with_scale_buffer[0], ns.pool.index_k_lo_buffer[0]
+    lens = torch.tensor(ns.lens, dtype=torch.int32)
+    extra = dict(q_rescore=ns.q_bf16, weights_rescore=ns.w_bf16) if bf16 else {}
+    return rescore_topk_reference(ns.q.unsqueeze(1), ns.w, hi, lo, lens, ns.page_table, ns.topk, k_prime,
+                                  stage1_logits=stage1_logits, **extra)
+
+
 def scenario_rescore():
     load()
 
@@ -214,7 +287,7 @@ def scenario_rescore():
 
         every_hook_in_place()
         assert envs.SGLANG_CUPY_DSA_INDEX_K.get() == MODE and core.index_k_mode() == MODE
-        assert core.rescore_settings() == ("sglang", 4, None), core.rescore_settings()
+        assert core.rescore_settings() == ("sglang", 4, None, "bf16"), core.rescore_settings()
 
     @check
     def budget_counts_264_bytes():
@@ -385,6 +458,73 @@ def scenario_rescore():
                                                                       f"{what}, stage1={stage1}")
 
     @check
+    def indexer_bf16_stage2_query_reaches_stage2():
+        # SGLANG_CUPY_DSA_RESCORE_Q=bf16: one wq_b and one weights_proj feed SGLang's fused fp8 q kernel (stage 1) and
+        # the bf16 rotation (stage 2); stage 2 gets exactly the independently computed bf16 q and unscaled weights;
+        # the top-k equals the reference called with them, on every route and both stage-1 sources, and differs
+        # from stage 2 with the fp8 q on these rows
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        cases = (("decode", ForwardMode.DECODE, 4, dict(lens=(2560, 2400, 2100, 1800)), "rescore_rows"),
+                 ("extend", ForwardMode.EXTEND, 2, dict(lens=(2000, 2001, 2002, 2560), groups=(3, 1)),
+                  "rescore_extend"),
+                 ("verify n=2", ForwardMode.TARGET_VERIFY, 2, dict(lens=(2300, 2301, 2500, 2501), groups=(2, 2)),
+                  "rescore_verify"))
+        for what, mode_, batch, setup, route in cases:
+            ns = _bf16q_setup(**setup)
+            for stage1 in ("cupy", "sglang"):
+                fused_calls = []
+                ns.projections.clear()
+                prepare = ns.Backend._forward_prepare_normal
+
+                def refused(self, **kw):
+                    raise AssertionError("SGLang's prepare ran: it would run wq_b a second time")
+
+                ns.Backend._forward_prepare_normal = refused
+                try:
+                    with sglang_fused_q_on_cpu(fused_calls):
+                        md, spies, _ = _run(mode_, batch, stage1, ns=ns, stage2_q=None if stage1 == "cupy" else "bf16")
+                finally:
+                    ns.Backend._forward_prepare_normal = prepare
+                assert [p[0] for p in ns.projections] == ["weights_proj", "wq_b"], ns.projections
+                assert ns.projections[0][1] is True, "weights_proj's output must come without weight_scale"
+                (q_in, w_in, ws, pos), = fused_calls
+                # SGLang's kernel gets wq_b's bf16 output as [T, 64, 128], the raw bf16 weights, the layer's scale
+                assert q_in.dtype == torch.bfloat16 and tuple(q_in.shape) == (4, 64, 128), (q_in.dtype, q_in.shape)
+                assert w_in.dtype == torch.bfloat16 and ws == 128 ** -0.5 * 64 ** -0.5
+                assert torch.equal(pos, torch.arange(4)), pos
+                want_route = route if stage1 == "cupy" else "rescore_rows"
+                assert [r for r, _ in spies.calls] == [want_route], (what, stage1, spies.calls)
+                (q2, w2), = spies.stage2
+                assert q2 is not None and q2.dtype == torch.bfloat16 and q2.is_contiguous() and \
+                    tuple(q2.shape) == (4, 64, 128), (what, stage1, None if q2 is None else (q2.dtype, q2.shape))
+                assert torch.equal(q2, ns.q_bf16), f"{what}, stage1={stage1}: stage 2's q is not the bf16 rotated q"
+                assert w2.dtype == torch.float32 and torch.equal(w2, ns.w_bf16), \
+                    f"{what}, stage1={stage1}: stage 2's weights are not weights_proj * weight_scale (no q scale)"
+                logits = spies.stage1[0][1] if stage1 == "sglang" else None
+                ref = _reference_bf16q(ns, stage1_logits=logits)
+                _assert_equal_reference(md, ref, f"{what}, stage1={stage1}, bf16 q",
+                                        exact=want_route == "rescore_rows")
+                fp8_ref = _reference_bf16q(ns, stage1_logits=logits, bf16=False)
+                differ = [r for r, (a, b) in enumerate(zip(_sets(ref.raw_indices), _sets(fp8_ref.raw_indices)))
+                          if a != b]
+                assert differ, f"{what}, stage1={stage1}: the bf16 and fp8 stage-2 queries select the same keys"
+                INFO.setdefault("rescore_bf16q_rows_differing_from_fp8q", {})[f"{what}, {stage1}"] = differ
+        # with SGLANG_CUPY_DSA_RESCORE_Q=fp8 stage 2 gets no q_rescore: stage 1's fp8 q and weights; recall of the exact top-k
+        # (fp64 scores of the fp32 keys and the fp32 rotated q) of both stage-2 queries, for the record
+        ns = _bf16q_setup(lens=(2560, 2400, 2100, 1800))
+        k = ns.keys.double().view(40, 64, 128)[ns.page_table.long()].reshape(4, -1, 128)
+        oracle = (torch.relu(torch.einsum("rhd,rnd->rhn", ns.q_exact.double(), k))
+                  * ns.w_bf16.double()[:, :, None]).sum(1)
+        for name, ref in (("bf16", _reference_bf16q(ns)), ("fp8", _reference_bf16q(ns, bf16=False))):
+            got = _sets(ref.raw_indices)
+            INFO[f"rescore_recall_exact_stage2_{name}_q"] = [
+                len(got[r] & set(oracle[r, :n].topk(512).indices.tolist())) / 512 for r, n in enumerate(ns.lens)]
+        md, spies, _ = _run(ForwardMode.DECODE, 4, "cupy", ns=ns)
+        assert spies.stage2 == [(None, None)], "SGLANG_CUPY_DSA_RESCORE_Q=fp8 passed a stage-2 query"
+        _assert_equal_reference(md, _reference_bf16q(ns, bf16=False), "decode, fp8 stage-2 q")
+
+    @check
     def indexer_exact_topk_where_unambiguous():
         # every row sees all 2560 keys (its own page order) with one q: the keys scoring above the 512th are scaled
         # by 1.004 (scores are positively homogeneous in k), a margin of 0.4% at every row's boundary that the
@@ -446,7 +586,7 @@ def scenario_rescore():
         ns = _setup(lens=(700, 900))
         for pool in (ns.fp8_pool,):  # SGLang's fp8 pages without residual pages
             try:
-                with one_attention_cp_rank():
+                with one_attention_cp_rank(), settings_env(stage2_q="fp8"):
                     ns.run(pool)
             except RuntimeError as e:
                 assert "has no residual (lo) pages" in str(e) and MODE in str(e), str(e)
@@ -582,33 +722,36 @@ def scenario_rescore():
     def settings_refused_before_anything_is_patched():
         from cupy_dsa.sglang.core import StartupRefused
 
-        for stage1, kprime, fragment in (("deepgemm", None, f"{STAGE1}='deepgemm'"), (None, "4y", f"{KPRIME}='4y'"),
-                                         (None, "0x", f"{KPRIME}='0x'")):
-            with settings_env(stage1, kprime):
+        for stage1, kprime, stage2_q, fragment in (("deepgemm", None, None, f"{STAGE1}='deepgemm'"),
+                                                   (None, "4y", None, f"{KPRIME}='4y'"),
+                                                   (None, "0x", None, f"{KPRIME}='0x'"),
+                                                   (None, None, "fp16", f"{STAGE2_Q}='fp16'")):
+            with settings_env(stage1, kprime, stage2_q):
                 try:
                     hooks._resolve_switch()
                 except StartupRefused as e:
                     assert fragment in str(e) and "Refusing to start" in str(e), str(e)
                 else:
-                    raise AssertionError(f"{stage1}, {kprime} accepted")
+                    raise AssertionError(f"{stage1}, {kprime}, {stage2_q} accepted")
                 try:
                     resolve()
                 except StartupRefused as e:
                     assert fragment in str(e), str(e)
                 else:
-                    raise AssertionError(f"{stage1}, {kprime} accepted at resolution")
-        with settings_env(kprime="2X", stage1=" CUPY "):
-            assert core.rescore_settings() == ("cupy", 2, None) and core.rescore_settings().k_prime(512) == 1024
+                    raise AssertionError(f"{stage1}, {kprime}, {stage2_q} accepted at resolution")
+        with settings_env(kprime="2X", stage1=" CUPY ", stage2_q=" BF16 "):
+            assert core.rescore_settings() == ("cupy", 2, None, "bf16") and core.rescore_settings().k_prime(512) == 1024
         with settings_env(kprime="3000"):
             assert core.rescore_settings().k_prime(1024) == 3000
         # a rescore setting with another mode on: refused, not ignored
-        with mode_env("bf16"), settings_env(kprime="2x"):
-            try:
-                hooks._resolve_switch()
-            except StartupRefused as e:
-                assert f"{KPRIME} set with {ENV}=bf16" in str(e) and f"{MODE} only" in str(e), str(e)
-            else:
-                raise AssertionError("a K' setting was ignored in bf16 mode")
+        for name, kw in ((KPRIME, dict(kprime="2x")), (STAGE2_Q, dict(stage2_q="bf16"))):
+            with mode_env("bf16"), settings_env(**kw):
+                try:
+                    hooks._resolve_switch()
+                except StartupRefused as e:
+                    assert f"{name} set with {ENV}=bf16" in str(e) and f"{MODE} only" in str(e), str(e)
+                else:
+                    raise AssertionError(f"{name} was ignored in bf16 mode")
         with mode_env("fp8"), settings_env(kprime="junk"):
             assert hooks._resolve_switch() == "fp8"  # the switch off: nothing is read
 
@@ -622,20 +765,25 @@ def scenario_rescore():
 
         with mode_env(None), settings_env():
             prepare_server_args(["--model-path", "dummy", "--cupy-dsa-index-k-dtype", "FP8-Rescore",
-                                 "--cupy-dsa-rescore-stage1", "cupy", "--cupy-dsa-rescore-kprime", "3x"])
+                                 "--cupy-dsa-rescore-stage1", "cupy", "--cupy-dsa-rescore-kprime", "3x",
+                                 "--cupy-dsa-rescore-q", "BF16"])
             assert os.environ.get(ENV) == MODE and os.environ.get(STAGE1) == "cupy" and os.environ.get(KPRIME) == "3x"
-            assert core.index_k_mode() == MODE and core.rescore_settings() == ("cupy", 3, None)
+            assert os.environ.get(STAGE2_Q) == "bf16"
+            assert core.index_k_mode() == MODE and core.rescore_settings() == ("cupy", 3, None, "bf16")
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-            f.write("model-path: dummy\ncupy-dsa-index-k-dtype: fp8-rescore\ncupy-dsa-rescore-kprime: 2048\n")
+            f.write("model-path: dummy\ncupy-dsa-index-k-dtype: fp8-rescore\ncupy-dsa-rescore-kprime: 2048\n"
+                    "cupy-dsa-rescore-q: fp8\n")
         try:
             with mode_env(None), settings_env():
                 prepare_server_args(["--config", f.name])
                 assert os.environ.get(ENV) == MODE and os.environ.get(KPRIME) == "2048", os.environ.get(KPRIME)
+                assert os.environ.get(STAGE2_Q) == "fp8" and core.rescore_settings().stage2_q == "fp8"
                 assert STAGE1 not in os.environ
         finally:
             os.unlink(f.name)
         with mode_env(None), settings_env():
-            for bad in (["--cupy-dsa-rescore-kprime", "4y"], ["--cupy-dsa-rescore-stage1", "deepgemm"]):
+            for bad in (["--cupy-dsa-rescore-kprime", "4y"], ["--cupy-dsa-rescore-stage1", "deepgemm"],
+                        ["--cupy-dsa-rescore-q", "fp16"]):
                 try:
                     prepare_server_args(["--model-path", "dummy"] + bad)
                 except SystemExit:
@@ -661,6 +809,7 @@ def scenario_rescore():
         text = " ".join(t for _, t in lines)
         assert "int8 residual pages (264 B per entry)" in text and "stage 1 = SGLang's own fp8 logits call" in text, text
         assert "K' = 4x index_topk" in text and ",c4idx:fp8-rescore" in text, text
+        assert f"stage 2 with the unquantized query rounded to bf16 ({STAGE2_Q}=bf16)" in text, text
         with settings_env(kprime="4y"):
             mode, lines = check_cmd._mode_lines()
             assert mode is None and lines[0][0] == check_cmd.PROBLEM and f"{KPRIME}='4y'" in lines[0][1], lines
