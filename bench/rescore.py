@@ -250,8 +250,8 @@ def _calls(c: Case, x: Inputs, dg) -> dict:
     if decode:
         plan = cupy_dsa.paged_mqa_logits_plan(x.lens, c.next_n)
 
-        def ours(cache, i):
-            return cupy_dsa.paged_mqa_logits(x.q, cache, x.weights, x.lens, x.tables[i], x.width, clean_logits=True,
+        def ours(cache, i, clean=True):
+            return cupy_dsa.paged_mqa_logits(x.q, cache, x.weights, x.lens, x.tables[i], x.width, clean_logits=clean,
                                              plan=plan)
 
         def whole(i, **kw):
@@ -259,20 +259,21 @@ def _calls(c: Case, x: Inputs, dg) -> dict:
     else:
         plan = cupy_dsa.mqa_logits_plan(x.cu_rows)
 
-        def ours(cache, i):
+        def ours(cache, i, clean=True):
             return cupy_dsa.mqa_logits(x.q, cache, x.weights, x.ks, x.lens, block_table=x.tables[i],
-                                       cu_rows=x.cu_rows, plan=plan, clean_logits=True)
+                                       cu_rows=x.cu_rows, plan=plan, clean_logits=clean)
 
         def whole(i, **kw):
             return rescore.rescore_topk_prefill(x.q, x.weights, x.hi, x.lo, x.ks, x.lens, x.tables[i], topk, kp,
                                                 cu_rows=x.cu_rows, **kw)
 
-    stage1 = [ours(x.hi, i) for i in range(rot)]  # stage 2's input, one per rotation
+    # stage 1 as the whole op runs it: the selection reads only the columns a row sees (no cleaning)
+    stage1 = [ours(x.hi, i, clean=False) for i in range(rot)]  # stage 2's input, one per rotation
     calls = {
         BF16: [lambda i=i: torch.topk(ours(x.bf16, i), topk, dim=1) for i in range(rot)],
         FP8: [lambda i=i: torch.topk(ours(x.hi, i), topk, dim=1) for i in range(rot)],
         RESCORE: [lambda i=i: whole(i, plan=plan) for i in range(rot)],
-        STAGE1: [lambda i=i: ours(x.hi, i) for i in range(rot)],
+        STAGE1: [lambda i=i: ours(x.hi, i, clean=False) for i in range(rot)],
         STAGE2: [lambda i=i: whole(i, stage1_logits=stage1[i]) for i in range(rot)],
     }
     if dg is None:
