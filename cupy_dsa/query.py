@@ -11,6 +11,9 @@ Sylvester, scale ``128^-0.5``), all fp32; then
   ``scale = max(amax, 1e-4) / 448``, ``float8_e4m3fn [T, 64, 128]`` out (RNE, saturating, of
   ``x * (1/scale)``); ``weights_out = (float(w) * weight_scale) * scale``.
 
+* ``numerics="bf16"`` (fp8-rescore's stage-2 query): the rotated fp32 q rounded to bf16 once, ``[T, 64, 128]``;
+  ``weights_out = float(w) * weight_scale`` (the fp8 numerics' weights without its q scale).
+
 ``weights_out`` is float32 ``[T, 64]``. Both outputs feed :func:`cupy_dsa.mqa_logits` as they are and
 :func:`cupy_dsa.paged_mqa_logits` as ``q_out.view(B, next_n, 64, 128)`` / ``weights_out`` ``[B*next_n, 64]``.
 SGLang and the V4 reference pass ``weight_scale = 128^-0.5 * 64^-0.5``.
@@ -33,8 +36,8 @@ from .store import (HADAMARD_SCALE, _fp4sim, _hadamard128, check_positions_in_ta
                     fp8_quantize_reference, rope_reference)
 
 INDEX_HEADS = 64
-_NUMERICS_ID = {"fp4sim": 0, "fp8": 1}
-_OUT_DTYPE = {"fp4sim": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+_NUMERICS_ID = {"fp4sim": 0, "fp8": 1, "bf16": 2}
+_OUT_DTYPE = {"fp4sim": torch.bfloat16, "fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
 _W_TYPE = {torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
 WARPS_PER_BLOCK = 8
 
@@ -132,6 +135,8 @@ def prepare_index_q_reference(q, weights, *, freqs_cis, positions, weight_scale,
     w = weights.to(torch.float32).reshape(-1) * torch.tensor(weight_scale, dtype=torch.float32, device=q.device)
     if numerics == "fp4sim":
         return _fp4sim(x).to(torch.bfloat16).view(q.shape), w.view(t, INDEX_HEADS)
+    if numerics == "bf16":
+        return x.to(torch.bfloat16).view(q.shape), w.view(t, INDEX_HEADS)
     codes, scale = fp8_quantize_reference(x)  # SGLang's per-row fp8, as the key store's fp8 layout quantizes
     return codes.view(torch.float8_e4m3fn).view(q.shape), (w * scale).view(t, INDEX_HEADS)
 

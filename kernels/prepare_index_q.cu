@@ -1,5 +1,5 @@
 // Indexer query prep: wq_b output q [T, 64, 128] bf16 -> RoPE (trailing 64 dims, interleaved) ->
-// Hadamard-128 -> (fp4-simulate to bf16 | per-(token, head) fp8), and the folded head weights.
+// Hadamard-128 -> (fp4-simulate to bf16 | per-(token, head) fp8 | bf16), and the folded head weights.
 //
 // One warp per (token, head) row, lane l owning elements 4l..4l+3 as in the key store, so RoPE, the
 // Hadamard butterfly and the fp4 simulation are the store's own helpers (common.cuh). No multiply-add
@@ -8,13 +8,13 @@
 
 namespace dsa {
 
-enum QueryNumerics { kQFp4Sim = 0, kQFp8 = 1 };
+enum QueryNumerics { kQFp4Sim = 0, kQFp8 = 1, kQBf16 = 2 };
 constexpr int kIndexHeads = 64;
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 
-// q, q_out: [n_rows = T*64, 128] (q_out bf16 for fp4sim, e4m3 bytes for fp8); weights, weights_out: [T*64];
+// q, q_out: [n_rows = T*64, 128] (q_out bf16 for fp4sim and bf16, e4m3 bytes for fp8); weights, weights_out: [T*64];
 // positions: [T] int32/int64 (pos64); a position outside [0, max_pos) reads table row 0 and raises the
 // token's head weights to NaN, so a bad position is visible in the logits and never reads out of bounds.
 // Grid: ceil(n_rows / 8) blocks of 256.
@@ -40,8 +40,8 @@ __global__ void __launch_bounds__(256) prepare_index_q(
   hadamard128_orthonormal(x, lane);
 
   float w = __fmul_rn(to_float(weights[row]), weight_scale);
-  if (Numerics == kQFp4Sim) {
-    fp4_simulate(x);
+  if (Numerics != kQFp8) {
+    if (Numerics == kQFp4Sim) fp4_simulate(x);
     reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(q_out) + row * kHeadDim)[lane] =
         make_uint2(pack_bf16x2(x[0], x[1]), pack_bf16x2(x[2], x[3]));
   } else {

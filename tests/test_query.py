@@ -94,6 +94,23 @@ def test_fp8_matches_float64_math():
     assert np.all(np.abs(got - v) <= 0.5 * ulp + 2e-3)
 
 
+def test_bf16_matches_float64_math():
+    """fp8-rescore's stage-2 query: the rotated q rounded to bf16 once (within half a bf16 ulp of the fp64
+    rotation, up to the fp32 sums), the weights without a q scale."""
+    torch.manual_seed(3)
+    q, w, freqs, pos = make_inputs(40)
+    q_out, w_out = call("bf16", q, w, freqs, pos)
+    assert q_out.dtype == torch.bfloat16 and q_out.shape == (40, 64, 128)
+    x = rotated_f64(q, freqs, pos)
+    got = q_out.double().numpy()
+    ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(x), 2.0 ** -126))) - 7)
+    assert np.all(np.abs(got - x) <= 0.5 * ulp + 1e-6 * np.abs(x).max(-1, keepdims=True))
+    assert (got == torch.from_numpy(x).to(torch.bfloat16).double().numpy()).mean() > 0.99
+    np.testing.assert_allclose(w_out.double().numpy(), w.double().numpy() * WEIGHT_SCALE, rtol=2e-7)
+    q8, w8 = call("fp8", q, w, freqs, pos)                                # the same rotation as the fp8 q's
+    assert np.allclose((q8.double() * (w8 / w_out).double()[..., None]).numpy(), got, rtol=0.07, atol=1e-3)
+
+
 def test_rope_uses_the_tokens_row_and_interleaved_pairs():
     """A query that is zero except pair j = 3 of the RoPE dims (70, 71): undoing the Hadamard on the op's
     dequantized fp8 output recovers exactly that pair, rotated by the angle of the token's table row."""
@@ -147,7 +164,7 @@ def test_outputs_feed_the_logits_op():
     q, w, freqs, pos = make_inputs(4)
     kv = torch.randn(10, 128).to(torch.bfloat16)
     ks, ke = torch.zeros(4, dtype=torch.int32), torch.full((4,), 10, dtype=torch.int32)
-    for numerics in ("fp4sim", "fp8"):
+    for numerics in ("fp4sim", "fp8", "bf16"):
         q_out, w_out = call(numerics, q, w, freqs, pos)
         logits = cupy_dsa.mqa_logits(q_out, kv, w_out, ks, ke)
         assert logits.shape == (4, 10) and torch.isfinite(logits).all()
@@ -202,7 +219,7 @@ def _on_gpu(numerics, t, w_dtype, pos_dtype, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("numerics", ["fp4sim", "fp8"])
+@pytest.mark.parametrize("numerics", ["fp4sim", "fp8", "bf16"])
 @pytest.mark.parametrize("t", [1, 3, 64, 1031])
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
 def test_kernel_matches_reference_bitwise(numerics, t, w_dtype):
@@ -223,7 +240,7 @@ def test_kernel_flags_out_of_range_positions_with_nan_weights():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("numerics", ["fp4sim", "fp8"])
+@pytest.mark.parametrize("numerics", ["fp4sim", "fp8", "bf16"])
 def test_cuda_graph_capture_and_replay_with_new_inputs(numerics):
     q, w, freqs, pos = make_inputs(64, device="cuda")
     cupy_dsa.warm_up()

@@ -411,7 +411,7 @@ def test_lo_cache_registry():
 def test_warm_expressions_fp8_rescore():
     """fp8-rescore warms the two-level store (both pages in one launch), the rescoring kernels of stage 2's q (fp8 or
     bf16, the default), and its own fp8-key logits only when cupy_dsa computes stage 1."""
-    from cupy_dsa import launch, logits, rescore, store
+    from cupy_dsa import launch, logits, query, rescore, store
 
     for arch in ("sm_80", "sm_90", "sm_120"):
         exprs = core.warm_expressions(arch, mode="fp8-rescore", next_ns=(1, 2), stage1="cupy", stage2_q="fp8")
@@ -425,10 +425,12 @@ def test_warm_expressions_fp8_rescore():
         sg = core.warm_expressions(arch, mode="fp8-rescore", next_ns=(1, 2), stage1="sglang", stage2_q="fp8")
         assert core.LOGITS_SOURCE not in sg and sg[core.RESCORE_SOURCE] == exprs[core.RESCORE_SOURCE]
         assert core.QUERY_SOURCE not in exprs
-        # a bf16 stage-2 q: stage 2's bf16-q instantiation instead of the fp8-q one, the rest unchanged
+        # a bf16 stage-2 q: stage 2's bf16-q instantiation instead of the fp8-q one, and the query prep that makes
+        # that q (bf16 numerics, bf16 weights_proj output); the rest unchanged
         bq = core.warm_expressions(arch, mode="fp8-rescore", next_ns=(1, 2), stage1="cupy")  # default: bf16
         assert bq[core.RESCORE_SOURCE] == [e for e in rescore.product_instantiations() if e != "rescore_topk_kernel<1>"]
-        assert {f: e for f, e in bq.items() if f != core.RESCORE_SOURCE} == \
+        assert bq[core.QUERY_SOURCE] == query.product_instantiations(numerics=("bf16",))
+        assert {f: e for f, e in bq.items() if f not in (core.RESCORE_SOURCE, core.QUERY_SOURCE)} == \
             {f: e for f, e in exprs.items() if f != core.RESCORE_SOURCE}
 
 

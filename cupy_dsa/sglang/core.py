@@ -19,7 +19,6 @@ from typing import NamedTuple
 import torch
 
 from cupy_dsa.layouts import BF16_PAGE_BYTES, FP8_PAGE_BYTES, PAGE_SLOTS
-from cupy_dsa.store import HADAMARD_SCALE as _HADAMARD_SCALE
 
 logger = logging.getLogger(__name__)
 
@@ -320,6 +319,8 @@ def warm_expressions(arch: str, *, mode: str, next_ns=(1,), kv_dtypes=(torch.bfl
         out[RESCORE_SOURCE] = [rescore.RESCORE.select(p, None).expr for p in rescore.RESCORE.problems if p != unused]
     if not query_is_fp8(mode):
         out[QUERY_SOURCE] = query.product_instantiations(numerics=("fp4sim",), weight_dtypes=(torch.bfloat16,))
+    elif is_two_level(mode) and parse_stage2_q(stage2_q) == "bf16":
+        out[QUERY_SOURCE] = query.product_instantiations(numerics=("bf16",), weight_dtypes=(torch.bfloat16,))
     for filename, exprs in out.items():
         unknown = [e for e in exprs if e not in product.get(filename, ())]
         if unknown:
@@ -483,57 +484,19 @@ def reference_query(c4_indexer, x: torch.Tensor, q_lora: torch.Tensor, positions
     return q_ref, w_ref.unsqueeze(2)
 
 
-# fp8-rescore's bf16 stage-2 query: tokens per block of the rotation (bounds its fp32 temporaries to 64 MiB each)
-_ROTATE_BLOCK_TOKENS = 2048
+def rotated_query_bf16(q: torch.Tensor, weights: torch.Tensor, freqs_cis: torch.Tensor, positions: torch.Tensor,
+                       weight_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8-rescore's bf16 stage-2 query and head weights: ``wq_b``'s bf16 output ``q [T, 64, 128]`` rotated as
+    SGLang's fused q kernel rotates it before its fp8 quantization (RoPE, Hadamard-128, fp32), rounded to bf16
+    once, and ``float(weights_proj output) * weight_scale`` (its weights without the fp8 q scale): ``(bf16 [T, 64,
+    128], float32 [T, 64])`` by one launch of ``cupy_dsa.prepare_index_q(numerics="bf16")``. SGLang never holds
+    this query (its kernel keeps the rotated q in registers on the way to fp8)."""
+    import cupy_dsa
 
-
-def rotated_query_bf16(q: torch.Tensor, freqs_cis: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """fp8-rescore's bf16 stage-2 query: ``wq_b``'s bf16 output ``q [T, 64, 128]`` rotated as SGLang's fused q kernel
-    rotates it before its fp8 quantization (RoPE of the trailing 64 dims, interleaved pairs, at ``positions[t]``, then
-    the natural-order Hadamard-128 and its ``128^-0.5``; fp32, in the operation order of
-    ``cupy_dsa.prepare_index_q_reference``), rounded to bf16 once. Returns bf16 ``[T, 64, 128]``, contiguous.
-
-    SGLang never holds this tensor (its kernel keeps the rotated q in registers on the way to fp8), so it is made
-    here: torch ops on the current stream, fixed shapes, no host sync (capturable)."""
-    table = rope_table(freqs_cis)
-    T, heads, dim = q.shape
-    out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
-    half = dim // 2
-    for s in range(0, T, _ROTATE_BLOCK_TOKENS):
-        e = min(T, s + _ROTATE_BLOCK_TOKENS)
-        x = q[s:e].to(torch.float32)
-        f = table.index_select(0, positions[s:e].to(torch.int64))[:, None, :]   # [t, 1, 64]: every head's row
-        cos, sin = f[..., 0::2], f[..., 1::2]
-        re, im = x[..., half::2], x[..., half + 1::2]
-        re2 = re * cos - im * sin
-        im2 = re * sin + im * cos
-        re.copy_(re2)
-        im.copy_(im2)
-        # Hadamard butterflies over element bits 0..6 (lower index a + b, upper a - b), ping-pong buffers
-        y = torch.empty_like(x)
-        n = x.numel() // dim
-        for bit in range(dim.bit_length() - 1):
-            shape = (n, (dim >> 1) >> bit, 2, 1 << bit)
-            a, b = x.view(shape).unbind(2)
-            o = y.view(shape)
-            torch.add(a, b, out=o[:, :, 0])
-            torch.sub(a, b, out=o[:, :, 1])
-            x, y = y, x
-        torch.mul(x, _HADAMARD_SCALE, out=out[s:e])                             # fp32 product, one bf16 rounding
-    return out
-
-
-def unscaled_query_weights(weights: torch.Tensor, weight_scale: float) -> torch.Tensor:
-    """The head weights of a bf16 stage-2 query: ``float(weights_proj output) * weight_scale`` in fp32 (SGLang's
-    fused q kernel's weights without the fp8 q scale it folds in), float32 ``[T, 64]``."""
-    return weights.to(torch.float32) * _fp32(weight_scale)
-
-
-def _fp32(value: float) -> float:
-    """``value`` rounded to fp32 (what a kernel taking it as a float argument computes with)."""
-    import numpy as np
-
-    return float(np.float32(value))
+    if q.is_cuda:
+        ensure_warm(q.device)
+    return cupy_dsa.prepare_index_q(q.contiguous(), weights, freqs_cis=rope_table(freqs_cis), positions=positions,
+                                    weight_scale=float(weight_scale), numerics="bf16")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -277,8 +277,9 @@ def _rescore_queries(ix, c4_indexer, x, q_lora, positions, q_lora_quant):
     q = q.view(-1, c4_indexer.n_local_heads, c4_indexer.head_dim)
     q_fp8, weights_fp8 = ix.fused_q_indexer_rope_hadamard_quant(q, weights, c4_indexer.weight_scale,
                                                                  c4_indexer.freqs_cis, positions)
-    return (q_fp8, weights_fp8, core.rotated_query_bf16(q, c4_indexer.freqs_cis, positions),
-            core.unscaled_query_weights(weights, c4_indexer.weight_scale))
+    q_bf16, weights_bf16 = core.rotated_query_bf16(q, weights, c4_indexer.freqs_cis, positions,
+                                                   c4_indexer.weight_scale)
+    return q_fp8, weights_fp8, q_bf16, weights_bf16
 
 
 def _rescored_topk(self, ix, forward_batch, c4_indexer, *, q, weights, lens, page_table, page_indices, raw_indices,
