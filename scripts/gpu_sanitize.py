@@ -181,7 +181,18 @@ def run_rescore():
     bt2 = torch.randint(-1, P + 1, (4, 4), dtype=torch.int32, device=dev)
     cu = torch.tensor([0, 9, 9, 10, 37], dtype=torch.int32, device=dev)
     rescore.rescore_topk_prefill(q, w, hi, lo, ks, ke, bt2, K, KP, cu_rows=cu)
-    return n + 2
+    n += 2
+    # long rows: the candidates' first digit counted over several column chunks, the K'-th key's bin collected
+    # and, for flat logits, past what is collected (read from the row); with the stage-1 ranks
+    B, width = 2, 20480
+    q = torch.randn(B, 1, 64, 128, device=dev).to(torch.float8_e4m3fn)
+    w = torch.rand(B, 64, device=dev)
+    lens = torch.tensor([20000, 9000], dtype=torch.int32, device=dev)
+    bt = torch.randint(-1, P + 1, (B, width // 64), dtype=torch.int32, device=dev)
+    for s1 in (torch.zeros(B, width, device=dev), torch.round(torch.randn(B, width, device=dev) * 8) / 8):
+        rescore.rescore_topk(q, w, hi, lo, lens, bt, 512, 2048, stage1_logits=s1, fp8_rank=True)
+        n += 1
+    return n
 
 
 if __name__ == "__main__":

@@ -37,12 +37,14 @@ if [ -z "${SKIP_SANITIZE:-}" ]; then
   SAN_RC=$?
   SAN_LINE=$(grep -E "ERROR SUMMARY" "$OUT/sanitizer.log" | tail -1)
   tail -5 "$OUT/sanitizer.log"
-  # racecheck (shared memory) and initcheck (reads of unwritten device memory) over the logits kernels:
-  # decode, the plans, prefill and varlen prefill
-  for tool in racecheck initcheck; do
-    compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/gpu_sanitize.py logits >"$OUT/$tool.log" 2>&1
-    echo "compute-sanitizer $tool (rc=$?): $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/$tool.log" | tail -1)" \
-      | tee -a "$OUT/sanitizers.txt"
+  # racecheck (shared memory) and initcheck (reads of unwritten device memory) over the logits kernels
+  # (decode, the plans, prefill and varlen prefill) and the rescoring kernels (fp8-rescore)
+  for part in logits rescore; do
+    for tool in racecheck initcheck; do
+      compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/gpu_sanitize.py $part >"$OUT/$tool-$part.log" 2>&1
+      echo "compute-sanitizer $tool $part (rc=$?): $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/$tool-$part.log" | tail -1)" \
+        | tee -a "$OUT/sanitizers.txt"
+    done
   done
 fi
 
