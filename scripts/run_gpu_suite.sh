@@ -3,6 +3,8 @@
 # racecheck and initcheck over every kernel family (small shapes incl. out-of-range indices), then
 # `cupy-dsa bench all` and `cupy-dsa bench variants`. Prints a short summary last.
 #   usage: bash scripts/run_gpu_suite.sh [pytest -k expression]     (results under $OUT, default ./out)
+#   SKIP_PYTEST, SKIP_FUZZ, SKIP_SANITIZE, SKIP_STARTUP (start-up compile, timing method), SKIP_BENCH, SKIP_EMULATE,
+#   SKIP_VARIANTS leave a part out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -55,6 +57,7 @@ if ls .whl_sgl/sglang-0.5.23-*.whl >/dev/null 2>&1; then
   SGL_LINE=$(grep -E "SGLANG GPU PATH" "$OUT/sglang_path.txt" | tail -1)
   tail -3 "$OUT/sglang_path.txt"
 fi
+if [ -z "${SKIP_STARTUP:-}" ]; then
 # Start-up compile time of the kernels an SGLang server warms (bf16 keys, next_n 1 and 2): cold = empty CuPy
 # cache (NVRTC compiles), warm = the cache filled by the cold run (module loads only); one process each.
 WARM_CACHE=$(mktemp -d)
@@ -87,6 +90,7 @@ for name, kw in (("1 call/replay, 3 warm-up replays (before)", dict(min_replay_s
         t = time_calls([call], dev, reps=30, **kw)
         print(f"timing method: {name}, trial {trial}: {t.seconds * 1e6:.1f} us (p10 {t.p10 * 1e6:.1f}, p90 {t.p90 * 1e6:.1f}, {t.calls} calls/replay)")
 PY
+fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   python3 -m cupy_dsa bench ${BENCH:-all} --backend cuda --json "$OUT/h200.json" --plot "$OUT/h200.png" \
       --markdown "$OUT/headline.md" 2>&1 | tee "$OUT/bench.log" | tail -60
@@ -107,8 +111,8 @@ echo "fuzz (3000 calls per op): $FUZZ_LINE"
 echo "compute-sanitizer memcheck (rc=$SAN_RC): $SAN_LINE"
 cat "$OUT/sanitizers.txt"
 echo "SGLang path: $SGL_LINE"
-cat "$OUT/startup.txt"
-grep "timing method" "$OUT/timing_method.txt"
+[ -f "$OUT/startup.txt" ] && cat "$OUT/startup.txt"
+[ -f "$OUT/timing_method.txt" ] && grep "timing method" "$OUT/timing_method.txt"
 [ -f "$OUT/headline.md" ] && cat "$OUT/headline.md"
 [ -f "$OUT/emulate-sm120.md" ] && cat "$OUT/emulate-sm120.md"
 exit 0
