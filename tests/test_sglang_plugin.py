@@ -70,6 +70,7 @@ CHECKS = {
                 "indexer_rescore_refuses_pools_without_lo", "indexer_rescore_refuses_a_tbo_micro_batch",
                 "indexer_rescore_hisparse_and_capturer",
                 "pd_layout_pairs_only_with_fp8_rescore", "hicache_carries_lo_pages_in_its_namespace",
+                "hicache_backup_and_load_carry_lo_pages",
                 "resolution_rescore_refusals", "settings_refused_before_anything_is_patched",
                 "flags_and_yaml_keys_take_rescore", "check_command_describes_rescore"],
 }

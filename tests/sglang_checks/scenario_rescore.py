@@ -10,7 +10,8 @@ real classes.
   plugin's routes) equals ``rescore_topk_reference`` on decode, varlen extend, one-request prefill, grouped and
   ragged verify and small rows, equals the exact top-k where the keys leave no tie at the two-level precision,
   and SGLang's own top-k is never called;
-* PD tag and pairing, HiCache regions and namespace, refusals, flags and the check command.
+* PD tag and pairing, HiCache regions and namespace, a HiCache backup and load of both pages through SGLang's
+  host pools (checks_hicache), refusals, flags and the check command.
 """
 from __future__ import annotations
 
@@ -683,6 +684,68 @@ def scenario_rescore():
         kw = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=True,
                   enable_storage_metrics=False, is_page_first_layout=False, model_name="deepseek-ai/DeepSeek-V4")
         assert HiCacheStorageConfig(**kw).model_name == "deepseek-ai/DeepSeek-V4_c4idx-fp8-rescore"
+
+    @check
+    def hicache_backup_and_load_carry_lo_pages():
+        """SGLang's HiCache host pools back up and load the lo pages with the hi pages (checks_hicache: SGLang's
+        retraction backup and restore, its sgl_kernel transfer op stood in on CPU): two C4 layers, two source pages
+        of known hi and lo bytes (the reference two-level store) among random ones, backed up to host pages and
+        loaded into two other device pages come back byte for byte, both pages of a layer in before SGLang
+        signals the layer loaded (the forward waits through the hi page's getter only), the lo pages the plugin
+        rescores from are the buffers HiCache restored, and no other page changes."""
+        from sglang.srt.mem_cache import memory_pool_host as mph
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        from checks_hicache import hicache_round_trip
+
+        pool = make_index_pool(layers=2)  # the plugin's pool hook allocates and registers the lo pages
+        pages = {"hi": pool.index_k_with_scale_buffer, "lo": pool.index_k_lo_buffer}
+        g = torch.Generator().manual_seed(int(os.environ.get("CUPY_DSA_SEED", "0")))
+        for bufs in pages.values():
+            for b in bufs:
+                b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=g))
+        src, dst = [7, 3], [12, 29]
+        locs = torch.cat([torch.arange(p * 64, (p + 1) * 64) for p in src])
+        for layer in range(2):
+            store_two_level_reference(torch.randn(len(locs), 128, generator=g), pages["hi"][layer],
+                                      pages["lo"][layer], locs)
+        want = {(kind, layer): b.clone() for kind, bufs in pages.items() for layer, b in enumerate(bufs)}
+        assert all(not torch.equal(w[d], w[s]) for w in want.values() for s, d in zip(src, dst))
+        unbound = mph.__dict__.get("transfer_kv_direct", None)
+
+        in_at_layer_done = {}
+
+        def layer_done(layer):
+            in_at_layer_done[layer] = {kind: all(torch.equal(pages[kind][layer][d], want[kind, layer][s])
+                                                 for s, d in zip(src, dst)) for kind in pages}
+
+        calls = []
+        group, host_page, regions = hicache_round_trip(pool, src, dst, calls, on_layer_done=layer_done)
+
+        assert [str(r.name) for r in regions] == [str(PoolName.DEEPSEEK_V4_C4_INDEXER),
+                                                  str(PoolName.DEEPSEEK_V4_C4_INDEXER_SCALE)], regions
+        hosts = {"hi": group.get_pool(PoolName.DEEPSEEK_V4_C4_INDEXER),
+                 "lo": group.get_pool(PoolName.DEEPSEEK_V4_C4_INDEXER_SCALE)}
+        for kind, host in hosts.items():
+            assert all(a is b for a, b in zip(host.device_buffers, pages[kind])), f"{kind} host pool's buffers"
+            for layer in range(2):
+                for s in src:
+                    assert torch.equal(host.kv_buffer[layer][host_page[s]], want[kind, layer][s]), \
+                        f"{kind} page {s} of layer {layer} not in its host page {host_page[s]}"
+        for (kind, layer), w in want.items():
+            got = pages[kind][layer]
+            for s, d in zip(src, dst):
+                assert torch.equal(got[d], w[s]), f"{kind} page {s} of layer {layer} did not come back in page {d}"
+            rest = [r for r in range(got.shape[0]) if r not in dst]
+            changed = [r for r in rest if not torch.equal(got[r], w[r])]
+            assert not changed, f"{kind} pages {changed} of layer {layer} changed"
+        assert in_at_layer_done == {l: {"hi": True, "lo": True} for l in range(2)}, in_at_layer_done
+        for layer in range(2):
+            assert core.lo_cache_of(pages["hi"][layer]) is pages["lo"][layer], "the plugin reads other lo pages"
+        # SGLang's own transfer call moved the lo pages: a backup of each region, a load of each region per layer
+        lo_calls = [c for c in calls if any(t is pages["lo"][0] or t is pages["lo"][1] for t in c[0] + c[1])]
+        assert len(calls) == 6 and len(lo_calls) == 3, [(len(a), len(b)) for a, b, _, _ in calls]
+        assert mph.__dict__.get("transfer_kv_direct", None) is unbound, "the stand-in was left in SGLang"
 
     def resolve(**fields):
         from sglang.srt.arg_groups.resolution_hooks import run_hook
