@@ -164,7 +164,7 @@ README_SERVE_STEPS = ("decode", "verify, next_n 2", "verify, next_n 4", "prefill
 def _serve_block(doc) -> str:
     from .serve import markdown, step_label
 
-    text = markdown(doc).rstrip("\n")
+    text = markdown(doc, with_rescore=False).rstrip("\n")
     timed = {step_label(r) for r in doc["timings"] if r.get("bf16_ms") is not None}
     missing = [step for step in README_SERVE_STEPS if step not in timed]
     if missing:
@@ -221,9 +221,21 @@ RESCORE_README_BLOCKS = {
 }
 
 # blocks rendered from a `bench serve` JSON (the other blocks: from a `bench` JSON)
+def _serve_rescore_block(doc) -> str:
+    from .serve import rescore_markdown
+
+    return "\n".join(rescore_markdown(doc)).strip("\n")
+
+
+def _serve_missing(doc, key, what):
+    if not (doc.get("measured") and doc.get("timings")):
+        return f"no timings ({doc.get('not_measured') or 'nothing measured'})"
+    return _none_if([r for r in doc["timings"] if r.get(key) is not None], f"no {what} timings")
+
+
 SERVE_README_BLOCKS = {
-    "serve": Block(_serve_block, lambda d: None if d.get("measured") and d.get("timings")
-                   else f"no timings ({d.get('not_measured') or 'nothing measured'})"),
+    "serve": Block(_serve_block, lambda d: _serve_missing(d, "bf16_ms", "bf16")),
+    "serve-rescore": Block(_serve_rescore_block, lambda d: _serve_missing(d, "fp8_rescore_ms", "fp8-rescore")),
 }
 
 

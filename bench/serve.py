@@ -515,8 +515,9 @@ def plot(doc: dict, path: str) -> None:
     plt.close(fig)
 
 
-def markdown(doc: dict) -> str:
-    """The run as a markdown table (the README's cost table is this, generated from the results file)."""
+def markdown(doc: dict, with_rescore: bool = True) -> str:
+    """The run as a markdown table (the README's cost table is this, generated from the results file); with
+    fp8-rescore's table when the run timed it and ``with_rescore``."""
     m = doc["model"]
     # columns a run holds data for: runs from before fp8-cupy, the fp8 routes or the targets keep their table
     cupy8 = any(r.get("fp8_cupy_ms") is not None for r in doc["timings"])
@@ -551,7 +552,8 @@ def markdown(doc: dict) -> str:
     gather_ops = sorted({r["fp8_gather"] for r in doc["timings"] if r.get("fp8_gather")})
     if gather_ops:
         lines += ["", f"The non-paged route's key gather: {'; '.join(gather_ops)}."]
-    lines += rescore_markdown(doc)
+    if with_rescore:
+        lines += rescore_markdown(doc)
     mem = {r["layout"]: r for r in doc["memory"]}
     if {"bf16", "fp8"} <= mem.keys():
         b, f = mem["bf16"], mem["fp8"]
@@ -585,7 +587,8 @@ def rescore_markdown(doc: dict) -> list[str]:
     def verdict(v):
         return {"pass": "pass", "miss": "**miss**"}.get(v, "not evaluated")
 
-    lines = ["", "fp8-rescore (issue 26), top-k included, ms per forward over every C4 layer: **fp8 + top-k** = the fp8 "
+    lines = ["", f"fp8-rescore (issue 26), {doc.get('device') or 'no GPU'}, commit "
+             f"`{(doc.get('git_commit') or 'not recorded')[:12]}`, top-k included, ms per forward over every C4 layer: **fp8 + top-k** = the fp8 "
              "step above + `torch.topk(index_topk)` of each layer's logits (a stand-in for SGLang's sgl-kernel "
              "top-k, not installed where the bench runs); **fp8-rescore** = the store of the hi and lo pages in one "
              "launch + `rescore_topk` (decode rows, grouped verify) / `rescore_topk_prefill` (the chunk's rows) per "

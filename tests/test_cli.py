@@ -763,16 +763,23 @@ RESULTS_JSON = REPO / "bench" / "results" / "h200.json"
 
 
 def test_readme_results_blocks_are_generated_from_the_committed_json():
-    """Every figure block of the README is what `bench report --readme` renders from bench/results/h200.json
-    (a hand edit, or a JSON committed without regenerating the README, fails here)."""
+    """Every figure block of the README is what `bench report --readme` renders from the committed JSON it quotes
+    (bench/results/h200*.json; a hand edit, or a JSON committed without regenerating the README, fails here)."""
     from cupy_dsa.bench import readme as readme_mod
 
     readme = (REPO / "README.md").read_text()
     bodies = {m["name"]: m["body"] for m in readme_mod.README_BLOCK.finditer(readme)}
-    assert set(bodies) == set(readme_mod.README_BLOCKS) | set(readme_mod.SERVE_README_BLOCKS)
+    assert set(bodies) == (set(readme_mod.README_BLOCKS) | set(readme_mod.SERVE_README_BLOCKS)
+                           | set(readme_mod.RESCORE_README_BLOCKS))
+    serve = {n: b for n, b in readme_mod.SERVE_README_BLOCKS.items() if n != "serve-rescore"}
     docs = {"h200.json": (json.loads(RESULTS_JSON.read_text()), readme_mod.README_BLOCKS),
-            "h200-serve.json": (json.loads((RESULTS_JSON.parent / "h200-serve.json").read_text()),
-                                readme_mod.SERVE_README_BLOCKS)}
+            "h200-recall.json": (json.loads((RESULTS_JSON.parent / "h200-recall.json").read_text()),
+                                 {"recall": readme_mod.README_BLOCKS["recall"]}),
+            "h200-serve.json": (json.loads((RESULTS_JSON.parent / "h200-serve.json").read_text()), serve),
+            "h200-serve-rescore.json": (json.loads((RESULTS_JSON.parent / "h200-serve-rescore.json").read_text()),
+                                        {"serve-rescore": readme_mod.SERVE_README_BLOCKS["serve-rescore"]}),
+            "h200-rescore.json": (json.loads((RESULTS_JSON.parent / "h200-rescore.json").read_text()),
+                                  readme_mod.RESCORE_README_BLOCKS)}
     for what, (doc, blocks) in docs.items():
         assert readme_mod.readme_with_results(readme, doc, blocks) == readme
         for name, block in blocks.items():
