@@ -43,11 +43,11 @@ pages beside it, both written by one store launch (the fp8 bytes checked as in f
 within 1e-3 of the CPU path's), then extend, decode, verify and both CUDA graphs twice, with stage 1 from cupy_dsa's
 kernels (the plugin's routes) and from SGLang's own fp8 logits call (here its torch fp8 logits: DeepGEMM is not on
 this machine), each rescored top-k against the CPU path's (overlap >= 0.99 per row, SGLang's slot transform). Stage 2
-takes stage 1's fp8 q here (``SGLANG_CUPY_DSA_RESCORE_Q=fp8``: the layer stand-in has no projections). Not yet run on
-the device: the default bf16 stage-2 query (wq_b's output rotated in torch, SGLang's fused fp8 q kernel stood in; checked
-on CPU in tests/sglang_checks) and, GPU-only (TODO), a HiCache backup / load of the hi and lo pages through SGLang's
-``DeepSeekV4PagedHostPool`` (its transfer functions come from ``sgl_kernel.kvcacheio`` and are imported only on
-CUDA / HIP, and its pinned host buffers need CUDA): both regions byte-identical after device -> host -> device.
+takes stage 1's fp8 q here (``SGLANG_CUPY_DSA_RESCORE_Q=fp8``: the layer stand-in has no projections). Not run here:
+the default bf16 stage-2 query through SGLang's forward (its query prep, ``prepare_index_q(numerics="bf16")``, is
+GPU-tested in tests/test_query.py; the forward with it is checked on CPU in tests/sglang_checks) and HiCache's
+transfer of the hi and lo pages (checked on CPU through SGLang's host pools and transfer engine, sgl_kernel's
+``transfer_kv_direct`` stood in by torch: tests/sglang_checks/checks_hicache.py; sgl_kernel is stubbed here too).
 Last line: ``SGLANG GPU PATH: PASS ...`` or ``FAIL ...``.
 """
 from __future__ import annotations
