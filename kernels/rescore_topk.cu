@@ -306,47 +306,82 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_histogra
     if (counts[i] != 0) atomicAdd(&hist[i], counts[i]);
 }
 
+namespace dsa {
+namespace rescore {
+
+// Slots for this thread's a and b items in two row-wide lists whose lengths count_a / count_b hold: one atomic
+// per CTA and list (not one per warp: a row's CTAs would queue on its two counters), then an exclusive prefix
+// over the threads. `s`: 2 * kSelectWarps + 2 shared ints.
+__device__ __forceinline__ void reserve_slots(int a, int b, int* count_a, int* count_b, int& at_a, int& at_b,
+                                              int* s) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int ia = a, ib = b;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int va = __shfl_up_sync(0xffffffffu, ia, d), vb = __shfl_up_sync(0xffffffffu, ib, d);
+    if (lane >= d) {
+      ia += va;
+      ib += vb;
+    }
+  }
+  if (lane == 31) {
+    s[warp] = ia;
+    s[kSelectWarps + warp] = ib;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int ta = 0, tb = 0;
+    for (int w = 0; w < kSelectWarps; ++w) {
+      const int x = s[w], y = s[kSelectWarps + w];
+      s[w] = ta;
+      s[kSelectWarps + w] = tb;
+      ta += x;
+      tb += y;
+    }
+    s[2 * kSelectWarps] = ta ? atomicAdd(count_a, ta) : 0;
+    s[2 * kSelectWarps + 1] = tb ? atomicAdd(count_b, tb) : 0;
+  }
+  __syncthreads();
+  at_a = s[2 * kSelectWarps] + s[warp] + ia - a;
+  at_b = s[2 * kSelectWarps + 1] + s[kSelectWarps + warp] + ib - b;
+}
+
+}  // namespace rescore
+}  // namespace dsa
+
 // Keys of the bins above b -> candidates[r, 0 ..) and keys of bin b -> boundary[r, 0 .. cap) (counted past
-// cap), in arrival order (warp-aggregated atomics on the row's counters). A row that sees at most k_prime keys
-// writes them all as "above". Grid and block as rescore_histogram.
+// cap): a counting pass over the CTA's columns, one reservation per CTA and list, a writing pass (the columns
+// again, from L1 / L2). A row that sees at most k_prime keys writes them all as "above". Grid and block as
+// rescore_histogram.
 __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_gather(
     const float* __restrict__ logits, long long logits_stride, DSA_ROW_SPEC_ARGS, int cols_per_cta,
     int index_topk, int* __restrict__ work, int k_prime, long long* __restrict__ candidates,
     long long* __restrict__ boundary, int cap) {
   using namespace dsa;
   using namespace dsa::rescore;
-  __shared__ int scratch[kSelectWarps + 3];
+  __shared__ int scratch[2 * kSelectWarps + 2];
   DSA_SELECT_ROW
   // the bin of the k_prime-th key (every CTA of the row finds the same one); -1: every key is taken
   const int b = rk.hi - rk.lo > k_prime ? find_bin(hist, k_prime, scratch).bin : -1;
-  int* above_count = hist + kRadixBins;
-  int* bin_count = hist + kRadixBins + 1;
+  auto digit_of = [&](int c) { return static_cast<int>(unsigned_key(order_key(row[c], 0u)) >> (64 - kDigitBits)); };
+  int n_take = 0, n_tie = 0;
+  for (int c = c_begin + threadIdx.x; c < c_end; c += kSelectThreads) {
+    const int digit = digit_of(c);
+    n_take += digit > b;
+    n_tie += digit == b;
+  }
+  int take_at, tie_at;
+  reserve_slots(n_take, n_tie, hist + kRadixBins, hist + kRadixBins + 1, take_at, tie_at, scratch);
   long long* __restrict__ cand = candidates + static_cast<long long>(r) * k_prime;
   long long* __restrict__ bnd = boundary + static_cast<long long>(r) * cap;
-  const int lane = threadIdx.x & 31;
-  for (int c0 = c_begin; c0 < c_end; c0 += kSelectThreads) {
-    const int c = c0 + threadIdx.x;
-    long long key = 0;
-    int digit = -2;
-    if (c < c_end) {
-      key = order_key(row[c], 0xFFFFFFFFu - static_cast<unsigned>(c));
-      digit = static_cast<int>(unsigned_key(key) >> (64 - kDigitBits));
-    }
-    const unsigned take = __ballot_sync(0xffffffffu, digit > b);
-    const unsigned tie = __ballot_sync(0xffffffffu, digit == b);
-    const unsigned before = (1u << lane) - 1u;
-    if (take) {
-      int base = 0;
-      if (lane == 0) base = atomicAdd(above_count, __popc(take));
-      base = __shfl_sync(0xffffffffu, base, 0);
-      if (digit > b) cand[base + __popc(take & before)] = key;
-    }
-    if (tie) {
-      int base = 0;
-      if (lane == 0) base = atomicAdd(bin_count, __popc(tie));
-      base = __shfl_sync(0xffffffffu, base, 0);
-      const int slot = base + __popc(tie & before);
-      if (digit == b && slot < cap) bnd[slot] = key;
+  for (int c = c_begin + threadIdx.x; c < c_end; c += kSelectThreads) {
+    const long long key = order_key(row[c], 0xFFFFFFFFu - static_cast<unsigned>(c));
+    const int digit = static_cast<int>(unsigned_key(key) >> (64 - kDigitBits));
+    if (digit > b) {
+      cand[take_at++] = key;
+    } else if (digit == b) {
+      if (tie_at < cap) bnd[tie_at] = key;
+      ++tie_at;
     }
   }
 }
