@@ -32,6 +32,10 @@ FORMAT_STYLE = {
     "fp8-rescore-2x": dict(color="C8", marker="<", linestyle=":", linewidth=1.0, markersize=5),
     "fp8-rescore-3x": dict(color="C8", marker=">", linestyle="--", linewidth=1.0, markersize=5),
     "fp8-rescore-4x": dict(color="C8", marker="*", linestyle="-", linewidth=1.6, markersize=7),
+    # stage 2 with the bf16 query (the plugin's default): the same K' markers, hollow, in their own colour
+    "fp8-rescore-2x-bf16q": dict(color="C9", marker="<", linestyle=":", linewidth=1.0, markersize=6, fillstyle="none"),
+    "fp8-rescore-3x-bf16q": dict(color="C9", marker=">", linestyle="--", linewidth=1.0, markersize=6, fillstyle="none"),
+    "fp8-rescore-4x-bf16q": dict(color="C9", marker="*", linestyle="-", linewidth=1.6, markersize=8, fillstyle="none"),
     "reference": dict(color="0.6", marker=".", linestyle="-.", linewidth=0.8, markersize=4),
 }
 
@@ -42,7 +46,7 @@ def _plot_order(formats):
 
 
 def _style(fmt):
-    return FORMAT_STYLE.get(fmt, dict(color="C9", marker="*", linestyle=":", linewidth=1.0))
+    return FORMAT_STYLE.get(fmt, dict(color="0.45", marker="h", linestyle=":", linewidth=1.0))
 
 # Readable at the saved size: no tick label under 8 pt.
 RC = {"font.size": 9, "axes.titlesize": 9, "axes.labelsize": 9, "xtick.labelsize": 8, "ytick.labelsize": 8,
