@@ -25,9 +25,10 @@ from cupy_dsa import rotate_index_k_reference
 from cupy_dsa.rescore import residual_encode_reference, rescore_topk_reference, store_two_level_reference
 from cupy_dsa.sglang import core, forward, hooks
 
-from checks_guard import pd_decode_handshake
+from checks_guard import assert_pd_layout_accepted, pd_decode_handshake
 from checks_indexer import _indexer_setup, hisparse_decode, one_attention_cp_rank, spied_logits_routes
-from checks_store import call_site_case, decode_case, prefill_case, store_through_sglang_call_site
+from checks_store import (call_site_case, decode_case, prefill_case, store_through_binding,
+                          store_through_sglang_call_site)
 from checks_strictness import Spy, _store_call, assert_hook_refuses, assert_stores_refused
 from harness import ENV, INFO, check, every_hook_in_place, load, make_index_pool, mode_env
 from scenario_fp8cupy import assert_sglang_fp8_pages
@@ -342,25 +343,15 @@ def scenario_rescore():
     def store_two_level_decode_plan():
         case = decode_case()
         case.kv[4] *= 1e-6  # below SGLang's fp8 scale floor
-        from sglang.srt.layers.attention.dsv4 import compressor_v2
-
-        pool = make_index_pool(size=256)
-        hi, lo = pool.index_k_with_scale_buffer[0], pool.index_k_lo_buffer[0]
-        compressor_v2.compress_norm_rope_store(case.kv, case.plan, norm_weight=case.w, norm_eps=1e-6, freq_cis=case.fc,
-                                              out_loc=case.out_loc, kvcache=hi, page_size=64)
-        assert_two_level_pages(hi, lo, case)
+        hi = store_through_binding(case)
+        assert_two_level_pages(hi, core.lo_cache_of(hi), case)
 
     @check
     def store_two_level_prefill_plan():
         case = prefill_case()
         case.kv[1] *= 300.0
-        from sglang.srt.layers.attention.dsv4 import compressor_v2
-
-        pool = make_index_pool(size=256)
-        hi, lo = pool.index_k_with_scale_buffer[0], pool.index_k_lo_buffer[0]
-        compressor_v2.compress_norm_rope_store(case.kv, case.plan, norm_weight=case.w, norm_eps=1e-6, freq_cis=case.fc,
-                                              out_loc=case.out_loc, kvcache=hi, page_size=64)
-        assert_two_level_pages(hi, lo, case)
+        hi = store_through_binding(case)
+        assert_two_level_pages(hi, core.lo_cache_of(hi), case)
 
     @check
     def store_two_level_one_launch_via_sglang_call_site():
@@ -653,12 +644,7 @@ def scenario_rescore():
                     assert "KV layout mismatch" in str(e) and "c4idx:fp8-rescore" in str(e), str(e)
                 else:
                     raise AssertionError(f"a {local} decode peer accepted a {peer} prefill peer")
-        try:
-            pd_decode_handshake(layouts[MODE], layouts[MODE])
-        except RuntimeError as e:
-            assert "KV layout mismatch" not in str(e), str(e)
-        except Exception:
-            pass  # later checks of the handshake need a real manager; the layout check passed
+        assert_pd_layout_accepted(layouts[MODE])
 
     @check
     def hicache_carries_lo_pages_in_its_namespace():
