@@ -88,3 +88,13 @@ def test_readme_lists_what_the_install_adds():
     for r in list(cfg["options"]["install_requires"].split()) + cu13:
         assert f"`{r}" in setup, f"README's Set up section does not give {r} as setup.cfg pins it"
     assert "`pip install -e .`" in setup and "needs no CUDA extra" in setup
+
+
+def test_gpu_sessions_preload_only_when_large():
+    """One selected GPU test does not compile every declared config first (about a minute cold); a full GPU run
+    does; CUPY_DSA_PRELOAD forces either."""
+    from conftest import PRELOAD_MIN_GPU_TESTS, preload_declared
+
+    assert not preload_declared(1, {}) and not preload_declared(PRELOAD_MIN_GPU_TESTS - 1, {})
+    assert preload_declared(PRELOAD_MIN_GPU_TESTS, {})
+    assert preload_declared(1, {"CUPY_DSA_PRELOAD": "1"}) and not preload_declared(500, {"CUPY_DSA_PRELOAD": "0"})
