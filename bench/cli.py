@@ -540,7 +540,9 @@ def resources_cmd(archs):
         runtime.cupy_module()
     except ImportError as exc:
         raise click.ClickException(f"bench resources compiles the kernels with NVRTC through CuPy: {exc}") from None
-    click.echo(resources.markdown(resources.rows(archs or resources.ARCHS)))
+    click.echo("NVRTC compiles every product config of each arch (minutes on a cold cache); each compile is named "
+               "on stderr as it starts.", err=True)
+    click.echo(resources.markdown(resources.rows(archs or resources.ARCHS, progress=lambda t: click.echo(t, err=True))))
     click.echo("\nResident CTAs x warps per SM of the logits product configs (bf16 keys, fp8 q; the limit that "
                "binds):\n")
     from cupy_dsa import arch as arch_limits

@@ -276,3 +276,22 @@ def test_python_m_cupy_dsa_from_a_checkout_without_the_install(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=120,
                        cwd=root)
     assert r.returncode == 0 and "bench" in r.stdout and "needle" in r.stdout, r.stdout + r.stderr
+
+
+def test_resources_says_what_it_compiles_as_it_goes(monkeypatch):
+    """`bench resources` printed nothing for minutes while NVRTC compiled: it names each compile on stderr."""
+    from cupy_dsa.bench import resources
+
+    seen = []
+
+    def rows(archs, progress=None):
+        progress(f"compiling mqa_logits.cu for {archs[0]} (24 product configs)")
+        seen.append(archs)
+        return []
+
+    monkeypatch.setattr(resources, "rows", rows)
+    monkeypatch.setattr(resources, "markdown", lambda rs: "| table |")
+    res = _run(["bench", "resources", "--arch", "sm_90"])
+    assert res.exit_code == 0, res.output
+    assert "minutes on a cold cache" in res.output and "compiling mqa_logits.cu for sm_90" in res.output
+    assert seen == [("sm_90",)]
