@@ -567,8 +567,7 @@ def report_cmd(json_files, markdown_path, plot_path, readme_path, allow_cpu_or_q
     """Re-print the tables of a saved JSON result (and its markdown headline / plot / README blocks).
 
     Several `cupy-dsa needle` results overlay: one table and one plot, a column / line per run (--label)."""
-    from . import needle, plots, provenance, readme, report, serve
-    from . import rescore as rescore_bench
+    from . import report
 
     docs = []
     for json_file in json_files:
@@ -576,6 +575,23 @@ def report_cmd(json_files, markdown_path, plot_path, readme_path, allow_cpu_or_q
             docs.append(json.loads(Path(json_file).read_text()))
         except ValueError as exc:
             raise click.BadParameter(f"{json_file}: not a JSON file: {exc}", param_hint="JSON_FILE")
+    same_kind = len({d.get("schema") if isinstance(d, dict) else None for d in docs}) == 1  # else: the mix is refused
+    for json_file, doc in zip(json_files, docs) if same_kind else ():  # a valid schema, a broken structure: refused
+        problem = report.structure_problem(doc)
+        if problem:
+            raise click.BadParameter(f"{json_file}: a {doc['schema']} document, but {problem}", param_hint="JSON_FILE")
+    try:
+        _report(json_files, docs, markdown_path, plot_path, readme_path, allow_cpu_or_quick)
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as exc:
+        # what the structure check does not reach (a row's fields): one message naming the file, no traceback
+        raise click.BadParameter(f"{', '.join(json_files)}: a field of the results is missing or of the wrong type "
+                                 f"({type(exc).__name__}: {exc})", param_hint="JSON_FILE") from None
+
+
+def _report(json_files, docs, markdown_path, plot_path, readme_path, allow_cpu_or_quick):
+    from . import needle, plots, provenance, readme, report, serve
+    from . import rescore as rescore_bench
+
     if any(needle.is_needle(d) for d in docs):
         if allow_cpu_or_quick:
             raise click.BadParameter("goes with --readme, which needle results do not take",

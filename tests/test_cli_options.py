@@ -295,3 +295,29 @@ def test_resources_says_what_it_compiles_as_it_goes(monkeypatch):
     assert res.exit_code == 0, res.output
     assert "minutes on a cold cache" in res.output and "compiling mqa_logits.cu for sm_90" in res.output
     assert seen == [("sm_90",)]
+
+
+def _results(name):
+    from pathlib import Path
+
+    return json.loads((Path(__file__).resolve().parents[1] / "bench" / "results" / name).read_text())
+
+
+@pytest.mark.parametrize("base, change, words", [
+    ("h200.json", {"bytes": [{"bogus": True}]}, "a field of the results is missing"),
+    ("h200.json", {"logits": "x"}, "'logits' is str 'x', expected a list of objects"),
+    ("h200-rescore.json", {"memory": [1, 2, 3]}, "'memory' is list [1, 2, 3], expected a list of objects"),
+    ("h200-serve.json", {"timings": "garbage"}, "'timings' is str 'garbage'"),
+    ("h200-serve.json", {"batch": "x"}, "'batch' is str 'x', expected an integer"),
+    ("h200-serve.json", {"model": None}, "it has no 'model' field"),
+    (None, {"schema": "cupy-dsa-needle/1", "label": "x", "server": {}, "cells": []}, "it has no 'settings' field"),
+])
+def test_report_refuses_a_broken_structure(base, change, words, tmp_path):
+    """A JSON of a valid schema with a broken structure: exit status 2 naming the file and the field (it ended in
+    a traceback, or rendered `batch: "x"` silently)."""
+    doc = dict(_results(base) if base else {}, **change)
+    j = tmp_path / "broken.json"
+    j.write_text(json.dumps(doc))
+    res = _run(["bench", "report", str(j)])
+    assert res.exit_code == 2 and words in res.output and str(j) in " ".join(res.output.split()), res.output
+    assert "Traceback" not in res.output
