@@ -606,6 +606,13 @@ def _report(json_files, docs, markdown_path, plot_path, readme_path, allow_cpu_o
     if rescore_bench.is_rescore(doc):  # a `bench rescore` run: its table, its README block
         _report_rescore(json_file, doc, markdown_path, plot_path, readme_path, allow_cpu_or_quick)
         return
+    from . import variants
+
+    if isinstance(doc, dict) and doc.get("schema") == variants.EMULATE_SCHEMA:  # `bench variants --emulate`
+        _report_rescore(json_file, doc, markdown_path, plot_path, readme_path, allow_cpu_or_quick,
+                        md=variants.emulate_markdown(doc), blocks=readme.EMULATE_README_BLOCKS,
+                        what="a `bench variants --emulate` result")
+        return
     is_serve = isinstance(doc, dict) and doc.get("schema") == serve.SCHEMA
     if not is_serve and (not isinstance(doc, dict) or doc.get("schema") not in provenance.READABLE_SCHEMAS):
         raise click.BadParameter(f"expected schema {provenance.SCHEMA!r}, {serve.SCHEMA!r}, {rescore_bench.SCHEMA!r} or "
@@ -653,27 +660,30 @@ def _report(json_files, docs, markdown_path, plot_path, readme_path, allow_cpu_o
             click.echo(f"{readme_path}: kept results:{name} ({why})", err=True)
 
 
-def _report_rescore(json_file, doc, markdown_path, plot_path, readme_path, allow_cpu_or_quick):
-    """`bench report` of a `bench rescore` result: its markdown table, and its results:rescore README block."""
+def _report_rescore(json_file, doc, markdown_path, plot_path, readme_path, allow_cpu_or_quick, md=None, blocks=None,
+                    what="a `bench rescore` result"):
+    """`bench report` of a `bench rescore` result (or another result of one markdown table: ``md``, ``blocks``): its
+    markdown table, and its README block."""
     from . import readme
     from . import rescore as rescore_bench
 
+    blocks = readme.RESCORE_README_BLOCKS if blocks is None else blocks
     if plot_path:
-        raise click.BadParameter("a `bench rescore` result has no plot", param_hint="'--plot'")
+        raise click.BadParameter(f"{what} has no plot", param_hint="'--plot'")
     if allow_cpu_or_quick and not readme_path:
         raise click.BadParameter("goes with --readme (it accepts a CPU or --quick run for the README's blocks)",
                                  param_hint="'--allow-cpu-or-quick'")
     update = None
     if readme_path:
         try:
-            update = readme.readme_update(Path(readme_path).read_text(), doc, readme.RESCORE_README_BLOCKS)
+            update = readme.readme_update(Path(readme_path).read_text(), doc, blocks)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="'--readme'")
         why = readme.not_gpu_figures(doc)
         if update[1] and why and not allow_cpu_or_quick:
-            raise click.BadParameter(f"{json_file} is {why}; pass --allow-cpu-or-quick to write results:rescore "
-                                     "anyway", param_hint="'--readme'")
-    md = rescore_bench.markdown(doc)
+            raise click.BadParameter(f"{json_file} is {why}; pass --allow-cpu-or-quick to write "
+                                     f"{', '.join('results:' + n for n in blocks)} anyway", param_hint="'--readme'")
+    md = rescore_bench.markdown(doc) if md is None else md
     if markdown_path:
         _write_markdown(md, markdown_path)
     if markdown_path != "-":
@@ -684,8 +694,8 @@ def _report_rescore(json_file, doc, markdown_path, plot_path, readme_path, allow
             Path(readme_path).write_text(text)
             click.echo(f"{readme_path}: rewrote {', '.join('results:' + n for n in rewritten)}", err=True)
         else:
-            click.echo(f"{readme_path}: nothing rewritten (it has no results:rescore block, or the JSON holds no "
-                       "timed rows)", err=True)
+            click.echo(f"{readme_path}: nothing rewritten (it has no {', '.join('results:' + n for n in blocks)} "
+                       "block, or the JSON holds no rows for it)", err=True)
         for name, why in kept.items():
             click.echo(f"{readme_path}: kept results:{name} ({why})", err=True)
 

@@ -564,6 +564,7 @@ STRUCTURE = {
                          "memory": "rows", "timings": "rows", "measured": "bool", "device": "str?",
                          "notes": "list?"},
     "cupy-dsa-rescore/1": {"device": "str", "rows": "rows", "memory": "rows", "columns": "dict?"},
+    "cupy-dsa-emulate/1": {"device": "str", "target": "str", "rows": "rows", "ceilings": "dict"},
     "cupy-dsa-needle/1": {"settings": "dict", "server": "dict", "cells": "rows", "label": "str",
                           "calibration": "dict?"},
 }

@@ -108,3 +108,15 @@ def test_license_file_is_the_declared_license():
     text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text
     assert "END OF TERMS AND CONDITIONS" in text and len(text.splitlines()) > 150
+
+
+def test_one_gpu_suite_script():
+    """run_gpu_final.sh repeated run_gpu_suite.sh: its time-boxed subset is the suite's TIMEBOX=1 mode now."""
+    import subprocess
+
+    scripts = sorted(p.name for p in (ROOT / "scripts").glob("*.sh"))
+    assert scripts == ["run_gpu_suite.sh", "run_sglang_gpu.sh"], scripts   # the second: the suite's SGLang step
+    suite = ROOT / "scripts" / "run_gpu_suite.sh"
+    assert subprocess.run(["bash", "-n", str(suite)]).returncode == 0
+    text = suite.read_text()
+    assert "TIMEBOX" in text and "run_sglang_gpu.sh" in text
