@@ -120,3 +120,19 @@ def test_one_gpu_suite_script():
     assert subprocess.run(["bash", "-n", str(suite)]).returncode == 0
     text = suite.read_text()
     assert "TIMEBOX" in text and "run_sglang_gpu.sh" in text
+
+
+def test_kernel_registry_is_complete_after_a_bare_import():
+    """`import cupy_dsa` loads no op module (the CLI's --help stays light), so the registry's readers (warm_up,
+    product_expressions, the bench's resources) import them first: every family is there in a fresh process."""
+    import subprocess
+    import sys
+
+    code = ("from cupy_dsa import launch; import sys; assert 'cupy_dsa.logits' not in sys.modules; "
+            "print(sorted(launch.families())); print(sorted(launch.product_expressions('sm_90')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    fams, sources = r.stdout.splitlines()
+    assert eval(fams) == ["mqa_logits", "mqa_logits_plan", "paged_mqa_logits", "paged_mqa_logits_plan",
+                          "prepare_index_q", "rescore_topk", "store_index_k"]
+    assert eval(sources) == ["mqa_logits.cu", "prepare_index_q.cu", "rescore_topk.cu", "store_index_k.cu"]
