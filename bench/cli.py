@@ -650,14 +650,19 @@ def _report(json_files, docs, markdown_path, plot_path, readme_path, allow_cpu_o
             for written in plots.plot(doc, plot_path):
                 click.echo(f"wrote {written}", err=True)
     if update is not None:
-        text, rewritten, kept = update
-        if rewritten:
-            Path(readme_path).write_text(text)
-            click.echo(f"{readme_path}: rewrote {', '.join('results:' + n for n in rewritten)}", err=True)
-        else:
-            click.echo(f"{readme_path}: nothing rewritten (the JSON holds data for none of its blocks)", err=True)
-        for name, why in kept.items():
-            click.echo(f"{readme_path}: kept results:{name} ({why})", err=True)
+        _write_readme(readme_path, update, "the JSON holds data for none of its blocks")
+
+
+def _write_readme(readme_path, update, why_none):
+    """Write a `report --readme` update and say which blocks it rewrote and kept, and why."""
+    text, rewritten, kept = update
+    if rewritten:
+        Path(readme_path).write_text(text)
+        click.echo(f"{readme_path}: rewrote {', '.join('results:' + n for n in rewritten)}", err=True)
+    else:
+        click.echo(f"{readme_path}: nothing rewritten ({why_none})", err=True)
+    for name, why in kept.items():
+        click.echo(f"{readme_path}: kept results:{name} ({why})", err=True)
 
 
 def _report_rescore(json_file, doc, markdown_path, plot_path, readme_path, allow_cpu_or_quick, md=None, blocks=None,
@@ -689,15 +694,8 @@ def _report_rescore(json_file, doc, markdown_path, plot_path, readme_path, allow
     if markdown_path != "-":
         click.echo(md)
     if update is not None:
-        text, rewritten, kept = update
-        if rewritten:
-            Path(readme_path).write_text(text)
-            click.echo(f"{readme_path}: rewrote {', '.join('results:' + n for n in rewritten)}", err=True)
-        else:
-            click.echo(f"{readme_path}: nothing rewritten (it has no {', '.join('results:' + n for n in blocks)} "
-                       "block, or the JSON holds no rows for it)", err=True)
-        for name, why in kept.items():
-            click.echo(f"{readme_path}: kept results:{name} ({why})", err=True)
+        _write_readme(readme_path, update, f"it has no {', '.join('results:' + n for n in blocks)} block, or the "
+                                           "JSON holds no rows for it")
 
 
 # --------------------------------------------------------------------------------------------------

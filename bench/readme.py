@@ -179,18 +179,25 @@ def readme_environment(doc) -> str:
 
 
 def readme_recall(doc) -> str:
-    """The recall study at its largest context: per format and k, needle resolution, recall vs the exact top-k and
-    overlap with the reference numerics' top-k."""
+    """The recall study at its largest context, one row per format: needle resolution, recall vs the exact top-k
+    and overlap with the reference numerics' top-k, at each k."""
     rows = [r for r in _recall_rows(doc) if not r.get("error")]
     if not rows:
         return "No recall run in this results file."
     ctx = max(r["context_tokens"] for r in rows)
-    lines = [f"At {_si(ctx)} tokens ({rows[0]['queries']} needles per format; synthetic keys):", "",
-             "| format | k | needle resolution | recall vs exact | overlap with reference |", "|---|---|---|---|---|"]
-    for r in rows:
-        if r["context_tokens"] == ctx:
-            lines.append(f"| {r['format']} | {r['k']} | {_margin(r['resolution'])} | {_pct(r['recall_mean'])} | "
-                         f"{_pct(r['ref_overlap_mean'])} |")
+    at = [r for r in rows if r["context_tokens"] == ctx]
+    ks = sorted({r["k"] for r in at})
+    head = ("| format | " + " | ".join(f"needle resolution, k {k}" for k in ks) + " | "
+            + " | ".join(f"recall vs exact, k {k}" for k in ks) + " | "
+            + " | ".join(f"overlap with reference, k {k}" for k in ks) + " |")
+    lines = [f"At {_si(ctx)} tokens ({at[0]['queries']} needles per format; synthetic keys):", "", head,
+             "|---|" + "---|" * (3 * len(ks))]
+    for fmt in dict.fromkeys(r["format"] for r in at):
+        by_k = {r["k"]: r for r in at if r["format"] == fmt}
+        cells = ([_margin(by_k[k]["resolution"]) if k in by_k else "—" for k in ks]
+                 + [_pct(by_k[k]["recall_mean"]) if k in by_k else "—" for k in ks]
+                 + [_pct(by_k[k]["ref_overlap_mean"]) if k in by_k else "—" for k in ks])
+        lines.append(f"| {fmt} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from cupy_dsa.bench import peers, readme, serve
+from cupy_dsa.bench import readme, serve
 from cupy_dsa.bench import rescore as rb
 from cupy_dsa.bench.cli import main
 
-from test_bench_routes import FakeDeepGEMM, _serve_doc, _serve_row, _torch_gather
+from test_bench_routes import FakeDeepGEMM, _serve_doc, _serve_row, _torch_gather, stand_in_gpu
 
 K = 1024
 CPU = torch.device("cpu")
@@ -102,15 +102,7 @@ def test_rescore_cli_options(monkeypatch):
 def test_rescore_cli_on_a_stand_in_gpu(monkeypatch, tmp_path):
     """`bench rescore`'s GPU branch end to end on the CPU stand-in: JSON (schema, memory, columns, rows), table,
     markdown, then `bench report` of it and of the README block."""
-    from cupy_dsa.bench import cli, provenance
-
-    _torch_gather(monkeypatch)
-    for name, value in (("is_available", lambda: True), ("current_device", lambda: 0), ("device_count", lambda: 1),
-                        ("set_device", lambda dev: None)):
-        monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(cli, "_device_name", lambda dev: "stand-in GPU")
-    monkeypatch.setattr(provenance, "driver_version", lambda: None)
-    monkeypatch.setattr(peers, "deepgemm", lambda: (FakeDeepGEMM(), None))
+    stand_in_gpu(monkeypatch)
     real = rb.rows
     monkeypatch.setattr(rb, "rows", lambda dev, quick, seed, dg, reason, progress, phases=None:
                         real(CPU, quick, seed, dg, reason, progress, phases))

@@ -64,6 +64,20 @@ def _torch_gather(monkeypatch):
                                                       "torch gather (test)"))
 
 
+def stand_in_gpu(monkeypatch):
+    """A command's GPU branch on this CPU: torch says a CUDA device is there, DeepGEMM is the stand-in above, the
+    gather is torch's (the command's measurement is pointed at the CPU by the caller)."""
+    from cupy_dsa.bench import cli, provenance
+
+    _torch_gather(monkeypatch)
+    for name, value in (("is_available", lambda: True), ("current_device", lambda: 0), ("device_count", lambda: 1),
+                        ("set_device", lambda dev: None)):
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(cli, "_device_name", lambda dev: "stand-in GPU")
+    monkeypatch.setattr(provenance, "driver_version", lambda: None)
+    monkeypatch.setattr(peers, "deepgemm", lambda: (FakeDeepGEMM(), None))
+
+
 # --------------------------------------------------------------------------------------------------
 # bench logits: verify
 # --------------------------------------------------------------------------------------------------
@@ -366,17 +380,9 @@ def test_serve_cli_on_a_gpu_records_routes_targets_and_the_gather(monkeypatch, t
     """`bench serve`'s GPU branch end to end, its GPU stood in for by the CPU (the ops' references, DeepGEMM's
     stand-in, the torch gather) at a test model's size: the rows, table, notes and markdown carry the fp8 route of
     every step, the gather of the non-paged one, and the verdict where a target matches."""
-    from cupy_dsa.bench import cli, provenance
-
-    _torch_gather(monkeypatch)
+    stand_in_gpu(monkeypatch)
     monkeypatch.setattr(serve, "NONPAGED_MIN_ROWS", 16)
     monkeypatch.setattr(serve, "TARGETS", {(2, 2, 256): 1e9})
-    for name, value in (("is_available", lambda: True), ("current_device", lambda: 0), ("device_count", lambda: 1),
-                        ("set_device", lambda dev: None)):
-        monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(cli, "_device_name", lambda dev: "stand-in GPU")
-    monkeypatch.setattr(provenance, "driver_version", lambda: None)
-    monkeypatch.setattr(peers, "deepgemm", lambda: (FakeDeepGEMM(), None))
     real = serve.measure
     monkeypatch.setattr(serve, "measure", lambda case, model, dev, dg, seed, reps, **kw: real(case, model, CPU, dg,
                                                                                                seed, 1, **kw))

@@ -407,7 +407,7 @@ def test_notes_cite_no_documents(runs):
 
 def test_bytes_figures():
     rows = {(r["model"], r["layout"]): r for r in bytes_mod.rows(50.0)}
-    assert {r["bytes_per_entry"] for r in rows.values()} == {132, 68, 256}
+    assert {r["bytes_per_entry"] for r in rows.values()} == {132, 68, 256, 264}   # 264: fp8-rescore (fp8 + int8 pages)
     flash8, flash16 = rows[("DeepSeek-V4-Flash", "fp8")], rows[("DeepSeek-V4-Flash", "bf16")]
     assert flash8["index_bytes_per_token_per_layer"] == 33 and flash16["index_bytes_per_token_per_layer"] == 64
     assert flash16["index_bytes_per_token"] == 64 * flash16["index_layers"]
@@ -763,30 +763,42 @@ RESULTS_JSON = REPO / "bench" / "results" / "h200.json"
 
 
 def test_readme_results_blocks_are_generated_from_the_committed_json():
-    """Every figure block of the README is what `bench report --readme` renders from the committed JSON it quotes
-    (bench/results/h200*.json; a hand edit, or a JSON committed without regenerating the README, fails here)."""
+    """Every figure block of the README and of bench/results/README.md is what `bench report --readme` renders from
+    the committed JSON it quotes, with its stale line (a hand edit, a JSON committed without re-rendering, or a
+    kernel commit since the last rendering fails here: bench/results/README.md lists the commands to re-render)."""
     from cupy_dsa.bench import readme as readme_mod
 
-    readme = (REPO / "README.md").read_text()
-    bodies = {m["name"]: m["body"] for m in readme_mod.README_BLOCK.finditer(readme)}
+    files = {name: (REPO / name).read_text() for name in ("README.md", "bench/results/README.md")}
+    bodies = {}
+    for name, text in files.items():
+        for m in readme_mod.README_BLOCK.finditer(text):
+            assert m["name"] not in bodies, f"results:{m['name']} stands twice"
+            bodies[m["name"]] = (name, m["body"])
     assert set(bodies) == (set(readme_mod.README_BLOCKS) | set(readme_mod.SERVE_README_BLOCKS)
-                           | set(readme_mod.RESCORE_README_BLOCKS))
+                           | set(readme_mod.RESCORE_README_BLOCKS) | set(readme_mod.EMULATE_README_BLOCKS))
     serve = {n: b for n, b in readme_mod.SERVE_README_BLOCKS.items() if n != "serve-rescore"}
-    docs = {"h200.json": (json.loads(RESULTS_JSON.read_text()), readme_mod.README_BLOCKS),
+    bench_blocks = {n: b for n, b in readme_mod.README_BLOCKS.items() if n != "recall"}
+    docs = {"h200.json": (json.loads(RESULTS_JSON.read_text()), bench_blocks),
             "h200-recall.json": (json.loads((RESULTS_JSON.parent / "h200-recall.json").read_text()),
                                  {"recall": readme_mod.README_BLOCKS["recall"]}),
             "h200-serve.json": (json.loads((RESULTS_JSON.parent / "h200-serve.json").read_text()), serve),
             "h200-serve-rescore.json": (json.loads((RESULTS_JSON.parent / "h200-serve-rescore.json").read_text()),
                                         {"serve-rescore": readme_mod.SERVE_README_BLOCKS["serve-rescore"]}),
             "h200-rescore.json": (json.loads((RESULTS_JSON.parent / "h200-rescore.json").read_text()),
-                                  readme_mod.RESCORE_README_BLOCKS)}
+                                  readme_mod.RESCORE_README_BLOCKS),
+            "h200-emulate-sm120.json": (json.loads((RESULTS_JSON.parent / "h200-emulate-sm120.json").read_text()),
+                                        readme_mod.EMULATE_README_BLOCKS)}
     for what, (doc, blocks) in docs.items():
-        assert readme_mod.readme_with_results(readme, doc, blocks) == readme
+        note = readme_mod.stale_note(doc)
         for name, block in blocks.items():
-            if name == "query" and block.missing(doc):  # no query rows in the committed run yet: says so
-                assert bodies[name].startswith("Not measured yet"), bodies[name]
-                continue
-            assert bodies[name] == block.render(doc) + "\n", f"results:{name} is not what {what} renders"
+            where, body = bodies[name]
+            if note is None:  # no git history to tell: the stale line is not compared
+                body, note_here = readme_mod.without_stale_note(body), ""
+            else:
+                note_here = note
+            assert body == block.render(doc) + note_here + "\n", (
+                f"{where}: results:{name} is not what {what} renders: cupy-dsa bench report bench/results/{what} "
+                f"--readme {where}")
 
 
 def test_report_readme_rewrites_marked_blocks(tmp_path):

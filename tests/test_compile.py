@@ -52,6 +52,28 @@ def test_product_configs_do_not_spill(filename, arch):
     assert not spills, f"{arch}: product configs spill: {spills}"
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("filename", SOURCES)
+def test_ptxas_table_is_what_this_compile_reports(filename, arch):
+    """bench/results/README.md's ptxas table is `cupy-dsa bench resources`' output for the NVRTC it names (its
+    rescore_gather rows went stale); under another NVRTC the figures may differ and are not compared."""
+    from pathlib import Path
+
+    from cupy_dsa.bench import resources
+
+    text = (Path(__file__).resolve().parents[1] / "bench" / "results" / "README.md").read_text()
+    table = re.search(r"<!-- resources:ptxas -->\n(.*?)<!-- /resources:ptxas -->", text, re.S)[1]
+    named = tuple(int(x) for x in re.search(r"ptxas's report \(NVRTC (\d+)\.(\d+)", text).groups())
+    if tuple(runtime.cupy_module().cuda.nvrtc.getVersion()) != named:
+        pytest.skip(f"the table is NVRTC {named}'s")
+    configs = {c.expr: c for f in launch.families().values() for c in f.product(arch)}
+    product = launch.product_expressions(arch)[filename]
+    rows = [dict(r, arch=arch, config=e, dynamic_smem=configs[e].smem)
+            for e, r in compiled(filename, arch)[2].items() if e in product]
+    for line in resources.markdown(rows).splitlines()[2:]:
+        assert line in table, f"{line} (re-run cupy-dsa bench resources into bench/results/README.md)"
+
+
 # --------------------------------------------------------------------------------------------------
 # Residency: every product config keeps MIN_WARPS_PER_SM warps per SM on every arch of the limits table
 # --------------------------------------------------------------------------------------------------
