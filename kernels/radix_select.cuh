@@ -5,8 +5,8 @@
 // column c is (logit_key(logits[c]) << 32) | (0xFFFFFFFF - c), where logit_key is the fp32 value's
 // order-preserving 32 bits (NaN above +inf, as torch ranks it; -0.0 as +0.0). Keys are distinct, so a row's top-k
 // set is unique. select_row finds the k-th greatest key T with 12-bit digits (the first digit counted while the
-// row is read, once, into shared memory when it fits) and hands the keys >= T out in position order: the same
-// keys in the same slots on every run.
+// row is read, once, into shared memory when it fits; the rest among the keys of T's first-digit bin, collected)
+// and hands the keys >= T out in position order: the same keys in the same slots on every run.
 #pragma once
 #include "common.cuh"
 
@@ -173,15 +173,37 @@ __device__ __forceinline__ u64 full_key(u32 logit, int pos) {
   return (static_cast<u64>(logit) << 32) | (0xFFFFFFFFu - static_cast<u32>(pos));
 }
 
-// A row's visible logits [lo, lo + n) as logit keys: from the CTA's shared copy (element i at cache[pad + i]) when
-// the row was read into it, else from the row (again: L2).
+constexpr int kListCap = 2048;  // keys of the k-th key's first-digit bin that select_row collects in shared memory
+
+// A row's visible logits [lo, lo + n) as logit keys, addressed by "slot" c = pad + i (i = c - pad the row's element):
+// slot 0 of the row (row - pad) is 16-byte aligned, so four slots from a multiple of 4 are one 16-byte load, from
+// the CTA's shared copy (cache[c]) when the row was read into it, else from the row (again: L2).
 struct RowLogits {
   const float* row;   // the logit of position lo
   const u32* cache;   // null: read the row
   int pad, lo, n;
+
+  // the keys of slots c0 .. c0 + 3 (c0 a multiple of 4) and whether each is one of the row's
+  __device__ __forceinline__ void quad(int c0, u32 (&key)[4], bool (&valid)[4]) const {
+    const int i0 = c0 - pad;
+    if (cache != nullptr) {
+      const uint4 v = *reinterpret_cast<const uint4*>(cache + c0);
+      key[0] = v.x, key[1] = v.y, key[2] = v.z, key[3] = v.w;
+    } else if (i0 >= 0 && i0 + 3 < n) {
+      const float4 v = __ldg(reinterpret_cast<const float4*>(row + i0));
+      key[0] = logit_key(v.x), key[1] = logit_key(v.y), key[2] = logit_key(v.z), key[3] = logit_key(v.w);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) key[e] = (i0 + e >= 0 && i0 + e < n) ? logit_key(row[i0 + e]) : 0u;
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) valid[e] = i0 + e >= 0 && i0 + e < n;
+  }
+  __device__ __forceinline__ int slots() const { return pad + n; }
   __device__ __forceinline__ u32 bits(int i) const { return cache != nullptr ? cache[pad + i] : logit_key(row[i]); }
 };
 
+// The keys of a row (every one: the flat-row fallback of select_row) and of a collected list.
 struct RowKeySource {
   RowLogits r;
   __device__ int size() const { return r.n; }
@@ -191,9 +213,18 @@ struct RowKeySource {
   }
 };
 
+struct ListKeySource {
+  const u64* keys;
+  int n;
+  __device__ int size() const { return n; }
+  __device__ bool get(int i, u64& key) const {
+    key = keys[i];
+    return true;
+  }
+};
+
 // Reads the row's n logits once (16-byte loads, four in flight per thread), counting their first digits into
-// `hist` and, with a cache, keeping their keys (the 16-byte body lands 16-byte aligned at cache[pad + i]).
-// Returns pad.
+// `hist` and, with a cache, keeping their keys at cache[pad + i]. Returns pad.
 __device__ __forceinline__ int load_row(const float* __restrict__ row, int n, u32* cache, int* hist) {
   const int tid = threadIdx.x;
   const int head = min(n, static_cast<int>(((16u - (reinterpret_cast<unsigned long long>(row) & 15u)) & 15u) >> 2));
@@ -231,41 +262,78 @@ __device__ __forceinline__ int load_row(const float* __restrict__ row, int n, u3
   return pad;
 }
 
-// Hands the row's keys >= t to out(slot, position, key) in position order (slots 0, 1, ...): each warp walks a
-// contiguous stretch 32 keys at a time, counting with ballots, then writes from its offset. `scratch`:
-// kSelectWarps shared ints.
+// Each warp's contiguous stretch of slots, 128 (32 lanes x 4) at a time.
+__device__ __forceinline__ void warp_stretch(const RowLogits& r, int& begin, int& end) {
+  const int per_warp = ((r.slots() + kSelectWarps - 1) / kSelectWarps + 127) & ~127;
+  begin = (threadIdx.x >> 5) * per_warp;
+  end = min(r.slots(), begin + per_warp);
+}
+
+// Hands the row's keys >= t to out(slot, position, key) in position order (slots 0, 1, ...): each warp counts
+// its stretch, then writes from its offset (a prefix over the lanes per 128 slots). `scratch`: kSelectWarps
+// shared ints.
 template <class Out>
 __device__ __forceinline__ void write_selected(const RowLogits& r, u64 t, int* scratch, const Out& out) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int per_warp = ((r.n + kSelectWarps - 1) / kSelectWarps + 31) & ~31;
-  const int begin = warp * per_warp, end = min(r.n, begin + per_warp);
+  int begin, end;
+  warp_stretch(r, begin, end);
+  auto picks = [&](int c0, u32 (&key)[4], bool (&take)[4]) {
+    bool valid[4];
+    r.quad(c0, key, valid);
+    int m = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      take[e] = valid[e] && full_key(key[e], r.lo + c0 + e - r.pad) >= t;
+      m += take[e];
+    }
+    return m;
+  };
   int count = 0;
-  for (int i0 = begin; i0 < end; i0 += 32) {
-    const int i = i0 + lane;
-    count += __popc(__ballot_sync(0xffffffffu, i < end && full_key(r.bits(i), r.lo + i) >= t));
+  for (int c0 = begin + 4 * lane; c0 < end; c0 += 128) {
+    u32 key[4];
+    bool take[4];
+    count += picks(c0, key, take);
   }
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) count += __shfl_xor_sync(0xffffffffu, count, d);
   if (lane == 0) scratch[warp] = count;
   __syncthreads();
   int at = 0;
   for (int w = 0; w < warp; ++w) at += scratch[w];
-  for (int i0 = begin; i0 < end; i0 += 32) {
-    const int i = i0 + lane;
-    const u64 key = i < end ? full_key(r.bits(i), r.lo + i) : 0ull;
-    const bool take = i < end && key >= t;
-    const unsigned mask = __ballot_sync(0xffffffffu, take);
-    if (take) out(at + __popc(mask & ((1u << lane) - 1u)), r.lo + i, key);
-    at += __popc(mask);
+  for (int base = begin; base < end; base += 128) {  // warp-uniform
+    const int c0 = base + 4 * lane;
+    u32 key[4];
+    bool take[4] = {false, false, false, false};
+    const int m = c0 < end ? picks(c0, key, take) : 0;
+    int incl = m;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += v;
+    }
+    int slot = at + incl - m;
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (take[e]) {
+        const int i = c0 + e - r.pad;
+        out(slot++, r.lo + i, full_key(key[e], r.lo + i));
+      }
+    at += __shfl_sync(0xffffffffu, incl, 31);
   }
   __syncthreads();  // scratch is reused
 }
 
 // The k greatest keys of a row that sees n > k >= 1 positions [lo, lo + n) (`row`: the logit of position lo), handed
-// to out(slot, position, key) in position order, slots 0 .. k - 1. Every thread of the block calls it. `cache`:
-// null, or kSelectCache(n) shared u32; `hist`: kRadixBins shared ints; `scratch`: kSelectWarps + 3 shared ints.
+// to out(slot, position, key) in position order, slots 0 .. k - 1. Every thread of the block calls it. Three passes
+// over the row: the read (first digits counted), the collection of the keys in the k-th key's first-digit bin
+// (radix-selected in shared memory; a bin of more than kListCap keys, ties of a flat row, is selected over the
+// row), the write. `cache`: null, or kSelectCache(n) shared u32; `hist`: kRadixBins shared ints; `scratch`:
+// kSelectWarps + 3 shared ints; `list`: kListCap shared u64 and `list_n` one shared int.
 template <class Out>
 __device__ void select_row(const float* __restrict__ row, int lo, int n, int k, u32* cache, int* hist, int* scratch,
-                           const Out& out) {
+                           u64* list, int* list_n, const Out& out) {
   for (int i = threadIdx.x; i < kRadixBins; i += kSelectThreads) hist[i] = 0;
+  if (threadIdx.x == 0) *list_n = 0;
   __syncthreads();
   const int pad = load_row(row, n, cache, hist);
   __syncthreads();
@@ -273,13 +341,30 @@ __device__ void select_row(const float* __restrict__ row, int lo, int n, int k, 
   const BinFound f = find_bin(hist, k, scratch);
   const int need = k - f.above;
   const u64 prefix = static_cast<u64>(f.bin) << (64 - kDigitBits);
-  const u64 t = need == f.count ? prefix : radix_threshold(RowKeySource{r}, kDigitBits, prefix, need, hist, scratch);
+  u64 t = prefix;  // need == f.count: the whole bin
+  if (need != f.count && f.count <= kListCap) {
+    int begin, end;
+    warp_stretch(r, begin, end);
+    for (int c0 = begin + 4 * (threadIdx.x & 31); c0 < end; c0 += 128) {
+      u32 key[4];
+      bool valid[4];
+      r.quad(c0, key, valid);
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (valid[e] && static_cast<int>(key[e] >> (32 - kDigitBits)) == f.bin)
+          list[atomicAdd(list_n, 1)] = full_key(key[e], lo + c0 + e - pad);
+    }
+    __syncthreads();
+    t = radix_threshold(ListKeySource{list, f.count}, kDigitBits, prefix, need, hist, scratch);
+  } else if (need != f.count) {
+    t = radix_threshold(RowKeySource{r}, kDigitBits, prefix, need, hist, scratch);
+  }
   __syncthreads();
   write_selected(r, t, scratch, out);
 }
 
-// Shared u32 a row of n visible logits takes in select_row's cache (the body's alignment pad included).
-__host__ __device__ constexpr int kSelectCache(int n) { return n + 3; }
+// Shared u32 a row of n visible logits takes in select_row's cache: its slots, rounded up to whole 16-byte quads.
+__host__ __device__ constexpr int kSelectCache(int n) { return (n + 3 + 3) & ~3; }
 
 }  // namespace radix
 }  // namespace dsa

@@ -324,6 +324,8 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_candidat
   extern __shared__ u32 row_cache[];
   __shared__ int counts[kRadixBins];
   __shared__ int scratch[kSelectWarps + 3];
+  __shared__ u64 list[kListCap];
+  __shared__ int list_n;
   const int r = blockIdx.x;
   const RowKeys rk = row_keys(DSA_ROW_SPEC, r);
   const int n = rk.hi - rk.lo;
@@ -335,7 +337,7 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_candidat
       cand[i] = i < n ? signed_key(full_key(logit_key(row[i]), rk.lo + i)) : kInvalidKey;
     return;
   }
-  select_row(row, rk.lo, n, k_prime, CacheEntries >= kSelectCache(n) ? row_cache : nullptr, counts, scratch,
+  select_row(row, rk.lo, n, k_prime, CacheEntries >= kSelectCache(n) ? row_cache : nullptr, counts, scratch, list, &list_n,
              [&](int slot, int, u64 key) { cand[slot] = signed_key(key); });
 }
 
