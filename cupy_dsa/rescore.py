@@ -210,6 +210,7 @@ K_PRIME_MULTIPLE = 4                 # default K' = 4 x index_topk
 INVALID_KEY = -(2 ** 63)             # a stage-2 key that no selection takes before a scored candidate
 STAGE2_WARPS = 4
 _CTA_CANDS = 16 * STAGE2_WARPS       # candidates per CTA are a multiple of the 4 warps' 16-candidate tiles
+STAGE2_CTAS_PER_SM = 4               # stage 2 splits a row's candidates until the grid has this many CTAs per SM
 RADIX_BINS = 4096                    # their 12-bit digits (kRadixBins)
 MAX_DEVICE_TOPK = 2048               # rescore_finish holds a row's selection in shared memory (kMaxTopK)
 _BOUNDARY_MIN = 16384                # keys of the K'-th key's 12-bit bin collected per row (at least 8 x K')
@@ -659,7 +660,7 @@ def _stage2(q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, rows, 
     R, dev = q2.shape[0], q2.device
     n_sms, _ = _device_info(dev.index)
     chunk = 512
-    while chunk > _CTA_CANDS and R * -(-kp // chunk) < 4 * n_sms:
+    while chunk > _CTA_CANDS and R * -(-kp // chunk) < STAGE2_CTAS_PER_SM * n_sms:
         chunk //= 2
     while -(-kp // chunk) > _MAX_GRID_Y:
         chunk *= 2
