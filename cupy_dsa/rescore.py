@@ -76,11 +76,10 @@ import torch
 from . import launch, runtime
 from .contracts import check_aligned, check_bool, check_contiguous, check_device, check_dtype, check_int
 from .launch import I32, I64, PTR
-from .layouts import (FP8_PAGE_BYTES, FP8_SCALE_OFFSET, HEAD_DIM, N_HEADS, PAGE_SLOTS, as_page_rows, fp8_views,
-                      layout_of)
+from .layouts import (FP8_PAGE_BYTES, FP8_SCALE_OFFSET, HEAD_DIM, N_HEADS, PAGE_SLOTS, as_page_rows,
+                      fp8_quantize_reference, fp8_views, layout_of)
 from .logits import (_check_paged, _check_prefill, _device_info, _REF_ROW_CHUNK, mqa_logits, mqa_logits_reference,
                      paged_mqa_logits, paged_mqa_logits_reference)
-from .store import fp8_quantize_reference
 from .topk import ROW_CACHE_ENTRIES, ROW_CACHE_KEYS, SELECT_THREADS
 
 LO_MAX = 127
@@ -108,7 +107,7 @@ def residual_encode_reference(k: torch.Tensor):
     """Two-level encoding of rotated keys ``k`` (float32/bfloat16 ``[N, 128]``: what the store quantizes).
 
     Returns ``(hi uint8 [N, 128] e4m3 codes, hi_scale float32 [N], lo int8 [N, 128], lo_scale float32 [N])``; the
-    hi codes and scales are :func:`cupy_dsa.store.fp8_quantize_reference`'s (SGLang's fp8 bytes)."""
+    hi codes and scales are :func:`cupy_dsa.layouts.fp8_quantize_reference`'s (SGLang's fp8 bytes)."""
     _check_keys(k)
     kf = k.to(torch.float32)
     hi, hi_scale = fp8_quantize_reference(kf)

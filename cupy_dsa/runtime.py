@@ -344,6 +344,8 @@ def to_cupy(t: torch.Tensor):
     fp8 tensors come back as ``uint8`` (CuPy has no fp8 dtype); bf16 needs ``ml_dtypes`` installed
     (otherwise pass ``t.view(torch.int16)``).
     """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"t: expected a torch.Tensor, got {type(t).__name__}")
     if not t.is_cuda:
         raise ValueError(f"t: expected a CUDA tensor, got device {t.device}")
     cp = cupy_module()
@@ -355,4 +357,6 @@ def to_cupy(t: torch.Tensor):
 
 def to_torch(a) -> torch.Tensor:
     """A torch tensor sharing the CuPy array's memory (torch's current stream waits on CuPy's)."""
+    if not hasattr(a, "__dlpack__"):
+        raise TypeError(f"a: expected a CuPy array (or another object with __dlpack__), got {type(a).__name__}")
     return torch.from_dlpack(a)

@@ -279,6 +279,15 @@ def test_warm_up_rejects_other_types(device):
         cupy_dsa.warm_up(device)
 
 
+@pytest.mark.parametrize("bad", [[1, 2], 3.0, "x", None])
+def test_to_torch_and_to_cupy_name_their_argument(bad):
+    """Not a DLPack object / not a tensor: an error naming the argument, not a raw DLPack one."""
+    with pytest.raises(TypeError, match=r"^a: expected a CuPy array"):
+        cupy_dsa.to_torch(bad)
+    with pytest.raises(TypeError, match=r"^t: expected a torch.Tensor"):
+        cupy_dsa.to_cupy(bad)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", ["none", "str", "device", "int"])
 def test_warm_up_accepts_every_device_form(form):
