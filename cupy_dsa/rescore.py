@@ -1,7 +1,9 @@
 """Two-level index keys (``fp8-rescore``): an fp8 candidate pass and an exact rescoring, the exact top-k at about
 fp8's cost.
 
-Stage 1 scores every key from SGLang's fp8 keys (the "hi" page, byte-identical to the fp8 store) and keeps each
+Stage 1 scores every key from SGLang's fp8 keys (the "hi" page, in SGLang's fp8 format; its bytes are checked equal to a
+CPU emulation of SGLang's fp8 store, not to SGLang's CUDA store kernel itself, whose RoPE may fuse multiply-adds
+where cupy_dsa's and the emulation's do not, so a scale word may differ by one ulp) and keeps each
 row's top ``k_prime`` candidates; stage 2 rescores only those from ``hi + lo`` (the "lo" page holds the residual
 ``k - dequant(hi)``) and selects the row's top ``index_topk`` from those scores.
 
