@@ -250,14 +250,14 @@ CANDIDATES_KERNEL = launch.Kernel(
     _SRC, "rescore_candidates", params=("CacheEntries",),
     args=_LOGITS_ARGS + (("index_topk", I32), ("k_prime", I32), ("candidates", PTR)),
     threads=_select_threads, smem=lambda cfg: 4 * cfg.CacheEntries)
+FINISH_CACHED_KEYS = 4096            # stage-2 keys of a row rescore_finish reads into shared memory (K' <= 4096)
 FINISH_KERNEL = launch.Kernel(
-    _SRC, "rescore_finish",
+    _SRC, "rescore_finish", params=("CachedKeys",),
     args=(("keys", PTR), ("k_prime", I32), ("candidates", PTR), ("logits", PTR), ("logits_stride", I64),
           ("block_table", PTR), ("bt_stride", I64)) + _ROW_ARGS
     + (("index_topk", I32), ("page_indices", PTR), ("raw_indices", PTR), ("fp8_rank", PTR)),
-    threads=_select_threads)
-_PARTS = {"histogram": HISTOGRAM_KERNEL, "gather": GATHER_KERNEL, "boundary": BOUNDARY_KERNEL,
-          "finish": FINISH_KERNEL}
+    threads=_select_threads, smem=lambda cfg: 8 * cfg.CachedKeys)
+_PARTS = {"histogram": HISTOGRAM_KERNEL, "gather": GATHER_KERNEL, "boundary": BOUNDARY_KERNEL}
 
 
 def _select_config(problem, arch):
@@ -265,14 +265,17 @@ def _select_config(problem, arch):
         return STAGE2_KERNEL.config(QFp8=problem[1])
     if problem[0] == "candidates":
         return CANDIDATES_KERNEL.config(CacheEntries=ROW_CACHE_ENTRIES if problem[1] else 0)
+    if problem[0] == "finish":
+        return FINISH_KERNEL.config(CachedKeys=FINISH_CACHED_KEYS if problem[1] else 0)
     return _PARTS[problem[0]].config()
 
 
-# A problem: the op's step (a selection kernel), ("candidates", whether the rows fit in shared memory), or
-# ("stage2", 1 for an fp8 stage-2 q / 0 for bf16).
+# A problem: the op's step (a selection kernel), ("candidates", whether the rows fit in shared memory), ("stage2", 1
+# for an fp8 stage-2 q / 0 for bf16) or ("finish", whether K' keys fit in shared memory).
 RESCORE = launch.register(launch.Family(
     "rescore_topk", problems=[("histogram",), ("gather",), ("boundary",), ("candidates", True),
-                              ("candidates", False), ("stage2", 0), ("stage2", 1), ("finish",)],
+                              ("candidates", False), ("stage2", 0), ("stage2", 1), ("finish", True),
+                              ("finish", False)],
     select=_select_config, serves=lambda cfg, p: cfg == _select_config(p, None)))
 
 
@@ -720,7 +723,8 @@ def _select(logits, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt
                 candidates=candidates, boundary=boundary, cap=cap)
     keys = torch.empty_like(candidates)
     _stage2(q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, rows, candidates, kp, index_topk, keys)
-    _launch(("finish",), dev, (R, 1, 1), keys=keys, k_prime=kp, candidates=candidates, logits=logit_args["logits"],
+    _launch(("finish", kp <= FINISH_CACHED_KEYS), dev, (R, 1, 1), keys=keys, k_prime=kp, candidates=candidates,
+            logits=logit_args["logits"],
             logits_stride=logit_args["logits_stride"], block_table=block_table, bt_stride=bt_stride, **rows,
             index_topk=index_topk, page_indices=page_out, raw_indices=raw_out, fp8_rank=rank_out)
     return RescoreTopK(page_out, raw_out, rank_out)

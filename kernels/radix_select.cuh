@@ -89,12 +89,12 @@ __device__ __forceinline__ u32 tie_index(long long key) {
 }
 
 // ---- block-wide radix selection (kSelectThreads threads, kRadixBins bins of shared or global counts) --------
-constexpr int kSelectThreads = 512;
+constexpr int kSelectThreads = 1024;  // a row per CTA: the whole SM's latency hiding for one row
 constexpr int kSelectWarps = kSelectThreads / 32;
 constexpr int kDigitBits = 12;
 constexpr int kRadixBins = 1 << kDigitBits;
 constexpr int kBinsPerThread = kRadixBins / kSelectThreads;
-static_assert(kBinsPerThread == 8 && kSelectWarps <= 32, "select: 8 bins per thread, one warp scans the warps");
+static_assert(kBinsPerThread * kSelectThreads == kRadixBins && kSelectWarps <= 32, "select: whole bins per thread");
 
 struct BinFound {
   int bin;      // the bin holding the need-th greatest key

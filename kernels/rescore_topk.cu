@@ -133,7 +133,7 @@ constexpr int kWorkInts = dsa::rescore::kRadixBins + 2;
   if (c_begin >= c_end) return;
 
 // Grid (rows, ceil(width / cols_per_cta)), kSelectThreads threads.
-__global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_histogram(
+__global__ void __launch_bounds__(dsa::rescore::kSelectThreads, 1) rescore_histogram(
     const float* __restrict__ logits, long long logits_stride, DSA_ROW_SPEC_ARGS, int cols_per_cta,
     int index_topk, int* __restrict__ work) {
   using namespace dsa;
@@ -196,7 +196,7 @@ __device__ __forceinline__ void reserve_slots(int a, int b, int* count_a, int* c
 // cap): a counting pass over the CTA's columns, one reservation per CTA and list, a writing pass (the columns
 // again, from L1 / L2). A row that sees at most k_prime keys writes them all as "above". Grid and block as
 // rescore_histogram.
-__global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_gather(
+__global__ void __launch_bounds__(dsa::rescore::kSelectThreads, 1) rescore_gather(
     const float* __restrict__ logits, long long logits_stride, DSA_ROW_SPEC_ARGS, int cols_per_cta,
     int index_topk, int* __restrict__ work, int k_prime, long long* __restrict__ candidates,
     long long* __restrict__ boundary, int cap) {
@@ -270,7 +270,7 @@ __device__ void write_at_least(const Source& src, u64 t, long long* __restrict__
 // The rest of row r's candidates: the (k_prime - above) greatest keys of bin b, from the collected ones or,
 // past cap, from the row; slots a row does not fill (it sees fewer than k_prime keys) get kInvalidKey.
 // Grid (rows), kSelectThreads threads.
-__global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_boundary(
+__global__ void __launch_bounds__(dsa::rescore::kSelectThreads, 1) rescore_boundary(
     const float* __restrict__ logits, long long logits_stride, DSA_ROW_SPEC_ARGS, int index_topk,
     const int* __restrict__ work, int k_prime, long long* __restrict__ candidates,
     const long long* __restrict__ boundary, int cap) {
@@ -316,7 +316,7 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_boundary
 // kSelectThreads threads; dynamic shared memory: CacheEntries u32 (rows that do not fit are read again from L2
 // by each radix pass).
 template <int CacheEntries>
-__global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_candidates(
+__global__ void __launch_bounds__(dsa::rescore::kSelectThreads, 1) rescore_candidates(
     const float* __restrict__ logits, long long logits_stride, DSA_ROW_SPEC_ARGS, int index_topk, int k_prime,
     long long* __restrict__ candidates) {
   using namespace dsa;
@@ -389,26 +389,38 @@ __global__ void __launch_bounds__(128, 3) rescore_topk_kernel(
   const long long* __restrict__ cand = candidates + static_cast<i64>(r) * k_prime;
   const int gid = lane >> 2, t = lane & 3;
   const int b4 = (lane >> 4) & 1, b3 = (lane >> 3) & 1;
-  for (int tile0 = c_begin + warp * kTileCands; tile0 < c_end; tile0 += kWarps * kTileCands) {
-    // this lane's load candidates 8j + gid: page byte offset, slot, whether the row sees them in the caches
-    i64 base[2] = {0, 0};
-    int slot[2] = {0, 0};
-    int ok[2] = {0, 0};
+  // this lane's load candidates 8j + gid of a tile: their cache slots (block-table entry * 64 + slot; kNoSlot where
+  // the row does not see the position or its page is not in the caches), a chain of two dependent loads (the
+  // candidate, its block-table entry) run one tile ahead of the tile being scored
+  constexpr u32 kNoSlot = 0xFFFFFFFFu;
+  auto locate = [&](int tile0, u32 (&loc)[2]) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
+      loc[j] = kNoSlot;
       const int c = tile0 + 8 * j + gid;
       if (c < c_end) {
         const u32 pos = tie_index(cand[c]);
         if (pos >= static_cast<u32>(rk.lo) && pos < static_cast<u32>(rk.hi) &&
             static_cast<int>(pos >> kPageBits) < bt_width) {
           const int e = bt[pos >> kPageBits];
-          if (e >= 0 && static_cast<i64>(e) < num_pages) {
-            ok[j] = 1;
-            base[j] = static_cast<i64>(e) * kFp8PageBytes;
-            slot[j] = static_cast<int>(pos & (kPageSlots - 1));
-          }
+          if (e >= 0 && static_cast<i64>(e) < num_pages && e < (1 << (32 - kPageBits)) - 1)
+            loc[j] = (static_cast<u32>(e) << kPageBits) | (pos & (kPageSlots - 1));
         }
       }
+    }
+  };
+  u32 next_loc[2];
+  locate(c_begin + warp * kTileCands, next_loc);
+  for (int tile0 = c_begin + warp * kTileCands; tile0 < c_end; tile0 += kWarps * kTileCands) {
+    const u32 loc[2] = {next_loc[0], next_loc[1]};
+    if (tile0 + kWarps * kTileCands < c_end) locate(tile0 + kWarps * kTileCands, next_loc);
+    i64 base[2];
+    int slot[2], ok[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      ok[j] = loc[j] != kNoSlot;
+      base[j] = ok[j] ? static_cast<i64>(loc[j] >> kPageBits) * kFp8PageBytes : 0;
+      slot[j] = ok[j] ? static_cast<int>(loc[j] & (kPageSlots - 1)) : 0;
     }
     const int c_out = tile0 + 8 * b4 + 2 * t + b3;  // the candidate this lane holds after the reduction
     const bool writer = (lane & 4) == 0 && c_out < c_end;
@@ -511,14 +523,19 @@ struct ScoredKeys {
 // equal at a lower position); any other row selects its min(index_topk, scored) greatest stage-2 keys (a radix
 // select over keys[r, 0 .. k_prime)), written in descending order (a bitonic sort in shared memory);
 // a key's stage-1 rank is how many of the row's candidates have a greater stage-1 key (they hold every key that
-// does). Grid (rows), kSelectThreads threads; index_topk <= kMaxTopK.
-__global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_finish(
+// does). The row's keys are read once, into shared memory when k_prime <= CachedKeys (every later pass runs
+// there), their first 12-bit digit counted on the way; the keys of the index_topk-th key's bin are collected and
+// radix-selected in shared memory. Grid (rows), kSelectThreads threads, dynamic shared memory: CachedKeys int64;
+// index_topk <= kMaxTopK.
+template <int CachedKeys>
+__global__ void __launch_bounds__(dsa::rescore::kSelectThreads, 1) rescore_finish(
     const long long* __restrict__ keys, int k_prime, const long long* __restrict__ candidates,
     const float* __restrict__ logits, long long logits_stride, const int* __restrict__ block_table,
     long long bt_stride, DSA_ROW_SPEC_ARGS, int index_topk, int* __restrict__ page_indices,
     int* __restrict__ raw_indices, int* __restrict__ fp8_rank) {
   using namespace dsa;
   using namespace dsa::rescore;
+  extern __shared__ long long cached_keys[];
   __shared__ int counts[kRadixBins];
   __shared__ int scratch[kSelectWarps + 3];
   __shared__ long long chosen[kMaxTopK];
@@ -556,19 +573,48 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_finish(
     }
     return;
   }
-  const ScoredKeys src{keys + static_cast<i64>(r) * k_prime, k_prime};
+  const long long* __restrict__ row_keys_g = keys + static_cast<i64>(r) * k_prime;
+  const bool in_smem = k_prime <= CachedKeys;
+  for (int i = tid; i < kRadixBins; i += kSelectThreads) counts[i] = 0;
   if (tid == 0) n_chosen = n_scored = 0;
   __syncthreads();
   int scored = 0;
-  for (int i = tid; i < k_prime; i += kSelectThreads) scored += src.keys[i] != kInvalidKey;
+  for (int i = tid; i < k_prime; i += kSelectThreads) {
+    const long long k = row_keys_g[i];
+    if (in_smem) cached_keys[i] = k;
+    if (k != kInvalidKey) {
+      ++scored;
+      atomicAdd(&counts[unsigned_key(k) >> (64 - kDigitBits)], 1);
+    }
+  }
   atomicAdd(&n_scored, scored);
   __syncthreads();
+  const ScoredKeys src{in_smem ? cached_keys : row_keys_g, k_prime};
   const int m = min(index_topk, n_scored);
   if (m > 0) {
-    const u64 t = m == n_scored ? 0ull : radix_threshold(src, 0, 0ull, m, counts, scratch);
-    __syncthreads();
-    const int size = src.size();
-    for (int i = tid; i < size; i += kSelectThreads) {
+    u64 t = 0ull;  // m == n_scored: every scored key
+    if (m < n_scored) {
+      const BinFound f = find_bin(counts, m, scratch);
+      const int need = m - f.above;
+      const u64 prefix = static_cast<u64>(f.bin) << (64 - kDigitBits);
+      t = prefix;  // need == f.count: the whole bin
+      if (need != f.count && f.count <= kMaxTopK) {  // the bin's keys, collected in `chosen`, select the rest
+        for (int i = tid; i < k_prime; i += kSelectThreads) {
+          u64 key;
+          if (src.get(i, key) && static_cast<int>(key >> (64 - kDigitBits)) == f.bin)
+            chosen[atomicAdd(&n_chosen, 1)] = static_cast<long long>(key);
+        }
+        __syncthreads();
+        t = radix_threshold(ListKeySource{reinterpret_cast<const u64*>(chosen), f.count}, kDigitBits, prefix,
+                            need, counts, scratch);
+      } else if (need != f.count) {
+        t = radix_threshold(src, kDigitBits, prefix, need, counts, scratch);
+      }
+      __syncthreads();
+      if (tid == 0) n_chosen = 0;
+      __syncthreads();
+    }
+    for (int i = tid; i < k_prime; i += kSelectThreads) {
       u64 key;
       if (src.get(i, key) && key >= t) chosen[atomicAdd(&n_chosen, 1)] = signed_key(key);
     }
