@@ -24,7 +24,7 @@ from .contracts import check_bool, check_contiguous, check_device, check_dtype, 
 from .launch import I32, I64, PTR
 from .layouts import PAGE_SLOTS
 
-SELECT_THREADS = 1024                # the radix kernels' block (kSelectThreads in kernels/radix_select.cuh)
+SELECT_THREADS = 512                 # the radix kernels' block (kSelectThreads in kernels/radix_select.cuh)
 ROW_CACHE_KEYS = 16384               # visible keys a row may have to be read into shared memory once
 ROW_CACHE_ENTRIES = ROW_CACHE_KEYS + 4   # u32 entries: the 16-byte alignment pad of the body (kSelectCache) rounded
 _SRC = "topk.cu"

@@ -89,7 +89,7 @@ __device__ __forceinline__ u32 tie_index(long long key) {
 }
 
 // ---- block-wide radix selection (kSelectThreads threads, kRadixBins bins of shared or global counts) --------
-constexpr int kSelectThreads = 1024;  // a row per CTA: the whole SM's latency hiding for one row
+constexpr int kSelectThreads = 512;
 constexpr int kSelectWarps = kSelectThreads / 32;
 constexpr int kDigitBits = 12;
 constexpr int kRadixBins = 1 << kDigitBits;

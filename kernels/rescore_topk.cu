@@ -133,7 +133,7 @@ constexpr int kWorkInts = dsa::rescore::kRadixBins + 2;
   if (c_begin >= c_end) return;
 
 // Grid (rows, ceil(width / cols_per_cta)), kSelectThreads threads.
-__global__ void __launch_bounds__(dsa::rescore::kSelectThreads, 1) rescore_histogram(
+__global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_histogram(
     const float* __restrict__ logits, long long logits_stride, DSA_ROW_SPEC_ARGS, int cols_per_cta,
     int index_topk, int* __restrict__ work) {
   using namespace dsa;
@@ -196,7 +196,7 @@ __device__ __forceinline__ void reserve_slots(int a, int b, int* count_a, int* c
 // cap): a counting pass over the CTA's columns, one reservation per CTA and list, a writing pass (the columns
 // again, from L1 / L2). A row that sees at most k_prime keys writes them all as "above". Grid and block as
 // rescore_histogram.
-__global__ void __launch_bounds__(dsa::rescore::kSelectThreads, 1) rescore_gather(
+__global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_gather(
     const float* __restrict__ logits, long long logits_stride, DSA_ROW_SPEC_ARGS, int cols_per_cta,
     int index_topk, int* __restrict__ work, int k_prime, long long* __restrict__ candidates,
     long long* __restrict__ boundary, int cap) {
@@ -270,7 +270,7 @@ __device__ void write_at_least(const Source& src, u64 t, long long* __restrict__
 // The rest of row r's candidates: the (k_prime - above) greatest keys of bin b, from the collected ones or,
 // past cap, from the row; slots a row does not fill (it sees fewer than k_prime keys) get kInvalidKey.
 // Grid (rows), kSelectThreads threads.
-__global__ void __launch_bounds__(dsa::rescore::kSelectThreads, 1) rescore_boundary(
+__global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_boundary(
     const float* __restrict__ logits, long long logits_stride, DSA_ROW_SPEC_ARGS, int index_topk,
     const int* __restrict__ work, int k_prime, long long* __restrict__ candidates,
     const long long* __restrict__ boundary, int cap) {
@@ -316,7 +316,7 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads, 1) rescore_bound
 // kSelectThreads threads; dynamic shared memory: CacheEntries u32 (rows that do not fit are read again from L2
 // by each radix pass).
 template <int CacheEntries>
-__global__ void __launch_bounds__(dsa::rescore::kSelectThreads, 1) rescore_candidates(
+__global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_candidates(
     const float* __restrict__ logits, long long logits_stride, DSA_ROW_SPEC_ARGS, int index_topk, int k_prime,
     long long* __restrict__ candidates) {
   using namespace dsa;
@@ -528,7 +528,7 @@ struct ScoredKeys {
 // radix-selected in shared memory. Grid (rows), kSelectThreads threads, dynamic shared memory: CachedKeys int64;
 // index_topk <= kMaxTopK.
 template <int CachedKeys>
-__global__ void __launch_bounds__(dsa::rescore::kSelectThreads, 1) rescore_finish(
+__global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_finish(
     const long long* __restrict__ keys, int k_prime, const long long* __restrict__ candidates,
     const float* __restrict__ logits, long long logits_stride, const int* __restrict__ block_table,
     long long bt_stride, DSA_ROW_SPEC_ARGS, int index_topk, int* __restrict__ page_indices,
