@@ -235,6 +235,17 @@ def _serve_layouts_option(ctx, param, values):
     return tuple(name for name in known if name in asked)
 
 
+def _serve_queries_option(ctx, param, values):
+    """--query: the plugin's query settings (comma list or repeated), fp8 first; () = none (no query rows)."""
+    from cupy_dsa.sglang.core import QUERY_CHOICES
+
+    asked = {part.strip().lower() for value in values for part in str(value).split(",") if part.strip()}
+    unknown = sorted(asked - set(QUERY_CHOICES))
+    if unknown:
+        raise click.BadParameter(f"expected queries of {', '.join(QUERY_CHOICES)}, got {', '.join(map(repr, unknown))}")
+    return tuple(q for q in QUERY_CHOICES if q in asked)
+
+
 def _model_option(ctx, param, value):
     from . import serve
 
@@ -278,6 +289,9 @@ def _refuse_replacing_a_measured_run(json_path: str) -> None:
               help="time only these layouts (comma list or repeated) of: bf16, fp8-cupy, fp8 (DeepGEMM on SGLang's "
                    "route), fp8+topk (fp8 + torch.topk), fp8-rescore (our stage 1), fp8-rescore-dg (DeepGEMM stage "
                    "1). [default: all]")
+@click.option("--query", "queries", multiple=True, callback=_serve_queries_option,
+              help="also time the layouts whose query the plugin's SGLANG_CUPY_DSA_INDEX_Q sets (bf16, fp8-cupy) with "
+                   "each of these queries (comma list of fp8, bf16), the query's preparation included. [default: none]")
 @click.option("--device", default=None, metavar="DEV", help="CUDA device, e.g. cuda:1 (default: the current one).")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="random seed, 0 to 2^32 - 1.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True), default=None,
@@ -285,7 +299,8 @@ def _refuse_replacing_a_measured_run(json_path: str) -> None:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
               callback=_png_output, help="PNG: ms per step over context, bf16 vs fp8, and the added ms (a row per "
                                           "kind of step).")
-def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, memory_gib, device, seed, json_path, plot_path):
+def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, queries, memory_gib, device, seed, json_path,
+              plot_path):
     """Indexer cost of one forward of a DeepSeek-V4 server with bf16 index keys vs SGLang's fp8 (DeepGEMM on the
     route SGLang 0.5.23 takes for the step), and of the fp8-cupy mode (SGLang's fp8 keys on cupy_dsa's kernels): ms
     per decode (verify) step and per prefill chunk over every C4 layer, KV bytes per token and tokens that fit.
@@ -314,6 +329,9 @@ def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, memory_gib, devi
            "measured": False, "not_measured": None, "deepgemm": None, "notes": [serve.COUNTED]}
     if any(name.startswith("fp8-rescore") for name in doc["layouts"]):
         doc["notes"].append(serve.RESCORE_COUNTED)
+    if queries:
+        doc["queries"], doc["query_timings"] = list(queries), []
+        doc["notes"].append(serve.QUERY_COUNTED)
     if model.assumed:
         err.print(f"[yellow]{model.name}: {model.assumed}[/]")
     mem = Table(title=f"{model.name}: index cache, {model.n_c4} C4 layers of {model.n_layers} (per raw token: "
@@ -362,6 +380,13 @@ def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, memory_gib, devi
                       f(r["fp8_cupy_ms"]), f(r["fp8_cupy_ratio"], 2), r["fp8_route"] if dg is not None else "-",
                       f(r["fp8_gather_ms"]), r["error"] or "")
         report.print_fitted(out, t, keys=5)
+        if queries:
+            with _progress(err) as progress:
+                task = progress.add_task("serve --query", total=len(case_list))
+                for c in case_list:
+                    doc["query_timings"].append(serve.measure_queries(c, model, dev, seed, reps=10, queries=queries))
+                    progress.advance(task)
+            out.print("\n".join(serve.query_markdown(doc)), markup=False, highlight=False)
         rescored = [r for r in doc["timings"] if r["fp8_rescore_ms"] is not None or r["fp8_rescore_dg_ms"] is not None]
         if rescored:
             t2 = Table(title=f"fp8-rescore ms per forward (all {model.n_c4} C4 layers), top-k included; fp8 + top-k = "

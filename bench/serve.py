@@ -269,9 +269,11 @@ class Forward:
     gather_op: str | None = None
 
 
-def _forward(case: Case, layout: str, model: ServeModel, device, g, dg) -> Forward:
+def _forward(case: Case, layout: str, model: ServeModel, device, g, dg, query: str | None = None) -> Forward:
     """One layout of :data:`TIMED`: ``bf16`` and ``fp8-cupy`` run our ops on the plugin's routes (bf16 rows, or
-    SGLang's fp8 rows), ``fp8`` DeepGEMM on SGLang's route for the step (:func:`fp8_route`)."""
+    SGLang's fp8 rows), ``fp8`` DeepGEMM on SGLang's route for the step (:func:`fp8_route`). ``query`` (a layout of
+    :data:`QUERY_LAYOUTS`): each layer's query is prepared in the step from wq_b-shaped bf16 rows (:func:`_query_prep`)
+    with that numerics, and the logits take it."""
     import cupy_dsa
     from cupy_dsa import rescore
 
@@ -312,7 +314,7 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg) -> Forwa
         if ours:
             cu_rows = torch.tensor([0, T], dtype=torch.int32, device=device)
 
-            def layer_logits(cache, plan):
+            def layer_logits(cache, plan, q=q, weights=weights):
                 if two_level:  # every row keeps its whole range: the rescored top-k replaces SGLang's
                     return rescore.rescore_topk_prefill(q, weights, cache[0], cache[1], torch.zeros_like(lens), lens,
                                                         table, model.index_topk, cu_rows=cu_rows, plan=plan)
@@ -331,7 +333,7 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg) -> Forwa
         weights = torch.rand(B * n, N_HEADS, device=device, generator=g) / math.sqrt(N_HEADS * HEAD_DIM)
         lens = lens_2d.reshape(-1) if n == 1 else lens_2d
         if ours:
-            def layer_logits(cache, plan):
+            def layer_logits(cache, plan, q=q, weights=weights):
                 if two_level:
                     return rescore.rescore_topk(q, weights, cache[0], cache[1], lens, table, model.index_topk,
                                                 plan=plan)
@@ -344,11 +346,13 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg) -> Forwa
             row_table, lens_rows = table.repeat_interleave(n, 0), lens_2d.reshape(-1).contiguous()
 
     if ours:
+        prep = _query_prep(query, q.shape, device, g) if query is not None else None
+
         def forward():
             plan = build_plan()  # ForwardPlans: the first C4 layer builds it, the others reuse it
             for i in range(model.n_c4):
                 store(caches[i % len(caches)])
-                layer_logits(caches[i % len(caches)], plan)
+                layer_logits(caches[i % len(caches)], plan, *(prep() if prep is not None else ()))
 
         return Forward(forward, len(caches))
 
@@ -534,6 +538,7 @@ def markdown(doc: dict, with_rescore: bool = True) -> str:
         lines += ["", f"The non-paged route's key gather: {'; '.join(gather_ops)}."]
     if with_rescore:
         lines += rescore_markdown(doc)
+    lines += query_markdown(doc)
     mem = {r["layout"]: r for r in doc["memory"]}
     if {"bf16", "fp8"} <= mem.keys():
         b, f = mem["bf16"], mem["fp8"]
@@ -602,3 +607,105 @@ def rescore_markdown(doc: dict) -> list[str]:
 
 def _tokens(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 and n < 1 << 20 else f"{n:,}"
+
+
+# --------------------------------------------------------------------------------------------------
+# The query axis (--query): the one-pass layouts whose query the plugin's SGLANG_CUPY_DSA_INDEX_Q sets, timed with
+# each query, its preparation included
+# --------------------------------------------------------------------------------------------------
+
+def _query_layouts() -> tuple[str, ...]:
+    """The timed layouts that are plugin modes taking the query setting with one-pass scoring (from the modes'
+    records): bf16 and fp8-cupy."""
+    from cupy_dsa.sglang.core import MODE_RECORDS
+
+    return tuple(name for name, _ in TIMED if name in MODE_RECORDS and MODE_RECORDS[name].query_settable
+                 and MODE_RECORDS[name].scoring == "one-pass")
+
+
+QUERY_LAYOUTS = _query_layouts()
+QUERY_COUNTED = (
+    "query rows: the step of each layout with each query, its preparation included: per C4 layer "
+    "cupy_dsa.prepare_index_q (RoPE + Hadamard-128 of wq_b's bf16 output, then the query's rounding and the head "
+    "weights) on the forward's rows, then the logits with that query. fp8 = numerics 'fp8', the math of SGLang's "
+    "fused fp8 q kernel (a stand-in for it: SGLang's JIT kernel is not installed where the bench runs); bf16 = "
+    "numerics 'bf16', what the plugin runs with SGLANG_CUPY_DSA_INDEX_Q=bf16. Ratio: bf16 query over fp8 query.")
+
+
+def _query_prep(query: str, q_shape, device, g):
+    """A callable giving one layer's ``(q, weights)`` of the query ``query`` in the logits' q shape ``q_shape``:
+    prepare_index_q over rows drawn like wq_b's and weights_proj's bf16 outputs, positions 0..rows-1."""
+    import cupy_dsa
+
+    from .sweeps import make_freqs
+
+    rows = math.prod(q_shape[:-2])
+    raw_q = torch.randn(rows, N_HEADS, HEAD_DIM, device=device, generator=g).to(torch.bfloat16)
+    raw_w = torch.rand(rows, N_HEADS, device=device, generator=g).to(torch.bfloat16)
+    freqs = make_freqs(rows, device)
+    positions = torch.arange(rows, dtype=torch.int32, device=device)
+    scale = (N_HEADS * HEAD_DIM) ** -0.5
+
+    def prep():
+        q, w = cupy_dsa.prepare_index_q(raw_q, raw_w, freqs_cis=freqs, positions=positions, weight_scale=scale,
+                                        numerics=query)
+        return q.view(q_shape), w
+
+    return prep
+
+
+def measure_queries(case: Case, model: ServeModel, device, seed: int, reps: int, queries=("fp8", "bf16"),
+                    layouts=QUERY_LAYOUTS) -> dict:
+    """ms of one forward of each layout of ``layouts`` (of :data:`QUERY_LAYOUTS`) with each query, and each layout's
+    bf16-query step over its fp8-query step."""
+    from .sweeps import _gen
+    from .timing import time_calls
+
+    row = {"phase": case.phase, "batch": case.batch, "context": case.context, "next_n": case.next_n,
+           "chunk": case.chunk, "ms": {}, "bf16_q_vs_fp8_q": {}, "timing": None, "error": None}
+    for layout in layouts:
+        for query in queries:
+            try:
+                fwd = _forward(case, layout, model, device, _gen(device, seed), None, query=query)
+                t = time_calls([fwd.run], device, reps=reps)
+                row["ms"].setdefault(layout, {})[query] = t.seconds * 1e3
+                row["timing"] = t.method
+                del fwd
+            except Exception as exc:  # one case failing must not end the run
+                failed = f"{layout} with the {query} query: {type(exc).__name__}: {str(exc)[:200]}"
+                row["error"] = f"{row['error']}; {failed}" if row["error"] else failed
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        got = row["ms"].get(layout, {})
+        if got.get("bf16") is not None and got.get("fp8"):
+            row["bf16_q_vs_fp8_q"][layout] = got["bf16"] / got["fp8"]
+    return row
+
+
+def query_markdown(doc: dict) -> list[str]:
+    """The query rows' table (lines to append), for runs with ``--query``; none for other runs."""
+    rows = doc.get("query_timings") or []
+    if not rows:
+        return []
+    layouts = [name for name in QUERY_LAYOUTS if any(name in r["ms"] for r in rows)]
+    queries = list(dict.fromkeys(q for r in rows for per in r["ms"].values() for q in per))
+    lines = ["", f"The query ({doc.get('device') or 'no GPU'}, commit `{(doc.get('git_commit') or 'not recorded')[:12]}`): "
+             "ms per forward over every C4 layer with each query, its preparation included (per layer "
+             "`prepare_index_q` of the forward's rows, then the logits; the fp8 query's preparation is the math of "
+             "SGLang's fused fp8 q kernel, standing in for it).", ""]
+    head = "| step | batch x context (tokens) |" + "".join(
+        f" {layout}, {q} q |" for layout in layouts for q in queries) + "".join(
+        f" {layout}: bf16 q / fp8 q |" for layout in layouts)
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        ctx = f"{r['batch']} x {_tokens(r['context'])}" if r["phase"] != "prefill" else f"after {_tokens(r['context'])}"
+        cells = [step_label(r), ctx]
+        for layout in layouts:
+            for q in queries:
+                v = r["ms"].get(layout, {}).get(q)
+                cells.append(f"{v:.2f} ms" if v is not None else "—")
+        for layout in layouts:
+            v = r["bf16_q_vs_fp8_q"].get(layout)
+            cells.append(f"{v:.3f}x" if v is not None else "—")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines

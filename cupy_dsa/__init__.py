@@ -41,13 +41,14 @@ _EXPORTS = {
     "rescore": ("RescoreTopK", "empty_lo_cache", "rescore_topk", "rescore_topk_prefill",
                 "rescore_topk_prefill_reference", "rescore_topk_reference"),
     "runtime": ("to_cupy", "to_torch"),
+    "topk": ("TopK", "paged_topk", "paged_topk_reference"),
     "store": ("fp4sim_reference", "rotate_index_k_reference", "store_index_k", "store_index_k_from_plan",
               "store_index_k_reference"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 
-_SUBMODULES = ("arch", "contracts", "heuristics", "launch", "layouts", "logits", "query", "rescore", "runtime", "store")
+_SUBMODULES = ("arch", "contracts", "heuristics", "launch", "layouts", "logits", "query", "rescore", "runtime", "store", "topk")
 
 
 def __getattr__(name):
@@ -72,7 +73,7 @@ __version__ = "0.1.0"
 __all__ = [
     "store_index_k", "store_index_k_from_plan", "rescore_topk", "rescore_topk_prefill", "rescore_topk_reference",
     "rescore_topk_prefill_reference", "RescoreTopK", "empty_lo_cache", "prepare_index_q", "prepare_index_q_reference", "paged_mqa_logits", "paged_mqa_logits_plan", "mqa_logits",
-    "mqa_logits_plan", "to_cupy", "to_torch",
+    "mqa_logits_plan", "to_cupy", "to_torch", "paged_topk", "paged_topk_reference", "TopK",
     "warm_up", "store_index_k_reference", "paged_mqa_logits_reference", "mqa_logits_reference",
     "rotate_index_k_reference", "fp4sim_reference", "empty_cache", "PAGE_SLOTS", "HEAD_DIM", "BF16_BYTES_PER_TOKEN", "FP8_BYTES_PER_TOKEN",
     "FP4_BYTES_PER_TOKEN", "BF16_PAGE_BYTES", "FP8_PAGE_BYTES",

@@ -264,7 +264,7 @@ def register(family: Family) -> Family:
 # The op modules register their families when imported, and they import this module: the registry's readers
 # import them by name first, so that every family is there whatever the caller imported (``import cupy_dsa`` loads
 # none of them until a public name is used).
-_OP_MODULES = ("cupy_dsa.store", "cupy_dsa.logits", "cupy_dsa.query", "cupy_dsa.rescore")
+_OP_MODULES = ("cupy_dsa.store", "cupy_dsa.logits", "cupy_dsa.query", "cupy_dsa.rescore", "cupy_dsa.topk")
 
 
 def _registered() -> dict[str, Family]:

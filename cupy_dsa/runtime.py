@@ -171,8 +171,9 @@ def launch(filename: str, name_expression: str, device: torch.device, grid, bloc
     idx = device.index if device.index is not None else torch.cuda.current_device()
     fn = get_function(filename, name_expression, idx)
     key = (idx, filename, name_expression)
-    if shared_mem > 48 * 1024 and _SMEM_OPT_IN.get(key, 0) < shared_mem:
-        fn.max_dynamic_shared_size_bytes = shared_mem  # opt in above the 48 KiB default
+    if shared_mem > 0 and _SMEM_OPT_IN.get(key, 0) < shared_mem:
+        # opt in: the default allows 48 KiB of static + dynamic shared memory, a kernel's static part included
+        fn.max_dynamic_shared_size_bytes = shared_mem
         _SMEM_OPT_IN[key] = shared_mem
     stream = _stream_for(device)
     cp = cupy_module()
@@ -191,7 +192,7 @@ def resident_ctas_per_sm(filename: str, name_expression: str, device_index: int,
     n = _OCCUPANCY.get(key)
     if n is None:
         fn = get_function(filename, name_expression, device_index)
-        if shared_mem > 48 * 1024 and _SMEM_OPT_IN.get(key[:3], 0) < shared_mem:
+        if shared_mem > 0 and _SMEM_OPT_IN.get(key[:3], 0) < shared_mem:
             fn.max_dynamic_shared_size_bytes = shared_mem
             _SMEM_OPT_IN[key[:3]] = shared_mem
         cp = cupy_module()

@@ -43,7 +43,7 @@ pages beside it, both written by one store launch (the fp8 bytes checked as in f
 within 1e-3 of the CPU path's), then extend, decode, verify and both CUDA graphs twice, with stage 1 from cupy_dsa's
 kernels (the plugin's routes) and from SGLang's own fp8 logits call (here its torch fp8 logits: DeepGEMM is not on
 this machine), each rescored top-k against the CPU path's (overlap >= 0.99 per row, SGLang's slot transform). Stage 2
-takes stage 1's fp8 q here (``SGLANG_CUPY_DSA_RESCORE_Q=fp8``: the layer stand-in has no projections). Not run here:
+takes stage 1's fp8 q here (``SGLANG_CUPY_DSA_INDEX_Q=fp8``: the layer stand-in has no projections). Not run here:
 the default bf16 stage-2 query through SGLang's forward (its query prep, ``prepare_index_q(numerics="bf16")``, is
 GPU-tested in tests/test_query.py; the forward with it is checked on CPU in tests/sglang_checks) and HiCache's
 transfer of the hi and lo pages (checked on CPU through SGLang's host pools and transfer engine, sgl_kernel's
@@ -808,7 +808,7 @@ def run(device, seed, only=None):
             worlds2 = [World(sg, device, norm_w, freq_cis), World(sg, "cpu", norm_w, freq_cis)]
             batch2 = Batch(g)
             prompt_store(worlds2, batch2)
-            os.environ[core.RESCORE_Q_ENV] = "fp8"  # the layer stand-in has no projections to build a bf16 q from
+            os.environ[core.QUERY_ENV] = "fp8"  # the layer stand-in has no projections to build a bf16 q from
             for stage1 in ("cupy", "sglang"):
                 os.environ[core.RESCORE_STAGE1_ENV] = stage1
                 core.reset_mode()
@@ -827,7 +827,7 @@ def run(device, seed, only=None):
         finally:
             os.environ[core.ENV_NAME] = "bf16"
             os.environ.pop(core.RESCORE_STAGE1_ENV, None)
-            os.environ.pop(core.RESCORE_Q_ENV, None)
+            os.environ.pop(core.QUERY_ENV, None)
             core.reset_mode()
 
     phase("fp8-cupy", fp8_cupy)

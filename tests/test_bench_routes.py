@@ -407,3 +407,42 @@ def test_serve_cli_on_a_gpu_records_routes_targets_and_the_gather(monkeypatch, t
     assert "| fp8-rescore | / (fp8 + top-k) | / fp8 | fp8-rescore, DeepGEMM stage 1 |" in md
     assert "fp8-rescore ms per forward" in res.output
     assert "fp8 route" in res.stderr or "fp8 route" in res.output
+
+
+def test_serve_query_axis_times_both_queries_with_their_preparation(monkeypatch):
+    """`bench serve --query`: the layouts whose query the plugin sets (read from the modes' records: bf16, fp8-cupy)
+    run with each query, each C4 layer preparing it (prepare_index_q with that numerics) before its logits, which get
+    that query; the row keeps ms per layout and query and the bf16 / fp8 ratio; the CLI records the queries."""
+    from cupy_dsa.sglang import core
+
+    assert serve.QUERY_LAYOUTS == ("bf16", "fp8-cupy")
+    assert all(core.record(name).query_settable and core.record(name).scoring == "one-pass"
+               for name in serve.QUERY_LAYOUTS)
+    model = serve.ServeModel("tiny", 5, 2, 66, "test", None)
+    preps, dtypes = [], []
+    real_prep, real_paged, real_varlen = cupy_dsa.prepare_index_q, cupy_dsa.paged_mqa_logits, cupy_dsa.mqa_logits
+    monkeypatch.setattr(cupy_dsa, "prepare_index_q", lambda *a, **k: preps.append(k["numerics"]) or real_prep(*a, **k))
+    monkeypatch.setattr(cupy_dsa, "paged_mqa_logits", lambda q, *a, **k: dtypes.append(q.dtype) or real_paged(q, *a, **k))
+    monkeypatch.setattr(cupy_dsa, "mqa_logits", lambda q, *a, **k: dtypes.append(q.dtype) or real_varlen(q, *a, **k))
+    for case in serve.cases(2, (256,), (1, 3), (8,)):
+        for layout in serve.QUERY_LAYOUTS:
+            for query, dtype in (("fp8", torch.float8_e4m3fn), ("bf16", torch.bfloat16)):
+                preps.clear()
+                dtypes.clear()
+                fwd = serve._forward(case, layout, model, CPU, torch.Generator().manual_seed(0), None, query=query)
+                fwd.run()
+                assert preps == [query] * model.n_c4 and dtypes == [dtype] * model.n_c4, (case, layout, query)
+    row = serve.measure_queries(serve.Case("verify", 2, 256, 2, 0), model, CPU, 0, reps=1)
+    assert row["error"] is None and set(row["ms"]) == set(serve.QUERY_LAYOUTS), row
+    for layout, per in row["ms"].items():
+        assert set(per) == {"fp8", "bf16"} and row["bf16_q_vs_fp8_q"][layout] == per["bf16"] / per["fp8"]
+    md = "\n".join(serve.query_markdown({"query_timings": [row], "device": "cpu", "git_commit": "abc"}))
+    assert "| bf16, fp8 q | bf16, bf16 q | fp8-cupy, fp8 q | fp8-cupy, bf16 q | bf16: bf16 q / fp8 q |" in md, md
+    assert serve.query_markdown({"timings": []}) == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    res = CliRunner().invoke(main, ["bench", "serve", "--query", "BF16,fp8", "--json", "-"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout[res.stdout.index("{"):])
+    assert doc["queries"] == ["fp8", "bf16"] and doc["query_timings"] == [] and serve.QUERY_COUNTED in doc["notes"]
+    res = CliRunner().invoke(main, ["bench", "serve", "--query", "fp16"])
+    assert res.exit_code == 2 and "--query" in res.output and "'fp16'" in res.output

@@ -134,5 +134,6 @@ def test_kernel_registry_is_complete_after_a_bare_import():
     assert r.returncode == 0, r.stderr
     fams, sources = r.stdout.splitlines()
     assert eval(fams) == ["mqa_logits", "mqa_logits_plan", "paged_mqa_logits", "paged_mqa_logits_plan",
-                          "prepare_index_q", "rescore_topk", "store_index_k"]
-    assert eval(sources) == ["mqa_logits.cu", "prepare_index_q.cu", "rescore_topk.cu", "store_index_k.cu"]
+                          "paged_topk", "prepare_index_q", "rescore_topk", "store_index_k"]
+    assert eval(sources) == ["mqa_logits.cu", "prepare_index_q.cu", "rescore_topk.cu", "store_index_k.cu",
+                             "topk.cu"]
