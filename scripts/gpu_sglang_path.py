@@ -750,21 +750,25 @@ def run(device, seed, only=None):
                           len(PROMPTS), g, expect_kind=kind, draft=n, **kw)
         # the drafts were rejected: the requests go on from their decode lengths (the slots get rewritten)
 
+    def projected_query_routes(label):
+        # extend, decode and verify with the layer's projections: the hook builds the query the mode (and
+        # SGLANG_CUPY_DSA_INDEX_Q) asks for with prepare_index_q on each route
+        tokens = [(b, p) for b, (n, e) in enumerate(zip(PROMPTS, EXTEND)) for p in range(n - e, n)]
+        indexer_phase(f"{label} extend, 3 requests", sg, worlds, batch, tokens, sg.ForwardMode.EXTEND, 3,
+                      g, expect_kind="varlen", extend_lens=EXTEND, reference=True)
+        tokens = [(b, m - 1) for b, m in enumerate(batch.lens)]
+        indexer_phase(f"{label} decode", sg, worlds, batch, tokens, sg.ForwardMode.DECODE, len(PROMPTS), g,
+                      reference=True)
+        tokens = [(b, m - 2 + i) for b, m in enumerate(batch.lens) for i in range(2)]
+        indexer_phase(f"{label} target verify, next_n 2", sg, worlds, batch, tokens, sg.ForwardMode.TARGET_VERIFY,
+                      len(PROMPTS), g, expect_kind="grouped", draft=2, reference=True)
+
     def reference_mode():
         # bf16-reference: the hook builds DeepSeek-V4's reference query (prepare_index_q) on each route
         os.environ[core.ENV_NAME] = "bf16-reference"
         core.reset_mode()
         try:
-            tokens = [(b, p) for b, (n, e) in enumerate(zip(PROMPTS, EXTEND)) for p in range(n - e, n)]
-            indexer_phase("bf16-reference extend, 3 requests", sg, worlds, batch, tokens, sg.ForwardMode.EXTEND, 3,
-                          g, expect_kind="varlen", extend_lens=EXTEND, reference=True)
-            tokens = [(b, m - 1) for b, m in enumerate(batch.lens)]
-            indexer_phase("bf16-reference decode", sg, worlds, batch, tokens, sg.ForwardMode.DECODE, len(PROMPTS), g,
-                          reference=True)
-            tokens = [(b, m - 2 + i) for b, m in enumerate(batch.lens) for i in range(2)]
-            indexer_phase("bf16-reference target verify, next_n 2", sg, worlds, batch, tokens,
-                          sg.ForwardMode.TARGET_VERIFY, len(PROMPTS), g, expect_kind="grouped", draft=2,
-                          reference=True)
+            projected_query_routes("bf16-reference")
         finally:
             os.environ[core.ENV_NAME] = "bf16"
             core.reset_mode()
@@ -777,16 +781,7 @@ def run(device, seed, only=None):
         try:
             if device != "cpu":
                 core.ensure_warm(torch.device(device))
-            tokens = [(b, p) for b, (n, e) in enumerate(zip(PROMPTS, EXTEND)) for p in range(n - e, n)]
-            indexer_phase("bf16 query extend, 3 requests", sg, worlds, batch, tokens, sg.ForwardMode.EXTEND, 3,
-                          g, expect_kind="varlen", extend_lens=EXTEND, reference=True)
-            tokens = [(b, m - 1) for b, m in enumerate(batch.lens)]
-            indexer_phase("bf16 query decode", sg, worlds, batch, tokens, sg.ForwardMode.DECODE, len(PROMPTS), g,
-                          reference=True)
-            tokens = [(b, m - 2 + i) for b, m in enumerate(batch.lens) for i in range(2)]
-            indexer_phase("bf16 query target verify, next_n 2", sg, worlds, batch, tokens,
-                          sg.ForwardMode.TARGET_VERIFY, len(PROMPTS), g, expect_kind="grouped", draft=2,
-                          reference=True)
+            projected_query_routes("bf16 query")
         finally:
             os.environ.pop(core.QUERY_ENV, None)
             core.reset_mode()
