@@ -186,7 +186,7 @@ SUITE_OPTION = click.option(
     help="needle: needles among near-duplicate clusters with a controlled margin (the competing keys share the "
          "query's rounding); diverse: a top-k boundary contested by diverse keys (AR(1) drift, topic clusters, "
          "outlier channels through the norm weight) and realistic queries, every format with its error budget "
-         "(missed with only the key rounded, only the query rounded, both). CPU: small sizes; GPU: 16K-256K keys, "
+         "(missed with only the key rounded, only the query rounded, both). CPU: small sizes; GPU: 16K and 64K keys, "
          "k 512 and 2048. [needle]")
 
 
@@ -375,7 +375,7 @@ def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, queries, memory_
                 for c in case_list:
                     doc["query_timings"].append(serve.measure_queries(c, model, dev, seed, reps=10, queries=queries))
                     progress.advance(task)
-            out.print("\n".join(serve.query_markdown(doc)), markup=False, highlight=False)
+            out.print("\n".join(serve.query_markdown(doc)), markup=False, highlight=False, soft_wrap=True)
         rescored = [r for r in doc["timings"] if r["fp8_rescore_ms"] is not None or r["fp8_rescore_dg_ms"] is not None]
         if rescored:
             t2 = Table(title=f"fp8-rescore ms per forward (all {model.n_c4} C4 layers), top-k included; fp8 + top-k = "

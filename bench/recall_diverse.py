@@ -85,8 +85,8 @@ def contexts(device: torch.device, quick: bool) -> tuple[list[int], int]:
     if device.type != "cuda":  # the torch reference store: small sizes
         return ([8192], 4) if quick else ([4096, 16384], 4)
     if quick:
-        return [65536, 262144], 16
-    return [65536, 262144, 1048576], 32
+        return [65536], 16
+    return [65536, 262144], 32   # 16K and 64K keys
 
 
 class _World:

@@ -423,7 +423,7 @@ def print_all(console, doc, sections) -> None:
 
         console.print("recall, diverse suite (synthetic keys): share of the exact top-k missed per format, and its "
                       "error budget", markup=False, highlight=False)
-        console.print(diverse_markdown(doc["recall_diverse"]), markup=False, highlight=False)
+        console.print(diverse_markdown(doc["recall_diverse"]), markup=False, highlight=False, soft_wrap=True)
         for n in doc["notes"].get("recall_diverse", []):
             console.print(f"  - {n}", markup=False, highlight=False, style="dim")
     errors = [r for s in ("store", "query", "logits", "recall", "recall_diverse") for r in doc.get(s, [])

@@ -282,7 +282,8 @@ def test_gpu_sglang_path_dry_mode():
     rc, out, err = _background("gpu_script_dry")
     last = out.strip().splitlines()[-1] if out.strip() else ""
     assert rc == 0 and last.startswith("SGLANG GPU PATH: PASS"), f"{out[-4000:]}\n{err[-3000:]}"
-    assert "10 phases" in last and "bf16-reference" in last and "fp8-cupy" in last and "fp8-rescore" in last, last
+    assert "11 phases" in last and "bf16-reference" in last and "bf16 query" in last and "fp8-cupy" in last \
+        and "fp8-rescore" in last, last
 
 
 # --------------------------------------------------------------------------------------------------
