@@ -1531,6 +1531,7 @@ def test_startup_logs_the_pd_layout_tag_with_the_variable(monkeypatch, caplog):
     from cupy_dsa.sglang import hooks
 
     monkeypatch.setenv(ENV, "bf16-fp4sim")
+    monkeypatch.setenv(core.QUERY_ENV, "bf16")
     core.reset_mode()
     monkeypatch.setattr(hooks, "require_compatible_sglang", lambda mode: None)
     monkeypatch.setattr(hooks, "_install", lambda entries, resolution: None)
@@ -1548,6 +1549,9 @@ def test_startup_logs_the_pd_layout_tag_with_the_variable(monkeypatch, caplog):
     text = " ".join(r.getMessage() for r in caplog.records)
     assert "appends ',c4idx:bf16-fp4sim' to SGLang's KV layout string" in text, text
     assert f"must run the same {ENV}" in text and "SGLANG_DSV4_KV_LAYOUT" in text, text
+    # which query runs
+    assert (f"bf16-fp4sim: query: the rotated q rounded to bf16 once (the head weights without a q scale) "
+            f"({core.QUERY_ENV}=bf16)") in text, text
 
 
 @pytest.mark.gpu
