@@ -1,7 +1,15 @@
-"""The ``cupy-dsa`` command line: ``cupy-dsa bench [bytes|store|query|logits|recall|all|report|variants|resources|serve]``.
+"""The ``cupy-dsa`` command line, and only that: option parsing and checking, dispatch, and the console output of
+each command (the measurements live in the modules each command calls). One responsibility, hence one module.
 
-Options can be given to ``bench`` or to a subcommand (the subcommand's value wins). ``bench`` without a
-subcommand runs ``all``.
+Commands: ``cupy-dsa bench`` (= ``bench all``) and ``bench bytes | store | query | logits | recall | all`` (the
+sections), ``bench serve | variants | rescore | resources | report`` (each with its own options), and
+``cupy-dsa needle`` (recall of a running server).
+
+The common options (:func:`common_options`) are taken by ``bench`` and by each section; given to both, the
+section's value wins. Given to ``bench`` before ``serve``, ``variants``, ``rescore``, ``resources`` or ``report``
+(:data:`OWN_OPTIONS`) they are refused (exit status 2), since those commands would ignore them. Every bad value is
+a usage error (exit status 2, no traceback) before any work. Heavy modules (torch, rich, the bench's sweeps) are
+imported inside the commands, so ``--help`` stays fast.
 """
 
 from __future__ import annotations
@@ -84,7 +92,7 @@ def common_options(f):
     """The options every bench command accepts (defaults resolved after merging group and subcommand)."""
     opts = [
         click.option("--backend", type=click.Choice(["auto", "cuda", "cpu"], case_sensitive=False), default=None,
-                     help="auto = the GPU when torch sees one, else the CPU reference at small sizes. [auto]"),
+                     help="auto = the GPU when torch sees one, else the CPU reference at small sizes. [default: auto]"),
         click.option("--device", default=None, metavar="DEV",
                      help="torch device for the GPU backend, e.g. cuda:1 (default: the current device)."),
         click.option("--quick", is_flag=True, default=False, help=QUICK_HELP),
@@ -95,9 +103,9 @@ def common_options(f):
                      "throughput and recall rows, the recall study goes to NAME-recall.png beside it."),
         click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
                      default=None, callback=_writable_output, help=MARKDOWN_HELP),
-        click.option("--seed", type=SEED, default=None, help="random seed, 0 to 2^32 - 1. [0]"),
+        click.option("--seed", type=SEED, default=None, help="random seed, 0 to 2^32 - 1. [default: 0]"),
         click.option("--gpu-mem-gb", type=FiniteFloatRange(min=0, min_open=True, max=MAX_MEMORY), default=None,
-                     help="KV memory budget for `bytes` (GB = 1e9 B), up to 1e6. [100]"),
+                     help="KV memory budget for `bytes` (GB = 1e9 B), up to 1e6. [default: 100]"),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -260,29 +268,43 @@ def _model_option(ctx, param, value):
         raise click.BadParameter(f"expected {' / '.join(serve.BUILTIN)} or a DeepSeek-V4 config.json: {exc}")
 
 
+def _refuse_replacing_a_measured_run(json_path: str) -> None:
+    """Without a GPU `bench serve` measures nothing: its JSON must not replace a file that holds a measured run (the
+    README's reproduction line names the committed H200 file)."""
+    try:
+        old = json.loads(Path(json_path).read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(old, dict) and old.get("measured"):
+        raise click.BadParameter(
+            f"{json_path} holds a measured run ({old.get('device') or 'a GPU'}); without a GPU this run measures "
+            "nothing and would replace it with the memory figures only: write to another file",
+            param_hint="'--json'")
+
+
 @bench.command(name="serve")
 @click.option("--model", default="v4-flash", show_default=True, callback=_model_option,
               help="v4-flash, v4-pro (layer count assumed, see the output) or the path of an HF config.json "
                    "(compress_ratios, num_hidden_layers, index_topk).")
 @click.option("--batch", type=click.IntRange(min=1), default=32, show_default=True, help="requests per decode step.")
 @click.option("--context", "contexts", multiple=True, callback=_contexts_option,
-              help="tokens per request (comma list or repeated; K/M suffixes). [8192,32768,131072]")
+              help="tokens per request (comma list or repeated; K/M suffixes). [default: 8192,32768,131072]")
 @click.option("--next-n", "next_ns", multiple=True, callback=_counts_option((1,), "next_n values 1 to 4 such as 1,2,4",
                                                                              lo=1, hi=4),
               help="rows per request: 1 = plain decode, 2..4 = MTP verify; a comma list (or repeated) times "
-                   "each. [1]")
+                   "each. [default: 1]")
 @click.option("--chunk", "chunks", multiple=True, callback=_counts_option((4096,), "token counts of 4 or more such "
                                                                           "as 4096,16K", lo=4),
-              help="tokens per prefill chunk; a comma list (or repeated, K suffix) times each. [4096]")
+              help="tokens per prefill chunk; a comma list (or repeated, K suffix) times each. [default: 4096]")
 @click.option("--memory-gib", type=FiniteFloatRange(min=0, min_open=True, max=MAX_MEMORY), default=80.0,
               show_default=True, help="index-cache budget for the tokens-that-fit figure (GiB), up to 1e6.")
 @click.option("--layouts", "layouts", multiple=True, callback=_serve_layouts_option,
               help="time only these layouts (comma list or repeated) of: bf16, fp8-cupy, fp8 (DeepGEMM on SGLang's "
                    "route), fp8+topk (fp8 + torch.topk), fp8-rescore (our stage 1), fp8-rescore-dg (DeepGEMM stage "
-                   "1). [all]")
+                   "1). [default: all]")
 @click.option("--query", "queries", multiple=True, callback=_serve_queries_option,
               help="also time the layouts whose query the plugin's SGLANG_CUPY_DSA_INDEX_Q sets (bf16, fp8-cupy) with "
-                   "each of these queries (comma list of fp8, bf16), the query's preparation included. [none]")
+                   "each of these queries (comma list of fp8, bf16), the query's preparation included. [default: none]")
 @click.option("--device", default=None, metavar="DEV", help="CUDA device, e.g. cuda:1 (default: the current one).")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="random seed, 0 to 2^32 - 1.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True), default=None,
@@ -307,6 +329,8 @@ def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, queries, memory_
     dev = None
     if device is not None or torch.cuda.is_available():  # checked before any work
         dev, _ = _resolve_device("cuda", device, has_backend_option=False)
+    if dev is None and json_path not in (None, "-"):
+        _refuse_replacing_a_measured_run(json_path)
     case_list = serve.cases(batch, contexts, next_ns, chunks)
     model_doc = {"name": model.name, "n_layers": model.n_layers, "index_layers": model.n_c4,
                  "index_topk": model.index_topk, "source": model.source, "assumed": model.assumed}
@@ -468,7 +492,7 @@ def variants_cmd(device, quick, seed, emulate_arch, json_path, markdown_path):
               help="one case per phase: decode 8 x 64K, verify 8 x 64K next_n 2, extend 8 x 512 after 32K-64K, "
                    "prefill chunk of 4,096 after 32K.")
 @click.option("--phase", "phases", multiple=True, type=click.Choice(["decode", "verify", "extend", "prefill"]),
-              help="time only these phases (repeatable). [all four]")
+              help="time only these phases (repeatable). [default: all four]")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="random seed, 0 to 2^32 - 1.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
               callback=_writable_output, help="write the rows as JSON (schema cupy-dsa-rescore/1; `bench report "
@@ -542,7 +566,7 @@ def _archs_option(ctx, param, values):
 
 @bench.command(name="resources")
 @click.option("--arch", "archs", multiple=True, callback=_archs_option,
-              help="target arch, sm_80 or newer (repeatable). [sm_80 sm_89 sm_90 sm_100 sm_120]")
+              help="target arch, sm_80 or newer (repeatable). [default: sm_80 sm_89 sm_90 sm_100 sm_120]")
 def resources_cmd(archs):
     """ptxas's registers / spills / shared memory of every product kernel config per target arch (NVRTC, no
     GPU), and the resident CTAs / warps per SM of the logits configs on each arch, as the README's tables."""
@@ -554,7 +578,9 @@ def resources_cmd(archs):
         runtime.cupy_module()
     except ImportError as exc:
         raise click.ClickException(f"bench resources compiles the kernels with NVRTC through CuPy: {exc}") from None
-    click.echo(resources.markdown(resources.rows(archs or resources.ARCHS)))
+    click.echo("NVRTC compiles every product config of each arch (minutes on a cold cache); each compile is named "
+               "on stderr as it starts.", err=True)
+    click.echo(resources.markdown(resources.rows(archs or resources.ARCHS, progress=lambda t: click.echo(t, err=True))))
     click.echo("\nResident CTAs x warps per SM of the logits product configs (bf16 keys, fp8 q; the limit that "
                "binds):\n")
     from cupy_dsa import arch as arch_limits
@@ -579,8 +605,7 @@ def report_cmd(json_files, markdown_path, plot_path, readme_path, allow_cpu_or_q
     """Re-print the tables of a saved JSON result (and its markdown headline / plot / README blocks).
 
     Several `cupy-dsa needle` results overlay: one table and one plot, a column / line per run (--label)."""
-    from . import needle, plots, provenance, readme, report, serve
-    from . import rescore as rescore_bench
+    from . import report
 
     docs = []
     for json_file in json_files:
@@ -588,6 +613,23 @@ def report_cmd(json_files, markdown_path, plot_path, readme_path, allow_cpu_or_q
             docs.append(json.loads(Path(json_file).read_text()))
         except ValueError as exc:
             raise click.BadParameter(f"{json_file}: not a JSON file: {exc}", param_hint="JSON_FILE")
+    same_kind = len({d.get("schema") if isinstance(d, dict) else None for d in docs}) == 1  # else: the mix is refused
+    for json_file, doc in zip(json_files, docs) if same_kind else ():  # a valid schema, a broken structure: refused
+        problem = report.structure_problem(doc)
+        if problem:
+            raise click.BadParameter(f"{json_file}: a {doc['schema']} document, but {problem}", param_hint="JSON_FILE")
+    try:
+        _report(json_files, docs, markdown_path, plot_path, readme_path, allow_cpu_or_quick)
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as exc:
+        # what the structure check does not reach (a row's fields): one message naming the file, no traceback
+        raise click.BadParameter(f"{', '.join(json_files)}: a field of the results is missing or of the wrong type "
+                                 f"({type(exc).__name__}: {exc})", param_hint="JSON_FILE") from None
+
+
+def _report(json_files, docs, markdown_path, plot_path, readme_path, allow_cpu_or_quick):
+    from . import needle, plots, provenance, readme, report, serve
+    from . import rescore as rescore_bench
+
     if any(needle.is_needle(d) for d in docs):
         if allow_cpu_or_quick:
             raise click.BadParameter("goes with --readme, which needle results do not take",
@@ -601,6 +643,13 @@ def report_cmd(json_files, markdown_path, plot_path, readme_path, allow_cpu_or_q
     json_file, doc = json_files[0], docs[0]
     if rescore_bench.is_rescore(doc):  # a `bench rescore` run: its table, its README block
         _report_rescore(json_file, doc, markdown_path, plot_path, readme_path, allow_cpu_or_quick)
+        return
+    from . import variants
+
+    if isinstance(doc, dict) and doc.get("schema") == variants.EMULATE_SCHEMA:  # `bench variants --emulate`
+        _report_rescore(json_file, doc, markdown_path, plot_path, readme_path, allow_cpu_or_quick,
+                        md=variants.emulate_markdown(doc), blocks=readme.EMULATE_README_BLOCKS,
+                        what="a `bench variants --emulate` result")
         return
     is_serve = isinstance(doc, dict) and doc.get("schema") == serve.SCHEMA
     if not is_serve and (not isinstance(doc, dict) or doc.get("schema") not in provenance.READABLE_SCHEMAS):
@@ -650,27 +699,30 @@ def report_cmd(json_files, markdown_path, plot_path, readme_path, allow_cpu_or_q
             click.echo(f"{readme_path}: kept results:{name} ({why})", err=True)
 
 
-def _report_rescore(json_file, doc, markdown_path, plot_path, readme_path, allow_cpu_or_quick):
-    """`bench report` of a `bench rescore` result: its markdown table, and its results:rescore README block."""
+def _report_rescore(json_file, doc, markdown_path, plot_path, readme_path, allow_cpu_or_quick, md=None, blocks=None,
+                    what="a `bench rescore` result"):
+    """`bench report` of a `bench rescore` result (or another result of one markdown table: ``md``, ``blocks``): its
+    markdown table, and its README block."""
     from . import readme
     from . import rescore as rescore_bench
 
+    blocks = readme.RESCORE_README_BLOCKS if blocks is None else blocks
     if plot_path:
-        raise click.BadParameter("a `bench rescore` result has no plot", param_hint="'--plot'")
+        raise click.BadParameter(f"{what} has no plot", param_hint="'--plot'")
     if allow_cpu_or_quick and not readme_path:
         raise click.BadParameter("goes with --readme (it accepts a CPU or --quick run for the README's blocks)",
                                  param_hint="'--allow-cpu-or-quick'")
     update = None
     if readme_path:
         try:
-            update = readme.readme_update(Path(readme_path).read_text(), doc, readme.RESCORE_README_BLOCKS)
+            update = readme.readme_update(Path(readme_path).read_text(), doc, blocks)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="'--readme'")
         why = readme.not_gpu_figures(doc)
         if update[1] and why and not allow_cpu_or_quick:
-            raise click.BadParameter(f"{json_file} is {why}; pass --allow-cpu-or-quick to write results:rescore "
-                                     "anyway", param_hint="'--readme'")
-    md = rescore_bench.markdown(doc)
+            raise click.BadParameter(f"{json_file} is {why}; pass --allow-cpu-or-quick to write "
+                                     f"{', '.join('results:' + n for n in blocks)} anyway", param_hint="'--readme'")
+    md = rescore_bench.markdown(doc) if md is None else md
     if markdown_path:
         _write_markdown(md, markdown_path)
     if markdown_path != "-":
@@ -681,8 +733,8 @@ def _report_rescore(json_file, doc, markdown_path, plot_path, readme_path, allow
             Path(readme_path).write_text(text)
             click.echo(f"{readme_path}: rewrote {', '.join('results:' + n for n in rewritten)}", err=True)
         else:
-            click.echo(f"{readme_path}: nothing rewritten (it has no results:rescore block, or the JSON holds no "
-                       "timed rows)", err=True)
+            click.echo(f"{readme_path}: nothing rewritten (it has no {', '.join('results:' + n for n in blocks)} "
+                       "block, or the JSON holds no rows for it)", err=True)
         for name, why in kept.items():
             click.echo(f"{readme_path}: kept results:{name} ({why})", err=True)
 
@@ -751,7 +803,7 @@ def _extra_body_option(ctx, param, value):
               metavar="URL", help="the server's OpenAI-compatible API (a URL without a path gets /v1).")
 @click.option("--model", default=None, help="served model name (default: the only model the server lists).")
 @click.option("--api-key", envvar="OPENAI_API_KEY", default="EMPTY", show_default=False,
-              help="the server's --api-key, if it was started with one. [$OPENAI_API_KEY or EMPTY]")
+              help="the server's --api-key, if it was started with one. [default: $OPENAI_API_KEY or EMPTY]")
 @click.option("--lengths", default="4K,8K,16K,32K,64K", show_default=True, callback=_lengths_option,
               help="context lengths in the server's tokens (comma list, K/M suffixes).")
 @click.option("--depths", default="0,0.25,0.5,0.75,1", show_default=True, callback=_depths_option,
@@ -761,7 +813,7 @@ def _extra_body_option(ctx, param, value):
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="seed of filler and needles.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True,
               help="output tokens per answer (raise it for a model that reasons before answering).")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+@click.option("--timeout", type=FiniteFloatRange(min=0, min_open=True), default=600.0, show_default=True,
               help="seconds per request (a long prefill takes a while).")
 @click.option("--retries", type=click.IntRange(min=0), default=2, show_default=True,
               help="retries of a request that timed out, could not connect or got HTTP 408/409/429/5xx.")
@@ -771,7 +823,7 @@ def _extra_body_option(ctx, param, value):
 @click.option("--extra-body", default=None, callback=_extra_body_option, metavar="JSON",
               help="JSON object merged into every request, e.g. '{\"chat_template_kwargs\": {\"thinking\": false}}'.")
 @click.option("--label", default=None, help="name of this run in tables, plots and overlays, e.g. the index-key "
-                                            "mode it was served with (fp8, fp8-cupy, bf16). [the model name]")
+                                            "mode it was served with (fp8, fp8-cupy, bf16). [default: the model name]")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True), default=None,
               callback=_writable_output, help="write the results as JSON (schema cupy-dsa-needle/1); '-' = stdout.")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
@@ -956,7 +1008,9 @@ def _run(ctx: click.Context, sections, o: dict) -> dict:
     needs_device = any(s in sections for s in ("store", "query", "logits", "recall"))
     if needs_device:
         dev, backend = _resolve_device(o["backend"].lower(), o["device"])
-    else:
+    else:  # `bytes` is arithmetic, but a device or backend that cannot be had is still an error (as for `store`)
+        if o["device"] is not None or o["backend"].lower() != "auto":
+            _resolve_device(o["backend"].lower(), o["device"])
         dev, backend = torch.device("cpu"), "none"
     quick = bool(o["quick"])  # on CPU the store/logits sizes are tiny either way (see --help)
     seed = int(o["seed"])

@@ -30,7 +30,8 @@ import torch
 from cupy_dsa.layouts import BYTES_PER_TOKEN, HEAD_DIM, N_HEADS, PAGE_SLOTS
 from cupy_dsa.rescore import TWO_LEVEL_BYTES_PER_TOKEN
 
-from .bytes import C4_RATIO, C128_RATIO, v4_compress_ratios
+from .bytes import C4_RATIO, C128_RATIO
+from .models import BUILTIN, ServeModel
 
 SCHEMA = "cupy-dsa-serve/1"
 GIB = 2**30
@@ -105,27 +106,6 @@ def rescore_target(case) -> float | None:
     if get("phase") == "prefill" and get("chunk") in RESCORE_TARGET_CHUNKS and lo <= get("context") <= hi:
         return RESCORE_TARGET_PREFILL
     return None
-
-
-@dataclass(frozen=True)
-class ServeModel:
-    name: str
-    n_layers: int
-    n_c4: int
-    index_topk: int
-    source: str
-    assumed: str | None  # why a figure is assumed, or None when every figure is read
-
-
-BUILTIN = {
-    "v4-flash": ServeModel("DeepSeek-V4-Flash", 43, v4_compress_ratios(43)[:43].count(C4_RATIO), 512,
-                           "built-in (V4-Flash HF config.json: num_hidden_layers 43, compress_ratios "
-                           "[0, 0, 4, 128, ..., 128, 4, 0] of 44 entries, the last the MTP layer's)", None),
-    "v4-pro": ServeModel("DeepSeek-V4-Pro", 61, v4_compress_ratios(61)[:61].count(C4_RATIO), 1024,
-                         "built-in (index_topk 1024 per vLLM #40811)",
-                         "61 layers with V4-Flash's compress_ratios pattern are ASSUMED (no published V4-Pro layer "
-                         "count was at hand); pass --model <config.json> for the real figure"),
-}
 
 
 RATIOS = (0, C4_RATIO, C128_RATIO)  # what a DeepSeek-V4 layer compresses by (0: window only)

@@ -171,8 +171,9 @@ def launch(filename: str, name_expression: str, device: torch.device, grid, bloc
     idx = device.index if device.index is not None else torch.cuda.current_device()
     fn = get_function(filename, name_expression, idx)
     key = (idx, filename, name_expression)
-    if shared_mem > 48 * 1024 and _SMEM_OPT_IN.get(key, 0) < shared_mem:
-        fn.max_dynamic_shared_size_bytes = shared_mem  # opt in above the 48 KiB default
+    if shared_mem > 0 and _SMEM_OPT_IN.get(key, 0) < shared_mem:
+        # opt in: the default allows 48 KiB of static + dynamic shared memory, a kernel's static part included
+        fn.max_dynamic_shared_size_bytes = shared_mem
         _SMEM_OPT_IN[key] = shared_mem
     stream = _stream_for(device)
     cp = cupy_module()
@@ -191,7 +192,7 @@ def resident_ctas_per_sm(filename: str, name_expression: str, device_index: int,
     n = _OCCUPANCY.get(key)
     if n is None:
         fn = get_function(filename, name_expression, device_index)
-        if shared_mem > 48 * 1024 and _SMEM_OPT_IN.get(key[:3], 0) < shared_mem:
+        if shared_mem > 0 and _SMEM_OPT_IN.get(key[:3], 0) < shared_mem:
             fn.max_dynamic_shared_size_bytes = shared_mem
             _SMEM_OPT_IN[key[:3]] = shared_mem
         cp = cupy_module()
@@ -344,6 +345,8 @@ def to_cupy(t: torch.Tensor):
     fp8 tensors come back as ``uint8`` (CuPy has no fp8 dtype); bf16 needs ``ml_dtypes`` installed
     (otherwise pass ``t.view(torch.int16)``).
     """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"t: expected a torch.Tensor, got {type(t).__name__}")
     if not t.is_cuda:
         raise ValueError(f"t: expected a CUDA tensor, got device {t.device}")
     cp = cupy_module()
@@ -355,4 +358,6 @@ def to_cupy(t: torch.Tensor):
 
 def to_torch(a) -> torch.Tensor:
     """A torch tensor sharing the CuPy array's memory (torch's current stream waits on CuPy's)."""
+    if not hasattr(a, "__dlpack__"):
+        raise TypeError(f"a: expected a CuPy array (or another object with __dlpack__), got {type(a).__name__}")
     return torch.from_dlpack(a)

@@ -407,7 +407,7 @@ def test_notes_cite_no_documents(runs):
 
 def test_bytes_figures():
     rows = {(r["model"], r["layout"]): r for r in bytes_mod.rows(50.0)}
-    assert {r["bytes_per_entry"] for r in rows.values()} == {132, 68, 256}
+    assert {r["bytes_per_entry"] for r in rows.values()} == {132, 68, 256, 264}
     flash8, flash16 = rows[("DeepSeek-V4-Flash", "fp8")], rows[("DeepSeek-V4-Flash", "bf16")]
     assert flash8["index_bytes_per_token_per_layer"] == 33 and flash16["index_bytes_per_token_per_layer"] == 64
     assert flash16["index_bytes_per_token"] == 64 * flash16["index_layers"]
