@@ -27,7 +27,7 @@ import click
 
 SECTIONS_ALL = ("bytes", "store", "query", "logits", "recall")
 DEFAULTS = {"backend": "auto", "device": None, "quick": False, "json_path": None, "plot_path": None,
-            "markdown_path": None, "seed": 0, "gpu_mem_gb": 100.0}
+            "markdown_path": None, "seed": 0, "gpu_mem_gb": 100.0, "suite": "needle"}
 
 
 def _png_path(ctx, param, value):
@@ -176,15 +176,26 @@ def _merged_top(opts: dict) -> dict:
     return out
 
 
-def _subcommand(name, sections, doc):
+def _subcommand(name, sections, doc, extra_options=()):
     @bench.command(name=name, help=doc)
     @common_options
     @click.pass_context
     def cmd(ctx, **opts):
         _run(ctx, sections, _merged(ctx, opts))
 
+    for option in reversed(extra_options):
+        cmd = option(cmd)
     cmd.__name__ = f"bench_{name}"
     return cmd
+
+
+SUITE_OPTION = click.option(
+    "--suite", type=click.Choice(["needle", "diverse"], case_sensitive=False), default=None,
+    help="needle: needles among near-duplicate clusters with a controlled margin (the competing keys share the "
+         "query's rounding); diverse: a top-k boundary contested by diverse keys (AR(1) drift, topic clusters, "
+         "outlier channels through the norm weight) and realistic queries, every format with its error budget "
+         "(missed with only the key rounded, only the query rounded, both). CPU: small sizes; GPU: 16K and 64K keys, "
+         "k 512 and 2048. [needle]")
 
 
 _subcommand("bytes", ("bytes",), "Bytes per index token of each layout, per C4 layer and per full token, for "
@@ -200,7 +211,9 @@ _subcommand("recall", ("recall",), "Needle suite with a controlled margin and a 
             "on synthetic keys through the real store and logits ops: per format and context, the needle-in-top-k "
             "rate at margins 0.001%..10% over the best distractor (exact fp64 passes every needle by construction), "
             "the resolution (smallest margin with >= 99% kept), recall@512/1024 vs exact fp64 and top-k overlap "
-            "with the reference numerics (fp4-simulated q and keys, fp32 scores).")
+            "with the reference numerics (fp4-simulated q and keys, fp32 scores). --suite diverse: diverse keys and "
+            "realistic queries instead, each format's share of the exact top-k missed and its error budget.",
+            extra_options=(SUITE_OPTION,))
 _subcommand("all", SECTIONS_ALL, "Run bytes, store, query, logits and recall (the default).")
 
 
@@ -386,7 +399,7 @@ def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, queries, memory_
                 for c in case_list:
                     doc["query_timings"].append(serve.measure_queries(c, model, dev, seed, reps=10, queries=queries))
                     progress.advance(task)
-            out.print("\n".join(serve.query_markdown(doc)), markup=False, highlight=False)
+            out.print("\n".join(serve.query_markdown(doc)), markup=False, highlight=False, soft_wrap=True)
         rescored = [r for r in doc["timings"] if r["fp8_rescore_ms"] is not None or r["fp8_rescore_dg_ms"] is not None]
         if rescored:
             t2 = Table(title=f"fp8-rescore ms per forward (all {model.n_c4} C4 layers), top-k included; fp8 + top-k = "
@@ -651,7 +664,8 @@ def _report(json_files, docs, markdown_path, plot_path, readme_path, allow_cpu_o
     if readme_path:  # decided before anything is printed or written
         try:
             update = readme.readme_update(Path(readme_path).read_text(), doc,
-                                          readme.SERVE_README_BLOCKS if is_serve else readme.README_BLOCKS)
+                                          readme.SERVE_README_BLOCKS if is_serve else
+                                          {**readme.README_BLOCKS, **readme.RECALL_DIVERSE_README_BLOCKS})
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="'--readme'")
         why = readme.not_gpu_figures(doc)
@@ -1045,7 +1059,15 @@ def _run(ctx: click.Context, sections, o: dict) -> dict:
                                  + sweeps.verify_rows(dev, quick, seed, doc["ceilings"], progress)
                                  + sweeps.extend_rows(dev, quick, seed, doc["ceilings"], progress))
                 doc["notes"]["logits"] = [sweeps.LOGITS_COUNTED, sweeps.VERIFY_EXTEND_COUNTED]
-            if "recall" in sections:
+            if "recall" in sections and str(o["suite"]).lower() == "diverse":
+                from . import recall_diverse
+
+                doc["recall_diverse"] = recall_diverse.run(dev, quick, seed, progress)
+                doc["notes"]["recall_diverse"] = [recall_diverse.NOTE] + [
+                    f"{k}: {v}" for k, v in recall_diverse.FORMAT_NOTES.items()]
+                if any(r.get("error") for r in doc["recall_diverse"]):
+                    err.print("[red]recall (diverse): a context failed (see the 'error' fields)[/]")
+            elif "recall" in sections:
                 from . import recall
 
                 doc["recall"] = recall.run(dev, quick, seed, progress)
