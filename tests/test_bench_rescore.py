@@ -11,7 +11,7 @@ from cupy_dsa.bench import peers, readme, serve
 from cupy_dsa.bench import rescore as rb
 from cupy_dsa.bench.cli import main
 
-from test_bench_routes import FakeDeepGEMM, _serve_doc, _serve_row, _torch_gather
+from test_bench_routes import FakeDeepGEMM, FakeSGLangTopK, _serve_doc, _serve_row, _torch_gather, fake_sglang_topk
 
 K = 1024
 CPU = torch.device("cpu")
@@ -55,37 +55,49 @@ def test_rescore_memory_per_entry():
     assert mem["fp8-rescore"]["target_vs_bf16"] == 1.05 and mem["bf16"]["verdict"] is None
 
 
-def test_rescore_rows_on_cpu_with_deepgemm_stand_in():
-    """Every column of every phase runs (the references), the DeepGEMM ones with the stand-in; without it they
-    say why."""
-    rows = rb.rows(CPU, False, 0, FakeDeepGEMM(), None)
+def test_rescore_rows_on_cpu_with_deepgemm_stand_in(monkeypatch):
+    """Every column of every phase runs (the references), the DeepGEMM ones with the stand-in and SGLang's top-k
+    with its stand-in; without them they say why."""
+    fake_sglang_topk(monkeypatch)
+    rows = rb.rows(CPU, False, 0, FakeDeepGEMM(), None, topks=peers.topks(CPU))
     assert [r["phase"] for r in rows] == list(rb.PHASES)
     for r in rows:
         assert r["errors"] == {} and all(r["us"][c] > 0 for c in rb.COLUMNS), r
         assert r["vs_fp8_deepgemm"][rb.FP8_DG] == 1.0 and r["us_per_row"][rb.RESCORE] == r["us"][rb.RESCORE] / r["rows"]
-    none = rb.rows(CPU, False, 0, None, "deep_gemm not importable (x)", phases=("verify",))
+        assert all(r["key_bytes"][c] == 0 for c in rb.TOPK_COLUMNS.values())
+    fake_sglang_topk(monkeypatch, live=False)
+    none = rb.rows(CPU, False, 0, None, "deep_gemm not importable (x)", phases=("verify",), topks=peers.topks(CPU))
     assert len(none) == 1 and none[0]["phase"] == "verify"
     assert all(none[0]["us"][c] is None and "deep_gemm not importable" in none[0]["errors"][c]
                for c in rb.DEEPGEMM_COLUMNS)
-    assert all(none[0]["us"][c] > 0 for c in rb.COLUMNS if c not in rb.DEEPGEMM_COLUMNS)
+    assert all(none[0]["us"][c] is None and "No module named 'sglang'" in none[0]["errors"][c]
+               for c in rb.SGLANG_COLUMNS)
+    assert all(none[0]["us"][c] > 0 for c in rb.COLUMNS if c not in rb.DEEPGEMM_COLUMNS + rb.SGLANG_COLUMNS)
 
 
 @pytest.mark.parametrize("phase", rb.PHASES)
 def test_rescore_routes_select_the_same_keys(phase, monkeypatch):
     """The whole op on our route (grouped verify, varlen extend), given stage 1, and on DeepGEMM's rows given its
-    logits select the same keys; the stock columns' top-k is that of the same logits (CPU references)."""
+    logits select the same keys; the stock columns' top-k (SGLang's v2, its plan built outside the timed calls) is
+    that of the same logits, and every top-k alone selects what the reference does (CPU references)."""
     _torch_gather(monkeypatch)
     monkeypatch.setattr(serve, "NONPAGED_MIN_ROWS", 16)  # the CPU prefill chunk takes SGLang's non-paged route
+    fake = fake_sglang_topk(monkeypatch)
     c, = [c for c in rb.cases(CPU, False) if c.phase == phase]
     x = rb._inputs(c, CPU, torch.Generator().manual_seed(1), 1)
-    calls = rb._calls(c, x, FakeDeepGEMM())
+    calls = rb._calls(c, x, FakeDeepGEMM(), peers.topks(CPU))
+    assert fake.calls.count("plan") == 2 and "v2" not in fake.calls  # the stock binding's and its column's
     whole, given, on_rows = (calls[k][0]().raw_indices for k in (rb.RESCORE, rb.STAGE2, rb.RESCORE_DG))
     assert torch.equal(whole, given) and torch.equal(whole, on_rows)
     assert torch.equal(calls[rb.STAGE2_DG][0]().raw_indices, whole)
     assert rb.deepgemm_route(c) == (serve.FP8_NONPAGED if phase == "prefill" else serve.FP8_PAGED)
-    ours, stock = calls[rb.FP8][0](), calls[rb.FP8_DG][0]()
-    assert ours.values.shape == stock.values.shape == (c.rows, c.index_topk)
-    torch.testing.assert_close(ours.values, stock.values, rtol=1e-4, atol=1e-6)
+    ours, stock = calls[rb.FP8][0]().clone(), calls[rb.FP8_DG][0]().clone()
+    assert fake.calls[-2:] == ["v2", "v2"] and ours.shape == stock.shape == (c.rows, c.index_topk)
+    assert torch.equal(ours.sort(1).values, stock.sort(1).values)  # SGLang's order within a row is its own
+    for col in (rb.TOPK_V2, rb.TOPK_V1, rb.TOPK_OURS):  # alone on the stock logits: the stock column's selection
+        assert torch.equal(calls[col][0]().sort(1).values, stock.sort(1).values), col
+    values = calls[rb.TOPK_TORCH][0]().values
+    assert values.shape == (c.rows, c.index_topk)
 
 
 def test_rescore_cli_options(monkeypatch):
@@ -111,21 +123,43 @@ def test_rescore_cli_on_a_stand_in_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(cli, "_device_name", lambda dev: "stand-in GPU")
     monkeypatch.setattr(provenance, "driver_version", lambda: None)
     monkeypatch.setattr(peers, "deepgemm", lambda: (FakeDeepGEMM(), None))
+    fake_sglang_topk(monkeypatch)
     real = rb.rows
-    monkeypatch.setattr(rb, "rows", lambda dev, quick, seed, dg, reason, progress, phases=None:
-                        real(CPU, quick, seed, dg, reason, progress, phases))
+    monkeypatch.setattr(rb, "rows", lambda dev, quick, seed, dg, reason, progress, phases=None, topks=None:
+                        real(CPU, quick, seed, dg, reason, progress, phases, topks))
     j, md = tmp_path / "r.json", tmp_path / "r.md"
     res = CliRunner().invoke(main, ["bench", "rescore", "--phase", "decode", "--phase", "extend", "--json", str(j)])
     assert res.exit_code == 0, res.output
-    assert "fp8-rescore (DeepGEMM stage 1)" in res.output  # the table's columns
+    assert "fp8-rescore (DeepGEMM stage 1)" in res.output and "stock top-k: SGLang v2" in res.output
     doc = json.loads(j.read_text())
     assert doc["schema"] == rb.SCHEMA and doc["deepgemm"] == "live" and doc["phases"] == ["decode", "extend"]
     assert [r["phase"] for r in doc["rows"]] == ["decode", "extend"] and set(doc["columns"]) == set(rb.COLUMNS)
+    assert doc["topk"]["stock"] == peers.SGLANG_V2 and not doc["topk"]["stand_in"]
+    assert set(doc["topk"]["status"].values()) == {"live"} and "SGLang v2" in doc["columns"][rb.FP8_DG] + \
+        doc["columns"][rb.BF16]
+    assert all(r["us"][c] > 0 for r in doc["rows"] for c in rb.COLUMNS)
     again = CliRunner().invoke(main, ["bench", "report", str(j), "--markdown", str(md)])
     assert again.exit_code == 0, again.output
     text = md.read_text()
     assert "| fp8-rescore / fp8 DeepGEMM |" in text and "fp8-rescore 264 B (1.03x bf16, target <= 1.05x: pass)" in text
+    assert "Stock top-k: SGLang v2 (plan_topk_v2 + topk_transform_paged_v2" in text
+    assert "| case | top-k SGLang v2 | top-k SGLang v1 | top-k cupy_dsa | top-k torch.topk | cupy_dsa / SGLang v2 |" \
+        in text and "torch.topk(index_topk)" not in text.split("Columns:")[1].split("**top-k torch.topk**")[0]
     assert again.output.strip() == text.strip() == rb.markdown(doc).strip()
+    # without SGLang's kernels: cupy_dsa.paged_topk stands in, and the JSON, the legend and the table say so
+    fake_sglang_topk(monkeypatch, live=False)
+    res = CliRunner().invoke(main, ["bench", "rescore", "--phase", "decode", "--json", str(j)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(j.read_text())
+    assert doc["topk"]["stock"] == peers.CUPY_DSA_TOPK and doc["topk"]["stand_in"]
+    assert "STANDS IN" in doc["topk"]["stand_in_note"] and "a54fd74" in doc["topk"]["stand_in_note"]
+    assert "No module named 'sglang'" in doc["topk"]["status"][peers.SGLANG_V2]
+    assert all(r["us"][c] is None for r in doc["rows"] for c in rb.SGLANG_COLUMNS)
+    text = rb.markdown(doc)
+    assert "Stock top-k: cupy_dsa.paged_topk, STANDING IN for SGLang's v2 top-k" in text
+    assert "48 x 24,576: 28 us vs 7.6" in text and "| case | top-k cupy_dsa | top-k torch.topk |" in text
+    assert "Not run: top-k SGLang v2: SGLang's v2 top-k not importable" in text
+    assert "Not measured:" not in text  # SGLang's columns are named once, above
     readme_md = tmp_path / "README.md"
     readme_md.write_text("x\n<!-- results:rescore -->\nold\n<!-- /results:rescore -->\n")
     res = CliRunner().invoke(main, ["bench", "report", str(j), "--readme", str(readme_md)])

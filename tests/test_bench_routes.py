@@ -57,6 +57,56 @@ class FakeDeepGEMM:
         return out
 
 
+class FakeSGLangTopK:
+    """SGLang 0.5.23's DeepSeek-V4 top-k entry points (sglang.kernels.ops.attention.dsv4.topk) on CPU, with its
+    signatures: the selection by cupy_dsa's reference, each row's selected slots reversed (SGLang's order is
+    unspecified), -1 past them; every call recorded."""
+
+    def __init__(self, wrong=False):
+        self.calls = []
+        self.wrong = wrong  # select the k smallest instead: a kernel the loader's check must refuse
+
+    def _select(self, scores, seq_lens, page_tables, out, page_size):
+        assert page_size == 64 and scores.dtype == torch.float32 and seq_lens.dtype == page_tables.dtype == torch.int32
+        assert scores.shape[0] == seq_lens.shape[0] == page_tables.shape[0] == out.shape[0]
+        sel = cupy_dsa.paged_topk_reference(-scores if self.wrong else scores, seq_lens, page_tables,
+                                            out.shape[1]).page_indices
+        for r in range(sel.shape[0]):
+            n = int((sel[r] >= 0).sum())
+            sel[r, :n] = sel[r, :n].flip(0)
+        out.copy_(sel)
+
+    def topk_transform_paged(self, scores, seq_lens, page_tables, out_page_indices, page_size, out_raw_indices=None):
+        self.calls.append("v1")
+        self._select(scores, seq_lens, page_tables, out_page_indices, page_size)
+
+    def plan_topk_v2(self, seq_lens, static_threshold=-1, *, out=None):
+        self.calls.append("plan")
+        assert out.shape == (seq_lens.shape[0] + 1, 2) and out.dtype == torch.int32
+        return out
+
+    def topk_transform_paged_v2(self, scores, seq_lens, page_tables, out_page_indices, page_size, metadata,
+                                out_raw_indices=None):
+        self.calls.append("v2")
+        assert metadata.shape == (seq_lens.shape[0] + 1, 2)
+        self._select(scores, seq_lens, page_tables, out_page_indices, page_size)
+
+
+def fake_sglang_topk(monkeypatch, live=True):
+    """SGLang's v2 and v1 top-k as :func:`peers.sglang_topk` returns them, on :class:`FakeSGLangTopK`
+    (``live=False``: both report why they do not run, as on a GPU without SGLang). Returns the fake."""
+    fake = FakeSGLangTopK()
+
+    def loader(version, device=None):
+        key = {"v1": peers.SGLANG_V1, "v2": peers.SGLANG_V2}[version]
+        if not live:
+            return None, f"SGLang's {version} top-k not importable (ModuleNotFoundError: No module named 'sglang')"
+        return peers.TopKOp(key, peers.TOPK_LABELS[key], peers._sglang_bind(fake, key)), None
+
+    monkeypatch.setattr(peers, "sglang_topk", loader)
+    return fake
+
+
 def _torch_gather(monkeypatch):
     """SGLang's gather is a Triton kernel (a GPU, or Triton's interpreter: test below); the forwards here use the
     torch one."""
@@ -377,6 +427,7 @@ def test_serve_cli_on_a_gpu_records_routes_targets_and_the_gather(monkeypatch, t
     monkeypatch.setattr(cli, "_device_name", lambda dev: "stand-in GPU")
     monkeypatch.setattr(provenance, "driver_version", lambda: None)
     monkeypatch.setattr(peers, "deepgemm", lambda: (FakeDeepGEMM(), None))
+    fake_topk = fake_sglang_topk(monkeypatch)
     real = serve.measure
     monkeypatch.setattr(serve, "measure", lambda case, model, dev, dg, seed, reps, **kw: real(case, model, CPU, dg,
                                                                                                seed, 1, **kw))
@@ -395,9 +446,16 @@ def test_serve_cli_on_a_gpu_records_routes_targets_and_the_gather(monkeypatch, t
     assert "fp8 non-paged route: keys gathered by torch gather (test)" in doc["notes"]
     md = serve.markdown(doc)
     assert "| fp8 route | target |" in md and "| verify, next_n 2 | 2 x 256 |" in md and "<= 1000000000.00x: pass" in md
-    # fp8-rescore on every step, both stage 1s, against fp8 + top-k; the targets of decode / verify
-    assert all(r["fp8_topk_ms"] and r["fp8_rescore_ms"] and r["fp8_rescore_dg_ms"] for r in doc["timings"])
+    # fp8-rescore on every step, both stage 1s, against fp8 + top-k and bf16 + top-k (SGLang's v2 top-k, its
+    # plan once per forward); issue 26's bounds still recorded; each top-k alone
+    assert all(r["fp8_topk_ms"] and r["bf16_topk_ms"] and r["fp8_rescore_ms"] and r["fp8_rescore_dg_ms"]
+               for r in doc["timings"])
+    assert doc["topk"]["stock"] == peers.SGLANG_V2 and not doc["topk"]["stand_in"]
+    assert all(r["stock_topk"] == peers.SGLANG_V2 and set(r["topk_alone_ms"]) == set(peers.TOPK_KEYS)
+               and r["topk_alone_on"] == "fp8+topk" for r in doc["timings"])
+    assert {"plan", "v2", "v1"} <= set(fake_topk.calls)
     assert [r["rescore_target_ratio"] for r in by_step.values()] == [1.15, 1.15, None, None]
-    assert "| fp8-rescore | / (fp8 + top-k) | / fp8 | fp8-rescore, DeepGEMM stage 1 |" in md
-    assert "fp8-rescore ms per forward" in res.output
+    assert "| fp8-rescore | / (fp8 + top-k) | / (bf16 + top-k) | fp8-rescore, DG stage 1 |" in md
+    assert "**top-k** = the stock top-k, SGLang v2 (plan_topk_v2 + topk_transform_paged_v2" in md
+    assert "fp8-rescore ms per forward" in res.output and "each top-k alone" in res.output
     assert "fp8 route" in res.stderr or "fp8 route" in res.output
