@@ -754,7 +754,7 @@ def topk_markdown(doc: dict, rows: list) -> list[str]:
                  ms(r, "fp8_rescore_ms"), x(r, "rescore_vs_fp8_topk"), x(r, "rescore_vs_bf16_topk")]
         if dg:
             cells += [ms(r, "fp8_rescore_dg_ms"), x(r, "rescore_dg_vs_fp8_topk"), x(r, "rescore_dg_vs_bf16_topk")]
-        got = [f"<= {t['target']:.2f}x {t['basis'].replace('+', ' + ')}: "
+        got = [f"<= {t['target']:.2f}x {t['basis'].replace('+topk', ' + top-k')}: "
                + {"pass": "pass", "miss": "**miss**"}.get(t.get("verdict"), "not evaluated")
                for t in r.get("targets_31") or []]
         cells.append("; ".join(got) or "—")

@@ -459,3 +459,99 @@ def test_serve_cli_on_a_gpu_records_routes_targets_and_the_gather(monkeypatch, t
     assert "**top-k** = the stock top-k, SGLang v2 (plan_topk_v2 + topk_transform_paged_v2" in md
     assert "fp8-rescore ms per forward" in res.output and "each top-k alone" in res.output
     assert "fp8 route" in res.stderr or "fp8 route" in res.output
+
+
+# --------------------------------------------------------------------------------------------------
+# the stock top-k (issue 31): SGLang's own kernels where they run, else cupy_dsa's standing in
+# --------------------------------------------------------------------------------------------------
+
+def test_sglang_topk_says_why_it_cannot_run_on_cpu(monkeypatch):
+    """On a CPU (CI), SGLang's top-k reports a clean reason before importing anything; the run's top-k is then
+    cupy_dsa's, named as SGLang v2's stand-in with its measured speed against v2."""
+    monkeypatch.setattr(peers, "_SGLANG_TOPK", {})
+    for version in ("v1", "v2"):
+        op, why = peers.sglang_topk(version, CPU)
+        assert op is None and why == f"SGLang's {version} top-k not run: it is a CUDA kernel and this run has no CUDA device"
+    with pytest.raises(ValueError, match="version: expected 'v1' or 'v2', got 'v3'"):
+        peers.sglang_topk("v3", CPU)
+    t = peers.topks(CPU)
+    assert t.stand_in and t.stock.key == peers.CUPY_DSA_TOPK and list(t.ops) == [peers.CUPY_DSA_TOPK, peers.TORCH_TOPK]
+    d = t.describe()
+    assert d["stock"] == "cupy_dsa" and d["stand_in"] and "no CUDA device" in d["status"]["sglang-v2"]
+    assert "STANDS IN for SGLang's v2 top-k" in d["stand_in_note"] and "48 x 65,536: 102 us vs 13" in d["stand_in_note"]
+    assert json.loads(json.dumps(d)) == d
+
+
+def test_sglang_topk_import_failure_is_a_reason(monkeypatch):
+    """A GPU machine whose SGLang does not import: the reason names the error; nothing is retried per call."""
+    monkeypatch.setattr(peers, "_SGLANG_TOPK", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(peers, "_install_kernel_stubs", lambda: [])
+    tried = []
+
+    def no_sglang(name):
+        tried.append(name)
+        raise ModuleNotFoundError("No module named 'sglang'")
+
+    monkeypatch.setattr(peers.importlib, "import_module", no_sglang)
+    for _ in range(2):
+        op, why = peers.sglang_topk("v2", "cuda:0")
+        assert op is None and why == ("SGLang's v2 top-k not importable (ModuleNotFoundError: No module named "
+                                      "'sglang')")
+    assert tried == [peers.SGLANG_TOPK_MODULE]
+
+
+def test_sglang_topk_binding_and_check():
+    """The bindings call SGLang's entry points as SGLang's indexer does (page size 64, v2's plan buffer of
+    rows + 1, filled once per forward); the loader's check accepts a kernel that selects the reference's keys
+    in any order and refuses one that does not."""
+    fake = FakeSGLangTopK()
+    v2 = peers.TopKOp(peers.SGLANG_V2, "v2", peers._sglang_bind(fake, peers.SGLANG_V2))
+    v1 = peers.TopKOp(peers.SGLANG_V1, "v1", peers._sglang_bind(fake, peers.SGLANG_V1))
+    peers._self_check(v2, CPU)
+    peers._self_check(v1, CPU)
+    assert fake.calls == ["plan", "v2", "v1"]
+    bad = peers.TopKOp(peers.SGLANG_V2, "v2", peers._sglang_bind(FakeSGLangTopK(wrong=True), peers.SGLANG_V2))
+    with pytest.raises(RuntimeError, match="selects .* slots that differ from the reference"):
+        peers._self_check(bad, CPU)
+    lens = torch.tensor([3, 200], dtype=torch.int32)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    with pytest.raises(ValueError, match="index_topk: SGLang v1's top-k takes at most 1024, got 2048"):
+        v1.bind(lens, table, 2048)
+    b = v2.bind(lens, table, 16)
+    b.plan()
+    out = b.select(torch.randn(2, 256))
+    assert out.dtype == torch.int32 and out.shape == (2, 16) and out[0, 3:].eq(-1).all()
+    assert sorted(out[0, :3].tolist()) == [0, 1, 2] and out[1].ge(4 * 64).all()  # row 1: its own pages
+
+
+def test_sglang_topk_entry_points_take_what_the_bench_passes():
+    """SGLang 0.5.23's top-k module (imported on the CPU, nothing compiled) has the entry points the bench calls,
+    with the parameters in the order it passes them."""
+    import inspect
+
+    pytest.importorskip("sglang")
+    mod = __import__(peers.SGLANG_TOPK_MODULE, fromlist=["x"])
+    params = {name: list(inspect.signature(getattr(mod, name)).parameters)
+              for name in ("topk_transform_paged", "plan_topk_v2", "topk_transform_paged_v2")}
+    assert params["topk_transform_paged"][:5] == ["scores", "seq_lens", "page_tables", "out_page_indices", "page_size"]
+    assert params["plan_topk_v2"][0] == "seq_lens" and "out" in params["plan_topk_v2"]
+    assert params["topk_transform_paged_v2"][:6] == ["scores", "seq_lens", "page_tables", "out_page_indices",
+                                                     "page_size", "metadata"]
+
+
+def test_kernel_stubs_leave_deep_gemm_alone():
+    """Before SGLang's import the bench stubs only the kernel packages SGLang imports but the top-k does not
+    need (never deep_gemm, whose columns must run the real one or say why not); SGLang's top-k module then
+    imports (a fresh process: the stubs are process-wide)."""
+    pytest.importorskip("sglang")
+    code = ("from cupy_dsa.bench import peers; print(sorted(peers._install_kernel_stubs())); "
+            "import importlib; importlib.import_module(peers.SGLANG_TOPK_MODULE)\n"
+            "try:\n import deep_gemm; print(not deep_gemm.__version__.endswith('cupy_dsa_stub'))\n"
+            "except ImportError:\n print(True)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    stubbed, real_or_none = out.stdout.strip().splitlines()[-2:]
+    assert set(eval(stubbed)) <= {"sgl_kernel", "flash_mla", "flashinfer"} and real_or_none == "True"
