@@ -763,8 +763,10 @@ def topk_markdown(doc: dict, rows: list) -> list[str]:
     have = [(k, name) for k, name in TOPK_ALONE_COLUMNS if any(k in r["topk_alone_ms"] for r in alone)]
     if have:
         n_c4 = doc.get("model", {}).get("index_layers")
-        lines += ["", f"Each top-k alone, ms per forward ({n_c4} C4 layers over one layer's stock logits, its plan "
-                      "once):", "", "| step | batch x context (tokens) | " + " | ".join(n for _, n in have) + " |",
+        on = {r.get("topk_alone_on") for r in alone}
+        whose = "the fp8 step's" if on == {"fp8+topk"} else "the fp8 step's, else the bf16 step's"
+        lines += ["", f"Each top-k alone, ms per forward ({n_c4} C4 layers over one layer's logits, {whose}; its "
+                      "plan once):", "", "| step | batch x context (tokens) | " + " | ".join(n for _, n in have) + " |",
                   "|---|---|" + "---|" * len(have)]
         for r in alone:
             ctx = (f"{r['batch']} x {_tokens(r['context'])}" if r["phase"] != "prefill"

@@ -369,7 +369,8 @@ def _topk_doc(stand_in=False):
                rescore_dg_vs_fp8_topk=1.25, rescore_dg_vs_bf16_topk=0.75, rescore_dg_vs_fp8=1.5,
                targets_31=[{"basis": "fp8+topk", "target": 1.3, "ratio": 1.25, "verdict": "pass"},
                            {"basis": "bf16+topk", "target": 0.75, "ratio": 0.75, "verdict": "pass"}],
-               topk_alone_ms={"sglang-v2": 0.08, "sglang-v1": 0.2, "cupy_dsa": 0.3, "torch": 1.6})
+               topk_alone_ms={"sglang-v2": 0.08, "sglang-v1": 0.2, "cupy_dsa": 0.3, "torch": 1.6},
+               topk_alone_on="fp8+topk")
     pre = dict(_serve_row("prefill", 1, 8192, context=24 * K), fp8_topk_ms=30.0, bf16_topk_ms=50.0,
                fp8_rescore_ms=90.0, rescore_vs_fp8_topk=3.0, rescore_vs_bf16_topk=1.8, fp8_rescore_dg_ms=60.0,
                rescore_dg_vs_fp8_topk=2.0, rescore_dg_vs_bf16_topk=1.2,
@@ -397,6 +398,7 @@ def test_serve_markdown_with_the_stock_topk():
     assert "**top-k** = the stock top-k, SGLang v2 (plan_topk_v2 + topk_transform_paged_v2" in md
     assert "| step | batch x context (tokens) | SGLang v2 | SGLang v1 | cupy_dsa | torch.topk |" in md
     assert "| decode | 48 x 96K | 0.080 ms | 0.200 ms | 0.300 ms | 1.600 ms |" in md and "Top-k not run" not in md
+    assert "(21 C4 layers over one layer's logits, the fp8 step's; its plan once)" in md
     assert "issue 26" not in md and "torch.topk(index_topk)" not in md
     assert readme._serve_rescore_block(_topk_doc()).startswith("fp8-rescore, gpu, commit `abc`")
     stand_in = serve.markdown(_topk_doc(stand_in=True))
