@@ -11,7 +11,8 @@
 #   RESCORE_BENCH=1: issue 31's benches alone: SGLang 0.5.23's wheels of .whl_sgl installed (as run_sglang_gpu.sh
 #   does) so that the stock step's top-k is SGLang's own (v2 and v1 JIT-compiled and checked once first), then
 #   `bench serve` at issue 31's shapes (SERVE_ARGS) and the full `bench rescore` (RESCORE_ARGS), each under its own
-#   timeout (TOPK_S 150, SERVE_S 150, RESCORE_S 180 seconds), JSONs in bench/results/ and $OUT; the rest left out.
+#   timeout (TOPK_S 150, SERVE_S 150, RESCORE_S 180 seconds), their JSONs in $OUT (for bench/results/); the rest
+#   left out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -143,12 +144,11 @@ for v in ('v2', 'v1'):
 " >"$OUT/sglang_topk.txt" 2>&1
   T2=$(date +%s)
   SERVE_ARGS=${SERVE_ARGS:-"--batch 48 --context 24K,96K --next-n 1,3 --chunk 8192 --layouts bf16+topk,fp8,fp8+topk,fp8-rescore,fp8-rescore-dg"}
-  timeout ${SERVE_S:-150} python3 -m cupy_dsa bench serve $SERVE_ARGS --json bench/results/h200-serve-rescore.json \
+  timeout ${SERVE_S:-150} python3 -m cupy_dsa bench serve $SERVE_ARGS --json "$OUT/h200-serve-rescore.json" \
       >"$OUT/serve.log" 2>&1; SERVE_RC=$?
   T3=$(date +%s)
-  timeout ${RESCORE_S:-180} python3 -m cupy_dsa bench rescore ${RESCORE_ARGS:-} --json bench/results/h200-rescore.json \
+  timeout ${RESCORE_S:-180} python3 -m cupy_dsa bench rescore ${RESCORE_ARGS:-} --json "$OUT/h200-rescore.json" \
       >"$OUT/rescore.log" 2>&1; RESCORE_RC=$?
-  cp bench/results/h200-serve-rescore.json bench/results/h200-rescore.json "$OUT/" 2>/dev/null
   RESCORE_LINE="SGLang top-k $((T2 - T1)) s; bench serve rc=$SERVE_RC ($((T3 - T2)) s), bench rescore rc=$RESCORE_RC \
 ($(($(date +%s) - T3)) s) (124: timed out; logs serve.log, rescore.log)"
 fi
@@ -167,7 +167,7 @@ echo "SGLang path: $SGL_LINE"
 echo "issue-31 benches: $RESCORE_LINE"
 if [ -n "${RESCORE_BENCH:-}" ]; then
   cat "$OUT/sglang_topk.txt" | tail -3
-  grep -hiE "stock top-k|Traceback|Error" "$OUT/serve.log" "$OUT/rescore.log" | cut -c1-300 | head -8
+  grep -hE "^stock top-k|Traceback|Error" "$OUT/serve.log" "$OUT/rescore.log" | cut -c1-300 | head -8
   [ -f "$OUT/h200-serve-rescore.json" ] && python3 -m cupy_dsa bench report "$OUT/h200-serve-rescore.json" 2>/dev/null \
       | sed -n '/^fp8-rescore, /,$p' | grep -v "^$" | cut -c1-400
   [ -f "$OUT/h200-rescore.json" ] && python3 -m cupy_dsa bench report "$OUT/h200-rescore.json" 2>/dev/null \
