@@ -27,7 +27,7 @@ import click
 
 SECTIONS_ALL = ("bytes", "store", "query", "logits", "recall")
 DEFAULTS = {"backend": "auto", "device": None, "quick": False, "json_path": None, "plot_path": None,
-            "markdown_path": None, "seed": 0, "gpu_mem_gb": 100.0}
+            "markdown_path": None, "seed": 0, "gpu_mem_gb": 100.0, "suite": "needle"}
 
 
 def _png_path(ctx, param, value):
@@ -178,15 +178,26 @@ def _merged_top(opts: dict) -> dict:
     return out
 
 
-def _subcommand(name, sections, doc):
+def _subcommand(name, sections, doc, extra_options=()):
     @bench.command(name=name, help=doc)
     @common_options
     @click.pass_context
     def cmd(ctx, **opts):
         _run(ctx, sections, _merged(ctx, opts))
 
+    for option in reversed(extra_options):
+        cmd = option(cmd)
     cmd.__name__ = f"bench_{name}"
     return cmd
+
+
+SUITE_OPTION = click.option(
+    "--suite", type=click.Choice(["needle", "diverse"], case_sensitive=False), default=None,
+    help="needle: needles among near-duplicate clusters with a controlled margin (the competing keys share the "
+         "query's rounding); diverse: a top-k boundary contested by diverse keys (AR(1) drift, topic clusters, "
+         "outlier channels through the norm weight) and realistic queries, every format with its error budget "
+         "(missed with only the key rounded, only the query rounded, both). CPU: small sizes; GPU: 16K and 64K keys, "
+         "k 512 and 2048. [default: needle]")
 
 
 _subcommand("bytes", ("bytes",), "Bytes per index token of each layout, per C4 layer and per full token, for "
@@ -202,7 +213,9 @@ _subcommand("recall", ("recall",), "Needle suite with a controlled margin and a 
             "on synthetic keys through the real store and logits ops: per format and context, the needle-in-top-k "
             "rate at margins 0.001%..10% over the best distractor (exact fp64 passes every needle by construction), "
             "the resolution (smallest margin with >= 99% kept), recall@512/1024 vs exact fp64 and top-k overlap "
-            "with the reference numerics (fp4-simulated q and keys, fp32 scores).")
+            "with the reference numerics (fp4-simulated q and keys, fp32 scores). --suite diverse: diverse keys and "
+            "realistic queries instead, each format's share of the exact top-k missed and its error budget.",
+            extra_options=(SUITE_OPTION,))
 _subcommand("all", SECTIONS_ALL, "Run bytes, store, query, logits and recall (the default).")
 
 
@@ -288,9 +301,10 @@ def _refuse_replacing_a_measured_run(json_path: str) -> None:
 @click.option("--memory-gib", type=FiniteFloatRange(min=0, min_open=True, max=MAX_MEMORY), default=80.0,
               show_default=True, help="index-cache budget for the tokens-that-fit figure (GiB), up to 1e6.")
 @click.option("--layouts", "layouts", multiple=True, callback=_serve_layouts_option,
-              help="time only these layouts (comma list or repeated) of: bf16, fp8-cupy, fp8 (DeepGEMM on SGLang's "
-                   "route), fp8+topk (fp8 + torch.topk), fp8-rescore (our stage 1), fp8-rescore-dg (DeepGEMM stage "
-                   "1). [default: all]")
+              help="time only these layouts (comma list or repeated) of: bf16, bf16+topk (bf16 + the stock top-k), "
+                   "fp8-cupy, fp8 (DeepGEMM on SGLang's route), fp8+topk (fp8 + the stock top-k: SGLang's v2 where "
+                   "it runs, else cupy_dsa.paged_topk standing in), fp8-rescore (our stage 1), fp8-rescore-dg "
+                   "(DeepGEMM stage 1). [default: all]")
 @click.option("--query", "queries", multiple=True, callback=_serve_queries_option,
               help="also time the layouts whose query the plugin's SGLANG_CUPY_DSA_INDEX_Q sets (bf16, fp8-cupy) with "
                    "each of these queries (comma list of fp8, bf16), the query's preparation included. [default: none]")
@@ -306,8 +320,9 @@ def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, queries, memory_
     """Indexer cost of one forward of a DeepSeek-V4 server with bf16 index keys vs SGLang's fp8 (DeepGEMM on the
     route SGLang 0.5.23 takes for the step), and of the fp8-cupy mode (SGLang's fp8 keys on cupy_dsa's kernels): ms
     per decode (verify) step and per prefill chunk over every C4 layer, KV bytes per token and tokens that fit.
-    fp8-rescore (two-level keys, its top-k included) against the fp8 step with a top-k (torch.topk standing in for
-    SGLang's). Without a GPU it prints the memory figures only."""
+    fp8-rescore (two-level keys, its top-k included) against the fp8 and bf16 steps with the stock top-k (SGLang's
+    own v2 kernel where it runs, else cupy_dsa.paged_topk standing in for it; each top-k also timed alone). Without
+    a GPU it prints the memory figures only."""
     import torch
     from rich.console import Console
     from rich.table import Table
@@ -361,10 +376,15 @@ def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, queries, memory_
         doc["deepgemm"] = reason or "live"
         if dg is None:
             err.print(f"[yellow]fp8 not measured: {reason}[/]")
+        topks = None
+        if any(name in serve.WITH_TOPK for name in doc["layouts"]):
+            topks = _load_topks(dev, err)
+            doc["topk"] = topks.describe()
         with _progress(err) as progress:
             task = progress.add_task("serve", total=len(case_list))
             for c in case_list:
-                doc["timings"].append(serve.measure(c, model, dev, dg, seed, reps=10, layouts=layouts or None))
+                doc["timings"].append(serve.measure(c, model, dev, dg, seed, reps=10, layouts=layouts or None,
+                                                    topks=topks))
                 progress.advance(task)
         doc["measured"] = True
         t = Table(title=f"indexer ms per forward (all {model.n_c4} C4 layers), {doc['device']}; top-k excluded; "
@@ -388,23 +408,35 @@ def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, queries, memory_
                 for c in case_list:
                     doc["query_timings"].append(serve.measure_queries(c, model, dev, seed, reps=10, queries=queries))
                     progress.advance(task)
-            out.print("\n".join(serve.query_markdown(doc)), markup=False, highlight=False)
+            out.print("\n".join(serve.query_markdown(doc)), markup=False, highlight=False, soft_wrap=True)
         rescored = [r for r in doc["timings"] if r["fp8_rescore_ms"] is not None or r["fp8_rescore_dg_ms"] is not None]
         if rescored:
-            t2 = Table(title=f"fp8-rescore ms per forward (all {model.n_c4} C4 layers), top-k included; fp8 + top-k = "
-                             "the fp8 step + torch.topk (stand-in for SGLang's top-k)")
-            for col in ("phase", "batch", "context", "next_n", "chunk", "fp8 ms", "fp8 + top-k ms", "fp8-rescore ms",
-                        "/ (fp8 + top-k)", "/ fp8", "DG stage 1 ms", "DG / (fp8 + top-k)", "DG / fp8", "target",
-                        "result (ours, DG)"):
+            stock = (f"{doc['topk']['stock']}{' (STAND-IN for SGLang v2)' if doc['topk']['stand_in'] else ''}"
+                     if doc.get("topk") else "not timed")
+            t2 = Table(title=f"fp8-rescore ms per forward (all {model.n_c4} C4 layers), top-k included; + top-k = "
+                             f"the step + the stock top-k: {stock}")
+            for col in ("phase", "batch", "context", "next_n", "chunk", "fp8 ms", "fp8 + top-k ms", "bf16 + top-k ms",
+                        "fp8-rescore ms", "/ (fp8 + top-k)", "/ (bf16 + top-k)", "DG stage 1 ms", "DG / (fp8 + top-k)",
+                        "DG / (bf16 + top-k)", "issue-31 targets (DG)"):
                 t2.add_column(col, justify="right")
             for r in rescored:
+                targets = "; ".join(f"<= {t['target']:.2f}x {t['basis']}: {t['verdict'] or '-'}"
+                                    for t in r["targets_31"]) or "-"
                 t2.add_row(r["phase"], str(r["batch"]), str(r["context"]), str(r["next_n"]), str(r["chunk"] or "-"),
-                           f(r["fp8_ms"]), f(r["fp8_topk_ms"]), f(r["fp8_rescore_ms"]), f(r["rescore_vs_fp8_topk"], 2),
-                           f(r["rescore_vs_fp8"], 2), f(r["fp8_rescore_dg_ms"]), f(r["rescore_dg_vs_fp8_topk"], 2),
-                           f(r["rescore_dg_vs_fp8"], 2),
-                           f"<= {r['rescore_target_ratio']:.2f}x" if r["rescore_target_ratio"] else "-",
-                           f"{r['rescore_verdict'] or '-'}, {r['rescore_dg_verdict'] or '-'}")
+                           f(r["fp8_ms"]), f(r["fp8_topk_ms"]), f(r["bf16_topk_ms"]), f(r["fp8_rescore_ms"]),
+                           f(r["rescore_vs_fp8_topk"], 2), f(r["rescore_vs_bf16_topk"], 2), f(r["fp8_rescore_dg_ms"]),
+                           f(r["rescore_dg_vs_fp8_topk"], 2), f(r["rescore_dg_vs_bf16_topk"], 2), targets)
             report.print_fitted(out, t2, keys=5)
+        alone = [r for r in doc["timings"] if r["topk_alone_ms"]]
+        if alone:
+            t3 = Table(title=f"each top-k alone, ms per forward ({model.n_c4} C4 layers over one layer's stock logits)")
+            keys = [k for k in peers.TOPK_KEYS if any(k in r["topk_alone_ms"] for r in alone)]
+            for col in ("phase", "batch", "context", "next_n", "chunk", *keys):
+                t3.add_column(col, justify="right")
+            for r in alone:
+                t3.add_row(r["phase"], str(r["batch"]), str(r["context"]), str(r["next_n"]), str(r["chunk"] or "-"),
+                           *(f(r["topk_alone_ms"].get(k)) for k in keys))
+            report.print_fitted(out, t3, keys=5)
         gather_ops = sorted({r["fp8_gather"] for r in doc["timings"] if r["fp8_gather"]})
         if gather_ops:
             doc["notes"].append(f"fp8 non-paged route: keys gathered by {'; '.join(gather_ops)}")
@@ -488,10 +520,11 @@ def variants_cmd(device, quick, seed, emulate_arch, json_path, markdown_path):
                                                "FILE` prints its markdown table).")
 def rescore_cmd(device, quick, phases, seed, json_path):
     """Time the exact top-k of two-level keys (fp8-rescore: fp8 logits, K' = 4 x index_topk candidates rescored
-    from the fp8 and int8-residual pages) against the top-k of bf16 keys, of fp8 keys (our logits + torch.topk) and
-    of DeepGEMM's fp8 logits as SGLang calls them (+ the same torch.topk; when deep_gemm imports), on the same keys:
+    from the fp8 and int8-residual pages) against the top-k of bf16 keys, of fp8 keys (our logits + the stock top-k)
+    and of DeepGEMM's fp8 logits as SGLang calls them (+ the same top-k; when deep_gemm imports), on the same keys:
     decode, MTP verify (next_n 2-4), varlen extend and prefill chunks; stage 1 (logits) and stage 2 + selection
-    apart; memory per index entry. Needs a CUDA GPU."""
+    apart; memory per index entry. The stock top-k is SGLang's own v2 kernel where it runs here (its v1 and our
+    paged_topk timed beside it), else cupy_dsa.paged_topk standing in for it. Needs a CUDA GPU."""
     from rich.table import Table
 
     from . import peers, provenance, report
@@ -505,13 +538,15 @@ def rescore_cmd(device, quick, phases, seed, json_path):
     dg, reason = peers.deepgemm()
     if dg is None:
         err.print(f"[yellow]DeepGEMM columns not measured: {reason}[/]")
+    topks = _load_topks(dev, err)
     doc = {"schema": rescore_bench.SCHEMA, **provenance.provenance(), "device": _device_name(dev),
            "driver": provenance.driver_version(), "quick": quick, "seed": seed,
            "index_topk": rescore_bench.INDEX_TOPK, "k_prime": rescore_bench.K_PRIME, "deepgemm": reason or "live",
-           "columns": dict(rescore_bench.LEGEND), "memory": rescore_bench.memory_rows(),
-           "phases": list(phases) or list(rescore_bench.PHASES), "note": rescore_bench.__doc__}
+           "topk": topks.describe(), "columns": rescore_bench.legend(topks.describe()),
+           "memory": rescore_bench.memory_rows(), "phases": list(phases) or list(rescore_bench.PHASES),
+           "note": rescore_bench.__doc__}
     with _progress(err) as progress:
-        doc["rows"] = rescore_bench.rows(dev, quick, seed, dg, reason, progress, phases=phases or None)
+        doc["rows"] = rescore_bench.rows(dev, quick, seed, dg, reason, progress, phases=phases or None, topks=topks)
     cols = rescore_bench._columns_of(doc) if doc["rows"] else list(rescore_bench.COLUMNS)
     table = Table(title=f"top-{rescore_bench.INDEX_TOPK} per query row on {doc['device']} (us per call; x bf16)")
     for col in ("case", "rows") + tuple(cols):
@@ -522,10 +557,27 @@ def rescore_cmd(device, quick, phases, seed, json_path):
     report.print_fitted(_console(), table, keys=2)
     for r in doc["rows"]:
         for what, why in r["errors"].items():
-            if what not in rescore_bench.DEEPGEMM_COLUMNS or dg is not None:
+            if (what not in rescore_bench.DEEPGEMM_COLUMNS or dg is not None) and what not in rescore_bench.SGLANG_COLUMNS:
                 err.print(f"[red]{r['case']}: {what}: {why}[/]")
     if json_path:
         _write_text(json_path, json.dumps(doc, indent=1) + "\n")
+
+
+def _load_topks(dev, err):
+    """The run's top-k implementations (:func:`peers.topks`): SGLang's v2 and v1 load here (their JIT compiles on
+    first use, about a minute); says which stock top-k the run adds, and why SGLang's do not run."""
+    from . import peers
+
+    err.print("[dim]loading SGLang's top-k kernels (v2, v1; the first load JIT-compiles them)[/]")
+    topks = peers.topks(dev)
+    for key, why in topks.status.items():
+        if why != "live":
+            err.print(f"[yellow]{peers.TOPK_LABELS[key]}: {why}[/]")
+    if topks.stand_in:
+        err.print(f"[yellow]stock top-k: {peers.stand_in_note(topks.status.get(peers.SGLANG_V2))}[/]")
+    else:
+        err.print(f"[dim]stock top-k: {topks.stock.label}[/]")
+    return topks
 
 
 def _archs_option(ctx, param, values):
@@ -653,7 +705,8 @@ def _report(json_files, docs, markdown_path, plot_path, readme_path, allow_cpu_o
     if readme_path:  # decided before anything is printed or written
         try:
             update = readme.readme_update(Path(readme_path).read_text(), doc,
-                                          readme.SERVE_README_BLOCKS if is_serve else readme.README_BLOCKS)
+                                          readme.SERVE_README_BLOCKS if is_serve else
+                                          {**readme.README_BLOCKS, **readme.RECALL_DIVERSE_README_BLOCKS})
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="'--readme'")
         why = readme.not_gpu_figures(doc)
@@ -1047,7 +1100,15 @@ def _run(ctx: click.Context, sections, o: dict) -> dict:
                                  + sweeps.verify_rows(dev, quick, seed, doc["ceilings"], progress)
                                  + sweeps.extend_rows(dev, quick, seed, doc["ceilings"], progress))
                 doc["notes"]["logits"] = [sweeps.LOGITS_COUNTED, sweeps.VERIFY_EXTEND_COUNTED]
-            if "recall" in sections:
+            if "recall" in sections and str(o["suite"]).lower() == "diverse":
+                from . import recall_diverse
+
+                doc["recall_diverse"] = recall_diverse.run(dev, quick, seed, progress)
+                doc["notes"]["recall_diverse"] = [recall_diverse.NOTE] + [
+                    f"{k}: {v}" for k, v in recall_diverse.FORMAT_NOTES.items()]
+                if any(r.get("error") for r in doc["recall_diverse"]):
+                    err.print("[red]recall (diverse): a context failed (see the 'error' fields)[/]")
+            elif "recall" in sections:
                 from . import recall
 
                 doc["recall"] = recall.run(dev, quick, seed, progress)

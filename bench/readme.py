@@ -279,6 +279,20 @@ RESCORE_README_BLOCKS = {
         v is not None for v in r.get("us", {}).values())], "no timed rows")),
 }
 
+# blocks rendered from a `bench recall --suite diverse` JSON (a `bench` JSON with recall_diverse rows)
+def _recall_diverse_block(doc) -> str:
+    from .recall_diverse import markdown
+
+    return markdown(doc.get("recall_diverse") or [])
+
+
+RECALL_DIVERSE_README_BLOCKS = {
+    "recall-diverse": Block(_recall_diverse_block, lambda d: _none_if(
+        [r for r in d.get("recall_diverse") or [] if not r.get("error") and not r.get("trivial")],
+        "no diverse recall rows (`cupy-dsa bench recall --suite diverse` makes them)")),
+}
+
+
 def _emulate_block(doc) -> str:
     from .variants import emulate_markdown
 
@@ -330,7 +344,8 @@ def readme_update(text: str, doc: dict, blocks: dict | None = None) -> tuple[str
     re-rendered, the names rewritten, {name: why kept} of the others). Blocks of the other results file are
     left as they are (and not listed); an unknown block name is a ValueError."""
     blocks = README_BLOCKS if blocks is None else blocks
-    known = {**README_BLOCKS, **SERVE_README_BLOCKS, **RESCORE_README_BLOCKS, **EMULATE_README_BLOCKS}
+    known = {**README_BLOCKS, **SERVE_README_BLOCKS, **RESCORE_README_BLOCKS, **EMULATE_README_BLOCKS,
+             **RECALL_DIVERSE_README_BLOCKS}
     rewritten, kept = [], {}
 
     def render(m):

@@ -418,7 +418,16 @@ def print_all(console, doc, sections) -> None:
             print_fitted(console, rt, keys=3)
         for n in doc["notes"]["recall"]:
             console.print(f"  [dim]- {n}[/]")
-    errors = [r for s in ("store", "query", "logits", "recall") for r in doc.get(s, []) if r.get("error")]
+    if doc.get("recall_diverse"):  # `bench recall --suite diverse`
+        from .recall_diverse import markdown as diverse_markdown
+
+        console.print("recall, diverse suite (synthetic keys): share of the exact top-k missed per format, and its "
+                      "error budget", markup=False, highlight=False)
+        console.print(diverse_markdown(doc["recall_diverse"]), markup=False, highlight=False, soft_wrap=True)
+        for n in doc["notes"].get("recall_diverse", []):
+            console.print(f"  - {n}", markup=False, highlight=False, style="dim")
+    errors = [r for s in ("store", "query", "logits", "recall", "recall_diverse") for r in doc.get(s, [])
+              if r.get("error")]
     if errors:
         console.print(f"[red]{len(errors)} row(s) failed; see the 'error' fields.[/]")
 

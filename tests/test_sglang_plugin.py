@@ -282,7 +282,8 @@ def test_gpu_sglang_path_dry_mode():
     rc, out, err = _background("gpu_script_dry")
     last = out.strip().splitlines()[-1] if out.strip() else ""
     assert rc == 0 and last.startswith("SGLANG GPU PATH: PASS"), f"{out[-4000:]}\n{err[-3000:]}"
-    assert "10 phases" in last and "bf16-reference" in last and "fp8-cupy" in last and "fp8-rescore" in last, last
+    assert "11 phases" in last and "bf16-reference" in last and "bf16 query" in last and "fp8-cupy" in last \
+        and "fp8-rescore" in last, last
 
 
 # --------------------------------------------------------------------------------------------------
@@ -514,6 +515,16 @@ def test_mode_records():
         core.record("bf16").query = "bf16"
     assert [m for m in core.MODES if core.record(m).hooked] == list(core.MODES[1:])
     assert [core.record(m).bytes_per_entry for m in core.MODES] == [132, 256, 256, 256, 132, 264]
+
+
+def test_mode_table_is_rendered_from_the_records():
+    table = core.mode_table().splitlines()
+    assert len(table) == 2 + len(core.MODES)
+    assert table[3] == ("| `bf16` | bf16 C4 index keys | 256 | exact | `fp8` by default, or `bf16` | one-pass |")
+    assert table[5] == ("| `bf16-reference` | bf16 C4 index keys holding FP4-rounded values, DeepSeek-V4's reference "
+                        "query | 256 | fp4sim | `fp4sim` (fixed) | one-pass |")
+    assert table[7].startswith("| `fp8-rescore` | two-level") and "| 264 | exact | `bf16` by default, or `fp8` |" \
+        in table[7]
 
 
 def test_query_setting(monkeypatch):
@@ -1048,6 +1059,123 @@ def test_gpu_plugin_path_eager_and_graph(seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bf16", "fp8-cupy", "fp8-rescore"])
+def test_gpu_bf16_query_path_graph(seed, monkeypatch, mode):
+    """SGLANG_CUPY_DSA_INDEX_Q=bf16 on the plugin's path: warm-up compiles the bf16 query's instantiations, then one
+    decode step and one grouped verify step (next_n 2) of two C4 layers, each preparing its query from the layer's
+    projections (core.project_query + core.prepare_query, one launch) and scoring with it (the logits, or fp8-rescore's
+    stage 2 beside SGLang's fp8 q), are captured in one CUDA graph and replayed on new projections; query, logits and
+    top-k against the CPU path."""
+    import cupy_dsa
+    from cupy_dsa import runtime
+    from cupy_dsa.query import prepare_index_q_reference
+
+    dev = torch.device("cuda")
+    monkeypatch.setenv(ENV, mode)
+    monkeypatch.setenv(core.QUERY_ENV, "bf16")
+    for name in core.RESCORE_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(core.RESCORE_STAGE1_ENV, "cupy")
+    core.reset_mode()
+    rec = core.record(mode)
+    n_pages, topk, max_pos, R, max_pages = 40, 512, 8192, 6, 40
+    width = max_pages * 64
+    ang = torch.rand(max_pos, 32) * 6.2831853
+    freq_cis = torch.polar(torch.ones_like(ang), ang)
+    norm_w = torch.rand(128) + 0.5
+    n_tok = n_pages * 64 - 64
+    kv = torch.randn(n_tok, 128)
+    seq = ((torch.arange(n_tok) + 1) * 4).numpy().astype(np.uint32)
+    plan = _compress_plan(seq, np.arange(n_tok).astype(np.uint16))
+    out_loc = torch.arange(64, n_pages * 64, dtype=torch.int64)
+    caches = {}
+    for d in (torch.device("cpu"), dev):
+        cache = torch.zeros(n_pages, layouts.page_bytes(rec.cache_layout), dtype=torch.uint8, device=d)
+        lo = torch.zeros_like(cache) if rec.two_level else None
+        core.store_index_k_bf16(kv.to(d), plan.to(d), is_decode=False, compress_ratio=4, norm_weight=norm_w.to(d),
+                                norm_eps=1e-6, freq_cis=freq_cis.to(d), out_loc=out_loc.to(d), kvcache=cache, mode=mode,
+                                lo_cache=lo)
+        caches[d.type] = (cache, lo)
+    pt = torch.stack([torch.randperm(n_pages) for _ in range(R)]).to(torch.int32)[:, :max_pages]
+    lens = torch.tensor([1, 700, 1500, 1501, 2300, 2301], dtype=torch.int32)   # rows 2-3 and 4-5: a verify request each
+    vpt = pt[torch.tensor([0, 1, 2, 2, 4, 4])]
+    positions = torch.arange(R)
+    ws = 128 ** -0.5 * 64 ** -0.5
+    on = {d.type: (freq_cis.to(d), positions.to(d), torch.zeros(R, 16, device=d)) for d in (torch.device("cpu"), dev)}
+
+    def step(d, q_raw, w_raw, lens_d, pt_d, vpt_d, out):
+        """Everything on ``d`` already: no host-to-device copy while a graph is captured."""
+        cache, lo = caches[d.type]
+        fc, pos, x = on[d.type]
+        layer = types.SimpleNamespace(n_local_heads=64, head_dim=128, freqs_cis=fc, weight_scale=ws,
+                                      compute_weights=lambda x, skip_scale=False: w_raw,
+                                      wq_b=lambda a: (q_raw.view(q_raw.shape[0], -1), None))
+        for i in range(2):  # two C4 layers
+            q_proj, w_proj = core.project_query(layer, x, x)
+            q_b, w_b = core.prepare_query(q_proj, w_proj, layer, pos, "bf16")
+            w_b = w_b.squeeze(2)
+            if rec.two_level:
+                q8, w8 = cupy_dsa.prepare_index_q(q_proj, w_proj, freqs_cis=core.rope_table(fc), positions=pos,
+                                                  weight_scale=ws, numerics="fp8")
+                res = core.rescore_rows(q8, w8, lens_d, pt_d, cache, lo, slice(0, R), topk, 4 * topk,
+                                        q_rescore=q_b, weights_rescore=w_b)
+                raw = res.raw_indices
+                vraw = core.rescore_verify(q8, w8, lens_d, vpt_d, cache, lo, 2, slice(2, 6), topk, 4 * topk,
+                                           q_rescore=q_b, weights_rescore=w_b).raw_indices
+            else:
+                logits = core.paged_logits(q_b, w_b, lens_d, pt_d, cache, width, slice(0, R))
+                _, raw = core.topk_page_indices(logits, lens_d, pt_d, topk)
+                vlog = core.verify_logits(q_b, w_b, lens_d, vpt_d, cache, width, 2, slice(2, 6))
+                _, vraw = core.topk_page_indices(vlog, lens_d[2:6], vpt_d[2:6], topk)
+                out["logits"].copy_(logits)
+            out["q"].copy_(q_b)
+            out["raw"].copy_(raw)
+            out["vraw"].copy_(vraw)
+
+    def buffers(d):
+        return {"q": torch.zeros(R, 64, 128, dtype=torch.bfloat16, device=d),
+                "logits": torch.zeros(R, width, device=d), "raw": torch.zeros(R, topk, dtype=torch.int32, device=d),
+                "vraw": torch.zeros(4, topk, dtype=torch.int32, device=d)}
+
+    core.configure_warm(next_ns=(1, 2))
+    core.ensure_warm(dev)
+    warmed = core.warm_expressions(runtime.device_arch(dev.index or 0), mode=mode, query="bf16", next_ns=(1, 2),
+                                   stage1="cupy")
+    assert core.QUERY_SOURCE in warmed and any("prepare_index_q<2," in e for e in warmed[core.QUERY_SOURCE])
+    q_raw = torch.zeros(R, 64, 128, dtype=torch.bfloat16, device=dev)
+    w_raw = torch.zeros(R, 64, dtype=torch.bfloat16, device=dev)
+    g_lens, g_pt, g_vpt = lens.to(dev), pt.to(dev), vpt.to(dev)
+    out = buffers(dev)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(dev, q_raw, w_raw, g_lens, g_pt, g_vpt, out)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(dev, q_raw, w_raw, g_lens, g_pt, g_vpt, out)
+    for replay in range(2):
+        new_q = (2 * torch.randn(R, 64, 128)).bfloat16()
+        new_w = torch.rand(R, 64).bfloat16()
+        q_raw.copy_(new_q.to(dev))
+        w_raw.copy_(new_w.to(dev))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = buffers(torch.device("cpu"))
+        step(torch.device("cpu"), new_q, new_w, lens, pt, vpt, ref)
+        want_q, _ = prepare_index_q_reference(new_q, new_w, freqs_cis=core.rope_table(freq_cis), positions=positions,
+                                              weight_scale=ws, numerics="bf16")
+        assert torch.equal(ref["q"], want_q)
+        assert torch.equal(out["q"].cpu(), want_q), f"replay {replay}: the bf16 query differs from its reference"
+        if not rec.two_level:
+            _cmp_logits(f"{mode}, bf16 q, replay {replay}", out["logits"], ref["logits"], lens)
+        for name, got, want in (("decode", out["raw"], ref["raw"]), ("verify", out["vraw"], ref["vraw"])):
+            overlap = [_recall(got[r].cpu(), want[r]) for r in range(got.shape[0])]
+            assert min(overlap) >= 0.99, f"{mode}, bf16 q, replay {replay}, {name}: top-k overlap {overlap}"
+    core.reset_mode()
+
+
+@pytest.mark.gpu
 def test_gpu_rescore_path_eager_and_graph(seed):
     """fp8-rescore's glue on the device with SGLang-shaped tensors: the two-page store from a CompressPlan, the three
     rescoring routes (decode rows, grouped verify, varlen extend in two chunks) with the forward's plans and with
@@ -1413,6 +1541,7 @@ def test_startup_logs_the_pd_layout_tag_with_the_variable(monkeypatch, caplog):
     from cupy_dsa.sglang import hooks
 
     monkeypatch.setenv(ENV, "bf16-fp4sim")
+    monkeypatch.setenv(core.QUERY_ENV, "bf16")
     core.reset_mode()
     monkeypatch.setattr(hooks, "require_compatible_sglang", lambda mode: None)
     monkeypatch.setattr(hooks, "_install", lambda entries, resolution: None)
@@ -1430,6 +1559,9 @@ def test_startup_logs_the_pd_layout_tag_with_the_variable(monkeypatch, caplog):
     text = " ".join(r.getMessage() for r in caplog.records)
     assert "appends ',c4idx:bf16-fp4sim' to SGLang's KV layout string" in text, text
     assert f"must run the same {ENV}" in text and "SGLANG_DSV4_KV_LAYOUT" in text, text
+    # which query runs
+    assert (f"bf16-fp4sim: query: the rotated q rounded to bf16 once (the head weights without a q scale) "
+            f"({core.QUERY_ENV}=bf16)") in text, text
 
 
 @pytest.mark.gpu

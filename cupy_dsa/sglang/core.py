@@ -129,15 +129,31 @@ MODE_RECORDS: dict[str, IndexMode] = {m.name: m for m in _MODE_LIST}
 MODES = tuple(MODE_RECORDS)
 
 
+def _parse_choice(value, choices, default, name: str, meaning: str):
+    """A setting's value, case-insensitive and stripped; ``default`` when unset; ValueError naming the variable, the
+    accepted values and what they mean."""
+    if value is None or str(value).strip() == "":
+        return default
+    v = str(value).strip().lower()
+    if v not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)} ({meaning})")
+    return v
+
+
+def mode_table() -> str:
+    """The modes as a markdown table, rendered from their records (what the README's mode table states)."""
+    lines = [f"| `{ENV_NAME}` | index keys | bytes per entry | key numerics | query (`{QUERY_ENV}`) | scoring |",
+             "|---|---|---|---|---|---|"]
+    for m in _MODE_LIST:
+        query = (f"`{m.query}` by default, or `{'` / `'.join(c for c in QUERY_CHOICES if c != m.query)}`"
+                 if m.query_settable else f"`{m.query}` (fixed)")
+        lines.append(f"| `{m.name}` | {m.keys} | {m.bytes_per_entry} | {m.key_numerics} | {query} | {m.scoring} |")
+    return "\n".join(lines)
+
+
 def parse_mode(value) -> str:
     """Normalise a switch value (case-insensitive); raise ValueError naming the accepted values."""
-    if value is None or str(value).strip() == "":
-        return DEFAULT_MODE
-    v = str(value).strip().lower()
-    if v not in MODES:
-        raise ValueError(f"{ENV_NAME}={value!r}: expected one of {', '.join(MODES)} ("
-                         + "; ".join(f"{m.name}: {m.keys}" for m in _MODE_LIST) + ")")
-    return v
+    return _parse_choice(value, MODES, DEFAULT_MODE, ENV_NAME, "; ".join(f"{m.name}: {m.keys}" for m in _MODE_LIST))
 
 
 def record(mode: str) -> IndexMode:
@@ -228,13 +244,8 @@ QUERY_TEXT = {"fp8": "SGLang's fused fp8 q (one scale per token and head, in the
 
 def parse_query(value) -> str | None:
     """A query setting (case-insensitive), None when unset; raise ValueError naming the accepted values."""
-    if value is None or str(value).strip() == "":
-        return None
-    v = str(value).strip().lower()
-    if v not in QUERY_CHOICES:
-        raise ValueError(f"{QUERY_ENV}={value!r}: expected one of {', '.join(QUERY_CHOICES)} (fp8: "
-                         f"{QUERY_TEXT['fp8']}; bf16: {QUERY_TEXT['bf16']})")
-    return v
+    return _parse_choice(value, QUERY_CHOICES, None, QUERY_ENV,
+                         f"fp8: {QUERY_TEXT['fp8']}; bf16: {QUERY_TEXT['bf16']}")
 
 
 def query_of(mode: str, value=None) -> str:
@@ -301,13 +312,8 @@ class RescoreSettings(NamedTuple):
 
 
 def parse_stage1(value) -> str:
-    if value is None or str(value).strip() == "":
-        return DEFAULT_STAGE1
-    v = str(value).strip().lower()
-    if v not in STAGE1_CHOICES:
-        raise ValueError(f"{RESCORE_STAGE1_ENV}={value!r}: expected one of {', '.join(STAGE1_CHOICES)} (sglang: "
-                         f"SGLang's own fp8 logits call computes stage 1; cupy: cupy_dsa's fp8-key kernels)")
-    return v
+    return _parse_choice(value, STAGE1_CHOICES, DEFAULT_STAGE1, RESCORE_STAGE1_ENV,
+                         "sglang: SGLang's own fp8 logits call computes stage 1; cupy: cupy_dsa's fp8-key kernels")
 
 
 def parse_k_prime(value) -> tuple[int | None, int | None]:
