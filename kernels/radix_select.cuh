@@ -323,15 +323,26 @@ __device__ __forceinline__ void write_selected(const RowLogits& r, u64 t, int* s
   __syncthreads();  // scratch is reused
 }
 
+// select_row's shared memory besides the row's cache: the digit counts, the block scans' scratch, the collected bin.
+struct RowSelectShared {
+  int hist[kRadixBins];
+  int scratch[kSelectWarps + 3];
+  u64 list[kListCap];
+  int list_n;
+};
+
 // The k greatest keys of a row that sees n > k >= 1 positions [lo, lo + n) (`row`: the logit of position lo), handed
 // to out(slot, position, key) in position order, slots 0 .. k - 1. Every thread of the block calls it. Three passes
 // over the row: the read (first digits counted), the collection of the keys in the k-th key's first-digit bin
 // (radix-selected in shared memory; a bin of more than kListCap keys, ties of a flat row, is selected over the
-// row), the write. `cache`: null, or kSelectCache(n) shared u32; `hist`: kRadixBins shared ints; `scratch`:
-// kSelectWarps + 3 shared ints; `list`: kListCap shared u64 and `list_n` one shared int.
+// row), the write. `cache`: null, or kSelectCache(n) shared u32.
 template <class Out>
-__device__ void select_row(const float* __restrict__ row, int lo, int n, int k, u32* cache, int* hist, int* scratch,
-                           u64* list, int* list_n, const Out& out) {
+__device__ void select_row(const float* __restrict__ row, int lo, int n, int k, u32* cache, RowSelectShared& sh,
+                           const Out& out) {
+  int* hist = sh.hist;
+  int* scratch = sh.scratch;
+  u64* list = sh.list;
+  int* list_n = &sh.list_n;
   for (int i = threadIdx.x; i < kRadixBins; i += kSelectThreads) hist[i] = 0;
   if (threadIdx.x == 0) *list_n = 0;
   __syncthreads();

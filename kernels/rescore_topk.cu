@@ -232,14 +232,16 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_gather(
 namespace dsa {
 namespace rescore {
 
-// Bin b's keys as collected (all of them: at most cap).
-struct CollectedKeys {
+// A list of signed keys as a radix-select source: bin b's stage-1 keys as collected (none is kInvalidKey: no
+// logit's order bits are the lowest int32), or a row's stage-2 keys (kInvalidKey, an unscored candidate, skipped).
+struct SignedKeys {
   const long long* keys;
   int n;
   __device__ int size() const { return n; }
   __device__ bool get(int i, u64& key) const {
-    key = unsigned_key(keys[i]);
-    return true;
+    const long long k = keys[i];
+    key = unsigned_key(k);
+    return k != kInvalidKey;
   }
 };
 
@@ -296,7 +298,7 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_boundary
   const u64 prefix = static_cast<u64>(f.bin) << (64 - kDigitBits);
   long long* out = cand + f.above;
   if (in_bin <= cap) {
-    const CollectedKeys src{boundary + static_cast<long long>(r) * cap, in_bin};
+    const SignedKeys src{boundary + static_cast<long long>(r) * cap, in_bin};
     const u64 t = need == in_bin ? prefix : radix_threshold(src, known, prefix, need, counts, scratch);
     __syncthreads();
     write_at_least(src, t, out, &slot);
@@ -322,10 +324,7 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_candidat
   using namespace dsa;
   using namespace dsa::rescore;
   extern __shared__ u32 row_cache[];
-  __shared__ int counts[kRadixBins];
-  __shared__ int scratch[kSelectWarps + 3];
-  __shared__ u64 list[kListCap];
-  __shared__ int list_n;
+  __shared__ RowSelectShared shared;
   const int r = blockIdx.x;
   const RowKeys rk = row_keys(DSA_ROW_SPEC, r);
   const int n = rk.hi - rk.lo;
@@ -337,7 +336,7 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_candidat
       cand[i] = i < n ? signed_key(full_key(logit_key(row[i]), rk.lo + i)) : kInvalidKey;
     return;
   }
-  select_row(row, rk.lo, n, k_prime, CacheEntries >= kSelectCache(n) ? row_cache : nullptr, counts, scratch, list, &list_n,
+  select_row(row, rk.lo, n, k_prime, CacheEntries >= kSelectCache(n) ? row_cache : nullptr, shared,
              [&](int slot, int, u64 key) { cand[slot] = signed_key(key); });
 }
 
@@ -499,24 +498,6 @@ __global__ void __launch_bounds__(128, 3) rescore_topk_kernel(
   }
 }
 
-namespace dsa {
-namespace rescore {
-
-// A row's scored stage-2 keys (unscored candidates are skipped).
-struct ScoredKeys {
-  const long long* keys;
-  int n;
-  __device__ int size() const { return n; }
-  __device__ bool get(int i, u64& key) const {
-    const long long k = keys[i];
-    key = unsigned_key(k);
-    return k != kInvalidKey;
-  }
-};
-
-}  // namespace rescore
-}  // namespace dsa
-
 // SGLang's outputs of the selection: int32 [rows, index_topk] page_indices (block-table entry * 64 + slot),
 // raw_indices (positions) and, when fp8_rank is not null, each key's stage-1 rank; -1 padded. A row that sees
 // n <= index_topk keys selects lo .. lo + n - 1 in order (its rank counted over its visible logits: greater, or
@@ -589,7 +570,7 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_finish(
   }
   atomicAdd(&n_scored, scored);
   __syncthreads();
-  const ScoredKeys src{in_smem ? cached_keys : row_keys_g, k_prime};
+  const SignedKeys src{in_smem ? cached_keys : row_keys_g, k_prime};
   const int m = min(index_topk, n_scored);
   if (m > 0) {
     u64 t = 0ull;  // m == n_scored: every scored key

@@ -18,10 +18,7 @@ __global__ void __launch_bounds__(dsa::radix::kSelectThreads) paged_topk_kernel(
   using namespace dsa;
   using namespace dsa::radix;
   extern __shared__ u32 row_cache[];
-  __shared__ int counts[kRadixBins];
-  __shared__ int scratch[kSelectWarps + 3];
-  __shared__ u64 list[kListCap];
-  __shared__ int list_n;
+  __shared__ RowSelectShared shared;
   const int r = blockIdx.x;
   const int n = max(0, min(lens[r], width));
   const int* __restrict__ pt = page_table + static_cast<i64>(r) * pt_stride;
@@ -39,7 +36,7 @@ __global__ void __launch_bounds__(dsa::radix::kSelectThreads) paged_topk_kernel(
     return;
   }
   select_row(logits + static_cast<i64>(r) * logits_stride, 0, n, index_topk,
-             CacheEntries >= kSelectCache(n) ? row_cache : nullptr, counts, scratch, list, &list_n, [&](int slot, int pos, u64) {
+             CacheEntries >= kSelectCache(n) ? row_cache : nullptr, shared, [&](int slot, int pos, u64) {
                out[slot] = slot_of(pos);
                if (raw != nullptr) raw[slot] = pos;
              });
