@@ -202,11 +202,22 @@ def emulate_cases(quick: bool, seed: int) -> list[tuple]:
     return cases
 
 
+def _mma_shares(mma, flops: float, read_s: float, seconds: float) -> dict:
+    """A row's share of the register-operand mma.sync ceiling measured at its residency (``mma``: (TFLOP/s,
+    warps per SM it was measured at), or None): the flop rate over the ceiling, and max(read time, flops at the
+    ceiling) over the time (the roofline of the mma.sync family)."""
+    if mma is None:
+        return dict(mma_ceiling_tflops=None, mma_ceiling_warps=None, pct_mma=None, pct_mma_roofline=None)
+    tflops, warps = mma
+    return dict(mma_ceiling_tflops=tflops, mma_ceiling_warps=warps, pct_mma=100 * flops / seconds / 1e12 / tflops,
+                pct_mma_roofline=100 * max(read_s, flops / (tflops * 1e12)) / seconds)
+
+
 def emulate_rows(device, target: str, quick: bool, seed: int, progress=None) -> tuple[list[dict], dict]:
     """Per case: the target arch's product config at this GPU's natural residency and at the target's (padded
     shared memory), its 4-warp variant likewise (the sizing before the target had its own), the variants with
     more live accumulator chains, and this GPU's own product config for reference. Returns (rows, ceilings)."""
-    from .timing import measure_ceilings, time_calls
+    from .timing import measure_ceilings, mma_ceiling_at, time_calls
 
     arch = runtime.device_arch(device.index)
     ceilings = measure_ceilings(device, quick)
@@ -235,13 +246,15 @@ def emulate_rows(device, target: str, quick: bool, seed: int, progress=None) -> 
                 full = time_calls([call], device, reps=reps).seconds
             with family.forced(padded, arch):
                 emul = time_calls([call], device, reps=reps).seconds
+            mma = mma_ceiling_at(ceilings, want.warps)   # the mma.sync ceiling at the target's residency
             rows.append(dict(op=op, case=name, target=target, config=str(cfg), product=cfg == product,
                              warps=cfg.Warps, mt=cfg.MT, prefetch=cfg.Prefetch, target_ctas=want.ctas, target_warps=want.warps,
                              target_binding=want.binding, held_ctas=held, natural_ctas=cfg.resident_ctas_per_sm(device.index),
                              smem_pad=padded.smem_pad, us_full=full * 1e6, us_emulated=emul * 1e6,
                              emulated_vs_full=emul / full, pct_roofline=100 * max(read_s, mm_s) / emul,
                              bound="read" if read_s >= mm_s else "matmul",
-                             tflops_emulated=flops / emul / 1e12, key_bytes=key_bytes, flops=flops))
+                             tflops_emulated=flops / emul / 1e12, key_bytes=key_bytes, flops=flops,
+                             **_mma_shares(mma, flops, read_s, emul)))
             if progress:
                 progress(rows[-1])
         own = family.select(problem, arch)
@@ -285,12 +298,14 @@ def emulate_markdown(doc: dict) -> str:
     their ratio, % of the roofline (max of the read-stream and bf16-matmul times measured in the same run) at
     the target's residency, and the ratio to this GPU's own product config."""
     target, dev = doc["target"], doc["device"]
+    has_mma = any(r.get("pct_mma") is not None for r in doc["rows"])   # results from before the mma.sync ceiling
     lines = [f"Emulated on {dev}: {target}'s product configs (marked *) and variants, instantiated for this GPU, "
              f"held to {target}'s CTAs per SM by padded shared memory (commit {doc.get('git_commit') or 'unknown'}).",
              "",
              f"| op | case | config | {target} residency | us, this GPU's residency | us, {target}'s | ratio | "
-             f"% roofline at {target}'s | vs this GPU's product |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"% roofline at {target}'s | " + ("% mma.sync ceiling (TFLOP/s; max(read, mma.sync)) | " if has_mma else "")
+             + "vs this GPU's product |",
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if has_mma else "")]
     own = {(r["op"], r["case"]): r for r in doc["rows"] if r["target"] != target}
     seen = set()
     for r in doc["rows"]:
@@ -302,12 +317,32 @@ def emulate_markdown(doc: dict) -> str:
         res = f"{r['target_ctas']} x {r['target_warps'] // max(r['target_ctas'], 1)} warps ({r['target_binding']})"
         lines.append(f"| {r['op']} | {r['case']} | {'* ' if r['product'] else ''}{_case_config(r)} | {res} | "
                      f"{r['us_full']:.1f} | {r['us_emulated']:.1f} | {r['emulated_vs_full']:.2f} | "
-                     f"{r['pct_roofline']:.0f}% ({r['bound']}) | {vs} |")
+                     f"{r['pct_roofline']:.0f}% ({r['bound']}) | " + (_mma_cell(r) if has_mma else "") + f"{vs} |")
     lines += ["", "This GPU's own product configs on the same inputs: " + "; ".join(
         f"{r['op']} {r['case']}: {r['us_full']:.1f} us ({r['pct_roofline']:.0f}% of the roofline, "
         f"{_case_config(r)})" for r in own.values()) + "."]
+    if has_mma:
+        lines += ["", _mma_ceiling_note(doc.get("ceilings") or {})]
     summary = _emulate_summary([r for r in doc["rows"] if r["target"] == target], target)
     return "\n".join(lines + ([""] + [summary] if summary else []))
+
+
+def _mma_cell(r) -> str:
+    if r.get("pct_mma") is None:
+        return "- | "
+    return (f"{r['pct_mma']:.0f}% of {r['mma_ceiling_tflops']:.0f} at {r['mma_ceiling_warps']} warps/SM; "
+            f"{r['pct_mma_roofline']:.0f}% | ")
+
+
+def _mma_ceiling_note(ceilings: dict) -> str:
+    m = ceilings.get("mma_sync") or {}
+    parts = [f"{name} " + ", ".join(f"{v:.0f} at {w}" for w, v in sorted(rates.items(), key=lambda x: int(x[0])))
+             for name, rates in (("bf16 m16n8k16", m.get("bf16")), ("e4m3 m16n8k32", m.get("e4m3"))) if rates]
+    text = ("Register-operand mma.sync ceilings measured in the same run (TFLOP/s at warps per SM, one CTA per SM, "
+            f"{m.get('chains', '?')} accumulator chains per warp): " + "; ".join(parts) + ".")
+    if m.get("e4m3_note"):
+        text += f" {m['e4m3_note'][0].upper()}{m['e4m3_note'][1:]}."
+    return text
 
 
 def _emulate_summary(rows: list[dict], target: str) -> str:
@@ -329,7 +364,14 @@ def _emulate_summary(rows: list[dict], target: str) -> str:
             text += (f" (4 warps: {prefill4['tflops_emulated']:.0f}; 4 warps at this GPU's residency: "
                      f"{prefill4['flops'] / prefill4['us_full'] / 1e6:.0f})")
         text += "."
+    if prefill and prefill.get("pct_mma") is not None:
+        text += (f" Prefill at {prefill['pct_mma']:.0f}% of the bf16 mma.sync ceiling at {prefill['mma_ceiling_warps']} "
+                 f"warps/SM.")
     verify = [r["pct_roofline"] for r in products if r["op"] == "verify"]
     if verify:
-        text += f" Grouped verify: {span(verify, '{:.0f}')}% of max(read, matmul) time."
+        text += f" Grouped verify: {span(verify, '{:.0f}')}% of max(read, matmul) time"
+        verify_mma = [r["pct_mma_roofline"] for r in products if r["op"] == "verify" and r.get("pct_mma_roofline")]
+        if verify_mma:
+            text += f", {span(verify_mma, '{:.0f}')}% of max(read, mma.sync ceiling)"
+        text += "."
     return text
