@@ -385,11 +385,13 @@ def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, memory_gib, devi
               type=click.Choice(["sm_120"]),   # the archs every arch declares the product configs of
               help="run ARCH's product configs (and their variants) on this GPU held to ARCH's CTAs per SM "
                    "(padded shared memory), against this GPU's natural residency and its own product configs.")
+@click.option("--op", "ops", multiple=True, type=click.Choice(["decode", "verify", "prefill", "extend"]),
+              help="--emulate: only these cases (repeatable). [all four]")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
               callback=_writable_output, help="write the rows as JSON.")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
               default=None, callback=_writable_output, help="--emulate: write the table as markdown (- = stdout).")
-def variants_cmd(device, quick, seed, emulate_arch, json_path, markdown_path):
+def variants_cmd(device, quick, seed, emulate_arch, ops, json_path, markdown_path):
     """Time every declared config (product and experimental) of the decode and prefill logits on this GPU,
     on the same inputs; the product config of each case first (experimental configs run only here and in
     the tests). With --emulate ARCH: ARCH's product configs under ARCH's residency. Needs a CUDA GPU."""
@@ -399,10 +401,12 @@ def variants_cmd(device, quick, seed, emulate_arch, json_path, markdown_path):
 
     if markdown_path and not emulate_arch:
         raise click.BadParameter("the markdown table is written for --emulate runs", param_hint="--markdown")
+    if ops and not emulate_arch:
+        raise click.BadParameter("cases are picked for --emulate runs", param_hint="--op")
     dev, _ = _resolve_device("cuda", device, has_backend_option=False)
     if emulate_arch:
-        rows, ceilings = variants.emulate_rows(dev, emulate_arch, quick, seed)
-        doc = variants.emulate_document(_device_name(dev), emulate_arch, quick, seed, rows, ceilings)
+        rows, ceilings = variants.emulate_rows(dev, emulate_arch, quick, seed, ops=ops)
+        doc = variants.emulate_document(_device_name(dev), emulate_arch, quick, seed, rows, ceilings, ops)
         md = variants.emulate_markdown(doc)
         click.echo(md)
         if json_path:

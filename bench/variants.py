@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from cupy_dsa import arch as arch_limits
-from cupy_dsa import launch, layouts, logits, runtime
+from cupy_dsa import heuristics, launch, layouts, logits, runtime
 
 HEADS, DIM = layouts.N_HEADS, layouts.HEAD_DIM
 DECODE_CASES = [(1, 8192, 1), (64, 32768, 1), (128, 16384, 1), (4, 262144, 1), (64, 32768, 2), (64, 32768, 4)]
@@ -213,10 +213,12 @@ def _mma_shares(mma, flops: float, read_s: float, seconds: float) -> dict:
                 pct_mma_roofline=100 * max(read_s, flops / (tflops * 1e12)) / seconds)
 
 
-def emulate_rows(device, target: str, quick: bool, seed: int, progress=None) -> tuple[list[dict], dict]:
-    """Per case: the target arch's product config at this GPU's natural residency and at the target's (padded
-    shared memory), its 4-warp variant likewise (the sizing before the target had its own), the variants with
-    more live accumulator chains, and this GPU's own product config for reference. Returns (rows, ceilings)."""
+def emulate_rows(device, target: str, quick: bool, seed: int, progress=None, ops=None) -> tuple[list[dict], dict]:
+    """Per case (of the ops ``ops``, default all): the target arch's product config at this GPU's natural
+    residency and at the target's (padded shared memory), its 4-warp variant likewise (the sizing before the
+    target had its own), the variants with more live accumulator chains (q-in-registers prefill: its ring
+    depths and n-tiles per pass, and the 4-row-tile config it replaced), and this GPU's own product config for
+    reference. Returns (rows, ceilings)."""
     from .timing import measure_ceilings, mma_ceiling_at, time_calls
 
     arch = runtime.device_arch(device.index)
@@ -226,12 +228,18 @@ def emulate_rows(device, target: str, quick: bool, seed: int, progress=None) -> 
     reps = 10 if quick else 20
     rows = []
     for op, name, family, problem, build in emulate_cases(quick, seed):
+        if ops and op not in ops:
+            continue
         g = torch.Generator(device=device).manual_seed(seed)
         call, key_bytes, flops = build(device, g)
         read_s, mm_s = key_bytes / read_bps, flops / mm_flops
         product = family.select(problem, target)
         variants = [product]
-        if product.kernel is logits.DECODE_KERNEL or product.kernel is logits.PREFILL_KERNEL:
+        previous = None
+        if product.kernel is logits.QREG_PREFILL_KERNEL:
+            previous = heuristics.previous_small_smem_prefill(problem, target)
+            variants += [c for c in family.candidates(problem, arch) if c.kernel is product.kernel] + [previous]
+        elif product.kernel is logits.DECODE_KERNEL or product.kernel is logits.PREFILL_KERNEL:
             variants += [c for c in family.candidates(problem, arch)
                          if c.kernel is product.kernel and c.Rows == product.Rows and (c.Prefetch == 0 or c.Warps == 8)
                          and c.Mma8 == 0 and c.L2Hint == product.L2Hint and c.values.get("keys_per_cta", 4096) == 4096
@@ -244,11 +252,14 @@ def emulate_rows(device, target: str, quick: bool, seed: int, progress=None) -> 
             want, padded, held = padded_for(cfg, target, resources, device.index)
             with family.forced(cfg, arch):
                 full = time_calls([call], device, reps=reps).seconds
-            with family.forced(padded, arch):
-                emul = time_calls([call], device, reps=reps).seconds
+            emul = full
+            if padded != cfg:                     # this GPU holds more CTAs per SM than the target
+                with family.forced(padded, arch):
+                    emul = time_calls([call], device, reps=reps).seconds
             mma = mma_ceiling_at(ceilings, want.warps)   # the mma.sync ceiling at the target's residency
             rows.append(dict(op=op, case=name, target=target, config=str(cfg), product=cfg == product,
-                             warps=cfg.Warps, mt=cfg.MT, prefetch=cfg.Prefetch, target_ctas=want.ctas, target_warps=want.warps,
+                             previous=cfg == previous, warps=cfg.block[0] // 32, mt=cfg.values.get("MT"),
+                             prefetch=cfg.values.get("Prefetch", 0), target_ctas=want.ctas, target_warps=want.warps,
                              target_binding=want.binding, held_ctas=held, natural_ctas=cfg.resident_ctas_per_sm(device.index),
                              smem_pad=padded.smem_pad, us_full=full * 1e6, us_emulated=emul * 1e6,
                              emulated_vs_full=emul / full, pct_roofline=100 * max(read_s, mm_s) / emul,
@@ -276,16 +287,21 @@ def emulate_rows(device, target: str, quick: bool, seed: int, progress=None) -> 
 EMULATE_SCHEMA = "cupy-dsa-emulate/1"
 
 
-def emulate_document(device_name: str, target: str, quick: bool, seed: int, rows: list, ceilings: dict) -> dict:
+def emulate_document(device_name: str, target: str, quick: bool, seed: int, rows: list, ceilings: dict,
+                     ops=None) -> dict:
     from .provenance import provenance
 
     return {"schema": EMULATE_SCHEMA, **provenance(), "device": device_name, "target": target, "quick": quick,
-            "seed": seed, "ceilings": ceilings, "rows": rows}
+            "seed": seed, "ops": list(ops) if ops else None, "ceilings": ceilings, "rows": rows}
 
 
 def _case_config(r) -> str:
     if not r["warps"]:
         return r["config"].split("<")[0]
+    if r["config"].startswith("mqa_logits_qreg_kernel"):
+        _, paged, stages, nt = (v.strip() for v in r["config"].split("<")[1].split(">")[0].split(","))
+        extra = " ".join(x for x in r["config"].split(">", 1)[1].split() if x)
+        return f"q in registers, {r['warps']} rows x 1 warp, {stages} stages, NT {nt}" + (f", {extra}" if extra else "")
     extra = " ".join(x for x in r["config"].split(">", 1)[1].split() if x)
     prefetch = ", prefetch" if r.get("prefetch") else ""
     min_blocks = r["config"].split(">", 1)[0].split(",")[-1].strip()   # the last template parameter
@@ -366,7 +382,12 @@ def _emulate_summary(rows: list[dict], target: str) -> str:
         text += "."
     if prefill and prefill.get("pct_mma") is not None:
         text += (f" Prefill at {prefill['pct_mma']:.0f}% of the bf16 mma.sync ceiling at {prefill['mma_ceiling_warps']} "
-                 f"warps/SM.")
+                 f"warps/SM")
+        before = next((r for r in rows if r.get("previous") and r["op"] == "prefill"), None)
+        if before and before.get("pct_mma") is not None:
+            text += (f" (the 4-row-tile config it replaced: {before['tflops_emulated']:.0f} TFLOP/s, "
+                     f"{before['pct_mma']:.0f}%)")
+        text += "."
     verify = [r["pct_roofline"] for r in products if r["op"] == "verify"]
     if verify:
         text += f" Grouped verify: {span(verify, '{:.0f}')}% of max(read, matmul) time"
