@@ -405,7 +405,10 @@ def variants_cmd(device, quick, seed, emulate_arch, ops, json_path, markdown_pat
         raise click.BadParameter("cases are picked for --emulate runs", param_hint="--op")
     dev, _ = _resolve_device("cuda", device, has_backend_option=False)
     if emulate_arch:
-        rows, ceilings = variants.emulate_rows(dev, emulate_arch, quick, seed, ops=ops)
+        err = _console(stderr=True)
+        rows, ceilings = variants.emulate_rows(
+            dev, emulate_arch, quick, seed, ops=ops,
+            progress=lambda r: err.print(f"[dim]{r['op']} {r['case']}: {r['config']}: {r['us_full']:.1f} us[/]"))
         doc = variants.emulate_document(_device_name(dev), emulate_arch, quick, seed, rows, ceilings, ops)
         md = variants.emulate_markdown(doc)
         click.echo(md)

@@ -238,7 +238,8 @@ def emulate_rows(device, target: str, quick: bool, seed: int, progress=None, ops
         previous = None
         if product.kernel is logits.QREG_PREFILL_KERNEL:
             previous = heuristics.previous_small_smem_prefill(problem, target)
-            variants += [c for c in family.candidates(problem, arch) if c.kernel is product.kernel] + [previous]
+            variants += [c for c in family.candidates(problem, arch) if c.kernel is product.kernel]
+            variants += [product.replace(keys_per_item=8192), previous]   # longer items: fewer q loads
         elif product.kernel is logits.DECODE_KERNEL or product.kernel is logits.PREFILL_KERNEL:
             variants += [c for c in family.candidates(problem, arch)
                          if c.kernel is product.kernel and c.Rows == product.Rows and (c.Prefetch == 0 or c.Warps == 8)
@@ -299,9 +300,11 @@ def _case_config(r) -> str:
     if not r["warps"]:
         return r["config"].split("<")[0]
     if r["config"].startswith("mqa_logits_qreg_kernel"):
-        _, paged, stages, nt = (v.strip() for v in r["config"].split("<")[1].split(">")[0].split(","))
+        _, _, stages, nt, fused, sync = (v.strip() for v in r["config"].split("<")[1].split(">")[0].split(","))
         extra = " ".join(x for x in r["config"].split(">", 1)[1].split() if x)
-        return f"q in registers, {r['warps']} rows x 1 warp, {stages} stages, NT {nt}" + (f", {extra}" if extra else "")
+        return (f"q in registers, {r['warps']} rows x 1 warp, {stages} stages, NT {nt}"
+                + (", fused halves" if fused == "1" else "") + (", mbarrier ring" if sync == "1" else "")
+                + (f", {extra}" if extra else ""))
     extra = " ".join(x for x in r["config"].split(">", 1)[1].split() if x)
     prefetch = ", prefetch" if r.get("prefetch") else ""
     min_blocks = r["config"].split(">", 1)[0].split(",")[-1].strip()   # the last template parameter

@@ -619,13 +619,22 @@ __device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32
                : "r"(addr));
 }
 
+// Waits until the phase of parity `parity` of the mbarrier at `bar` has completed.
+__device__ __forceinline__ void qreg_wait(u32 bar, int parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n"
+      "WAIT_%=:\n mbarrier.test_wait.parity.shared.b64 done, [%0], %1;\n"
+      " @!done bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+
 // The (item, chunk) walk of one CTA, identical in every thread (CTA-uniform). row0 / rend: the item's rows;
 // lo / hi: the visible keys of each of its rows (lane r < 8 of every warp holds row r), c / c_end: chunks left.
 struct QregWork {
   int n_items, tiles, cpi;  // items, row tiles, chunks per item
 };
+constexpr int kQregDone = 0x7fffffff;
 struct QregCursor {
-  int item;      // current item (>= n_items: done)
+  int item;      // current item (kQregDone: past the last)
   int row0;      // first row of the item's tile
   int c, c_end;  // current chunk, end of the item's chunks
 };
@@ -670,6 +679,7 @@ __device__ __forceinline__ void qreg_next_item(const Problem& P, const QregWork&
       return;
     }
   }
+  k.item = kQregDone;
 }
 
 __device__ __forceinline__ void qreg_advance(const Problem& P, const QregWork& W, QregCursor& k, int lane) {
@@ -702,15 +712,18 @@ __device__ __forceinline__ int qreg_issue(const Problem& P, int c, u32 dst, int 
   return entry >= 0;
 }
 
-// q fragments of row `row` (A words qa[m-tile][k-step][word]) and its weights (w[16i + gid], w[16i + gid + 8]).
+// q fragments of row `row` (A words qa[m-tile][k-step][word]) and its weights as float2 (w[16i + g],
+// w[16i + g + 8]) at ws[8i + g] (the warp's own shared-memory row: registers are all taken by q and the mma).
 template <int QFp8>
 __device__ __forceinline__ void qreg_load_q(const Problem& P, int row, int lane, u32 (&qa)[4][8][4],
-                                            float2 (&w)[4]) {
+                                            float2* ws) {
   const int gid = lane >> 2, t = lane & 3;
+  {
+    const float* wr = P.weights + static_cast<i64>(row) * kNumHeads + 16 * (lane >> 3) + (lane & 7);
+    ws[lane] = make_float2(wr[0], wr[8]);
+  }
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float* wr = P.weights + static_cast<i64>(row) * kNumHeads + 16 * i + gid;
-    w[i] = make_float2(wr[0], wr[8]);
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
 #pragma unroll
@@ -734,7 +747,7 @@ __device__ __forceinline__ void qreg_load_q(const Problem& P, int row, int lane,
 // pass: every k-step's B fragments (NT / 2 ldmatrix.x4) feed all 4 m-tiles (4 * NT mma), so each pass reads B
 // once; NT 2 holds 32 accumulators, NT 4 holds 64.
 template <int NT>
-__device__ __forceinline__ void qreg_partials(const u32 (&qa)[4][8][4], const float2 (&w)[4], u32 lane_addr,
+__device__ __forceinline__ void qreg_partials(const u32 (&qa)[4][8][4], const float2* ws, u32 lane_addr,
                                               u32 swz, float (&p)[8]) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) p[i] = 0.0f;
@@ -765,7 +778,7 @@ __device__ __forceinline__ void qreg_partials(const u32 (&qa)[4][8][4], const fl
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float2 wi = w[i];
+      const float2 wi = ws[8 * i + (threadIdx.x & 31) / 4];
 #pragma unroll
       for (int jj = 0; jj < NT; ++jj) {
         const int j = j0 + jj;
@@ -783,15 +796,22 @@ __device__ __forceinline__ void qreg_partials(const u32 (&qa)[4][8][4], const fl
 
 // Prefill (mode ks / ke, one request) with q in registers, see above. Grid: one wave of persistent CTAs of
 // kQregWarps warps; tiles = ceil((row_end - row_start) / 8) row tiles, chunks_per_item: 64-key chunks per work
-// item; dynamic shared memory kQregSmemBytes<Stages>.
-template <int QFp8, int Paged, int Stages, int NT>
+// item; dynamic shared memory kQregSmemBytes<Stages>. Fused: a warp computes both 32-key halves of a chunk in
+// one branch-free block (ptxas may overlap one half's epilogue with the other's mma; it spills a few bytes of
+// loop state for it) or each half behind its own visibility test. Sync: how the ring is shared. 0: one CTA
+// barrier per chunk (all warps in step); 1: mbarriers, a full one per slot (every thread's cp.async arrives on
+// it) and an empty one (each warp arrives once done with the slot), so a warp waits only for its chunk's keys
+// and, before refilling a slot, for the other warps to leave it: warps drift up to a chunk apart, which keeps
+// the two warps of a scheduler out of each other's epilogue bubbles.
+template <int QFp8, int Paged, int Stages, int NT, int Fused, int Sync>
 __global__ void __launch_bounds__(dsa::logits::kQregWarps * 32, 1)
     mqa_logits_qreg_kernel(DSA_LOGITS_ARGS, int tiles, int chunks_per_item) {
   using namespace dsa;
   using namespace dsa::logits;
   static_assert(Stages >= 2 && (NT == 2 || NT == 4), "Stages, NT");
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ int s_ok[Stages];  // the chunk in each ring slot is readable (its page is valid)
+  __shared__ float2 s_w[kQregWarps][32];                // each warp's row weights (qreg_load_q)
+  __shared__ __align__(8) unsigned long long s_full[Stages], s_empty[Stages];   // Sync 1
   const Problem P = DSA_LOGITS_PROBLEM;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const u32 ring = smem_u32(smem);
@@ -803,6 +823,33 @@ __global__ void __launch_bounds__(dsa::logits::kQregWarps * 32, 1)
   qreg_next_item(P, W, prod, lane);
   QregCursor cons = prod;
 
+  if constexpr (Sync == 1) {
+    if (tid == 0) {
+      for (int s = 0; s < Stages; ++s) {
+        asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(smem_u32(&s_full[s])), "r"(kQregWarps * 32));
+        asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(smem_u32(&s_empty[s])), "r"(kQregWarps));
+      }
+    }
+    __syncthreads();  // the initialized barriers are visible to every thread
+  }
+
+  // Issue chunk g of the walk (the producer cursor's chunk) into slot g % Stages: Sync 0 commits a cp.async
+  // group (always, so that wait_group counts chunks); Sync 1 first waits until every warp has left the slot's
+  // previous chunk, then has the slot's full barrier track this thread's copies.
+  auto produce = [&](int g) {
+    const int slot = g % Stages;
+    if (prod.item != kQregDone) {
+      if constexpr (Sync == 1) {
+        if (g >= Stages) qreg_wait(smem_u32(&s_empty[slot]), (g / Stages - 1) & 1);
+      }
+      qreg_issue<Paged>(P, prod.c, ring + slot * kChunkBytes, tid);
+      if constexpr (Sync == 1)
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(smem_u32(&s_full[slot])));
+      qreg_advance(P, W, prod, lane);
+    }
+    if constexpr (Sync == 0) cp_async_commit();
+  };
+
   // ldmatrix row of this lane inside a half-chunk: key 8 * (lane / 16) + lane % 8 (n-tiles j, j + 1), column
   // 2ks + (lane / 8) % 2, swizzled by key & 7 = lane & 7
   const u32 lane_row = (8 * (lane >> 4) + (lane & 7)) * (2 * kHeadDim);
@@ -811,57 +858,73 @@ __global__ void __launch_bounds__(dsa::logits::kQregWarps * 32, 1)
   const int key_lane = key_of_lane(lane);
 
 #pragma unroll
-  for (int s = 0; s < Stages - 1; ++s) {
-    if (prod.item < W.n_items) {
-      const int ok = qreg_issue<Paged>(P, prod.c, ring + s * kChunkBytes, tid);
-      if (tid == 0) s_ok[s] = ok;
-      qreg_advance(P, W, prod, lane);
-    }
-    cp_async_commit();
-  }
+  for (int s = 0; s < Stages - 1; ++s) produce(s);
 
   u32 qa[4][8][4];
-  float2 w[4];
+  float2* const ws = s_w[warp];
   int row = -1, lo = 0, hi = 0, off = 0, cur_item = -1;
-  for (int k = 0; cons.item < W.n_items; ++k) {
-    cp_async_wait<Stages - 2>();
-    __syncthreads();  // chunk k landed for every thread; slot (k - 1) % Stages is free
-    if (prod.item < W.n_items) {
-      const int slot = (k + Stages - 1) % Stages;
-      const int ok = qreg_issue<Paged>(P, prod.c, ring + slot * kChunkBytes, tid);
-      if (tid == 0) s_ok[slot] = ok;
-      qreg_advance(P, W, prod, lane);
+  for (int k = 0; cons.item != kQregDone; ++k) {
+    const int slot = k % Stages;
+    if constexpr (Sync == 0) {
+      cp_async_wait<Stages - 2>();
+      __syncthreads();  // chunk k landed for every thread; slot (k - 1) % Stages is free
+      produce(k + Stages - 1);
     }
-    cp_async_commit();
-
-    if (cons.item != cur_item) {  // a new item (CTA-uniform): this warp's row, its range and q fragments
+    if (cons.item != cur_item) {  // a new item (uniform): this warp's row, its range and q fragments
       cur_item = cons.item;
       row = cons.row0 + warp;
       qreg_row_range(P, row, lo, hi);
       off = (P.compressed && row < P.row_end) ? P.lens0[row] : 0;
-      if (lo < hi) qreg_load_q<QFp8>(P, row, lane, qa, w);
+      if (lo < hi) {
+        __syncwarp();  // the warp's previous item is done with its weights
+        qreg_load_q<QFp8>(P, row, lane, qa, ws);
+        __syncwarp();
+      }
     }
-    const int slot = k % Stages;
-    const int ok = s_ok[slot];
+    if constexpr (Sync == 1) qreg_wait(smem_u32(&s_full[slot]), (k / Stages) & 1);
     if (row < P.row_end) {
+      const int tok0 = cons.c * kChunkKeys;
+      const bool ok = qreg_entry<Paged>(P, cons.c) >= 0;   // the chunk's page is readable
+      const u32 base = ring + slot * kChunkBytes + lane_row;
+      float sum[2] = {kNegInf, kNegInf};
+      if constexpr (Fused) {
+        if (lo < tok0 + kChunkKeys && hi > tok0) {  // warp-uniform
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            float p[8];
+            qreg_partials<NT>(qa, ws, base + 32 * half * (2 * kHeadDim), swz, p);
+            sum[half] = gid_reduce(p, lane);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          if (lo < tok0 + 32 * half + 32 && hi > tok0 + 32 * half) {  // warp-uniform
+            float p[8];
+            qreg_partials<NT>(qa, ws, base + 32 * half * (2 * kHeadDim), swz, p);
+            sum[half] = gid_reduce(p, lane);
+          }
+        }
+      }
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int tok0 = cons.c * kChunkKeys + 32 * half, n = tok0 + key_lane;
-        float val = kNegInf;
-        if (ok && lo < tok0 + 32 && hi > tok0) {  // warp-uniform
-          float p[8];
-          qreg_partials<NT>(qa, w, ring + slot * kChunkBytes + 32 * half * (2 * kHeadDim) + lane_row, swz, p);
-          const float sum = gid_reduce(p, lane);
-          if (n >= lo && n < hi) val = sum;
-        }
-        const int col = n - off;
+        const int n = tok0 + 32 * half + key_lane, col = n - off;
         if (n < P.num_keys && col >= 0 && col < P.width)
-          P.out[static_cast<i64>(row - P.row_start) * P.out_stride + col] = val;
+          P.out[static_cast<i64>(row - P.row_start) * P.out_stride + col] =
+              (ok && n >= lo && n < hi) ? sum[half] : kNegInf;
       }
+    }
+    if constexpr (Sync == 1) {
+      __syncwarp();  // every lane's ldmatrix of the slot is done
+      if (lane == 0) {
+        unsigned long long state;
+        asm volatile("mbarrier.arrive.shared.b64 %0, [%1];\n" : "=l"(state) : "r"(smem_u32(&s_empty[slot])) : "memory");
+      }
+      produce(k + Stages - 1);
     }
     qreg_advance(P, W, cons, lane);
   }
-  cp_async_wait<0>();
+  if constexpr (Sync == 0) cp_async_wait<0>();
 }
 
 namespace dsa {
