@@ -300,11 +300,9 @@ def _case_config(r) -> str:
     if not r["warps"]:
         return r["config"].split("<")[0]
     if r["config"].startswith("mqa_logits_qreg_kernel"):
-        _, _, stages, nt, fused, sync = (v.strip() for v in r["config"].split("<")[1].split(">")[0].split(","))
+        _, _, stages, nt = (v.strip() for v in r["config"].split("<")[1].split(">")[0].split(","))
         extra = " ".join(x for x in r["config"].split(">", 1)[1].split() if x)
-        return (f"q in registers, {r['warps']} rows x 1 warp, {stages} stages, NT {nt}"
-                + (", fused halves" if fused == "1" else "") + (", mbarrier ring" if sync == "1" else "")
-                + (f", {extra}" if extra else ""))
+        return f"q in registers, {r['warps']} rows x 1 warp, {stages} stages, NT {nt}" + (f", {extra}" if extra else "")
     extra = " ".join(x for x in r["config"].split(">", 1)[1].split() if x)
     prefetch = ", prefetch" if r.get("prefetch") else ""
     min_blocks = r["config"].split(">", 1)[0].split(",")[-1].strip()   # the last template parameter

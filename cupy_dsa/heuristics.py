@@ -293,19 +293,17 @@ def _prefill(layout: str, q_fp8: int, arch: str, *, rows: int = 4, prefetch: int
 
 # Prefill with q held in registers (mqa_logits_qreg_kernel): one warp per query row, 8 rows per CTA sharing a
 # Stages-deep cp.async ring of 64-key chunks read with ldmatrix, persistent CTAs (one wave) walking work items of
-# keys_per_item keys. (Stages, NT, Fused, Sync): ring depth; n-tiles per pass over the k-steps (NT 4: the 64
-# accumulators of a 32-key tile live; NT 2: two 16-key passes, each reading its B fragments once for all 4 head
-# m-tiles); both halves of a chunk in one branch-free block (Fused 1: ptxas overlaps one half's epilogue with the
-# other's mma, and spills 12-76 B of loop state for it on sm_90 / sm_120); the ring shared by a CTA barrier per
-# chunk (Sync 0) or by full / empty mbarriers that let warps drift up to a chunk apart (Sync 1). bf16 keys, one
-# request (varlen keeps the 4-row tiles). H200 at sm_120's residency (1 x 8 warps), 4K x 64K causal, fp8 q,
-# 2026-12-04: (4, 2, 0, 0) 386 TFLOP/s (62% of the bf16 mma.sync ceiling measured in the same run, 626 at 8
-# warps/SM), (4, 4, 0, 0) 388, (3, 2, 0, 0) 402, (6, 2, 0, 0) 392, 8192 keys per item 389; the 4-row-tile config
-# it replaced 364 (58%); the H200's own wgmma product 561.
+# keys_per_item keys. (Stages, NT): ring depth; n-tiles per pass over the k-steps (NT 4: the 64 accumulators of
+# a 32-key tile live; NT 2: two 16-key passes, each reading its B fragments once for all 4 head m-tiles). bf16
+# keys, one request (varlen keeps the 4-row tiles). H200 at sm_120's residency (1 x 8 warps), 4K x 64K causal,
+# fp8 q, two runs on 2026-12-04 (TFLOP/s; % of the bf16 mma.sync ceiling measured in the same run, 626 at 8
+# warps/SM both times): (4, 2) 386 / 395 (62 / 63%); (4, 4) 388 / 397; (3, 2) 402 / 394; (6, 2) 392; (4, 2) with
+# 8192 keys per item 389 / 400; the 4-row-tile config it replaced 364 / 360 (58%); the H200's own wgmma product
+# 561 / 572. Slower (second run): both halves of a chunk in one branch-free block 368, an mbarrier ring letting
+# the warps drift 376-379, both 345 (see the kernel).
 QREG_PREFILL_ROWS = 8
-_QREG_CONFIG = {"contiguous": (4, 2, 0, 0), "bf16": (4, 2, 0, 0)}   # layout -> (Stages, NT, Fused, Sync)
-_QREG_EXPERIMENTAL = ((3, 2, 0, 0), (4, 4, 0, 0), (3, 2, 1, 0), (3, 2, 0, 1), (4, 2, 0, 1), (6, 2, 0, 1),
-                      (4, 2, 1, 1))
+_QREG_CONFIG = {"contiguous": (4, 2), "bf16": (4, 2)}   # layout -> (Stages, NT)
+_QREG_EXPERIMENTAL = ((3, 2), (4, 4), (6, 2))
 _QREG_CHUNK_BYTES = 64 * HEAD_DIM * 2                  # dsa::logits::kChunkBytes: one ring stage
 
 
@@ -315,16 +313,15 @@ def _qreg_smem(cfg) -> int:
 
 
 QREG_PREFILL_KERNEL = launch.Kernel(
-    _SRC, "mqa_logits_qreg_kernel", params=("QFp8", "Paged", "Stages", "NT", "Fused", "Sync"),
+    _SRC, "mqa_logits_qreg_kernel", params=("QFp8", "Paged", "Stages", "NT"),
     host={"keys_per_item": 4096, "smem_pad": 0},   # keys of one work item (a multiple of 64)
     args=_ROW_TILE_ARGS + (("tiles", I32), ("chunks_per_item", I32)),
     threads=lambda cfg: 32 * QREG_PREFILL_ROWS, smem=_qreg_smem, smem_check="dsa::logits::kQregSmemBytes<{Stages}>")
 
 
 def _qreg_prefill(layout: str, q_fp8: int, config=None):
-    stages, nt, fused, sync = config or _QREG_CONFIG[layout]
-    return QREG_PREFILL_KERNEL.config(QFp8=q_fp8, Paged=int(layout != "contiguous"), Stages=stages, NT=nt,
-                                      Fused=fused, Sync=sync)
+    stages, nt = config or _QREG_CONFIG[layout]
+    return QREG_PREFILL_KERNEL.config(QFp8=q_fp8, Paged=int(layout != "contiguous"), Stages=stages, NT=nt)
 
 
 def _select_prefill(problem, arch):

@@ -577,12 +577,14 @@ __global__ void __launch_bounds__(Warps * 32, MinBlocks)
 //
 // One warp per query row: the row's 64 heads x 128 dims of q are loaded once per work item as ready A fragments
 // (4 m-tiles x 8 k-steps x 4 words = 128 registers) and stay in registers for the whole key loop; each warp sums
-// relu(q . k) * w over its heads in registers (weights in registers too) and reduces over lanes as the row-tile
-// kernel does (gid_reduce). A CTA is QregWarps = 8 warps = 8 consecutive rows sharing their keys: 64-key chunks
+// relu(q . k) * w over its heads in registers (the weights in a shared-memory row per warp: the register file is
+// full) and reduces over lanes as the row-tile kernel does (gid_reduce). A CTA is kQregWarps = 8 warps = 8
+// consecutive rows sharing their keys, one CTA per SM (registers), so 8 warps per SM on every arch: 64-key chunks
 // (one page of the paged layout) stream through a Stages-deep cp.async ring in shared memory, one barrier per
 // chunk, and every warp reads them with ldmatrix (16 B of a key row per lane address, conflict-free by an XOR
 // swizzle of the 16-byte column: column c of key n sits at c ^ (n & 7)). Per k-step a warp issues 2 ldmatrix.x4
-// (the B fragments of 32 keys) for 16 mma (4 m-tiles x 4 n-tiles), in NT / 4 passes (qreg_partials).
+// (the B fragments of 32 keys) for 16 mma (4 m-tiles x 4 n-tiles), in 4 / NT passes (qreg_partials): 8 mma per
+// ldmatrix.x4, where the 4-row-tile kernel reads 512 B of q from shared memory (LDS.128) per 4 mma.
 // Fragments (natural head_dim order, PTX ISA m16n8k16): mma k-step ks covers dims 16ks..16ks+15; ldmatrix of
 // the 8 keys 8j.. at column 2ks (+1) gives lane (gid, t) key 8j + gid, dims 16ks + 2t, +1 (+8): B {b0, b1};
 // q's A words are a0a1 = q[h][16ks + 2t..], a2a3 = q[h + 8][..], a4a5 = q[h][16ks + 8 + 2t..], a6a7 = q[h + 8][..]
@@ -619,16 +621,8 @@ __device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32
                : "r"(addr));
 }
 
-// Waits until the phase of parity `parity` of the mbarrier at `bar` has completed.
-__device__ __forceinline__ void qreg_wait(u32 bar, int parity) {
-  asm volatile(
-      "{\n .reg .pred done;\n"
-      "WAIT_%=:\n mbarrier.test_wait.parity.shared.b64 done, [%0], %1;\n"
-      " @!done bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
-
-// The (item, chunk) walk of one CTA, identical in every thread (CTA-uniform). row0 / rend: the item's rows;
-// lo / hi: the visible keys of each of its rows (lane r < 8 of every warp holds row r), c / c_end: chunks left.
+// The (item, chunk) walk of one CTA, identical in every thread (CTA-uniform): the producer (ring refills) and
+// the consumer (compute) each walk it, the producer Stages - 1 chunks ahead.
 struct QregWork {
   int n_items, tiles, cpi;  // items, row tiles, chunks per item
 };
@@ -695,9 +689,10 @@ __device__ __forceinline__ int qreg_entry(const Problem& P, int c) {
   return (e < 0 || static_cast<i64>(e) >= P.kv_pages) ? -1 : e;
 }
 
-// Issue chunk c's 64 keys into ring slot `dst` (every thread: 4 x 16 bytes). Returns whether it is readable.
+// Issue chunk c's 64 keys into ring slot `dst` (every thread: 4 x 16 bytes; zeros for an unreadable page and for
+// keys past num_keys, which are then never read).
 template <int Paged>
-__device__ __forceinline__ int qreg_issue(const Problem& P, int c, u32 dst, int tid) {
+__device__ __forceinline__ void qreg_issue(const Problem& P, int c, u32 dst, int tid) {
   const int entry = qreg_entry<Paged>(P, c);
   const unsigned char* base =
       Paged ? P.kv + static_cast<i64>(entry < 0 ? 0 : entry) * kBf16PageBytes
@@ -709,7 +704,6 @@ __device__ __forceinline__ int qreg_issue(const Problem& P, int c, u32 dst, int 
     const unsigned char* src = in ? base + key * (2 * kHeadDim) + 16 * col : P.kv;
     cp_async16(dst + key * (2 * kHeadDim) + 16 * (col ^ (key & 7)), src, in ? 16 : 0);
   }
-  return entry >= 0;
 }
 
 // q fragments of row `row` (A words qa[m-tile][k-step][word]) and its weights as float2 (w[16i + g],
@@ -796,22 +790,18 @@ __device__ __forceinline__ void qreg_partials(const u32 (&qa)[4][8][4], const fl
 
 // Prefill (mode ks / ke, one request) with q in registers, see above. Grid: one wave of persistent CTAs of
 // kQregWarps warps; tiles = ceil((row_end - row_start) / 8) row tiles, chunks_per_item: 64-key chunks per work
-// item; dynamic shared memory kQregSmemBytes<Stages>. Fused: a warp computes both 32-key halves of a chunk in
-// one branch-free block (ptxas may overlap one half's epilogue with the other's mma; it spills a few bytes of
-// loop state for it) or each half behind its own visibility test. Sync: how the ring is shared. 0: one CTA
-// barrier per chunk (all warps in step); 1: mbarriers, a full one per slot (every thread's cp.async arrives on
-// it) and an empty one (each warp arrives once done with the slot), so a warp waits only for its chunk's keys
-// and, before refilling a slot, for the other warps to leave it: warps drift up to a chunk apart, which keeps
-// the two warps of a scheduler out of each other's epilogue bubbles.
-template <int QFp8, int Paged, int Stages, int NT, int Fused, int Sync>
+// item; dynamic shared memory kQregSmemBytes<Stages>. One CTA barrier per chunk shares the ring. (Tried on the
+// H200 and slower, 2026-12-04: both halves of a chunk in one branch-free block so that ptxas overlaps one half's
+// epilogue with the other's mma, -7%; full / empty mbarriers per slot letting warps drift up to a chunk apart,
+// -4%; both, -13%.)
+template <int QFp8, int Paged, int Stages, int NT>
 __global__ void __launch_bounds__(dsa::logits::kQregWarps * 32, 1)
     mqa_logits_qreg_kernel(DSA_LOGITS_ARGS, int tiles, int chunks_per_item) {
   using namespace dsa;
   using namespace dsa::logits;
   static_assert(Stages >= 2 && (NT == 2 || NT == 4), "Stages, NT");
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ float2 s_w[kQregWarps][32];                // each warp's row weights (qreg_load_q)
-  __shared__ __align__(8) unsigned long long s_full[Stages], s_empty[Stages];   // Sync 1
+  __shared__ float2 s_w[kQregWarps][32];  // each warp's row weights (qreg_load_q)
   const Problem P = DSA_LOGITS_PROBLEM;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const u32 ring = smem_u32(smem);
@@ -823,31 +813,14 @@ __global__ void __launch_bounds__(dsa::logits::kQregWarps * 32, 1)
   qreg_next_item(P, W, prod, lane);
   QregCursor cons = prod;
 
-  if constexpr (Sync == 1) {
-    if (tid == 0) {
-      for (int s = 0; s < Stages; ++s) {
-        asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(smem_u32(&s_full[s])), "r"(kQregWarps * 32));
-        asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(smem_u32(&s_empty[s])), "r"(kQregWarps));
-      }
-    }
-    __syncthreads();  // the initialized barriers are visible to every thread
-  }
-
-  // Issue chunk g of the walk (the producer cursor's chunk) into slot g % Stages: Sync 0 commits a cp.async
-  // group (always, so that wait_group counts chunks); Sync 1 first waits until every warp has left the slot's
-  // previous chunk, then has the slot's full barrier track this thread's copies.
+  // Issue chunk g of the walk (the producer cursor's chunk) into slot g % Stages and commit a cp.async group
+  // (always, so that wait_group counts chunks).
   auto produce = [&](int g) {
-    const int slot = g % Stages;
     if (prod.item != kQregDone) {
-      if constexpr (Sync == 1) {
-        if (g >= Stages) qreg_wait(smem_u32(&s_empty[slot]), (g / Stages - 1) & 1);
-      }
-      qreg_issue<Paged>(P, prod.c, ring + slot * kChunkBytes, tid);
-      if constexpr (Sync == 1)
-        asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(smem_u32(&s_full[slot])));
+      qreg_issue<Paged>(P, prod.c, ring + (g % Stages) * kChunkBytes, tid);
       qreg_advance(P, W, prod, lane);
     }
-    if constexpr (Sync == 0) cp_async_commit();
+    cp_async_commit();
   };
 
   // ldmatrix row of this lane inside a half-chunk: key 8 * (lane / 16) + lane % 8 (n-tiles j, j + 1), column
@@ -865,12 +838,10 @@ __global__ void __launch_bounds__(dsa::logits::kQregWarps * 32, 1)
   int row = -1, lo = 0, hi = 0, off = 0, cur_item = -1;
   for (int k = 0; cons.item != kQregDone; ++k) {
     const int slot = k % Stages;
-    if constexpr (Sync == 0) {
-      cp_async_wait<Stages - 2>();
-      __syncthreads();  // chunk k landed for every thread; slot (k - 1) % Stages is free
-      produce(k + Stages - 1);
-    }
-    if (cons.item != cur_item) {  // a new item (uniform): this warp's row, its range and q fragments
+    cp_async_wait<Stages - 2>();
+    __syncthreads();  // chunk k landed for every thread; slot (k - 1) % Stages is free
+    produce(k + Stages - 1);
+    if (cons.item != cur_item) {  // a new item (CTA-uniform): this warp's row, its range and q fragments
       cur_item = cons.item;
       row = cons.row0 + warp;
       qreg_row_range(P, row, lo, hi);
@@ -881,29 +852,17 @@ __global__ void __launch_bounds__(dsa::logits::kQregWarps * 32, 1)
         __syncwarp();
       }
     }
-    if constexpr (Sync == 1) qreg_wait(smem_u32(&s_full[slot]), (k / Stages) & 1);
     if (row < P.row_end) {
       const int tok0 = cons.c * kChunkKeys;
       const bool ok = qreg_entry<Paged>(P, cons.c) >= 0;   // the chunk's page is readable
       const u32 base = ring + slot * kChunkBytes + lane_row;
       float sum[2] = {kNegInf, kNegInf};
-      if constexpr (Fused) {
-        if (lo < tok0 + kChunkKeys && hi > tok0) {  // warp-uniform
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            float p[8];
-            qreg_partials<NT>(qa, ws, base + 32 * half * (2 * kHeadDim), swz, p);
-            sum[half] = gid_reduce(p, lane);
-          }
-        }
-      } else {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          if (lo < tok0 + 32 * half + 32 && hi > tok0 + 32 * half) {  // warp-uniform
-            float p[8];
-            qreg_partials<NT>(qa, ws, base + 32 * half * (2 * kHeadDim), swz, p);
-            sum[half] = gid_reduce(p, lane);
-          }
+      for (int half = 0; half < 2; ++half) {
+        if (lo < tok0 + 32 * half + 32 && hi > tok0 + 32 * half) {  // warp-uniform
+          float p[8];
+          qreg_partials<NT>(qa, ws, base + 32 * half * (2 * kHeadDim), swz, p);
+          sum[half] = gid_reduce(p, lane);
         }
       }
 #pragma unroll
@@ -914,17 +873,9 @@ __global__ void __launch_bounds__(dsa::logits::kQregWarps * 32, 1)
               (ok && n >= lo && n < hi) ? sum[half] : kNegInf;
       }
     }
-    if constexpr (Sync == 1) {
-      __syncwarp();  // every lane's ldmatrix of the slot is done
-      if (lane == 0) {
-        unsigned long long state;
-        asm volatile("mbarrier.arrive.shared.b64 %0, [%1];\n" : "=l"(state) : "r"(smem_u32(&s_empty[slot])) : "memory");
-      }
-      produce(k + Stages - 1);
-    }
     qreg_advance(P, W, cons, lane);
   }
-  if constexpr (Sync == 0) cp_async_wait<0>();
+  cp_async_wait<0>();
 }
 
 namespace dsa {

@@ -161,3 +161,21 @@ def test_markdown_states_the_mma_sync_share():
     old = variants.emulate_markdown(variants.emulate_document("NVIDIA H200", "sm_120", False, 0,
                                                               [_row("sm_120", True, 8, 300.0, 330.0)], {}))
     assert "mma.sync" not in old
+
+
+def test_markdown_names_the_q_in_registers_prefill_and_the_config_it_replaced():
+    rows = [_row("sm_120", True, 8, 300.0, 300.0, case="4K x 64K causal", config="mqa_logits_qreg_kernel<1, 0, 4, 2>"),
+            _row("sm_120", False, 8, 330.0, 330.0, case="4K x 64K causal",
+                 config="mqa_logits_kernel<0, 1, 4, 8, 1, 0, 0, 2, 0, 1> keys_per_cta=16384")]
+    for r, pct in zip(rows, (60.0, 55.0)):
+        r.update(op="prefill", tflops_emulated=400.0 * pct / 60.0, pct_mma=pct, mma_ceiling_tflops=600.0,
+                 mma_ceiling_warps=8, pct_mma_roofline=pct)
+    rows[1]["previous"] = True
+    md = variants.emulate_markdown(variants.emulate_document("NVIDIA H200", "sm_120", False, 0, rows,
+                                                             STAND_IN_CEILINGS))
+    assert "| * q in registers, 8 rows x 1 warp, 4 stages, NT 2 |" in md
+    assert ("Prefill at 60% of the bf16 mma.sync ceiling at 8 warps/SM (the 4-row-tile config it replaced: 367 "
+            "TFLOP/s, 55%).") in md.splitlines()[-1]
+    cfg = logits.PREFILL.select(("contiguous", 1, 0), "sm_120")
+    assert cfg.kernel is logits.QREG_PREFILL_KERNEL
+    assert heuristics.previous_small_smem_prefill(("contiguous", 1, 0), "sm_120").kernel is logits.PREFILL_KERNEL
