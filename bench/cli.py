@@ -417,18 +417,23 @@ def variants_cmd(device, quick, seed, emulate_arch, ops, json_path, markdown_pat
         if markdown_path:
             click.echo(md, file=click.open_file(markdown_path, "w"))
         return
-    rows = variants.decode_rows(dev, quick, seed) + variants.prefill_rows(dev, quick, seed)
+    from .timing import mma_rates
+
+    ceilings = {"mma_sync": mma_rates(dev, quick)}
+    rows = variants.decode_rows(dev, quick, seed) + variants.prefill_rows(dev, quick, seed, ceilings)
     table = Table(title=f"variants on {_device_name(dev)}")
     for col in ("op", "case", "config", "us", "vs product"):
         table.add_column(col)
     for r in rows:
         case = (f"{r['layout']} B={r['B']} ctx={r['ctx']} next_n={r['next_n']}" if r["op"] == "decode"
-                else f"q={r['q']} T={r['T']} S={r['S']} ({r['tflops']:.0f} TFLOP/s)")
+                else f"q={r['q']} T={r['T']} S={r['S']} ({r['tflops']:.0f} TFLOP/s"
+                + (f", {r['pct_mma']:.0f}% of the mma.sync ceiling at {r['mma_ceiling_warps']} warps/SM"
+                   if r.get("pct_mma") is not None else "") + ")")
         table.add_row(r["op"], case, ("* " if r["product"] else "  ") + r["config"], f"{r['us']:.1f}",
                       f"{r['vs_product']:.3f}")
     report.print_fitted(_console(), table, keys=2)
     if json_path:
-        _write_text(json_path, json.dumps({"device": _device_name(dev), "rows": rows}, indent=1))
+        _write_text(json_path, json.dumps({"device": _device_name(dev), "ceilings": ceilings, "rows": rows}, indent=1))
 
 
 @bench.command(name="rescore")

@@ -30,7 +30,9 @@ def _rows_for(family: launch.Family, problem, arch, run, device, reps, base: dic
         with family.forced(cfg, arch):
             us = _time_us(run, device, reps)
         product_us = us if product_us is None else product_us
-        rows.append(dict(base, config=str(cfg), product=not rows, us=us, vs_product=us / product_us))
+        rows.append(dict(base, config=str(cfg), product=not rows, us=us, vs_product=us / product_us,
+                         warps_per_sm=cfg.resident_ctas_per_sm(device.index) * cfg.block[0] // 32,
+                         mma_sync=cfg.kernel not in (logits.SM90_DECODE_KERNEL, logits.SM90_PREFILL_KERNEL)))
     return rows
 
 
@@ -55,7 +57,11 @@ def decode_rows(device, quick: bool, seed: int) -> list[dict]:
     return rows
 
 
-def prefill_rows(device, quick: bool, seed: int) -> list[dict]:
+def prefill_rows(device, quick: bool, seed: int, ceilings: dict | None = None) -> list[dict]:
+    """Every declared prefill config on one causal case; each mma.sync config's rate as % of the register-operand
+    mma.sync ceiling (``ceilings["mma_sync"]``, measured in the same process) at the warps per SM it ran at."""
+    from .timing import mma_ceiling_at
+
     g = torch.Generator(device=device).manual_seed(seed)
     arch = runtime.device_arch(device.index)
     T, S = (2048, 16384) if quick else (4096, 65536)
@@ -73,7 +79,10 @@ def prefill_rows(device, quick: bool, seed: int) -> list[dict]:
                              lambda: logits.mqa_logits(q, kv, w, ks, ke, clean_logits=False, out=out), device,
                              10 if quick else 30, dict(op="prefill", layout="contiguous", q="fp8" if q_fp8 else "bf16",
                                                        T=T, S=S)):
-            rows.append(dict(row, tflops=flops / row["us"] / 1e6))
+            tflops = flops / row["us"] / 1e6
+            mma = mma_ceiling_at(ceilings, row["warps_per_sm"]) if row["mma_sync"] else None
+            rows.append(dict(row, tflops=tflops, pct_mma=100 * tflops / mma[0] if mma else None,
+                             mma_ceiling_warps=mma[1] if mma else None))
     return rows
 
 
