@@ -25,12 +25,14 @@ def _v4_counts(n_layers: int) -> tuple[int, int]:
     return ratios.count(C4_RATIO), ratios.count(C128_RATIO)
 
 # Index-key layouts side by side: bytes per index entry (one compressed token of one indexer layer).
-INDEX_LAYOUTS = ("fp8", "fp4", "bf16", "bf16-fp4sim")
+INDEX_LAYOUTS = ("fp8", "fp4", "bf16", "bf16-fp4sim", "fp8-rescore")
+ENTRY_BYTES = {**BYTES_PER_TOKEN, "fp8-rescore": 2 * BYTES_PER_TOKEN["fp8"]}  # fp8 page + its int8 residual page
 LAYOUT_NOTES = {
     "fp8": "SGLang default: 128 e4m3 + fp32 scale",
     "fp4": "SGLang --enable-deepseek-v4-fp4-indexer: 64 B e2m1 + 4 ue8m0",
     "bf16": "cupy_dsa: 128 x bf16 (exact rounding)",
     "bf16-fp4sim": "cupy_dsa: 128 x bf16 holding FP4-representable values (DeepSeek reference QAT)",
+    "fp8-rescore": "cupy_dsa: SGLang's fp8 page + an int8 residual page with a per-token fp32 scale beside it",
 }
 
 # Main-cache entry sizes (bytes per cached entry of one layer).
@@ -87,7 +89,7 @@ def rows(gpu_mem_gb: float = 100.0) -> list[dict]:
     for m in MODELS:
         fp8_total = None
         for layout in INDEX_LAYOUTS:
-            entry = BYTES_PER_TOKEN[layout]
+            entry = ENTRY_BYTES[layout]
             per_layer_token = entry / m.index_ratio
             index_per_token = per_layer_token * m.n_c4
             main = m.main_kv_per_token
@@ -116,6 +118,25 @@ def rows(gpu_mem_gb: float = 100.0) -> list[dict]:
 
 
 def notes() -> list[str]:
-    layouts = [f"{k}: {BYTES_PER_TOKEN[k]} B/entry ({LAYOUT_NOTES[k]})" for k in INDEX_LAYOUTS]
+    layouts = [f"{k}: {ENTRY_BYTES[k]} B/entry ({LAYOUT_NOTES[k]})" for k in INDEX_LAYOUTS]
     per_model = [f"{m.name}: {m.layer_note}" for m in MODELS]
     return layouts + per_model + list(ASSUMPTIONS)
+
+
+def readme_block() -> str:
+    """The README's memory table: DeepSeek-V4-Flash's KV bytes per token with each index-key layout a mode serves
+    (what a PD transfer moves per prompt token), from :func:`rows` (``cupy-dsa bench bytes`` prints every model)."""
+    flash = MODELS[0]
+    mode = {"fp8": "`fp8`, `fp8-cupy`", "bf16": "`bf16`", "bf16-fp4sim": "`bf16-fp4sim`, `bf16-reference`",
+            "fp8-rescore": "`fp8-rescore`"}
+    lines = [f"{flash.name}, {flash.n_c4} C4 layers (`cupy-dsa bench bytes`; its assumptions are printed with it):",
+             "", "| mode | index keys, B per entry | index keys, B per token | KV per token, main + index keys "
+             "(what PD moves per prompt token) | vs fp8 |", "|---|---|---|---|---|"]
+    fp8 = None
+    for r in rows():
+        if r["model"] != flash.name or r["layout"] not in mode:
+            continue
+        fp8 = fp8 or r["total_kv_bytes_per_token"]
+        lines.append(f"| {mode[r['layout']]} | {r['bytes_per_entry']} | {r['index_bytes_per_token']:,.0f} | "
+                     f"{r['total_kv_bytes_per_token']:,.0f} B | {r['total_kv_bytes_per_token'] / fp8:.3f}x |")
+    return "\n".join(lines)

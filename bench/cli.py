@@ -1,7 +1,15 @@
-"""The ``cupy-dsa`` command line: ``cupy-dsa bench [bytes|store|query|logits|recall|all|report|variants|resources|serve]``.
+"""The ``cupy-dsa`` command line, and only that: option parsing and checking, dispatch, and the console output of
+each command (the measurements live in the modules each command calls). One responsibility, hence one module.
 
-Options can be given to ``bench`` or to a subcommand (the subcommand's value wins). ``bench`` without a
-subcommand runs ``all``.
+Commands: ``cupy-dsa bench`` (= ``bench all``) and ``bench bytes | store | query | logits | recall | all`` (the
+sections), ``bench serve | variants | rescore | resources | report`` (each with its own options), and
+``cupy-dsa needle`` (recall of a running server).
+
+The common options (:func:`common_options`) are taken by ``bench`` and by each section; given to both, the
+section's value wins. Given to ``bench`` before ``serve``, ``variants``, ``rescore``, ``resources`` or ``report``
+(:data:`OWN_OPTIONS`) they are refused (exit status 2), since those commands would ignore them. Every bad value is
+a usage error (exit status 2, no traceback) before any work. Heavy modules (torch, rich, the bench's sweeps) are
+imported inside the commands, so ``--help`` stays fast.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import click
 
 SECTIONS_ALL = ("bytes", "store", "query", "logits", "recall")
 DEFAULTS = {"backend": "auto", "device": None, "quick": False, "json_path": None, "plot_path": None,
-            "markdown_path": None, "seed": 0, "gpu_mem_gb": 100.0}
+            "markdown_path": None, "seed": 0, "gpu_mem_gb": 100.0, "suite": "needle"}
 
 
 def _png_path(ctx, param, value):
@@ -84,7 +92,7 @@ def common_options(f):
     """The options every bench command accepts (defaults resolved after merging group and subcommand)."""
     opts = [
         click.option("--backend", type=click.Choice(["auto", "cuda", "cpu"], case_sensitive=False), default=None,
-                     help="auto = the GPU when torch sees one, else the CPU reference at small sizes. [auto]"),
+                     help="auto = the GPU when torch sees one, else the CPU reference at small sizes. [default: auto]"),
         click.option("--device", default=None, metavar="DEV",
                      help="torch device for the GPU backend, e.g. cuda:1 (default: the current device)."),
         click.option("--quick", is_flag=True, default=False, help=QUICK_HELP),
@@ -95,9 +103,9 @@ def common_options(f):
                      "throughput and recall rows, the recall study goes to NAME-recall.png beside it."),
         click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
                      default=None, callback=_writable_output, help=MARKDOWN_HELP),
-        click.option("--seed", type=SEED, default=None, help="random seed, 0 to 2^32 - 1. [0]"),
+        click.option("--seed", type=SEED, default=None, help="random seed, 0 to 2^32 - 1. [default: 0]"),
         click.option("--gpu-mem-gb", type=FiniteFloatRange(min=0, min_open=True, max=MAX_MEMORY), default=None,
-                     help="KV memory budget for `bytes` (GB = 1e9 B), up to 1e6. [100]"),
+                     help="KV memory budget for `bytes` (GB = 1e9 B), up to 1e6. [default: 100]"),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -168,15 +176,26 @@ def _merged_top(opts: dict) -> dict:
     return out
 
 
-def _subcommand(name, sections, doc):
+def _subcommand(name, sections, doc, extra_options=()):
     @bench.command(name=name, help=doc)
     @common_options
     @click.pass_context
     def cmd(ctx, **opts):
         _run(ctx, sections, _merged(ctx, opts))
 
+    for option in reversed(extra_options):
+        cmd = option(cmd)
     cmd.__name__ = f"bench_{name}"
     return cmd
+
+
+SUITE_OPTION = click.option(
+    "--suite", type=click.Choice(["needle", "diverse"], case_sensitive=False), default=None,
+    help="needle: needles among near-duplicate clusters with a controlled margin (the competing keys share the "
+         "query's rounding); diverse: a top-k boundary contested by diverse keys (AR(1) drift, topic clusters, "
+         "outlier channels through the norm weight) and realistic queries, every format with its error budget "
+         "(missed with only the key rounded, only the query rounded, both). CPU: small sizes; GPU: 16K and 64K keys, "
+         "k 512 and 2048. [needle]")
 
 
 _subcommand("bytes", ("bytes",), "Bytes per index token of each layout, per C4 layer and per full token, for "
@@ -192,7 +211,9 @@ _subcommand("recall", ("recall",), "Needle suite with a controlled margin and a 
             "on synthetic keys through the real store and logits ops: per format and context, the needle-in-top-k "
             "rate at margins 0.001%..10% over the best distractor (exact fp64 passes every needle by construction), "
             "the resolution (smallest margin with >= 99% kept), recall@512/1024 vs exact fp64 and top-k overlap "
-            "with the reference numerics (fp4-simulated q and keys, fp32 scores).")
+            "with the reference numerics (fp4-simulated q and keys, fp32 scores). --suite diverse: diverse keys and "
+            "realistic queries instead, each format's share of the exact top-k missed and its error budget.",
+            extra_options=(SUITE_OPTION,))
 _subcommand("all", SECTIONS_ALL, "Run bytes, store, query, logits and recall (the default).")
 
 
@@ -227,6 +248,17 @@ def _serve_layouts_option(ctx, param, values):
     return tuple(name for name in known if name in asked)
 
 
+def _serve_queries_option(ctx, param, values):
+    """--query: the plugin's query settings (comma list or repeated), fp8 first; () = none (no query rows)."""
+    from cupy_dsa.sglang.core import QUERY_CHOICES
+
+    asked = {part.strip().lower() for value in values for part in str(value).split(",") if part.strip()}
+    unknown = sorted(asked - set(QUERY_CHOICES))
+    if unknown:
+        raise click.BadParameter(f"expected queries of {', '.join(QUERY_CHOICES)}, got {', '.join(map(repr, unknown))}")
+    return tuple(q for q in QUERY_CHOICES if q in asked)
+
+
 def _model_option(ctx, param, value):
     from . import serve
 
@@ -236,26 +268,44 @@ def _model_option(ctx, param, value):
         raise click.BadParameter(f"expected {' / '.join(serve.BUILTIN)} or a DeepSeek-V4 config.json: {exc}")
 
 
+def _refuse_replacing_a_measured_run(json_path: str) -> None:
+    """Without a GPU `bench serve` measures nothing: its JSON must not replace a file that holds a measured run (the
+    README's reproduction line names the committed H200 file)."""
+    try:
+        old = json.loads(Path(json_path).read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(old, dict) and old.get("measured"):
+        raise click.BadParameter(
+            f"{json_path} holds a measured run ({old.get('device') or 'a GPU'}); without a GPU this run measures "
+            "nothing and would replace it with the memory figures only: write to another file",
+            param_hint="'--json'")
+
+
 @bench.command(name="serve")
 @click.option("--model", default="v4-flash", show_default=True, callback=_model_option,
               help="v4-flash, v4-pro (layer count assumed, see the output) or the path of an HF config.json "
                    "(compress_ratios, num_hidden_layers, index_topk).")
 @click.option("--batch", type=click.IntRange(min=1), default=32, show_default=True, help="requests per decode step.")
 @click.option("--context", "contexts", multiple=True, callback=_contexts_option,
-              help="tokens per request (comma list or repeated; K/M suffixes). [8192,32768,131072]")
+              help="tokens per request (comma list or repeated; K/M suffixes). [default: 8192,32768,131072]")
 @click.option("--next-n", "next_ns", multiple=True, callback=_counts_option((1,), "next_n values 1 to 4 such as 1,2,4",
                                                                              lo=1, hi=4),
               help="rows per request: 1 = plain decode, 2..4 = MTP verify; a comma list (or repeated) times "
-                   "each. [1]")
+                   "each. [default: 1]")
 @click.option("--chunk", "chunks", multiple=True, callback=_counts_option((4096,), "token counts of 4 or more such "
                                                                           "as 4096,16K", lo=4),
-              help="tokens per prefill chunk; a comma list (or repeated, K suffix) times each. [4096]")
+              help="tokens per prefill chunk; a comma list (or repeated, K suffix) times each. [default: 4096]")
 @click.option("--memory-gib", type=FiniteFloatRange(min=0, min_open=True, max=MAX_MEMORY), default=80.0,
               show_default=True, help="index-cache budget for the tokens-that-fit figure (GiB), up to 1e6.")
 @click.option("--layouts", "layouts", multiple=True, callback=_serve_layouts_option,
-              help="time only these layouts (comma list or repeated) of: bf16, fp8-cupy, fp8 (DeepGEMM on SGLang's "
-                   "route), fp8+topk (fp8 + torch.topk), fp8-rescore (our stage 1), fp8-rescore-dg (DeepGEMM stage "
-                   "1). [all]")
+              help="time only these layouts (comma list or repeated) of: bf16, bf16+topk (bf16 + the stock top-k), "
+                   "fp8-cupy, fp8 (DeepGEMM on SGLang's route), fp8+topk (fp8 + the stock top-k: SGLang's v2 where "
+                   "it runs, else cupy_dsa.paged_topk standing in), fp8-rescore (our stage 1), fp8-rescore-dg "
+                   "(DeepGEMM stage 1). [default: all]")
+@click.option("--query", "queries", multiple=True, callback=_serve_queries_option,
+              help="also time the layouts whose query the plugin's SGLANG_CUPY_DSA_INDEX_Q sets (bf16, fp8-cupy) with "
+                   "each of these queries (comma list of fp8, bf16), the query's preparation included. [default: none]")
 @click.option("--device", default=None, metavar="DEV", help="CUDA device, e.g. cuda:1 (default: the current one).")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="random seed, 0 to 2^32 - 1.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True), default=None,
@@ -263,12 +313,14 @@ def _model_option(ctx, param, value):
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
               callback=_png_output, help="PNG: ms per step over context, bf16 vs fp8, and the added ms (a row per "
                                           "kind of step).")
-def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, memory_gib, device, seed, json_path, plot_path):
+def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, queries, memory_gib, device, seed, json_path,
+              plot_path):
     """Indexer cost of one forward of a DeepSeek-V4 server with bf16 index keys vs SGLang's fp8 (DeepGEMM on the
     route SGLang 0.5.23 takes for the step), and of the fp8-cupy mode (SGLang's fp8 keys on cupy_dsa's kernels): ms
     per decode (verify) step and per prefill chunk over every C4 layer, KV bytes per token and tokens that fit.
-    fp8-rescore (two-level keys, its top-k included) against the fp8 step with a top-k (torch.topk standing in for
-    SGLang's). Without a GPU it prints the memory figures only."""
+    fp8-rescore (two-level keys, its top-k included) against the fp8 and bf16 steps with the stock top-k (SGLang's
+    own v2 kernel where it runs, else cupy_dsa.paged_topk standing in for it; each top-k also timed alone). Without
+    a GPU it prints the memory figures only."""
     import torch
     from rich.console import Console
     from rich.table import Table
@@ -279,6 +331,8 @@ def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, memory_gib, devi
     dev = None
     if device is not None or torch.cuda.is_available():  # checked before any work
         dev, _ = _resolve_device("cuda", device, has_backend_option=False)
+    if dev is None and json_path not in (None, "-"):
+        _refuse_replacing_a_measured_run(json_path)
     case_list = serve.cases(batch, contexts, next_ns, chunks)
     model_doc = {"name": model.name, "n_layers": model.n_layers, "index_layers": model.n_c4,
                  "index_topk": model.index_topk, "source": model.source, "assumed": model.assumed}
@@ -290,6 +344,9 @@ def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, memory_gib, devi
            "measured": False, "not_measured": None, "deepgemm": None, "notes": [serve.COUNTED]}
     if any(name.startswith("fp8-rescore") for name in doc["layouts"]):
         doc["notes"].append(serve.RESCORE_COUNTED)
+    if queries:
+        doc["queries"], doc["query_timings"] = list(queries), []
+        doc["notes"].append(serve.QUERY_COUNTED)
     if model.assumed:
         err.print(f"[yellow]{model.name}: {model.assumed}[/]")
     mem = Table(title=f"{model.name}: index cache, {model.n_c4} C4 layers of {model.n_layers} (per raw token: "
@@ -317,10 +374,15 @@ def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, memory_gib, devi
         doc["deepgemm"] = reason or "live"
         if dg is None:
             err.print(f"[yellow]fp8 not measured: {reason}[/]")
+        topks = None
+        if any(name in serve.WITH_TOPK for name in doc["layouts"]):
+            topks = _load_topks(dev, err)
+            doc["topk"] = topks.describe()
         with _progress(err) as progress:
             task = progress.add_task("serve", total=len(case_list))
             for c in case_list:
-                doc["timings"].append(serve.measure(c, model, dev, dg, seed, reps=10, layouts=layouts or None))
+                doc["timings"].append(serve.measure(c, model, dev, dg, seed, reps=10, layouts=layouts or None,
+                                                    topks=topks))
                 progress.advance(task)
         doc["measured"] = True
         t = Table(title=f"indexer ms per forward (all {model.n_c4} C4 layers), {doc['device']}; top-k excluded; "
@@ -338,22 +400,41 @@ def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, memory_gib, devi
                       f(r["fp8_cupy_ms"]), f(r["fp8_cupy_ratio"], 2), r["fp8_route"] if dg is not None else "-",
                       f(r["fp8_gather_ms"]), r["error"] or "")
         report.print_fitted(out, t, keys=5)
+        if queries:
+            with _progress(err) as progress:
+                task = progress.add_task("serve --query", total=len(case_list))
+                for c in case_list:
+                    doc["query_timings"].append(serve.measure_queries(c, model, dev, seed, reps=10, queries=queries))
+                    progress.advance(task)
+            out.print("\n".join(serve.query_markdown(doc)), markup=False, highlight=False, soft_wrap=True)
         rescored = [r for r in doc["timings"] if r["fp8_rescore_ms"] is not None or r["fp8_rescore_dg_ms"] is not None]
         if rescored:
-            t2 = Table(title=f"fp8-rescore ms per forward (all {model.n_c4} C4 layers), top-k included; fp8 + top-k = "
-                             "the fp8 step + torch.topk (stand-in for SGLang's top-k)")
-            for col in ("phase", "batch", "context", "next_n", "chunk", "fp8 ms", "fp8 + top-k ms", "fp8-rescore ms",
-                        "/ (fp8 + top-k)", "/ fp8", "DG stage 1 ms", "DG / (fp8 + top-k)", "DG / fp8", "target",
-                        "result (ours, DG)"):
+            stock = (f"{doc['topk']['stock']}{' (STAND-IN for SGLang v2)' if doc['topk']['stand_in'] else ''}"
+                     if doc.get("topk") else "not timed")
+            t2 = Table(title=f"fp8-rescore ms per forward (all {model.n_c4} C4 layers), top-k included; + top-k = "
+                             f"the step + the stock top-k: {stock}")
+            for col in ("phase", "batch", "context", "next_n", "chunk", "fp8 ms", "fp8 + top-k ms", "bf16 + top-k ms",
+                        "fp8-rescore ms", "/ (fp8 + top-k)", "/ (bf16 + top-k)", "DG stage 1 ms", "DG / (fp8 + top-k)",
+                        "DG / (bf16 + top-k)", "issue-31 targets (DG)"):
                 t2.add_column(col, justify="right")
             for r in rescored:
+                targets = "; ".join(f"<= {t['target']:.2f}x {t['basis']}: {t['verdict'] or '-'}"
+                                    for t in r["targets_31"]) or "-"
                 t2.add_row(r["phase"], str(r["batch"]), str(r["context"]), str(r["next_n"]), str(r["chunk"] or "-"),
-                           f(r["fp8_ms"]), f(r["fp8_topk_ms"]), f(r["fp8_rescore_ms"]), f(r["rescore_vs_fp8_topk"], 2),
-                           f(r["rescore_vs_fp8"], 2), f(r["fp8_rescore_dg_ms"]), f(r["rescore_dg_vs_fp8_topk"], 2),
-                           f(r["rescore_dg_vs_fp8"], 2),
-                           f"<= {r['rescore_target_ratio']:.2f}x" if r["rescore_target_ratio"] else "-",
-                           f"{r['rescore_verdict'] or '-'}, {r['rescore_dg_verdict'] or '-'}")
+                           f(r["fp8_ms"]), f(r["fp8_topk_ms"]), f(r["bf16_topk_ms"]), f(r["fp8_rescore_ms"]),
+                           f(r["rescore_vs_fp8_topk"], 2), f(r["rescore_vs_bf16_topk"], 2), f(r["fp8_rescore_dg_ms"]),
+                           f(r["rescore_dg_vs_fp8_topk"], 2), f(r["rescore_dg_vs_bf16_topk"], 2), targets)
             report.print_fitted(out, t2, keys=5)
+        alone = [r for r in doc["timings"] if r["topk_alone_ms"]]
+        if alone:
+            t3 = Table(title=f"each top-k alone, ms per forward ({model.n_c4} C4 layers over one layer's stock logits)")
+            keys = [k for k in peers.TOPK_KEYS if any(k in r["topk_alone_ms"] for r in alone)]
+            for col in ("phase", "batch", "context", "next_n", "chunk", *keys):
+                t3.add_column(col, justify="right")
+            for r in alone:
+                t3.add_row(r["phase"], str(r["batch"]), str(r["context"]), str(r["next_n"]), str(r["chunk"] or "-"),
+                           *(f(r["topk_alone_ms"].get(k)) for k in keys))
+            report.print_fitted(out, t3, keys=5)
         gather_ops = sorted({r["fp8_gather"] for r in doc["timings"] if r["fp8_gather"]})
         if gather_ops:
             doc["notes"].append(f"fp8 non-paged route: keys gathered by {'; '.join(gather_ops)}")
@@ -442,17 +523,18 @@ def variants_cmd(device, quick, seed, emulate_arch, ops, json_path, markdown_pat
               help="one case per phase: decode 8 x 64K, verify 8 x 64K next_n 2, extend 8 x 512 after 32K-64K, "
                    "prefill chunk of 4,096 after 32K.")
 @click.option("--phase", "phases", multiple=True, type=click.Choice(["decode", "verify", "extend", "prefill"]),
-              help="time only these phases (repeatable). [all four]")
+              help="time only these phases (repeatable). [default: all four]")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="random seed, 0 to 2^32 - 1.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
               callback=_writable_output, help="write the rows as JSON (schema cupy-dsa-rescore/1; `bench report "
                                                "FILE` prints its markdown table).")
 def rescore_cmd(device, quick, phases, seed, json_path):
     """Time the exact top-k of two-level keys (fp8-rescore: fp8 logits, K' = 4 x index_topk candidates rescored
-    from the fp8 and int8-residual pages) against the top-k of bf16 keys, of fp8 keys (our logits + torch.topk) and
-    of DeepGEMM's fp8 logits as SGLang calls them (+ the same torch.topk; when deep_gemm imports), on the same keys:
+    from the fp8 and int8-residual pages) against the top-k of bf16 keys, of fp8 keys (our logits + the stock top-k)
+    and of DeepGEMM's fp8 logits as SGLang calls them (+ the same top-k; when deep_gemm imports), on the same keys:
     decode, MTP verify (next_n 2-4), varlen extend and prefill chunks; stage 1 (logits) and stage 2 + selection
-    apart; memory per index entry. Needs a CUDA GPU."""
+    apart; memory per index entry. The stock top-k is SGLang's own v2 kernel where it runs here (its v1 and our
+    paged_topk timed beside it), else cupy_dsa.paged_topk standing in for it. Needs a CUDA GPU."""
     from rich.table import Table
 
     from . import peers, provenance, report
@@ -466,13 +548,15 @@ def rescore_cmd(device, quick, phases, seed, json_path):
     dg, reason = peers.deepgemm()
     if dg is None:
         err.print(f"[yellow]DeepGEMM columns not measured: {reason}[/]")
+    topks = _load_topks(dev, err)
     doc = {"schema": rescore_bench.SCHEMA, **provenance.provenance(), "device": _device_name(dev),
            "driver": provenance.driver_version(), "quick": quick, "seed": seed,
            "index_topk": rescore_bench.INDEX_TOPK, "k_prime": rescore_bench.K_PRIME, "deepgemm": reason or "live",
-           "columns": dict(rescore_bench.LEGEND), "memory": rescore_bench.memory_rows(),
-           "phases": list(phases) or list(rescore_bench.PHASES), "note": rescore_bench.__doc__}
+           "topk": topks.describe(), "columns": rescore_bench.legend(topks.describe()),
+           "memory": rescore_bench.memory_rows(), "phases": list(phases) or list(rescore_bench.PHASES),
+           "note": rescore_bench.__doc__}
     with _progress(err) as progress:
-        doc["rows"] = rescore_bench.rows(dev, quick, seed, dg, reason, progress, phases=phases or None)
+        doc["rows"] = rescore_bench.rows(dev, quick, seed, dg, reason, progress, phases=phases or None, topks=topks)
     cols = rescore_bench._columns_of(doc) if doc["rows"] else list(rescore_bench.COLUMNS)
     table = Table(title=f"top-{rescore_bench.INDEX_TOPK} per query row on {doc['device']} (us per call; x bf16)")
     for col in ("case", "rows") + tuple(cols):
@@ -483,10 +567,27 @@ def rescore_cmd(device, quick, phases, seed, json_path):
     report.print_fitted(_console(), table, keys=2)
     for r in doc["rows"]:
         for what, why in r["errors"].items():
-            if what not in rescore_bench.DEEPGEMM_COLUMNS or dg is not None:
+            if (what not in rescore_bench.DEEPGEMM_COLUMNS or dg is not None) and what not in rescore_bench.SGLANG_COLUMNS:
                 err.print(f"[red]{r['case']}: {what}: {why}[/]")
     if json_path:
         _write_text(json_path, json.dumps(doc, indent=1) + "\n")
+
+
+def _load_topks(dev, err):
+    """The run's top-k implementations (:func:`peers.topks`): SGLang's v2 and v1 load here (their JIT compiles on
+    first use, about a minute); says which stock top-k the run adds, and why SGLang's do not run."""
+    from . import peers
+
+    err.print("[dim]loading SGLang's top-k kernels (v2, v1; the first load JIT-compiles them)[/]")
+    topks = peers.topks(dev)
+    for key, why in topks.status.items():
+        if why != "live":
+            err.print(f"[yellow]{peers.TOPK_LABELS[key]}: {why}[/]")
+    if topks.stand_in:
+        err.print(f"[yellow]stock top-k: {peers.stand_in_note(topks.status.get(peers.SGLANG_V2))}[/]")
+    else:
+        err.print(f"[dim]stock top-k: {topks.stock.label}[/]")
+    return topks
 
 
 def _archs_option(ctx, param, values):
@@ -516,7 +617,7 @@ def _archs_option(ctx, param, values):
 
 @bench.command(name="resources")
 @click.option("--arch", "archs", multiple=True, callback=_archs_option,
-              help="target arch, sm_80 or newer (repeatable). [sm_80 sm_89 sm_90 sm_100 sm_120]")
+              help="target arch, sm_80 or newer (repeatable). [default: sm_80 sm_89 sm_90 sm_100 sm_120]")
 def resources_cmd(archs):
     """ptxas's registers / spills / shared memory of every product kernel config per target arch (NVRTC, no
     GPU), and the resident CTAs / warps per SM of the logits configs on each arch, as the README's tables."""
@@ -528,7 +629,9 @@ def resources_cmd(archs):
         runtime.cupy_module()
     except ImportError as exc:
         raise click.ClickException(f"bench resources compiles the kernels with NVRTC through CuPy: {exc}") from None
-    click.echo(resources.markdown(resources.rows(archs or resources.ARCHS)))
+    click.echo("NVRTC compiles every product config of each arch (minutes on a cold cache); each compile is named "
+               "on stderr as it starts.", err=True)
+    click.echo(resources.markdown(resources.rows(archs or resources.ARCHS, progress=lambda t: click.echo(t, err=True))))
     click.echo("\nResident CTAs x warps per SM of the logits product configs (bf16 keys, fp8 q; the limit that "
                "binds):\n")
     from cupy_dsa import arch as arch_limits
@@ -553,8 +656,7 @@ def report_cmd(json_files, markdown_path, plot_path, readme_path, allow_cpu_or_q
     """Re-print the tables of a saved JSON result (and its markdown headline / plot / README blocks).
 
     Several `cupy-dsa needle` results overlay: one table and one plot, a column / line per run (--label)."""
-    from . import needle, plots, provenance, readme, report, serve
-    from . import rescore as rescore_bench
+    from . import report
 
     docs = []
     for json_file in json_files:
@@ -562,6 +664,23 @@ def report_cmd(json_files, markdown_path, plot_path, readme_path, allow_cpu_or_q
             docs.append(json.loads(Path(json_file).read_text()))
         except ValueError as exc:
             raise click.BadParameter(f"{json_file}: not a JSON file: {exc}", param_hint="JSON_FILE")
+    same_kind = len({d.get("schema") if isinstance(d, dict) else None for d in docs}) == 1  # else: the mix is refused
+    for json_file, doc in zip(json_files, docs) if same_kind else ():  # a valid schema, a broken structure: refused
+        problem = report.structure_problem(doc)
+        if problem:
+            raise click.BadParameter(f"{json_file}: a {doc['schema']} document, but {problem}", param_hint="JSON_FILE")
+    try:
+        _report(json_files, docs, markdown_path, plot_path, readme_path, allow_cpu_or_quick)
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as exc:
+        # what the structure check does not reach (a row's fields): one message naming the file, no traceback
+        raise click.BadParameter(f"{', '.join(json_files)}: a field of the results is missing or of the wrong type "
+                                 f"({type(exc).__name__}: {exc})", param_hint="JSON_FILE") from None
+
+
+def _report(json_files, docs, markdown_path, plot_path, readme_path, allow_cpu_or_quick):
+    from . import needle, plots, provenance, readme, report, serve
+    from . import rescore as rescore_bench
+
     if any(needle.is_needle(d) for d in docs):
         if allow_cpu_or_quick:
             raise click.BadParameter("goes with --readme, which needle results do not take",
@@ -576,6 +695,13 @@ def report_cmd(json_files, markdown_path, plot_path, readme_path, allow_cpu_or_q
     if rescore_bench.is_rescore(doc):  # a `bench rescore` run: its table, its README block
         _report_rescore(json_file, doc, markdown_path, plot_path, readme_path, allow_cpu_or_quick)
         return
+    from . import variants
+
+    if isinstance(doc, dict) and doc.get("schema") == variants.EMULATE_SCHEMA:  # `bench variants --emulate`
+        _report_rescore(json_file, doc, markdown_path, plot_path, readme_path, allow_cpu_or_quick,
+                        md=variants.emulate_markdown(doc), blocks=readme.EMULATE_README_BLOCKS,
+                        what="a `bench variants --emulate` result")
+        return
     is_serve = isinstance(doc, dict) and doc.get("schema") == serve.SCHEMA
     if not is_serve and (not isinstance(doc, dict) or doc.get("schema") not in provenance.READABLE_SCHEMAS):
         raise click.BadParameter(f"expected schema {provenance.SCHEMA!r}, {serve.SCHEMA!r}, {rescore_bench.SCHEMA!r} or "
@@ -589,7 +715,8 @@ def report_cmd(json_files, markdown_path, plot_path, readme_path, allow_cpu_or_q
     if readme_path:  # decided before anything is printed or written
         try:
             update = readme.readme_update(Path(readme_path).read_text(), doc,
-                                          readme.SERVE_README_BLOCKS if is_serve else readme.README_BLOCKS)
+                                          readme.SERVE_README_BLOCKS if is_serve else
+                                          {**readme.README_BLOCKS, **readme.RECALL_DIVERSE_README_BLOCKS})
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="'--readme'")
         why = readme.not_gpu_figures(doc)
@@ -613,51 +740,52 @@ def report_cmd(json_files, markdown_path, plot_path, readme_path, allow_cpu_or_q
             for written in plots.plot(doc, plot_path):
                 click.echo(f"wrote {written}", err=True)
     if update is not None:
-        text, rewritten, kept = update
-        if rewritten:
-            Path(readme_path).write_text(text)
-            click.echo(f"{readme_path}: rewrote {', '.join('results:' + n for n in rewritten)}", err=True)
-        else:
-            click.echo(f"{readme_path}: nothing rewritten (the JSON holds data for none of its blocks)", err=True)
-        for name, why in kept.items():
-            click.echo(f"{readme_path}: kept results:{name} ({why})", err=True)
+        _write_readme(readme_path, update, "the JSON holds data for none of its blocks")
 
 
-def _report_rescore(json_file, doc, markdown_path, plot_path, readme_path, allow_cpu_or_quick):
-    """`bench report` of a `bench rescore` result: its markdown table, and its results:rescore README block."""
+def _write_readme(readme_path, update, why_none):
+    """Write a `report --readme` update and say which blocks it rewrote and kept, and why."""
+    text, rewritten, kept = update
+    if rewritten:
+        Path(readme_path).write_text(text)
+        click.echo(f"{readme_path}: rewrote {', '.join('results:' + n for n in rewritten)}", err=True)
+    else:
+        click.echo(f"{readme_path}: nothing rewritten ({why_none})", err=True)
+    for name, why in kept.items():
+        click.echo(f"{readme_path}: kept results:{name} ({why})", err=True)
+
+
+def _report_rescore(json_file, doc, markdown_path, plot_path, readme_path, allow_cpu_or_quick, md=None, blocks=None,
+                    what="a `bench rescore` result"):
+    """`bench report` of a `bench rescore` result (or another result of one markdown table: ``md``, ``blocks``): its
+    markdown table, and its README block."""
     from . import readme
     from . import rescore as rescore_bench
 
+    blocks = readme.RESCORE_README_BLOCKS if blocks is None else blocks
     if plot_path:
-        raise click.BadParameter("a `bench rescore` result has no plot", param_hint="'--plot'")
+        raise click.BadParameter(f"{what} has no plot", param_hint="'--plot'")
     if allow_cpu_or_quick and not readme_path:
         raise click.BadParameter("goes with --readme (it accepts a CPU or --quick run for the README's blocks)",
                                  param_hint="'--allow-cpu-or-quick'")
     update = None
     if readme_path:
         try:
-            update = readme.readme_update(Path(readme_path).read_text(), doc, readme.RESCORE_README_BLOCKS)
+            update = readme.readme_update(Path(readme_path).read_text(), doc, blocks)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="'--readme'")
         why = readme.not_gpu_figures(doc)
         if update[1] and why and not allow_cpu_or_quick:
-            raise click.BadParameter(f"{json_file} is {why}; pass --allow-cpu-or-quick to write results:rescore "
-                                     "anyway", param_hint="'--readme'")
-    md = rescore_bench.markdown(doc)
+            raise click.BadParameter(f"{json_file} is {why}; pass --allow-cpu-or-quick to write "
+                                     f"{', '.join('results:' + n for n in blocks)} anyway", param_hint="'--readme'")
+    md = rescore_bench.markdown(doc) if md is None else md
     if markdown_path:
         _write_markdown(md, markdown_path)
     if markdown_path != "-":
         click.echo(md)
     if update is not None:
-        text, rewritten, kept = update
-        if rewritten:
-            Path(readme_path).write_text(text)
-            click.echo(f"{readme_path}: rewrote {', '.join('results:' + n for n in rewritten)}", err=True)
-        else:
-            click.echo(f"{readme_path}: nothing rewritten (it has no results:rescore block, or the JSON holds no "
-                       "timed rows)", err=True)
-        for name, why in kept.items():
-            click.echo(f"{readme_path}: kept results:{name} ({why})", err=True)
+        _write_readme(readme_path, update, f"it has no {', '.join('results:' + n for n in blocks)} block, or the "
+                                           "JSON holds no rows for it")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -724,7 +852,7 @@ def _extra_body_option(ctx, param, value):
               metavar="URL", help="the server's OpenAI-compatible API (a URL without a path gets /v1).")
 @click.option("--model", default=None, help="served model name (default: the only model the server lists).")
 @click.option("--api-key", envvar="OPENAI_API_KEY", default="EMPTY", show_default=False,
-              help="the server's --api-key, if it was started with one. [$OPENAI_API_KEY or EMPTY]")
+              help="the server's --api-key, if it was started with one. [default: $OPENAI_API_KEY or EMPTY]")
 @click.option("--lengths", default="4K,8K,16K,32K,64K", show_default=True, callback=_lengths_option,
               help="context lengths in the server's tokens (comma list, K/M suffixes).")
 @click.option("--depths", default="0,0.25,0.5,0.75,1", show_default=True, callback=_depths_option,
@@ -734,7 +862,7 @@ def _extra_body_option(ctx, param, value):
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="seed of filler and needles.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True,
               help="output tokens per answer (raise it for a model that reasons before answering).")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+@click.option("--timeout", type=FiniteFloatRange(min=0, min_open=True), default=600.0, show_default=True,
               help="seconds per request (a long prefill takes a while).")
 @click.option("--retries", type=click.IntRange(min=0), default=2, show_default=True,
               help="retries of a request that timed out, could not connect or got HTTP 408/409/429/5xx.")
@@ -744,7 +872,7 @@ def _extra_body_option(ctx, param, value):
 @click.option("--extra-body", default=None, callback=_extra_body_option, metavar="JSON",
               help="JSON object merged into every request, e.g. '{\"chat_template_kwargs\": {\"thinking\": false}}'.")
 @click.option("--label", default=None, help="name of this run in tables, plots and overlays, e.g. the index-key "
-                                            "mode it was served with (fp8, fp8-cupy, bf16). [the model name]")
+                                            "mode it was served with (fp8, fp8-cupy, bf16). [default: the model name]")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True), default=None,
               callback=_writable_output, help="write the results as JSON (schema cupy-dsa-needle/1); '-' = stdout.")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
@@ -929,7 +1057,9 @@ def _run(ctx: click.Context, sections, o: dict) -> dict:
     needs_device = any(s in sections for s in ("store", "query", "logits", "recall"))
     if needs_device:
         dev, backend = _resolve_device(o["backend"].lower(), o["device"])
-    else:
+    else:  # `bytes` is arithmetic, but a device or backend that cannot be had is still an error (as for `store`)
+        if o["device"] is not None or o["backend"].lower() != "auto":
+            _resolve_device(o["backend"].lower(), o["device"])
         dev, backend = torch.device("cpu"), "none"
     quick = bool(o["quick"])  # on CPU the store/logits sizes are tiny either way (see --help)
     seed = int(o["seed"])
@@ -980,7 +1110,15 @@ def _run(ctx: click.Context, sections, o: dict) -> dict:
                                  + sweeps.verify_rows(dev, quick, seed, doc["ceilings"], progress)
                                  + sweeps.extend_rows(dev, quick, seed, doc["ceilings"], progress))
                 doc["notes"]["logits"] = [sweeps.LOGITS_COUNTED, sweeps.VERIFY_EXTEND_COUNTED]
-            if "recall" in sections:
+            if "recall" in sections and str(o["suite"]).lower() == "diverse":
+                from . import recall_diverse
+
+                doc["recall_diverse"] = recall_diverse.run(dev, quick, seed, progress)
+                doc["notes"]["recall_diverse"] = [recall_diverse.NOTE] + [
+                    f"{k}: {v}" for k, v in recall_diverse.FORMAT_NOTES.items()]
+                if any(r.get("error") for r in doc["recall_diverse"]):
+                    err.print("[red]recall (diverse): a context failed (see the 'error' fields)[/]")
+            elif "recall" in sections:
                 from . import recall
 
                 doc["recall"] = recall.run(dev, quick, seed, progress)

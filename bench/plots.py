@@ -15,10 +15,14 @@ from .report import _ok, _recall_rows, _route_pairs, _si, prefill_shape
 PLOT_SUFFIX = ".png"
 
 
-# Served formats (the modes a server runs: SGLang's fp8 default and the plugin's three bf16 modes) are drawn
-# last, solid, each in its own colour and marker, so that a format with the same figures (bf16+q-bf16 often
-# equals bf16) cannot hide them; the others are thin, dashed or dotted, with hollow markers.
-SERVED_FORMATS = ("bf16", "bf16-fp4sim", "bf16-reference", "fp8")
+# Served formats (the modes a server runs with their default settings: SGLang's fp8, the plugin's three bf16 modes
+# and fp8-rescore at K' = 4x with the bf16 stage-2 query) are drawn last, solid, each in its own colour and marker,
+# so that a format with the same figures (bf16+q-bf16 often equals bf16) cannot hide them, and labelled
+# "(served)"; the others are thin, dashed or dotted, with hollow markers.
+SERVED_FORMATS = ("bf16", "bf16-fp4sim", "bf16-reference", "fp8", "fp8-rescore-4x-bf16q")
+# fp8-rescore's smaller K' (2x, 3x) are in the tables and the JSON, not in the plot: one legend of the formats
+# that answer "which mode" (it had 15 entries per panel)
+PLOT_LEFT_OUT = ("fp8-rescore-2x", "fp8-rescore-3x", "fp8-rescore-2x-bf16q", "fp8-rescore-3x-bf16q")
 KEY_LAYOUTS = ("bf16", "fp8")  # the index-key layouts of the logits panels
 FORMAT_STYLE = {
     "bf16": dict(color="C0", marker="o", linestyle="-", linewidth=2.4, markersize=6, zorder=5),
@@ -41,7 +45,8 @@ FORMAT_STYLE = {
 
 
 def _plot_order(formats):
-    """Served formats last (drawn on top); their legend entries are put first by :func:`_served_legend`."""
+    """Served formats last (drawn on top); their legend entries are put first by :func:`_figure_legend`."""
+    formats = [f for f in formats if f not in PLOT_LEFT_OUT]
     return [f for f in formats if f not in SERVED_FORMATS] + [f for f in SERVED_FORMATS if f in formats]
 
 
@@ -54,10 +59,15 @@ RC = {"font.size": 9, "axes.titlesize": 9, "axes.labelsize": 9, "xtick.labelsize
 TICK_PT = 8
 
 
-def _served_legend(ax, **kw):
-    handles, labels = ax.get_legend_handles_labels()
-    order = sorted(range(len(labels)), key=lambda i: (labels[i].split(" ")[0] not in SERVED_FORMATS, i))
-    ax.legend([handles[i] for i in order], [labels[i] for i in order], **kw)
+def _figure_legend(fig, axes):
+    """One legend for the recall study's panels (they draw the same formats), served formats first."""
+    seen = {}
+    for ax in axes:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(label, h)
+    labels = sorted(seen, key=lambda lb: (lb.split(" ")[0] not in SERVED_FORMATS, list(seen).index(lb)))
+    if labels:
+        fig.legend([seen[lb] for lb in labels], labels, loc="outside right upper", title="format")
 
 
 def _needle_panel(ax, rec, k0, ctx):
@@ -74,7 +84,6 @@ def _needle_panel(ax, rec, k0, ctx):
     ax.set_ylim(-3, 103)
     ax.set_title(f"needle in top-{k0} vs margin, {_si(ctx)} tokens (synthetic)")
     ax.grid(alpha=0.3)
-    _served_legend(ax)
 
 
 def _recall_panel(ax, rec, kind):
@@ -104,7 +113,6 @@ def _recall_panel(ax, rec, kind):
         ax.set_title((f"recall@k vs exact fp64 ({styles})" if kind == "recall" else
                       f"top-k overlap with DeepSeek-V4 reference numerics ({styles})"))
     ax.grid(alpha=0.3)
-    _served_legend(ax)
 
 
 def _batch_labels(ax, names, offset=0.0):
@@ -296,6 +304,8 @@ def figures(doc: dict, path: str) -> list[tuple[str, object]]:
                 draw(ax)
             if not group:
                 axes[0, 0].text(0.5, 0.5, "no data", ha="center")
+            if group is recall:
+                _figure_legend(fig, axes.flat)
             what = " — recall study" if group is recall and perf else ""
             fig.suptitle(f"cupy-dsa bench{what} — {doc['device']} — {doc['date'][:10]} — "
                          f"{commit_text(doc, code=False)}", fontsize=11)
@@ -313,7 +323,8 @@ def plot(doc: dict, path: str) -> list[str]:
     written = []
     for file, fig in figures(doc, path):
         Path(file).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(file, dpi=110, format="png")
+        # the title in the PNG's metadata too: a test holds it to the JSON it was drawn from
+        fig.savefig(file, dpi=110, format="png", metadata={"Title": fig.get_suptitle(), "Software": "cupy-dsa bench"})
         plt.close(fig)
         written.append(file)
     return written

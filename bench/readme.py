@@ -1,10 +1,13 @@
-"""README blocks: the figures the README quotes, rendered from a results document (``<!-- results:NAME -->``
-... ``<!-- /results:NAME -->``)."""
+"""README blocks: the figures the README (and ``bench/results/README.md``) quote, rendered from a results document
+(``<!-- results:NAME -->`` ... ``<!-- /results:NAME -->``). A block whose run predates a change of ``kernels/``
+says so under its figures (:func:`stale_note`): its commit, and the last kernel commit since."""
 
 from __future__ import annotations
 
 import re
+import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from .provenance import commit_text
@@ -12,7 +15,56 @@ from .report import (_decode_pairs, _f, _margin, _md_verdict, _ok, _pct, _recall
                      _target_pct, prefill_shape, prefill_target, route_target)
 
 
-README_BLOCK = re.compile(r"(<!-- results:(?P<name>[a-z-]+) -->\n)(?P<body>.*?)(<!-- /results:(?P=name) -->)", re.S)
+README_BLOCK = re.compile(r"(<!-- results:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /results:(?P=name) -->)", re.S)
+
+KERNEL_PATHS = (":(top)kernels",)   # what a GPU figure measures: a change here makes older figures another commit's
+STALE_MARK = "**Stale:**"
+
+
+def _git(*args) -> str | None:
+    root = Path(__file__).resolve().parent
+    try:
+        r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def kernel_changes_since(commit: str) -> tuple[int, str, list[str]] | None:
+    """(commits that changed ``kernels/`` after ``commit`` up to HEAD, the last of them, the files they changed) or
+    None where git cannot say (no checkout, or a history without ``commit``: a shallow clone)."""
+    commit = commit.removesuffix("-dirty")
+    if _git("cat-file", "-e", f"{commit}^{{commit}}") is None:
+        return None
+    count = _git("rev-list", "--count", f"{commit}..HEAD", "--", *KERNEL_PATHS)
+    last = _git("log", "-1", "--format=%h", "--abbrev=12", f"{commit}..HEAD", "--", *KERNEL_PATHS)
+    files = _git("diff", "--name-only", f"{commit}..HEAD", "--", *KERNEL_PATHS)
+    if count is None or last is None or files is None:
+        return None
+    return int(count), last, files.split()
+
+
+def stale_note(doc: dict) -> str | None:
+    """The line a block carries when its run's commit predates a kernel change ("" when none does), or None when
+    git cannot tell (the check of the committed README then leaves the line out of the comparison)."""
+    commit = doc.get("git_commit") if isinstance(doc, dict) else None
+    if not commit:
+        return None
+    since = kernel_changes_since(commit)
+    if since is None:
+        return None
+    n, last, files = since
+    if n == 0:
+        return ""
+    short = commit.removesuffix("-dirty")
+    return (f"\n\n{STALE_MARK} measured at `{short}`; {n} later commit{'s' if n > 1 else ''} changed the kernels "
+            f"({', '.join(f'`{f}`' for f in files)}; the last: `{last}`), so these figures are `{short}`'s until a GPU "
+            "run re-measures them.")
+
+
+def without_stale_note(body: str) -> str:
+    """``body`` without its stale line (where git cannot tell whether it holds)."""
+    return re.sub(r"\n\n" + re.escape(STALE_MARK) + r"[^\n]*", "", body)
 
 
 def _range(values, fmt="{:.2f}", unit="x") -> str:
@@ -127,18 +179,25 @@ def readme_environment(doc) -> str:
 
 
 def readme_recall(doc) -> str:
-    """The recall study at its largest context: per format and k, needle resolution, recall vs the exact top-k and
-    overlap with the reference numerics' top-k."""
+    """The recall study at its largest context, one row per format: needle resolution, recall vs the exact top-k
+    and overlap with the reference numerics' top-k, at each k."""
     rows = [r for r in _recall_rows(doc) if not r.get("error")]
     if not rows:
         return "No recall run in this results file."
     ctx = max(r["context_tokens"] for r in rows)
-    lines = [f"At {_si(ctx)} tokens ({rows[0]['queries']} needles per format; synthetic keys):", "",
-             "| format | k | needle resolution | recall vs exact | overlap with reference |", "|---|---|---|---|---|"]
-    for r in rows:
-        if r["context_tokens"] == ctx:
-            lines.append(f"| {r['format']} | {r['k']} | {_margin(r['resolution'])} | {_pct(r['recall_mean'])} | "
-                         f"{_pct(r['ref_overlap_mean'])} |")
+    at = [r for r in rows if r["context_tokens"] == ctx]
+    ks = sorted({r["k"] for r in at})
+    head = ("| format | " + " | ".join(f"needle resolution, k {k}" for k in ks) + " | "
+            + " | ".join(f"recall vs exact, k {k}" for k in ks) + " | "
+            + " | ".join(f"overlap with reference, k {k}" for k in ks) + " |")
+    lines = [f"At {_si(ctx)} tokens ({at[0]['queries']} needles per format; synthetic keys):", "", head,
+             "|---|" + "---|" * (3 * len(ks))]
+    for fmt in dict.fromkeys(r["format"] for r in at):
+        by_k = {r["k"]: r for r in at if r["format"] == fmt}
+        cells = ([_margin(by_k[k]["resolution"]) if k in by_k else "—" for k in ks]
+                 + [_pct(by_k[k]["recall_mean"]) if k in by_k else "—" for k in ks]
+                 + [_pct(by_k[k]["ref_overlap_mean"]) if k in by_k else "—" for k in ks])
+        lines.append(f"| {fmt} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -220,6 +279,32 @@ RESCORE_README_BLOCKS = {
         v is not None for v in r.get("us", {}).values())], "no timed rows")),
 }
 
+# blocks rendered from a `bench recall --suite diverse` JSON (a `bench` JSON with recall_diverse rows)
+def _recall_diverse_block(doc) -> str:
+    from .recall_diverse import markdown
+
+    return markdown(doc.get("recall_diverse") or [])
+
+
+RECALL_DIVERSE_README_BLOCKS = {
+    "recall-diverse": Block(_recall_diverse_block, lambda d: _none_if(
+        [r for r in d.get("recall_diverse") or [] if not r.get("error") and not r.get("trivial")],
+        "no diverse recall rows (`cupy-dsa bench recall --suite diverse` makes them)")),
+}
+
+
+def _emulate_block(doc) -> str:
+    from .variants import emulate_markdown
+
+    return emulate_markdown(doc).strip()
+
+
+# blocks rendered from a `bench variants --emulate` JSON
+EMULATE_README_BLOCKS = {
+    "emulate-sm120": Block(_emulate_block, lambda d: None if d.get("target") == "sm_120" and d.get("rows") else
+                           "not an sm_120 emulation with rows"),
+}
+
 # blocks rendered from a `bench serve` JSON (the other blocks: from a `bench` JSON)
 def _serve_rescore_block(doc) -> str:
     from .serve import rescore_markdown
@@ -243,7 +328,7 @@ def not_gpu_figures(doc: dict) -> str | None:
     """Why ``doc`` is not a full-size GPU run (the README's figures are H200 runs), or None."""
     from .rescore import is_rescore
 
-    if is_rescore(doc):
+    if is_rescore(doc) or doc.get("schema") == "cupy-dsa-emulate/1":  # GPU-only commands
         return "a --quick run (smaller sizes)" if doc.get("quick") else None
     if doc.get("schema", "").startswith("cupy-dsa-serve"):
         return None if doc.get("measured") else "a run without a GPU (nothing measured)"
@@ -259,7 +344,8 @@ def readme_update(text: str, doc: dict, blocks: dict | None = None) -> tuple[str
     re-rendered, the names rewritten, {name: why kept} of the others). Blocks of the other results file are
     left as they are (and not listed); an unknown block name is a ValueError."""
     blocks = README_BLOCKS if blocks is None else blocks
-    known = {**README_BLOCKS, **SERVE_README_BLOCKS, **RESCORE_README_BLOCKS}
+    known = {**README_BLOCKS, **SERVE_README_BLOCKS, **RESCORE_README_BLOCKS, **EMULATE_README_BLOCKS,
+             **RECALL_DIVERSE_README_BLOCKS}
     rewritten, kept = [], {}
 
     def render(m):
@@ -273,7 +359,11 @@ def readme_update(text: str, doc: dict, blocks: dict | None = None) -> tuple[str
             kept[name] = why
             return m[0]
         rewritten.append(name)
-        return f"{m[1]}{blocks[name].render(doc)}\n{m[4]}"
+        note = stale_note(doc)
+        if note is None:  # git cannot tell: the block keeps the line it had
+            kept_note = re.search(r"\n\n" + re.escape(STALE_MARK) + r"[^\n]*", m["body"])
+            note = kept_note[0] if kept_note else ""
+        return f"{m[1]}{blocks[name].render(doc)}{note}\n{m[4]}"
 
     return README_BLOCK.sub(render, text), rewritten, kept
 

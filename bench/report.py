@@ -425,7 +425,16 @@ def print_all(console, doc, sections) -> None:
             print_fitted(console, rt, keys=3)
         for n in doc["notes"]["recall"]:
             console.print(f"  [dim]- {n}[/]")
-    errors = [r for s in ("store", "query", "logits", "recall") for r in doc.get(s, []) if r.get("error")]
+    if doc.get("recall_diverse"):  # `bench recall --suite diverse`
+        from .recall_diverse import markdown as diverse_markdown
+
+        console.print("recall, diverse suite (synthetic keys): share of the exact top-k missed per format, and its "
+                      "error budget", markup=False, highlight=False)
+        console.print(diverse_markdown(doc["recall_diverse"]), markup=False, highlight=False, soft_wrap=True)
+        for n in doc["notes"].get("recall_diverse", []):
+            console.print(f"  - {n}", markup=False, highlight=False, style="dim")
+    errors = [r for s in ("store", "query", "logits", "recall", "recall_diverse") for r in doc.get(s, [])
+              if r.get("error")]
     if errors:
         console.print(f"[red]{len(errors)} row(s) failed; see the 'error' fields.[/]")
 
@@ -544,3 +553,57 @@ def _route_pairs(doc):
     keys = dict.fromkeys((m, b, n) for m, b, n, _ in at)
     return [(m, b, n, at[m, b, n, "rows"], at[m, b, n, SERVED_ROUTE[m]]) for m, b, n in keys
             if (m, b, n, "rows") in at and (m, b, n, SERVED_ROUTE[m]) in at]
+
+
+# --------------------------------------------------------------------------------------------------
+# the structure `bench report` reads, checked before anything is rendered
+# --------------------------------------------------------------------------------------------------
+
+def _is(kind, v) -> bool:
+    if kind == "int":
+        return isinstance(v, int) and not isinstance(v, bool)
+    if kind == "rows":
+        return isinstance(v, list) and all(isinstance(r, dict) for r in v)
+    if kind == "ints":
+        return isinstance(v, list) and all(_is("int", x) for x in v)
+    return isinstance(v, {"str": str, "bool": bool, "dict": dict, "list": list}[kind])
+
+
+_BENCH_FIELDS = {"device": "str", "backend": "str", "quick": "bool", "ceilings": "dict", "targets": "dict",
+                 "notes": "dict", "bytes": "rows", "store": "rows", "logits": "rows", "recall": "rows",
+                 "query": "rows?"}
+# field -> kind ("?": may be absent or null); what the renderers of each result read without looking
+STRUCTURE = {
+    "cupy-dsa-bench/2": _BENCH_FIELDS,
+    "cupy-dsa-bench/1": _BENCH_FIELDS,
+    "cupy-dsa-serve/1": {"model": "dict", "batch": "int", "contexts": "ints", "next_n": "ints", "chunk": "ints",
+                         "memory": "rows", "timings": "rows", "measured": "bool", "device": "str?",
+                         "notes": "list?"},
+    "cupy-dsa-rescore/1": {"device": "str", "rows": "rows", "memory": "rows", "columns": "dict?"},
+    "cupy-dsa-emulate/1": {"device": "str", "target": "str", "rows": "rows", "ceilings": "dict"},
+    "cupy-dsa-needle/1": {"settings": "dict", "server": "dict", "cells": "rows", "label": "str",
+                          "calibration": "dict?"},
+}
+
+
+def structure_problem(doc) -> str | None:
+    """What in ``doc`` does not have the structure its schema promises (a field missing or of another type, a row
+    that is not an object), or None. Documents of other schemas are not judged here."""
+    fields = STRUCTURE.get(doc.get("schema")) if isinstance(doc, dict) else None
+    for name, kind in (fields or {}).items():
+        optional = kind.endswith("?")
+        kind = kind.rstrip("?")
+        if name not in doc or doc[name] is None:
+            if not optional:
+                return f"it has no {name!r} field"
+            continue
+        if not _is(kind, doc[name]):
+            want = {"rows": "a list of objects", "ints": "a list of integers", "int": "an integer",
+                    "str": "a string", "bool": "true or false", "dict": "an object", "list": "a list"}[kind]
+            return f"its {name!r} is {json_type(doc[name])}, expected {want}"
+    return None
+
+
+def json_type(v) -> str:
+    text = repr(v)
+    return f"{type(v).__name__} {text if len(text) <= 40 else text[:37] + '...'}"

@@ -4,15 +4,19 @@ this GPU.
 
 Per case, on the same synthetic keys (stored by ``store_index_k``: bf16 keys, and fp8 keys with their int8 residual
 pages in one launch), each column timed with the bench's CUDA-graph timer (:func:`.timing.time_calls`), the calls
-rotating over distinct page sets of the caches where one call's bytes fit in L2:
+rotating over distinct page sets of the caches where one call's bytes fit in L2. **top-k** is the stock top-k
+(issue 31): SGLang 0.5.23's own v2 kernel (``topk_transform_paged_v2``, the H200's default; its ``plan_topk_v2``
+built once outside the timing, as SGLang builds it once per forward) where SGLang's kernels run on this GPU, else
+``cupy_dsa.paged_topk`` standing in for it (the run's JSON says which, under ``topk``); every row its own length
+and page-table row, as SGLang passes them:
 
 * ``bf16``: our bf16 logits (``paged_mqa_logits``; extend / prefill: ``mqa_logits`` varlen over the request's
-  block-table row) + ``torch.topk(index_topk)``;
+  block-table row) + the top-k;
 * ``fp8``: the same on SGLang's fp8 keys (same query);
 * ``fp8 DeepGEMM``: DeepGEMM's fp8 logits as SGLang 0.5.23 calls them (:func:`.serve.fp8_route`: one row per token
   through ``fp8_paged_mqa_logits``; a one-request chunk of >= 8192 rows: the key gather + ``fp8_mqa_logits``) + the
-  same ``torch.topk`` (standing in for SGLang's sgl-kernel top-k; DeepGEMM's columns past a row's length are not
-  cleaned, the top-k's cost is the same); the schedule is built once outside the timing;
+  top-k: the stock step (DeepGEMM's columns past a row's length are not cleaned: the top-k reads only a row's
+  length); the schedule is built once outside the timing;
 * ``fp8-rescore``: the whole op (``rescore_topk`` / ``rescore_topk_prefill``) with our fp8 stage 1 (the plugin's
   ``stage1=cupy``: grouped verify, varlen extend);
 * ``fp8-rescore (DeepGEMM stage 1)``: DeepGEMM's paged logits, one row per token, passed unmasked as
@@ -20,7 +24,11 @@ rotating over distinct page sets of the caches where one call's bytes fit in L2:
 * ``stage 1``: our fp8 logits alone (what ``fp8-rescore`` computes first); ``stage 2 + selection``: ``rescore_topk``
   given those logits: K' candidates, stage-2 scores from hi + lo, the selection;
 * ``stage 1 (DeepGEMM)`` / ``stage 2 + selection (DeepGEMM logits)``: the same split of the DeepGEMM variant (the
-  selection reads only the columns a row sees, so unmasked logits cost nothing extra).
+  selection reads only the columns a row sees, so unmasked logits cost nothing extra);
+* ``top-k SGLang v2`` / ``top-k SGLang v1`` / ``top-k cupy_dsa`` / ``top-k torch.topk``: each top-k alone on the
+  stock step's logits (DeepGEMM's where it runs, else our fp8 logits): SGLang's v2 and v1 (sm_120's default) where
+  they run here, our ``paged_topk``, and ``torch.topk(index_topk)`` of every column (what these columns used before
+  issue 31).
 
 ``fp8-rescore`` = ``stage 1`` + ``stage 2 + selection`` up to launch overlap. Memory per index entry: bf16 256 B, fp8
 132 B, fp8-rescore 264 B (hi + lo). Public ops only.
@@ -49,14 +57,24 @@ BF16, FP8, FP8_DG = "bf16", "fp8", "fp8 DeepGEMM"
 RESCORE, RESCORE_DG = "fp8-rescore", "fp8-rescore (DeepGEMM stage 1)"
 STAGE1, STAGE2 = "stage 1", "stage 2 + selection"
 STAGE1_DG, STAGE2_DG = "stage 1 (DeepGEMM)", "stage 2 + selection (DeepGEMM logits)"
-COLUMNS = (BF16, FP8, FP8_DG, RESCORE, RESCORE_DG, STAGE1, STAGE2, STAGE1_DG, STAGE2_DG)
+# each top-k alone on the stock step's logits (issue 31), by peers.TOPK_KEYS
+TOPK_COLUMNS = {peers.SGLANG_V2: "top-k SGLang v2", peers.SGLANG_V1: "top-k SGLang v1",
+                peers.CUPY_DSA_TOPK: "top-k cupy_dsa", peers.TORCH_TOPK: "top-k torch.topk"}
+TOPK_V2, TOPK_V1, TOPK_OURS, TOPK_TORCH = TOPK_COLUMNS.values()
+COLUMNS = (BF16, FP8, FP8_DG, RESCORE, RESCORE_DG, STAGE1, STAGE2, STAGE1_DG, STAGE2_DG) + tuple(TOPK_COLUMNS.values())
 DEEPGEMM_COLUMNS = (FP8_DG, RESCORE_DG, STAGE1_DG, STAGE2_DG)
+SGLANG_COLUMNS = (TOPK_V2, TOPK_V1)
 
-LEGEND = {
+# what bf16 / fp8 / fp8 DeepGEMM added before issue 31 (runs without a "topk" record)
+TORCH_TOPK_LEGEND = {
     BF16: "our bf16-key logits + torch.topk(index_topk)",
     FP8: "our fp8-key logits + torch.topk(index_topk)",
     FP8_DG: "DeepGEMM's fp8 logits on SGLang 0.5.23's route for the step + torch.topk(index_topk) (standing in for "
             "SGLang's sgl-kernel top-k)",
+}
+
+LEGEND = {
+    **TORCH_TOPK_LEGEND,
     RESCORE: "rescore_topk / rescore_topk_prefill, the whole op, stage 1 by cupy_dsa's fp8 kernels",
     RESCORE_DG: "DeepGEMM's paged fp8 logits (one row per token) + rescore_topk given them unmasked (the plugin's "
                 "stage1=sglang)",
@@ -64,7 +82,29 @@ LEGEND = {
     STAGE2: "rescore_topk given stage 1's logits: K' candidates, stage 2 from hi + lo, the selection",
     STAGE1_DG: "DeepGEMM's paged fp8 logits alone (stage 1 of the DeepGEMM variant)",
     STAGE2_DG: "rescore_topk given DeepGEMM's unmasked logits (candidates, stage 2, selection)",
+    TOPK_V2: "SGLang 0.5.23's v2 top-k alone (topk_transform_paged_v2, its plan built once outside the timing) on "
+             "the stock step's logits",
+    TOPK_V1: "SGLang 0.5.23's v1 top-k alone (topk_transform_paged, sm_120's default) on the stock step's logits",
+    TOPK_OURS: "cupy_dsa.paged_topk alone on the stock step's logits",
+    TOPK_TORCH: "torch.topk(index_topk) alone on the stock step's logits (every column; what bf16 / fp8 / fp8 "
+                "DeepGEMM added before issue 31)",
 }
+
+
+def stock_topk_name(topk: dict) -> str:
+    """How a run's legend names its stock top-k (``topk``: :meth:`peers.TopKs.describe`)."""
+    if topk.get("stand_in"):
+        return f"cupy_dsa.paged_topk, STANDING IN for SGLang's v2 top-k ({topk.get('stand_in_note', 'SGLang not run')})"
+    return topk.get("stock_label") or topk.get("stock", "?")
+
+
+def legend(topk: dict) -> dict:
+    """The columns' legend for a run whose stock top-k is ``topk`` (:meth:`peers.TopKs.describe`)."""
+    name = stock_topk_name(topk)
+    return {**LEGEND,
+            BF16: f"our bf16-key logits + the stock top-k ({name})",
+            FP8: "our fp8-key logits + the stock top-k",
+            FP8_DG: "DeepGEMM's fp8 logits on SGLang 0.5.23's route for the step + the stock top-k: the stock step"}
 
 # memory per index entry; issue 26's target: fp8-rescore <= 1.05x bf16's
 MEMORY_TARGET_VS_BF16 = 1.05
@@ -241,11 +281,25 @@ def _inputs(c: Case, device, g, rot: int) -> Inputs:
 # the timed calls
 # --------------------------------------------------------------------------------------------------
 
-def _calls(c: Case, x: Inputs, dg) -> dict:
-    """{column: [one call per rotation]}; the DeepGEMM columns only with ``dg``."""
+def _bound(op, c: Case, x: Inputs) -> list:
+    """``op`` bound to each rotation's rows (lengths, page-table rows), its plan built once here (outside the
+    timing, as SGLang builds its plan once per forward)."""
+    out = []
+    for table in x.row_tables:
+        b = op.bind(x.lens_rows, table, c.index_topk)
+        b.plan()
+        out.append(b)
+    return out
+
+
+def _calls(c: Case, x: Inputs, dg, topks=None) -> dict:
+    """{column: [one call per rotation]}; the DeepGEMM columns only with ``dg``, SGLang's top-k only where
+    ``topks`` (:class:`peers.TopKs`; default: ours standing in) has it."""
+    topks = topks if topks is not None else peers.topks(x.q.device, sglang=False)
     topk = c.index_topk
     kp = c.k_prime
     rot = len(x.tables)
+    stock_topk = _bound(topks.stock, c, x)
     decode = c.phase in ("decode", "verify")
     if decode:
         plan = cupy_dsa.paged_mqa_logits_plan(x.lens, c.next_n)
@@ -270,13 +324,14 @@ def _calls(c: Case, x: Inputs, dg) -> dict:
     # stage 1 as the whole op runs it: the selection reads only the columns a row sees (no cleaning)
     stage1 = [ours(x.hi, i, clean=False) for i in range(rot)]  # stage 2's input, one per rotation
     calls = {
-        BF16: [lambda i=i: torch.topk(ours(x.bf16, i), topk, dim=1) for i in range(rot)],
-        FP8: [lambda i=i: torch.topk(ours(x.hi, i), topk, dim=1) for i in range(rot)],
+        BF16: [lambda i=i: stock_topk[i].select(ours(x.bf16, i)) for i in range(rot)],
+        FP8: [lambda i=i: stock_topk[i].select(ours(x.hi, i)) for i in range(rot)],
         RESCORE: [lambda i=i: whole(i, plan=plan) for i in range(rot)],
         STAGE1: [lambda i=i: ours(x.hi, i, clean=False) for i in range(rot)],
         STAGE2: [lambda i=i: whole(i, stage1_logits=stage1[i]) for i in range(rot)],
     }
     if dg is None:
+        calls.update(_topk_alone(topks, c, x, stage1))
         return calls
     # DeepGEMM's paged rows (SGLang's paged route, and the plugin's stage1=sglang), its schedule built here once
     _, dg_rows = peers.deepgemm_decode(dg, x.q_rows, x.hi, x.weights, x.lens_rows[:, None], x.row_tables[0], x.width)
@@ -299,12 +354,22 @@ def _calls(c: Case, x: Inputs, dg) -> dict:
         stock = [lambda i=i: dg_rows(x.row_tables[i]) for i in range(rot)]
     dg_stage1 = [dg_rows(x.row_tables[i]) for i in range(rot)]
     calls.update({
-        FP8_DG: [lambda i=i: torch.topk(stock[i](), topk, dim=1) for i in range(rot)],
+        FP8_DG: [lambda i=i: stock_topk[i].select(stock[i]()) for i in range(rot)],
         RESCORE_DG: [lambda i=i: rows_rescore(i, dg_rows(x.row_tables[i])) for i in range(rot)],
         STAGE1_DG: [lambda i=i: dg_rows(x.row_tables[i]) for i in range(rot)],
         STAGE2_DG: [lambda i=i: rows_rescore(i, dg_stage1[i]) for i in range(rot)],
     })
+    calls.update(_topk_alone(topks, c, x, [stock[i]() for i in range(rot)]))
     return calls
+
+
+def _topk_alone(topks, c: Case, x: Inputs, logits: list) -> dict:
+    """Each top-k of ``topks`` alone on the stock step's logits (one tensor per rotation)."""
+    out = {}
+    for key, op in topks.ops.items():
+        bound = _bound(op, c, x)
+        out[TOPK_COLUMNS[key]] = [lambda i=i, b=bound: b[i].select(logits[i]) for i in range(len(logits))]
+    return out
 
 
 def _key_bytes(c: Case) -> dict:
@@ -314,12 +379,14 @@ def _key_bytes(c: Case) -> dict:
     stage2 = c.rows * c.k_prime * rescore.TWO_LEVEL_BYTES_PER_TOKEN
     fp8 = entries * layouts.FP8_BYTES_PER_TOKEN
     return {BF16: entries * layouts.BF16_BYTES_PER_TOKEN, FP8: fp8, FP8_DG: fp8, RESCORE: fp8 + stage2,
-            RESCORE_DG: fp8 + stage2, STAGE1: fp8, STAGE2: stage2, STAGE1_DG: fp8, STAGE2_DG: stage2}
+            RESCORE_DG: fp8 + stage2, STAGE1: fp8, STAGE2: stage2, STAGE1_DG: fp8, STAGE2_DG: stage2,
+            **{col: 0 for col in TOPK_COLUMNS.values()}}
 
 
-def measure(c: Case, device, dg, dg_reason: str | None, seed: int, reps: int) -> dict:
+def measure(c: Case, device, dg, dg_reason: str | None, seed: int, reps: int, topks=None) -> dict:
     """One case: us per call of every column (None where it did not run, with why), per query row, and their
-    ratios to bf16 and to DeepGEMM's fp8 + top-k."""
+    ratios to bf16 and to DeepGEMM's fp8 + top-k (``topks``: :class:`peers.TopKs`, default ours standing in)."""
+    topks = topks if topks is not None else peers.topks(device, sglang=False)
     from .sweeps import _gen
     from .timing import rotations, time_calls
 
@@ -331,9 +398,12 @@ def measure(c: Case, device, dg, dg_reason: str | None, seed: int, reps: int) ->
            "key_bytes": _key_bytes(c)}
     for col in DEEPGEMM_COLUMNS if dg is None else ():
         row["errors"][col] = f"not measured: {dg_reason}"
+    for key, col in TOPK_COLUMNS.items():
+        if key not in topks.ops:
+            row["errors"][col] = f"not measured: {topks.status.get(key)}"
     try:
         x = _inputs(c, device, _gen(device, seed), rot)
-        calls = _calls(c, x, dg)
+        calls = _calls(c, x, dg, topks)
     except Exception as exc:  # one case failing must not end the run
         row["errors"]["inputs"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         return _ratios(row)
@@ -361,14 +431,16 @@ def _ratios(row: dict) -> dict:
 
 
 def rows(device: torch.device, quick: bool, seed: int, dg=None, dg_reason: str | None = "not asked for",
-         progress=None, phases=None) -> list[dict]:
-    """The measured rows of :func:`cases` (only ``phases`` when given)."""
+         progress=None, phases=None, topks=None) -> list[dict]:
+    """The measured rows of :func:`cases` (only ``phases`` when given); ``topks``: :class:`peers.TopKs` (default:
+    ours standing in for SGLang's)."""
+    topks = topks if topks is not None else peers.topks(device, sglang=False)
     case_list = [c for c in cases(device, quick) if phases is None or c.phase in phases]
     reps = (10 if quick else 25) if device.type == "cuda" else 2
     task = progress.add_task("rescore", total=len(case_list)) if progress is not None else None
     out = []
     for c in case_list:
-        out.append(measure(c, device, dg, dg_reason, seed, reps))
+        out.append(measure(c, device, dg, dg_reason, seed, reps, topks))
         if task is not None:
             progress.advance(task)
     return out
@@ -419,14 +491,18 @@ def _fmt_us(v) -> str:
 
 def markdown(doc: dict) -> str:
     """The run as markdown: a table per run (us per call; the fp8-rescore columns also per query row and as a
-    ratio to DeepGEMM's fp8 + top-k where measured), the legend, memory per index entry."""
-    cols = _columns_of(doc)
+    ratio to DeepGEMM's fp8 + top-k where measured), the legend, memory per index entry; runs that record their
+    stock top-k (issue 31) also name it and give the top-k columns a table of their own."""
+    topk_run = doc.get("topk")
+    cols = [c for c in _columns_of(doc) if c not in TOPK_COLUMNS.values()]
     dg = FP8_DG in cols
     topk = doc.get("index_topk") or (doc["rows"][0].get("index_topk") if doc["rows"] else INDEX_TOPK)
     head = (f"{doc.get('device') or 'no GPU'}{', quick sizes' if doc.get('quick') else ''}, commit "
             f"`{(doc.get('git_commit') or 'not recorded')[:12]}`: top-{topk} of each query row, time per call "
             f"({', '.join(sorted({r['timing'] for r in doc['rows'] if r.get('timing')})) or 'timing method not recorded'})"
             f"{'' if dg else '; DeepGEMM: ' + str(doc.get('deepgemm') or 'not recorded')}.")
+    if topk_run:
+        head += f" Stock top-k: {stock_topk_name(topk_run)}."
     ratio_cols = [(RESCORE, "fp8-rescore / fp8 DeepGEMM"), (RESCORE_DG, "fp8-rescore (DG stage 1) / fp8 DeepGEMM")] \
         if dg else [(RESCORE, "fp8-rescore / fp8")]
     hdr = ["case"] + cols + ["fp8-rescore per token"] + [name for _, name in ratio_cols]
@@ -446,14 +522,42 @@ def markdown(doc: dict) -> str:
     if nonpaged:
         lines += ["", f"fp8 DeepGEMM on SGLang's non-paged route (key gather + fp8_mqa_logits): {'; '.join(nonpaged)}; "
                       "every other case: paged rows."]
-    lines += ["", "Columns: " + "; ".join(f"**{c}**: {LEGEND[c]}" for c in cols) + "."]
+    if topk_run:
+        lines += _topk_table(doc)
+    names = {**LEGEND, **(doc.get("columns") or {})} if topk_run else LEGEND
+    shown = cols + ([c for c in TOPK_COLUMNS.values() if c in _columns_of(doc)] if topk_run else [])
+    lines += ["", "Columns: " + "; ".join(f"**{c}**: {names[c]}" for c in shown) + "."]
     mem = doc.get("memory") or memory_rows()
     parts = [f"{m['layout']} {m['bytes_per_entry']} B ({m['vs_bf16']:.2f}x bf16"
              + (f", target <= {m['target_vs_bf16']:.2f}x: {m['verdict']}" if m.get("target_vs_bf16") else "") + ")"
              for m in mem]
     lines += ["", "Memory per index entry: " + ", ".join(parts) + "."]
+    hidden = set(DEEPGEMM_COLUMNS) if not dg else set()
+    if topk_run:  # a top-k that does not run here is named once, in the head or the top-k table
+        hidden |= set(SGLANG_COLUMNS)
     errors = [f"{_row_label(r)}: {k}: {v}" for r in doc["rows"] for k, v in (r.get("errors") or {}).items()
-              if k not in DEEPGEMM_COLUMNS or dg]
+              if k not in hidden]
     if errors:
         lines += ["", "Not measured: " + "; ".join(errors) + "."]
     return "\n".join(lines) + "\n"
+
+
+def _topk_table(doc: dict) -> list[str]:
+    """The top-k columns of a run (each alone on the stock step's logits), with ours over SGLang v2's."""
+    have = [c for c in TOPK_COLUMNS.values() if c in _columns_of(doc)]
+    if not have:
+        return []
+    status = doc["topk"].get("status") or {}
+    lines = ["", "Each top-k alone on the stock step's logits (us per call):", "",
+             "| case | " + " | ".join(have) + (" | cupy_dsa / SGLang v2 |" if TOPK_V2 in have else " |"),
+             "|---|" + "---|" * (len(have) + (TOPK_V2 in have))]
+    for r in doc["rows"]:
+        cells = [_row_label(r)] + [_fmt_us(_us(r, c)) for c in have]
+        if TOPK_V2 in have:
+            a, b = _us(r, TOPK_OURS), _us(r, TOPK_V2)
+            cells.append("—" if a is None or not b else f"{a / b:.2f}x")
+        lines.append("| " + " | ".join(cells) + " |")
+    missing = [f"{TOPK_COLUMNS[k]}: {why}" for k, why in status.items() if why != "live" and TOPK_COLUMNS.get(k)]
+    if missing:
+        lines += ["", "Not run: " + "; ".join(missing) + "."]
+    return lines

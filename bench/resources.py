@@ -8,11 +8,15 @@ from cupy_dsa import launch, runtime
 ARCHS = ("sm_80", "sm_89", "sm_90", "sm_100", "sm_120")
 
 
-def rows(archs=ARCHS) -> list[dict]:
+def rows(archs=ARCHS, progress=None) -> list[dict]:
+    """ptxas's resources of every product config per arch; ``progress(text)`` is told each compile as it starts
+    (a cold compile of all of them takes minutes)."""
     out = []
     for arch in archs:
         configs = {c.expr: c for f in launch.families().values() for c in f.product(arch)}
         for source, exprs in launch.product_expressions(arch).items():
+            if progress:
+                progress(f"compiling {source} for {arch} ({len(exprs)} product configs)")
             _, lowered, log = runtime.compile_cubin(source, exprs, arch, resource_usage=True)
             for expr, r in runtime.ptxas_resources(log, lowered).items():
                 out.append(dict(r, arch=arch, config=expr, dynamic_smem=configs[expr].smem))

@@ -25,8 +25,9 @@ class GpuModel:
 
 RTX_PRO_6000 = GpuModel(
     "RTX PRO 6000 Blackwell (sm_120, 188 SMs)", 1.792e12, 417e12, 610e12,
-    "1,792 GB/s (512-bit GDDR7 at 28 Gbps, spec sheet); 417 TFLOP/s: a torch bf16 GEMM measured at 8192^3 on the "
-    "Server Edition; 610 TFLOP/s: cuBLAS MXFP8 GEMMs measured on the same class")
+    "1,792 GB/s: the spec sheet's 512-bit GDDR7 at 28 Gbps; 417 TFLOP/s bf16 and 610 TFLOP/s fp8: ASSUMED dense "
+    "tensor-core rates reached by large GEMMs on this GPU class, figures from third-party reports that this project "
+    "did not measure and has no source on record for; the model scales with them")
 
 
 def case_work(case, layout: str) -> tuple[float, float]:
@@ -80,14 +81,19 @@ def markdown(rows: list[dict], gpu: GpuModel, model_name: str, n_c4: int) -> str
     return "\n".join(lines)
 
 
+README_BATCH = 64  # the batch of the H200 cost table (`bench serve --batch 64`), so the two read side by side
+
+
 def readme_block() -> str:
-    """The README's model table: V4-Flash, batch 32 decode and verify next_n 4 at 8K / 32K / 128K tokens, prefill
-    chunks of 4,096 and 16,384 tokens (``bench serve``'s cases; ``bench serve`` prints the model of any case)."""
-    from .serve import BUILTIN, cases
+    """The README's model table: V4-Flash, batch 64 (the H200 cost table's) decode and verify next_n 4 at 8K / 32K
+    / 128K tokens, prefill chunks of 4,096 and 16,384 tokens (``bench serve``'s cases; ``bench serve`` prints the
+    model of any case)."""
+    from .models import BUILTIN
+    from .serve import cases
 
     model = BUILTIN["v4-flash"]
     ctx = (8192, 32768, 131072)
-    case_list = [c for c in cases(32, ctx, 1, 4096) if c.phase == "decode"]
-    case_list += [c for c in cases(32, ctx, 4, 4096) if c.phase == "verify"]
+    case_list = [c for c in cases(README_BATCH, ctx, 1, 4096) if c.phase == "decode"]
+    case_list += [c for c in cases(README_BATCH, ctx, 4, 4096) if c.phase == "verify"]
     case_list += [c for chunk in (4096, 16384) for c in cases(1, ctx, 1, chunk) if c.phase == "prefill"]
     return markdown(model_rows(case_list, model.n_c4), RTX_PRO_6000, model.name, model.n_c4)

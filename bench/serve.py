@@ -9,9 +9,12 @@ gathers the request's fp8 keys and runs ``fp8_mqa_logits``, every other step ``f
 per token; our store op writing the fp8 layout stands in for SGLang's fp8 store kernel. Top-k is the same in
 all three and left out.
 
-fp8-rescore (issue 26) replaces the top-k, so it is compared with the stock step plus a top-k: ``fp8+topk`` is the
-fp8 step with ``torch.topk(index_topk)`` of each layer's logits (a named stand-in: SGLang's sgl-kernel top-k is not
-installed where the bench runs); ``fp8-rescore`` is the store of the hi and lo pages in one launch, then per layer
+fp8-rescore (issue 26) replaces the top-k, so it is compared with the steps plus a top-k (issue 31): ``fp8+topk`` is
+the fp8 step with the stock top-k of each layer's logits: SGLang 0.5.23's own v2 kernel (``plan_topk_v2`` once per
+forward, ``topk_transform_paged_v2`` per layer) where SGLang's kernels run on the GPU, else ``cupy_dsa.paged_topk``
+standing in for it (named as such in the results); ``bf16+topk`` the bf16 step with the same top-k (what the
+plugin's bf16 mode runs: our logits, SGLang's top-k); ``fp8-rescore`` is the store of the hi and lo pages in one
+launch, then per layer
 ``rescore_topk`` (decode rows, grouped verify) or ``rescore_topk_prefill`` (the chunk's varlen rows), stage 1 by
 cupy_dsa's fp8 kernels (the plugin's ``stage1=cupy``); ``fp8-rescore-dg`` the same store, then per layer
 DeepGEMM's paged fp8 logits (one row per token) and ``rescore_topk`` given them (the plugin's ``stage1=sglang``).
@@ -30,7 +33,8 @@ import torch
 from cupy_dsa.layouts import BYTES_PER_TOKEN, HEAD_DIM, N_HEADS, PAGE_SLOTS
 from cupy_dsa.rescore import TWO_LEVEL_BYTES_PER_TOKEN
 
-from .bytes import C4_RATIO, C128_RATIO, v4_compress_ratios
+from .bytes import C4_RATIO, C128_RATIO
+from .models import BUILTIN, ServeModel
 
 SCHEMA = "cupy-dsa-serve/1"
 GIB = 2**30
@@ -67,12 +71,13 @@ FP8_NONPAGED = "non-paged gather + fp8_mqa_logits"
 FP8_PAGED = "paged rows"
 
 # What `measure` times: (layout name, cache layout); "fp8", "fp8+topk" and "fp8-rescore-dg" call DeepGEMM.
-TIMED = (("bf16", "bf16"), ("fp8-cupy", "fp8"), ("fp8", "fp8"), ("fp8+topk", "fp8"), ("fp8-rescore", "fp8-rescore"),
-         ("fp8-rescore-dg", "fp8-rescore"))
+TIMED = (("bf16", "bf16"), ("bf16+topk", "bf16"), ("fp8-cupy", "fp8"), ("fp8", "fp8"), ("fp8+topk", "fp8"),
+         ("fp8-rescore", "fp8-rescore"), ("fp8-rescore-dg", "fp8-rescore"))
 NEEDS_DEEPGEMM = ("fp8", "fp8+topk", "fp8-rescore-dg")
-OURS = ("bf16", "fp8-cupy", "fp8-rescore")  # our logits (or rescore op) on the plugin's routes
-MS_KEY = {"bf16": "bf16_ms", "fp8-cupy": "fp8_cupy_ms", "fp8": "fp8_ms", "fp8+topk": "fp8_topk_ms",
-          "fp8-rescore": "fp8_rescore_ms", "fp8-rescore-dg": "fp8_rescore_dg_ms"}
+OURS = ("bf16", "bf16+topk", "fp8-cupy", "fp8-rescore")  # our logits (or rescore op) on the plugin's routes
+WITH_TOPK = ("bf16+topk", "fp8+topk")  # the step + the stock top-k of each layer's logits
+MS_KEY = {"bf16": "bf16_ms", "bf16+topk": "bf16_topk_ms", "fp8-cupy": "fp8_cupy_ms", "fp8": "fp8_ms",
+          "fp8+topk": "fp8_topk_ms", "fp8-rescore": "fp8_rescore_ms", "fp8-rescore-dg": "fp8_rescore_dg_ms"}
 # bytes per index entry of each cache layout: fp8-rescore keeps SGLang's fp8 page (hi) and an int8 residual page (lo)
 ENTRY_BYTES = {**BYTES_PER_TOKEN, "fp8-rescore": TWO_LEVEL_BYTES_PER_TOKEN}
 
@@ -85,15 +90,37 @@ RESCORE_TARGET_CHUNKS = (4096, 16384)
 RESCORE_TARGET_CONTEXTS = (32768, 131072)   # inclusive range of the prefix
 RESCORE_MEMORY_TARGET = 1.05
 
+# Issue 31's targets (H200, --batch 48, next_n 1 and 3, chunk 8192, DeepGEMM live): fp8-rescore with DeepGEMM's stage 1
+# (fp8-rescore-dg) over the stock step (fp8+topk) and over bf16+topk, both with the stock top-k, by (phase, context)
+TARGETS_31 = {("decode", 98304): (("fp8+topk", 1.3), ("bf16+topk", 0.75)),
+              ("decode", 24576): (("bf16+topk", 1.0),),
+              ("prefill", 98304): (("bf16+topk", 0.9),),
+              ("prefill", 24576): (("bf16+topk", 1.0),)}
+TARGETS_31_BATCH = 48
+TARGETS_31_CHUNK = 8192
+BASIS_KEY = {"fp8+topk": "fp8_topk_ms", "bf16+topk": "bf16_topk_ms"}
+
+
+def targets_31(case) -> tuple:
+    """Issue 31's bounds on fp8-rescore-dg's step for a case (a Case or a timing row): ((basis layout, bound), ...)."""
+    get = case.get if isinstance(case, dict) else (lambda k: getattr(case, k))
+    if get("phase") == "prefill":
+        return TARGETS_31.get(("prefill", get("context")), ()) if get("chunk") == TARGETS_31_CHUNK else ()
+    return TARGETS_31.get(("decode", get("context")), ()) if get("batch") == TARGETS_31_BATCH else ()
+
+
 RESCORE_COUNTED = (
     "fp8-rescore rows (top-k included, over every C4 layer): 'fp8 + top-k' = the fp8 step (DeepGEMM on SGLang's "
-    "route) + torch.topk(index_topk) of each layer's logits, a stand-in for SGLang's sgl-kernel top-k (not installed "
-    "where the bench runs); 'fp8-rescore' = store of the hi and lo pages in one launch + rescore_topk (decode rows, "
+    "route) + the stock top-k of each layer's logits (the run's 'topk': SGLang 0.5.23's v2 kernel where it runs, its "
+    "plan once per forward, else cupy_dsa.paged_topk standing in for it), every row its own length and page-table "
+    "row; 'bf16 + top-k' = the bf16 step + the same top-k; 'fp8-rescore' = store of the hi and lo pages in one "
+    "launch + rescore_topk (decode rows, "
     "grouped verify) / rescore_topk_prefill (the chunk's varlen rows, every row its whole range) per layer, stage 1 "
     "by cupy_dsa's fp8 kernels, K' = 4 x index_topk, the plan once per forward (the plugin's stage1=cupy); "
     "'fp8-rescore, DeepGEMM stage 1' = the same store + DeepGEMM's paged fp8 logits (one row per token, the schedule "
     "once per forward) + rescore_topk given them unmasked (the plugin's stage1=sglang). Ratios: to 'fp8 + top-k' "
-    "(the fair one, the targets' basis) and to the plain fp8 step.")
+    "(the stock step), to 'bf16 + top-k' and to the plain fp8 step. 'top-k alone': each top-k implementation over "
+    "one layer's stock logits, once per C4 layer (its plan once), ms per forward.")
 
 
 def rescore_target(case) -> float | None:
@@ -105,27 +132,6 @@ def rescore_target(case) -> float | None:
     if get("phase") == "prefill" and get("chunk") in RESCORE_TARGET_CHUNKS and lo <= get("context") <= hi:
         return RESCORE_TARGET_PREFILL
     return None
-
-
-@dataclass(frozen=True)
-class ServeModel:
-    name: str
-    n_layers: int
-    n_c4: int
-    index_topk: int
-    source: str
-    assumed: str | None  # why a figure is assumed, or None when every figure is read
-
-
-BUILTIN = {
-    "v4-flash": ServeModel("DeepSeek-V4-Flash", 43, v4_compress_ratios(43)[:43].count(C4_RATIO), 512,
-                           "built-in (V4-Flash HF config.json: num_hidden_layers 43, compress_ratios "
-                           "[0, 0, 4, 128, ..., 128, 4, 0] of 44 entries, the last the MTP layer's)", None),
-    "v4-pro": ServeModel("DeepSeek-V4-Pro", 61, v4_compress_ratios(61)[:61].count(C4_RATIO), 1024,
-                         "built-in (index_topk 1024 per vLLM #40811)",
-                         "61 layers with V4-Flash's compress_ratios pattern are ASSUMED (no published V4-Pro layer "
-                         "count was at hand); pass --model <config.json> for the real figure"),
-}
 
 
 RATIOS = (0, C4_RATIO, C128_RATIO)  # what a DeepSeek-V4 layer compresses by (0: window only)
@@ -287,11 +293,17 @@ class Forward:
     layer_caches: int
     gathers: Callable[[], None] | None = None
     gather_op: str | None = None
+    logits: Callable[[], torch.Tensor] | None = None   # one layer's logits (the layouts with a top-k)
+    topk_rows: tuple | None = None                     # (lens, page table), one row per logits row, for the top-k
 
 
-def _forward(case: Case, layout: str, model: ServeModel, device, g, dg) -> Forward:
+def _forward(case: Case, layout: str, model: ServeModel, device, g, dg, query: str | None = None,
+             topk=None) -> Forward:
     """One layout of :data:`TIMED`: ``bf16`` and ``fp8-cupy`` run our ops on the plugin's routes (bf16 rows, or
-    SGLang's fp8 rows), ``fp8`` DeepGEMM on SGLang's route for the step (:func:`fp8_route`)."""
+    SGLang's fp8 rows), ``fp8`` DeepGEMM on SGLang's route for the step (:func:`fp8_route`); ``bf16+topk`` and
+    ``fp8+topk`` add ``topk`` (a :class:`peers.TopKOp`, default cupy_dsa's standing in for SGLang's) per layer.
+    ``query`` (a layout of :data:`QUERY_LAYOUTS`): each layer's query is prepared in the step from wq_b-shaped bf16
+    rows (:func:`_query_prep`) with that numerics, and the logits take it."""
     import cupy_dsa
     from cupy_dsa import rescore
 
@@ -329,10 +341,11 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg) -> Forwa
         weights = torch.rand(T, N_HEADS, device=device, generator=g) / math.sqrt(N_HEADS * HEAD_DIM)
         lens = (prefix + (torch.arange(T, device=device) + 1) // C4_RATIO).to(torch.int32)
         ks, ke = _sgl_topk_ranges(torch.zeros(T, dtype=torch.int32, device=device), lens, model.index_topk)
+        topk_rows = (lens, table.expand(T, -1).contiguous())  # SGLang's top-k: every row its whole length
         if ours:
             cu_rows = torch.tensor([0, T], dtype=torch.int32, device=device)
 
-            def layer_logits(cache, plan):
+            def layer_logits(cache, plan, q=q, weights=weights):
                 if two_level:  # every row keeps its whole range: the rescored top-k replaces SGLang's
                     return rescore.rescore_topk_prefill(q, weights, cache[0], cache[1], torch.zeros_like(lens), lens,
                                                         table, model.index_topk, cu_rows=cu_rows, plan=plan)
@@ -350,8 +363,9 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg) -> Forwa
         q = torch.randn(B, n, N_HEADS, HEAD_DIM, device=device, generator=g).to(torch.float8_e4m3fn)
         weights = torch.rand(B * n, N_HEADS, device=device, generator=g) / math.sqrt(N_HEADS * HEAD_DIM)
         lens = lens_2d.reshape(-1) if n == 1 else lens_2d
+        topk_rows = (lens_2d.reshape(-1).contiguous(), table.repeat_interleave(n, 0))
         if ours:
-            def layer_logits(cache, plan):
+            def layer_logits(cache, plan, q=q, weights=weights):
                 if two_level:
                     return rescore.rescore_topk(q, weights, cache[0], cache[1], lens, table, model.index_topk,
                                                 plan=plan)
@@ -363,14 +377,25 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg) -> Forwa
             q_rows = q.view(B * n, 1, N_HEADS, HEAD_DIM)
             row_table, lens_rows = table.repeat_interleave(n, 0), lens_2d.reshape(-1).contiguous()
 
+    selection = None
+    if layout in WITH_TOPK:
+        selection = (topk or peers.cupy_dsa_topk()).bind(*topk_rows, model.index_topk)
+
     if ours:
+        prep = _query_prep(query, q.shape, device, g) if query is not None else None
+
         def forward():
             plan = build_plan()  # ForwardPlans: the first C4 layer builds it, the others reuse it
+            if selection is not None:
+                selection.plan()  # SGLang's top-k plan: once per forward, with the forward's metadata
             for i in range(model.n_c4):
                 store(caches[i % len(caches)])
-                layer_logits(caches[i % len(caches)], plan)
+                logits = layer_logits(caches[i % len(caches)], plan, *(prep() if prep is not None else ()))
+                if selection is not None:
+                    selection.select(logits)
 
-        return Forward(forward, len(caches))
+        return Forward(forward, len(caches), logits=lambda: layer_logits(caches[0], build_plan()),
+                       topk_rows=topk_rows)
 
     # SGLang builds the paged schedule once per forward on either route (PagedIndexerMetadata.__post_init__,
     # srt/layers/attention/dsv4/metadata.py); DeepGEMM's stands in for it
@@ -403,25 +428,31 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg) -> Forwa
         def layer_logits(i):
             return calls[i % len(calls)]()
 
-    with_topk = layout == "fp8+topk"
-
     def forward():
         schedule()
+        if selection is not None:
+            selection.plan()  # SGLang builds its top-k plan once per forward (PagedIndexerMetadata)
         for i in range(model.n_c4):
             store(caches[i % len(caches)])
             logits = layer_logits(i)
-            if with_topk:  # stand-in for SGLang's sgl-kernel top-k over the stock logits
-                torch.topk(logits, min(model.index_topk, logits.shape[1]), dim=1)
+            if selection is not None:
+                selection.select(logits)
 
-    return Forward(forward, len(caches), gathers if layout == "fp8" else None, gather_op)
+    return Forward(forward, len(caches), gathers if layout == "fp8" else None, gather_op,
+                   logits=lambda: layer_logits(0), topk_rows=topk_rows)
 
 
-def measure(case: Case, model: ServeModel, device, dg, seed: int, reps: int, layouts=None) -> dict:
+def measure(case: Case, model: ServeModel, device, dg, seed: int, reps: int, layouts=None, topks=None) -> dict:
     """ms of one forward for each layout of :data:`TIMED` (``layouts``: only those; the DeepGEMM ones only with
     ``dg``), for one case; the fp8 row says its route and, on the non-paged route, what gathered the keys and the
-    ms the gathers take of the step; fp8-rescore's ratios to fp8 + top-k and to fp8, and its target's verdict."""
+    ms the gathers take of the step; fp8-rescore's ratios to fp8 + top-k, bf16 + top-k and fp8, and its targets'
+    verdicts. ``topks`` (:class:`peers.TopKs`; default cupy_dsa's standing in): the stock top-k of the ``+topk``
+    layouts, and each of its top-ks alone over one layer's stock logits, once per C4 layer."""
+    from . import peers
     from .sweeps import _gen, _verdict
     from .timing import time_calls
+
+    topks = topks if topks is not None else peers.topks(device, sglang=False)
 
     row = {"phase": case.phase, "batch": case.batch, "context": case.context, "next_n": case.next_n,
            "chunk": case.chunk, "new_entries": case.new_entries, "bf16_ms": None, "fp8_ms": None,
@@ -432,14 +463,20 @@ def measure(case: Case, model: ServeModel, device, dg, seed: int, reps: int, lay
            "fp8_topk_ms": None, "fp8_rescore_ms": None, "fp8_rescore_dg_ms": None,
            "rescore_vs_fp8_topk": None, "rescore_vs_fp8": None, "rescore_dg_vs_fp8_topk": None,
            "rescore_dg_vs_fp8": None, "rescore_target_ratio": rescore_target(case), "rescore_verdict": None,
-           "rescore_dg_verdict": None}
+           "rescore_dg_verdict": None, "stock_topk": topks.stock.key, "bf16_topk_ms": None,
+           "rescore_vs_bf16_topk": None, "rescore_dg_vs_bf16_topk": None, "targets_31": [], "topk_alone_ms": {},
+           "topk_alone_on": None}
+    sample = None  # (logits, (lens, table)) of one layer: the top-k alone runs on it
     for layout, _ in TIMED:
         if (layout in NEEDS_DEEPGEMM and dg is None) or (layouts is not None and layout not in layouts):
             continue
         try:
-            fwd = _forward(case, layout, model, device, _gen(device, seed), dg)
+            fwd = _forward(case, layout, model, device, _gen(device, seed), dg, topks.stock)
             t = time_calls([fwd.run], device, reps=reps)
             row[MS_KEY[layout]] = t.seconds * 1e3
+            if layout in WITH_TOPK and (sample is None or layout == "fp8+topk"):  # the stock logits first
+                sample = (fwd.logits(), fwd.topk_rows)
+                row["topk_alone_on"] = layout
             row["layer_caches"][layout] = fwd.layer_caches
             row["timing"] = t.method
             if fwd.gathers is not None:
@@ -451,6 +488,9 @@ def measure(case: Case, model: ServeModel, device, dg, seed: int, reps: int, lay
             row["error"] = f"{row['error']}; {failed}" if row["error"] else failed
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if sample is not None:
+        _time_topk_alone(row, sample, topks, model, device, reps)
+        del sample
     if row["bf16_ms"] is not None and row["fp8_ms"] is not None:
         row["added_ms"] = row["bf16_ms"] - row["fp8_ms"]
         row["ratio"] = row["bf16_ms"] / row["fp8_ms"]
@@ -466,7 +506,35 @@ def measure(case: Case, model: ServeModel, device, dg, seed: int, reps: int, lay
                                                  higher_is_better=False)
         if row["fp8_ms"] is not None:
             row[f"{variant}_vs_fp8"] = row[key] / row["fp8_ms"]
+        if row["bf16_topk_ms"] is not None:
+            row[f"{variant}_vs_bf16_topk"] = row[key] / row["bf16_topk_ms"]
+    for basis, bound in targets_31(case):
+        ratio = (row["fp8_rescore_dg_ms"] / row[BASIS_KEY[basis]]
+                 if row["fp8_rescore_dg_ms"] is not None and row[BASIS_KEY[basis]] is not None else None)
+        row["targets_31"].append({"basis": basis, "target": bound, "ratio": ratio,
+                                  "verdict": _verdict(ratio, bound, higher_is_better=False)})
     return row
+
+
+def _time_topk_alone(row: dict, sample, topks, model: ServeModel, device, reps: int) -> None:
+    """ms per forward of each top-k of ``topks`` alone: its plan once, then one selection per C4 layer over the
+    sampled layer's logits (L2-warm where they fit, as right after the logits kernel)."""
+    from .timing import time_calls
+
+    logits, (lens, table) = sample
+    for key, op in topks.ops.items():
+        try:
+            bound = op.bind(lens, table, model.index_topk)
+
+            def forward(bound=bound):
+                bound.plan()
+                for _ in range(model.n_c4):
+                    bound.select(logits)
+
+            row["topk_alone_ms"][key] = time_calls([forward], device, reps=reps).seconds * 1e3
+        except Exception as exc:  # one top-k failing must not end the run
+            failed = f"top-k {key}: {type(exc).__name__}: {str(exc)[:200]}"
+            row["error"] = f"{row['error']}; {failed}" if row["error"] else failed
 
 
 def plot(doc: dict, path: str) -> None:
@@ -554,6 +622,7 @@ def markdown(doc: dict, with_rescore: bool = True) -> str:
         lines += ["", f"The non-paged route's key gather: {'; '.join(gather_ops)}."]
     if with_rescore:
         lines += rescore_markdown(doc)
+    lines += query_markdown(doc)
     mem = {r["layout"]: r for r in doc["memory"]}
     if {"bf16", "fp8"} <= mem.keys():
         b, f = mem["bf16"], mem["fp8"]
@@ -572,10 +641,13 @@ def markdown(doc: dict, with_rescore: bool = True) -> str:
 
 
 def rescore_markdown(doc: dict) -> list[str]:
-    """fp8-rescore's table (lines to append), for runs that timed it; none for older runs."""
+    """fp8-rescore's table (lines to append), for runs that timed it; none for older runs. Runs that record their
+    stock top-k (issue 31) get its table (:func:`topk_markdown`); the earlier ones (torch.topk) theirs."""
     rows = [r for r in doc["timings"] if r.get("fp8_rescore_ms") is not None or r.get("fp8_rescore_dg_ms") is not None]
     if not rows:
         return []
+    if doc.get("topk"):
+        return topk_markdown(doc, rows)
     dg = any(r.get("fp8_rescore_dg_ms") is not None for r in rows)
 
     def ms(r, k):
@@ -620,5 +692,182 @@ def rescore_markdown(doc: dict) -> list[str]:
     return lines
 
 
+def stock_topk_name(topk: dict) -> str:
+    """How a run names its stock top-k (``topk``: :meth:`peers.TopKs.describe`)."""
+    if topk.get("stand_in"):
+        return (f"`cupy_dsa.paged_topk`, a STAND-IN for SGLang's v2 top-k: "
+                f"{topk.get('stand_in_note') or 'SGLang not run'}")
+    return f"{topk.get('stock_label') or topk.get('stock')}"
+
+
+TOPK_ALONE_COLUMNS = (("sglang-v2", "SGLang v2"), ("sglang-v1", "SGLang v1"), ("cupy_dsa", "cupy_dsa"),
+                      ("torch", "torch.topk"))
+
+
+def topk_markdown(doc: dict, rows: list) -> list[str]:
+    """fp8-rescore's table of a run with the stock top-k (issue 31): each step with and without it, fp8-rescore's
+    ratios to fp8 + top-k and bf16 + top-k, issue 31's targets; then each top-k alone per forward."""
+    dg = any(r.get("fp8_rescore_dg_ms") is not None for r in rows)
+
+    def ms(r, k):
+        return f"{r[k]:.2f} ms" if r.get(k) is not None else "—"
+
+    def x(r, k):
+        return f"{r[k]:.2f}x" if r.get(k) is not None else "—"
+
+    topk = doc["topk"]
+    lines = ["", f"fp8-rescore, {doc.get('device') or 'no GPU'}, commit "
+             f"`{(doc.get('git_commit') or 'not recorded')[:12]}`, top-k included, ms per forward over every C4 layer. "
+             f"**top-k** = the stock top-k, {stock_topk_name(topk)}, per layer (its plan once per forward), every row "
+             "its own length and page-table row; **fp8 + top-k** = the fp8 step above + top-k (the stock step); "
+             "**bf16 + top-k** = the bf16 step + top-k (the plugin's bf16 mode); **fp8-rescore** = the store of the hi "
+             "and lo pages in one launch + `rescore_topk` (decode rows, grouped verify) / `rescore_topk_prefill` (the "
+             "chunk's rows) per layer, stage 1 by cupy_dsa's fp8 kernels (the plugin's `stage1=cupy`), K' = 4 x "
+             "index_topk" + ("; **DG stage 1** = the same store + DeepGEMM's paged fp8 logits, one row per token, + "
+                             "`rescore_topk` given them (the plugin's `stage1=sglang`)" if dg else "")
+             + ". Targets (issue 31, H200, batch 48, DG stage 1): decode and verify at 96K <= 1.30x fp8 + top-k and "
+               "<= 0.75x bf16 + top-k, at 24K <= 1.00x bf16 + top-k; prefill chunk of 8,192 after 96K <= 0.90x, "
+               "after 24K <= 1.00x bf16 + top-k.", ""]
+    head = ("| step | batch x context (tokens) | fp8 | fp8 + top-k | bf16 + top-k | fp8-rescore | / (fp8 + top-k) "
+            "| / (bf16 + top-k) |")
+    if dg:
+        head += " fp8-rescore, DG stage 1 | / (fp8 + top-k) | / (bf16 + top-k) |"
+    head += " targets (DG stage 1) |"
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        ctx = f"{r['batch']} x {_tokens(r['context'])}" if r["phase"] != "prefill" else f"after {_tokens(r['context'])}"
+        cells = [step_label(r), ctx, ms(r, "fp8_ms"), ms(r, "fp8_topk_ms"), ms(r, "bf16_topk_ms"),
+                 ms(r, "fp8_rescore_ms"), x(r, "rescore_vs_fp8_topk"), x(r, "rescore_vs_bf16_topk")]
+        if dg:
+            cells += [ms(r, "fp8_rescore_dg_ms"), x(r, "rescore_dg_vs_fp8_topk"), x(r, "rescore_dg_vs_bf16_topk")]
+        got = [f"<= {t['target']:.2f}x {t['basis'].replace('+topk', ' + top-k')}: "
+               + {"pass": "pass", "miss": "**miss**"}.get(t.get("verdict"), "not evaluated")
+               for t in r.get("targets_31") or []]
+        cells.append("; ".join(got) or "—")
+        lines.append("| " + " | ".join(cells) + " |")
+    alone = [r for r in rows if r.get("topk_alone_ms")]
+    have = [(k, name) for k, name in TOPK_ALONE_COLUMNS if any(k in r["topk_alone_ms"] for r in alone)]
+    if have:
+        n_c4 = doc.get("model", {}).get("index_layers")
+        on = {r.get("topk_alone_on") for r in alone}
+        whose = "the fp8 step's" if on == {"fp8+topk"} else "the fp8 step's, else the bf16 step's"
+        lines += ["", f"Each top-k alone, ms per forward ({n_c4} C4 layers over one layer's logits, {whose}; its "
+                      "plan once):", "", "| step | batch x context (tokens) | " + " | ".join(n for _, n in have) + " |",
+                  "|---|---|" + "---|" * len(have)]
+        for r in alone:
+            ctx = (f"{r['batch']} x {_tokens(r['context'])}" if r["phase"] != "prefill"
+                   else f"after {_tokens(r['context'])}")
+            lines.append(f"| {step_label(r)} | {ctx} | " + " | ".join(
+                f"{r['topk_alone_ms'][k]:.3f} ms" if r["topk_alone_ms"].get(k) is not None else "—" for k, _ in have)
+                + " |")
+    missing = [f"{name}: {why}" for k, name in TOPK_ALONE_COLUMNS
+               if (why := (topk.get("status") or {}).get(k)) not in (None, "live")]
+    if missing:
+        lines += ["", "Top-k not run: " + "; ".join(missing) + "."]
+    return lines
+
+
 def _tokens(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 and n < 1 << 20 else f"{n:,}"
+
+
+# --------------------------------------------------------------------------------------------------
+# The query axis (--query): the one-pass layouts whose query the plugin's SGLANG_CUPY_DSA_INDEX_Q sets, timed with
+# each query, its preparation included
+# --------------------------------------------------------------------------------------------------
+
+def _query_layouts() -> tuple[str, ...]:
+    """The timed layouts that are plugin modes taking the query setting with one-pass scoring (from the modes'
+    records): bf16 and fp8-cupy."""
+    from cupy_dsa.sglang.core import MODE_RECORDS
+
+    return tuple(name for name, _ in TIMED if name in MODE_RECORDS and MODE_RECORDS[name].query_settable
+                 and MODE_RECORDS[name].scoring == "one-pass")
+
+
+QUERY_LAYOUTS = _query_layouts()
+QUERY_COUNTED = (
+    "query rows: the step of each layout with each query, its preparation included: per C4 layer "
+    "cupy_dsa.prepare_index_q (RoPE + Hadamard-128 of wq_b's bf16 output, then the query's rounding and the head "
+    "weights) on the forward's rows, then the logits with that query. fp8 = numerics 'fp8', the math of SGLang's "
+    "fused fp8 q kernel (a stand-in for it: SGLang's JIT kernel is not installed where the bench runs); bf16 = "
+    "numerics 'bf16', what the plugin runs with SGLANG_CUPY_DSA_INDEX_Q=bf16. Ratio: bf16 query over fp8 query.")
+
+
+def _query_prep(query: str, q_shape, device, g):
+    """A callable giving one layer's ``(q, weights)`` of the query ``query`` in the logits' q shape ``q_shape``:
+    prepare_index_q over rows drawn like wq_b's and weights_proj's bf16 outputs, positions 0..rows-1."""
+    import cupy_dsa
+
+    from .sweeps import make_freqs
+
+    rows = math.prod(q_shape[:-2])
+    raw_q = torch.randn(rows, N_HEADS, HEAD_DIM, device=device, generator=g).to(torch.bfloat16)
+    raw_w = torch.rand(rows, N_HEADS, device=device, generator=g).to(torch.bfloat16)
+    freqs = make_freqs(rows, device)
+    positions = torch.arange(rows, dtype=torch.int32, device=device)
+    scale = (N_HEADS * HEAD_DIM) ** -0.5
+
+    def prep():
+        q, w = cupy_dsa.prepare_index_q(raw_q, raw_w, freqs_cis=freqs, positions=positions, weight_scale=scale,
+                                        numerics=query)
+        return q.view(q_shape), w
+
+    return prep
+
+
+def measure_queries(case: Case, model: ServeModel, device, seed: int, reps: int, queries=("fp8", "bf16"),
+                    layouts=QUERY_LAYOUTS) -> dict:
+    """ms of one forward of each layout of ``layouts`` (of :data:`QUERY_LAYOUTS`) with each query, and each layout's
+    bf16-query step over its fp8-query step."""
+    from .sweeps import _gen
+    from .timing import time_calls
+
+    row = {"phase": case.phase, "batch": case.batch, "context": case.context, "next_n": case.next_n,
+           "chunk": case.chunk, "ms": {}, "bf16_q_vs_fp8_q": {}, "timing": None, "error": None}
+    for layout in layouts:
+        for query in queries:
+            try:
+                fwd = _forward(case, layout, model, device, _gen(device, seed), None, query=query)
+                t = time_calls([fwd.run], device, reps=reps)
+                row["ms"].setdefault(layout, {})[query] = t.seconds * 1e3
+                row["timing"] = t.method
+                del fwd
+            except Exception as exc:  # one case failing must not end the run
+                failed = f"{layout} with the {query} query: {type(exc).__name__}: {str(exc)[:200]}"
+                row["error"] = f"{row['error']}; {failed}" if row["error"] else failed
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        got = row["ms"].get(layout, {})
+        if got.get("bf16") is not None and got.get("fp8"):
+            row["bf16_q_vs_fp8_q"][layout] = got["bf16"] / got["fp8"]
+    return row
+
+
+def query_markdown(doc: dict) -> list[str]:
+    """The query rows' table (lines to append), for runs with ``--query``; none for other runs."""
+    rows = doc.get("query_timings") or []
+    if not rows:
+        return []
+    layouts = [name for name in QUERY_LAYOUTS if any(name in r["ms"] for r in rows)]
+    queries = list(dict.fromkeys(q for r in rows for per in r["ms"].values() for q in per))
+    lines = ["", f"The query ({doc.get('device') or 'no GPU'}, commit `{(doc.get('git_commit') or 'not recorded')[:12]}`): "
+             "ms per forward over every C4 layer with each query, its preparation included (per layer "
+             "`prepare_index_q` of the forward's rows, then the logits; the fp8 query's preparation is the math of "
+             "SGLang's fused fp8 q kernel, standing in for it).", ""]
+    head = "| step | batch x context (tokens) |" + "".join(
+        f" {layout}, {q} q |" for layout in layouts for q in queries) + "".join(
+        f" {layout}: bf16 q / fp8 q |" for layout in layouts)
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        ctx = f"{r['batch']} x {_tokens(r['context'])}" if r["phase"] != "prefill" else f"after {_tokens(r['context'])}"
+        cells = [step_label(r), ctx]
+        for layout in layouts:
+            for q in queries:
+                v = r["ms"].get(layout, {}).get(q)
+                cells.append(f"{v:.2f} ms" if v is not None else "—")
+        for layout in layouts:
+            v = r["bf16_q_vs_fp8_q"].get(layout)
+            cells.append(f"{v:.3f}x" if v is not None else "—")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines

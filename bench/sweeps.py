@@ -13,7 +13,7 @@ import cupy_dsa
 from cupy_dsa.layouts import BYTES_PER_TOKEN, PAGE_SLOTS, bf16_view, empty_cache, fp8_views
 
 from . import peers
-from .serve import BUILTIN as SERVE_MODELS
+from .models import BUILTIN as SERVE_MODELS
 from .timing import peak_extra_bytes, rotations, time_calls
 
 HEADS, DIM = 64, 128

@@ -261,8 +261,22 @@ def register(family: Family) -> Family:
     return family
 
 
+# The op modules register their families when imported, and they import this module: the registry's readers
+# import them by name first, so that every family is there whatever the caller imported (``import cupy_dsa`` loads
+# none of them until a public name is used).
+_OP_MODULES = ("cupy_dsa.store", "cupy_dsa.logits", "cupy_dsa.query", "cupy_dsa.rescore", "cupy_dsa.topk")
+
+
+def _registered() -> dict[str, Family]:
+    import importlib
+
+    for name in _OP_MODULES:
+        importlib.import_module(name)
+    return _FAMILIES
+
+
 def families() -> dict[str, Family]:
-    return dict(_FAMILIES)
+    return dict(_registered())
 
 
 def _by_source(configs: Iterable[Config]) -> dict[str, list[str]]:
@@ -276,12 +290,12 @@ def _by_source(configs: Iterable[Config]) -> dict[str, list[str]]:
 
 def product_expressions(arch: str) -> dict[str, list[str]]:
     """``{source: [name expressions]}`` of every product config on ``arch``: what :func:`warm_up` loads."""
-    return _by_source(c for f in _FAMILIES.values() for c in f.product(arch))
+    return _by_source(c for f in _registered().values() for c in f.product(arch))
 
 
 def declared_expressions(arch: str) -> dict[str, list[str]]:
     """Product and experimental configs on ``arch``: what the CI compile matrix compiles."""
-    return _by_source(c for f in _FAMILIES.values() for c in f.declared(arch))
+    return _by_source(c for f in _registered().values() for c in f.declared(arch))
 
 
 def _load_source(device_index: int, source: str) -> None:

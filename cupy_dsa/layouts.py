@@ -109,3 +109,13 @@ def dequantize(cache: torch.Tensor) -> torch.Tensor:
         return bf16_view(cache).float()
     values, scales = fp8_views(cache)
     return values.view(torch.float8_e4m3fn).float() * scales[..., None]
+
+
+def fp8_quantize_reference(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's per-token fp8: ``scale = max(amax, 1e-4)/448`` (plain fp32), ``e4m3(RNE(k * (1/scale)))``.
+    Returns ``(codes uint8 [N, 128], scales float32 [N])``."""
+    amax = k.abs().amax(dim=-1)
+    scale = torch.clamp_min(amax, FP8_MIN_AMAX) / torch.full_like(amax, FP8_MAX)  # true division on CUDA too
+    inv = 1.0 / scale
+    v = (k * inv[:, None]).clamp(-FP8_MAX, FP8_MAX)
+    return v.to(torch.float8_e4m3fn).view(torch.uint8), scale

@@ -1,7 +1,9 @@
 """Two-level index keys (``fp8-rescore``): an fp8 candidate pass and an exact rescoring, the exact top-k at about
 fp8's cost.
 
-Stage 1 scores every key from SGLang's fp8 keys (the "hi" page, byte-identical to the fp8 store) and keeps each
+Stage 1 scores every key from SGLang's fp8 keys (the "hi" page, in SGLang's fp8 format; its bytes are checked equal to a
+CPU emulation of SGLang's fp8 store, not to SGLang's CUDA store kernel itself, whose RoPE may fuse multiply-adds
+where cupy_dsa's and the emulation's do not, so a scale word may differ by one ulp) and keeps each
 row's top ``k_prime`` candidates; stage 2 rescores only those from ``hi + lo`` (the "lo" page holds the residual
 ``k - dequant(hi)``) and selects the row's top ``index_topk`` from those scores.
 
@@ -76,11 +78,11 @@ import torch
 from . import launch, runtime
 from .contracts import check_aligned, check_bool, check_contiguous, check_device, check_dtype, check_int
 from .launch import I32, I64, PTR
-from .layouts import (FP8_PAGE_BYTES, FP8_SCALE_OFFSET, HEAD_DIM, N_HEADS, PAGE_SLOTS, as_page_rows, fp8_views,
-                      layout_of)
+from .layouts import (FP8_PAGE_BYTES, FP8_SCALE_OFFSET, HEAD_DIM, N_HEADS, PAGE_SLOTS, as_page_rows,
+                      fp8_quantize_reference, fp8_views, layout_of)
 from .logits import (_check_paged, _check_prefill, _device_info, _REF_ROW_CHUNK, mqa_logits, mqa_logits_reference,
                      paged_mqa_logits, paged_mqa_logits_reference)
-from .store import fp8_quantize_reference
+from .topk import ROW_CACHE_ENTRIES, ROW_CACHE_KEYS, SELECT_THREADS
 
 LO_MAX = 127
 LO_BYTES_PER_TOKEN = HEAD_DIM + 4                    # 132: int8 codes + fp32 scale
@@ -107,7 +109,7 @@ def residual_encode_reference(k: torch.Tensor):
     """Two-level encoding of rotated keys ``k`` (float32/bfloat16 ``[N, 128]``: what the store quantizes).
 
     Returns ``(hi uint8 [N, 128] e4m3 codes, hi_scale float32 [N], lo int8 [N, 128], lo_scale float32 [N])``; the
-    hi codes and scales are :func:`cupy_dsa.store.fp8_quantize_reference`'s (SGLang's fp8 bytes)."""
+    hi codes and scales are :func:`cupy_dsa.layouts.fp8_quantize_reference`'s (SGLang's fp8 bytes)."""
     _check_keys(k)
     kf = k.to(torch.float32)
     hi, hi_scale = fp8_quantize_reference(kf)
@@ -209,7 +211,7 @@ K_PRIME_MULTIPLE = 4                 # default K' = 4 x index_topk
 INVALID_KEY = -(2 ** 63)             # a stage-2 key that no selection takes before a scored candidate
 STAGE2_WARPS = 4
 _CTA_CANDS = 16 * STAGE2_WARPS       # candidates per CTA are a multiple of the 4 warps' 16-candidate tiles
-SELECT_THREADS = 512                 # the selection kernels' block (kSelectThreads)
+STAGE2_CTAS_PER_SM = 4               # stage 2 splits a row's candidates until the grid has this many CTAs per SM
 RADIX_BINS = 4096                    # their 12-bit digits (kRadixBins)
 MAX_DEVICE_TOPK = 2048               # rescore_finish holds a row's selection in shared memory (kMaxTopK)
 _BOUNDARY_MIN = 16384                # keys of the K'-th key's 12-bit bin collected per row (at least 8 x K')
@@ -244,24 +246,36 @@ STAGE2_KERNEL = launch.Kernel(
           ("bt_stride", I64), ("bt_width", I32)) + _ROW_ARGS
     + (("candidates", PTR), ("k_prime", I32), ("cands_per_cta", I32), ("index_topk", I32), ("keys", PTR)),
     threads=lambda cfg: 32 * STAGE2_WARPS)
+CANDIDATES_KERNEL = launch.Kernel(
+    _SRC, "rescore_candidates", params=("CacheEntries",),
+    args=_LOGITS_ARGS + (("index_topk", I32), ("k_prime", I32), ("candidates", PTR)),
+    threads=_select_threads, smem=lambda cfg: 4 * cfg.CacheEntries)
+FINISH_CACHED_KEYS = 4096            # stage-2 keys of a row rescore_finish reads into shared memory (K' <= 4096)
 FINISH_KERNEL = launch.Kernel(
-    _SRC, "rescore_finish",
+    _SRC, "rescore_finish", params=("CachedKeys",),
     args=(("keys", PTR), ("k_prime", I32), ("candidates", PTR), ("logits", PTR), ("logits_stride", I64),
           ("block_table", PTR), ("bt_stride", I64)) + _ROW_ARGS
     + (("index_topk", I32), ("page_indices", PTR), ("raw_indices", PTR), ("fp8_rank", PTR)),
-    threads=_select_threads)
-_PARTS = {"histogram": HISTOGRAM_KERNEL, "gather": GATHER_KERNEL, "boundary": BOUNDARY_KERNEL,
-          "finish": FINISH_KERNEL}
+    threads=_select_threads, smem=lambda cfg: 8 * cfg.CachedKeys)
+_PARTS = {"histogram": HISTOGRAM_KERNEL, "gather": GATHER_KERNEL, "boundary": BOUNDARY_KERNEL}
 
 
 def _select_config(problem, arch):
-    return STAGE2_KERNEL.config(QFp8=problem[1]) if problem[0] == "stage2" else _PARTS[problem[0]].config()
+    if problem[0] == "stage2":
+        return STAGE2_KERNEL.config(QFp8=problem[1])
+    if problem[0] == "candidates":
+        return CANDIDATES_KERNEL.config(CacheEntries=ROW_CACHE_ENTRIES if problem[1] else 0)
+    if problem[0] == "finish":
+        return FINISH_KERNEL.config(CachedKeys=FINISH_CACHED_KEYS if problem[1] else 0)
+    return _PARTS[problem[0]].config()
 
 
-# A problem: the op's step (a selection kernel), or ("stage2", 1 for an fp8 stage-2 q / 0 for bf16).
+# A problem: the op's step (a selection kernel), ("candidates", whether the rows fit in shared memory), ("stage2", 1
+# for an fp8 stage-2 q / 0 for bf16) or ("finish", whether K' keys fit in shared memory).
 RESCORE = launch.register(launch.Family(
-    "rescore_topk", problems=[("histogram",), ("gather",), ("boundary",), ("stage2", 0), ("stage2", 1),
-                              ("finish",)],
+    "rescore_topk", problems=[("histogram",), ("gather",), ("boundary",), ("candidates", True),
+                              ("candidates", False), ("stage2", 0), ("stage2", 1), ("finish", True),
+                              ("finish", False)],
     select=_select_config, serves=lambda cfg, p: cfg == _select_config(p, None)))
 
 
@@ -650,7 +664,7 @@ def _stage2(q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, rows, 
     R, dev = q2.shape[0], q2.device
     n_sms, _ = _device_info(dev.index)
     chunk = 512
-    while chunk > _CTA_CANDS and R * -(-kp // chunk) < 4 * n_sms:
+    while chunk > _CTA_CANDS and R * -(-kp // chunk) < STAGE2_CTAS_PER_SM * n_sms:
         chunk //= 2
     while -(-kp // chunk) > _MAX_GRID_Y:
         chunk *= 2
@@ -660,10 +674,17 @@ def _stage2(q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, rows, 
             keys=keys)
 
 
+def one_cta_per_row(width: int, rows: int, n_sms: int) -> bool:
+    """Whether the candidates take one CTA per row (one read of the row) rather than column chunks (two reads and
+    a merge, for few long rows): the rows fit in shared memory, or they fill half the GPU."""
+    return width <= ROW_CACHE_KEYS or 2 * rows >= n_sms
+
+
 def _select(logits, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, index_topk, k_prime,
             fp8_rank) -> RescoreTopK:
-    """Stage-1 candidates (histogram, gather, boundary), stage 2 and the selection (finish) on the device: six
-    launches with a zeroing of the work counts, none of them data-dependent in shape."""
+    """Stage-1 candidates (one CTA per row, or histogram, gather and boundary over column chunks for few long
+    rows), stage 2 and the selection (finish) on the device: three launches, or six with a zeroing of the work
+    counts, none of them data-dependent in shape."""
     R, width = logits.shape
     dev = q2.device
     page_out = torch.empty(R, index_topk, dtype=torch.int32, device=dev)
@@ -680,8 +701,11 @@ def _select(logits, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt
     logit_args = dict(logits=logits if width > 0 else None, logits_stride=logits.stride(0) if width > 0 else 0,
                       **rows)
     candidates = torch.empty(R, kp, dtype=torch.int64, device=dev)
-    if width > index_topk:
-        # column chunks: about four CTAs per SM over the rows, at least four tiles of the block each
+    if width > index_topk and one_cta_per_row(width, R, n_sms):
+        _launch(("candidates", width <= ROW_CACHE_KEYS), dev, (R, 1, 1), **logit_args, index_topk=index_topk,
+                k_prime=kp, candidates=candidates)
+    elif width > index_topk:
+        # few long rows: column chunks, about four CTAs per SM over the rows, at least four tiles of the block each
         cols = max(4 * SELECT_THREADS, -(-width * R // (4 * n_sms)))
         cols = -(-cols // SELECT_THREADS) * SELECT_THREADS
         chunks = -(-width // cols)
@@ -699,7 +723,8 @@ def _select(logits, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt
                 candidates=candidates, boundary=boundary, cap=cap)
     keys = torch.empty_like(candidates)
     _stage2(q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, rows, candidates, kp, index_topk, keys)
-    _launch(("finish",), dev, (R, 1, 1), keys=keys, k_prime=kp, candidates=candidates, logits=logit_args["logits"],
+    _launch(("finish", kp <= FINISH_CACHED_KEYS), dev, (R, 1, 1), keys=keys, k_prime=kp, candidates=candidates,
+            logits=logit_args["logits"],
             logits_stride=logit_args["logits_stride"], block_table=block_table, bt_stride=bt_stride, **rows,
             index_topk=index_topk, page_indices=page_out, raw_indices=raw_out, fp8_rank=rank_out)
     return RescoreTopK(page_out, raw_out, rank_out)

@@ -161,12 +161,6 @@ class _StreamRef:
         return (0, self.ptr)
 
 
-# Dynamic shared memory above which a kernel opts in past the 48 KiB default. The default bounds static + dynamic
-# together, so a kernel with 48 KiB of dynamic and any static shared memory needs the opt-in too (seen on the H200:
-# 49,152 B of ring + 128 B static fit no CTA without it); opting in below 48 KiB costs nothing.
-_OPT_IN_ABOVE = 40 * 1024
-
-
 def launch(filename: str, name_expression: str, device: torch.device, grid, block, args,
            shared_mem: int = 0) -> None:
     """Launch one instantiation on torch's current stream of ``device``.
@@ -177,8 +171,9 @@ def launch(filename: str, name_expression: str, device: torch.device, grid, bloc
     idx = device.index if device.index is not None else torch.cuda.current_device()
     fn = get_function(filename, name_expression, idx)
     key = (idx, filename, name_expression)
-    if shared_mem > _OPT_IN_ABOVE and _SMEM_OPT_IN.get(key, 0) < shared_mem:
-        fn.max_dynamic_shared_size_bytes = shared_mem  # opt in above the 48 KiB default
+    if shared_mem > 0 and _SMEM_OPT_IN.get(key, 0) < shared_mem:
+        # opt in: the default allows 48 KiB of static + dynamic shared memory, a kernel's static part included
+        fn.max_dynamic_shared_size_bytes = shared_mem
         _SMEM_OPT_IN[key] = shared_mem
     stream = _stream_for(device)
     cp = cupy_module()
@@ -197,7 +192,7 @@ def resident_ctas_per_sm(filename: str, name_expression: str, device_index: int,
     n = _OCCUPANCY.get(key)
     if n is None:
         fn = get_function(filename, name_expression, device_index)
-        if shared_mem > _OPT_IN_ABOVE and _SMEM_OPT_IN.get(key[:3], 0) < shared_mem:
+        if shared_mem > 0 and _SMEM_OPT_IN.get(key[:3], 0) < shared_mem:
             fn.max_dynamic_shared_size_bytes = shared_mem
             _SMEM_OPT_IN[key[:3]] = shared_mem
         cp = cupy_module()
@@ -350,6 +345,8 @@ def to_cupy(t: torch.Tensor):
     fp8 tensors come back as ``uint8`` (CuPy has no fp8 dtype); bf16 needs ``ml_dtypes`` installed
     (otherwise pass ``t.view(torch.int16)``).
     """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"t: expected a torch.Tensor, got {type(t).__name__}")
     if not t.is_cuda:
         raise ValueError(f"t: expected a CUDA tensor, got device {t.device}")
     cp = cupy_module()
@@ -361,4 +358,6 @@ def to_cupy(t: torch.Tensor):
 
 def to_torch(a) -> torch.Tensor:
     """A torch tensor sharing the CuPy array's memory (torch's current stream waits on CuPy's)."""
+    if not hasattr(a, "__dlpack__"):
+        raise TypeError(f"a: expected a CuPy array (or another object with __dlpack__), got {type(a).__name__}")
     return torch.from_dlpack(a)

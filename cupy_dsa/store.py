@@ -25,7 +25,8 @@ import torch
 from . import launch, runtime
 from .contracts import check_aligned, check_bool, check_contiguous, check_device, check_dtype, check_shape
 from .launch import F32, I32, I64, PTR
-from .layouts import FP8_MAX, FP8_MIN_AMAX, FP8_SCALE_OFFSET, HEAD_DIM, PAGE_SLOTS, ROPE_DIM, as_page_rows, layout_of
+from .layouts import FP8_SCALE_OFFSET, HEAD_DIM, PAGE_SLOTS, ROPE_DIM, as_page_rows, fp8_quantize_reference, layout_of
+from .rescore import store_two_level_reference
 
 # Template parameters of store_index_k<Layout, Numerics, Style, Hadamard, TIn, Source>; the index dtype
 # (int32/int64 positions or plan out_loc) is a run-time kernel argument. "two-level" = the fp8 page and its
@@ -411,16 +412,6 @@ def rotate_index_k_reference(kv, positions, norm_weight, freqs_cis, norm_bias=No
     return k
 
 
-def fp8_quantize_reference(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """SGLang's per-token fp8: ``scale = max(amax, 1e-4)/448`` (plain fp32), ``e4m3(RNE(k * (1/scale)))``.
-    Returns ``(codes uint8 [N, 128], scales float32 [N])``."""
-    amax = k.abs().amax(dim=-1)
-    scale = torch.clamp_min(amax, FP8_MIN_AMAX) / torch.full_like(amax, FP8_MAX)  # true division on CUDA too
-    inv = 1.0 / scale
-    v = (k * inv[:, None]).clamp(-FP8_MAX, FP8_MAX)
-    return v.to(torch.float8_e4m3fn).view(torch.uint8), scale
-
-
 def store_index_k_reference(kv, cache, *, positions, out_loc, norm_weight, freqs_cis, norm_bias=None, eps=1e-6,
                             numerics="exact", key_style="v4", hadamard=True, lo_cache=None) -> None:
     """Torch reference of :func:`store_index_k` (any device; same checks, same skip rules)."""
@@ -445,7 +436,6 @@ def _store_reference(kv, cache, positions, out_loc, norm_weight, freqs_cis, norm
                                  hadamard, numerics)
     loc = loc[idx]
     if lo_cache is not None:
-        from .rescore import store_two_level_reference   # rescore builds on this module: imported at call time
         store_two_level_reference(k, cache, lo_cache, loc)
         return
     page, slot = loc >> 6, loc & (PAGE_SLOTS - 1)

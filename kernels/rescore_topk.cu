@@ -29,6 +29,7 @@
 // [0, num_pages), page index < bt_width) / the row's candidates; candidates a row does not see score as
 // invalid and are never read; a row that sees at most index_topk keys reads no key at all.
 #include "common.cuh"
+#include "radix_select.cuh"
 
 namespace dsa {
 namespace rescore {
@@ -37,161 +38,9 @@ constexpr int kNumHeads = 64;
 constexpr int kWarps = 4;
 constexpr int kTileCands = 16;                       // candidates per warp tile (two mma n-tiles)
 constexpr int kQWords = 4 * 8 * 32;                   // A quads per row: [m-tile][k-step][lane]
-constexpr long long kInvalidKey = static_cast<long long>(0x8000000000000000ull);  // below every valid key
-
-// How a query row's visible positions [lo, hi) and its block-table row are found (cupy_dsa.logits' contracts).
-enum RowMode {
-  kDecodeLens1D = 0,  // row r = request r / next_n, row j = r % next_n of it sees lens0[b] - (next_n - 1 - j)
-  kDecodeLens2D = 1,  // sees lens0[r] (per-row lengths)
-  kPrefillKsKe = 2,   // sees [lens0[r], lens1[r]) of its request: the one request (cu_rows null) or the request
-                      // of cu_rows that owns row r (none: the row is empty)
-};
-
-struct RowSpec {
-  const int* lens0;
-  const int* lens1;
-  const int* cu_rows;
-  int mode;
-  int next_n;
-  int batch;
-  int width;          // positions past it are never visible (the logits' columns)
-};
-
-struct RowKeys {
-  int lo, hi;         // visible positions (empty: 0, 0)
-  int table_row;      // the row's block-table row
-};
-
-__device__ __forceinline__ RowKeys row_keys(const RowSpec& s, int r) {
-  int lo = 0, hi = 0, table_row = 0;
-  if (s.mode == kDecodeLens1D) {
-    table_row = r / s.next_n;
-    hi = s.lens0[table_row] - (s.next_n - 1 - r % s.next_n);
-  } else if (s.mode == kDecodeLens2D) {
-    table_row = r / s.next_n;
-    hi = s.lens0[r];
-  } else {
-    lo = s.lens0[r];
-    hi = s.lens1[r];
-    if (s.cu_rows != nullptr) {
-      // the request owning row r: the last b with cu_rows[b] <= r (non-decreasing offsets), if r < cu_rows[b + 1]
-      int a = 0, z = s.batch;
-      while (z - a > 1) {
-        const int mid = (a + z) >> 1;
-        if (s.cu_rows[mid] <= r) a = mid; else z = mid;
-      }
-      table_row = a;
-      if (s.batch <= 0 || s.cu_rows[a] > r || r >= s.cu_rows[a + 1]) hi = lo;
-    }
-  }
-  lo = max(lo, 0);
-  hi = min(hi, s.width);
-  if (hi <= lo) lo = hi = 0;
-  return {lo, hi, table_row};
-}
-
-// The fp32 value's order-preserving int32: NaN (any sign, any payload) above +inf, as torch ranks it; -0.0
-// counts as +0.0.
-__device__ __forceinline__ int ordered_bits(float value) {
-  const int b = __float_as_int(value);
-  if ((b & 0x7FFFFFFF) > 0x7F800000) return 0x7FFFFFFF;
-  if (b == static_cast<int>(0x80000000u)) return 0;
-  return b >= 0 ? b : b ^ 0x7FFFFFFF;
-}
-
-// A key that sorts as signed int64 by (value, tie), both descending: ordered_bits(value) in the high half,
-// `tie` (greater = earlier) in the low half.
-__device__ __forceinline__ long long order_key(float value, u32 tie) {
-  return static_cast<long long>((static_cast<u64>(static_cast<u32>(ordered_bits(value))) << 32) | tie);
-}
-
-// The same order as an unsigned one (the radix select's digits) and back.
-__device__ __forceinline__ u64 unsigned_key(long long key) { return static_cast<u64>(key) ^ (1ull << 63); }
-__device__ __forceinline__ long long signed_key(u64 key) { return static_cast<long long>(key ^ (1ull << 63)); }
-
-// The position i a key's low half holds as 0xFFFFFFFF - i (stage-1 and stage-2 keys alike).
-__device__ __forceinline__ u32 tie_index(long long key) {
-  return 0xFFFFFFFFu - static_cast<u32>(static_cast<u64>(key));
-}
-
-// ---- block-wide radix selection (kSelectThreads threads, kRadixBins bins of shared or global counts) --------
-constexpr int kSelectThreads = 512;
-constexpr int kSelectWarps = kSelectThreads / 32;
 constexpr int kMaxTopK = 2048;                        // rescore_finish holds a row's selection in shared memory
-constexpr int kDigitBits = 12;
-constexpr int kRadixBins = 1 << kDigitBits;
-constexpr int kBinsPerThread = kRadixBins / kSelectThreads;
-static_assert(kBinsPerThread == 8 && kSelectWarps <= 32, "select: 8 bins per thread, one warp scans the warps");
-
-struct BinFound {
-  int bin;      // the bin holding the need-th greatest key
-  int above;    // keys in the bins above it
-  int count;    // keys in it
-};
-
-// The bin where the keys counted in `hist` (bin = digit, greater digit = greater key) reach `need` >= 1 from
-// the top, given that they hold at least `need`. Every thread of the block calls it; `scratch` is shared
-// (kSelectWarps + 3 ints); every thread returns the same answer.
-__device__ __forceinline__ BinFound find_bin(const int* hist, int need, int* scratch) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  int mine[kBinsPerThread];
-  int sum = 0;
-#pragma unroll
-  for (int i = 0; i < kBinsPerThread; ++i) {
-    mine[i] = hist[tid * kBinsPerThread + i];
-    sum += mine[i];
-  }
-  // keys in the bins of the threads above this one: a suffix scan (warp, then warps)
-  int incl = sum;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int v = __shfl_down_sync(0xffffffffu, incl, d);
-    if (lane + d < 32) incl += v;
-  }
-  if (lane == 0) scratch[warp] = incl;
-  __syncthreads();
-  int warps_above = 0;
-  for (int w = warp + 1; w < kSelectWarps; ++w) warps_above += scratch[w];
-  int above = warps_above + incl - sum;
-  if (above < need && above + sum >= need) {
-    int i = kBinsPerThread - 1;
-    while (above + mine[i] < need) above += mine[i--];
-    scratch[kSelectWarps] = tid * kBinsPerThread + i;
-    scratch[kSelectWarps + 1] = above;
-    scratch[kSelectWarps + 2] = mine[i];
-  }
-  __syncthreads();
-  const BinFound f = {scratch[kSelectWarps], scratch[kSelectWarps + 1], scratch[kSelectWarps + 2]};
-  __syncthreads();  // scratch is reused by the next call
-  return f;
-}
-
-// The least key T such that exactly `need` >= 1 of the keys `src` yields (distinct unsigned keys whose top
-// `known` bits equal `prefix`'s; src.get(i, key) -> false skips slot i of src.size()) are >= T, given that it
-// yields at least `need`. 12-bit digits from the top; a pass stops early when its bin holds exactly the keys
-// still needed. `hist`: kRadixBins shared ints; every thread returns the same T.
-template <class Source>
-__device__ u64 radix_threshold(const Source& src, int known, u64 prefix, int need, int* hist, int* scratch) {
-  int lo_bit = 64 - known;
-  while (lo_bit > 0) {
-    const int width = min(kDigitBits, lo_bit), shift = lo_bit - width;
-    for (int i = threadIdx.x; i < kRadixBins; i += kSelectThreads) hist[i] = 0;
-    __syncthreads();
-    const int n = src.size();
-    for (int i = threadIdx.x; i < n; i += kSelectThreads) {
-      u64 key;
-      if (src.get(i, key) && (lo_bit == 64 || (key >> lo_bit) == (prefix >> lo_bit)))
-        atomicAdd(&hist[static_cast<int>((key >> shift) & ((1ull << width) - 1))], 1);
-    }
-    __syncthreads();
-    const BinFound f = find_bin(hist, need, scratch);
-    prefix |= static_cast<u64>(f.bin) << shift;
-    need -= f.above;
-    lo_bit = shift;
-    if (f.count == need) break;
-  }
-  return prefix;
-}
+using namespace dsa::radix;                           // rows, order keys, the block-wide radix select
+constexpr long long kInvalidKey = static_cast<long long>(0x8000000000000000ull);  // below every valid key
 
 // Four int8 codes x = [c0 c1 c2 c3] (c0 lowest) -> even = bf16x2 (c0, c2), odd = (c1, c3) (exact).
 __device__ __forceinline__ void int8x4_to_bf16x2(u32 x, u32& even, u32& odd) {
@@ -262,12 +111,6 @@ __device__ __forceinline__ void lo_words(const uint4 (&raw)[2][2], u32 (&W)[2][4
 
 }  // namespace rescore
 }  // namespace dsa
-
-#define DSA_ROW_SPEC_ARGS                                                                                  \
-  const int *__restrict__ lens0, const int *__restrict__ lens1, const int *__restrict__ cu_rows, int mode, \
-      int next_n, int batch, int width
-#define DSA_ROW_SPEC \
-  dsa::rescore::RowSpec { lens0, lens1, cu_rows, mode, next_n, batch, width }
 
 // ---- stage-1 candidates: the K' greatest visible keys of each row --------------------------------------
 // A row's stage-1 keys are order_key(logits[r, c], 0xFFFFFFFF - c) over its visible columns c in [lo, hi)
@@ -467,6 +310,37 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_boundary
 
 #undef DSA_SELECT_ROW
 
+// The same K' candidates with one CTA per row (select_row; the heuristic in cupy_dsa.rescore picks it where the
+// rows fill the GPU or fit in shared memory): one read of the row instead of two plus a work buffer, written in
+// position order. A row that sees at most k_prime keys writes them all, then kInvalidKey. Grid (rows),
+// kSelectThreads threads; dynamic shared memory: CacheEntries u32 (rows that do not fit are read again from L2
+// by each radix pass).
+template <int CacheEntries>
+__global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_candidates(
+    const float* __restrict__ logits, long long logits_stride, DSA_ROW_SPEC_ARGS, int index_topk, int k_prime,
+    long long* __restrict__ candidates) {
+  using namespace dsa;
+  using namespace dsa::rescore;
+  extern __shared__ u32 row_cache[];
+  __shared__ int counts[kRadixBins];
+  __shared__ int scratch[kSelectWarps + 3];
+  __shared__ u64 list[kListCap];
+  __shared__ int list_n;
+  const int r = blockIdx.x;
+  const RowKeys rk = row_keys(DSA_ROW_SPEC, r);
+  const int n = rk.hi - rk.lo;
+  if (n <= index_topk) return;  // CTA-uniform: selected without scores
+  const float* __restrict__ row = logits + static_cast<i64>(r) * logits_stride + rk.lo;
+  long long* __restrict__ cand = candidates + static_cast<i64>(r) * k_prime;
+  if (n <= k_prime) {
+    for (int i = threadIdx.x; i < k_prime; i += kSelectThreads)
+      cand[i] = i < n ? signed_key(full_key(logit_key(row[i]), rk.lo + i)) : kInvalidKey;
+    return;
+  }
+  select_row(row, rk.lo, n, k_prime, CacheEntries >= kSelectCache(n) ? row_cache : nullptr, counts, scratch, list, &list_n,
+             [&](int slot, int, u64 key) { cand[slot] = signed_key(key); });
+}
+
 // Stage 2. q: [rows, 64, 128] fp8 e4m3 (QFp8) or bf16; weights: fp32 [rows, 64]; hi_cache / lo_cache: fp8-geometry
 // page rows (8448 B), num_pages each; block_table: int32, row b at block_table + b * bt_stride, bt_width entries;
 // candidates: int64 [rows, k_prime], row r's candidates (any order), each naming its position
@@ -515,26 +389,38 @@ __global__ void __launch_bounds__(128, 3) rescore_topk_kernel(
   const long long* __restrict__ cand = candidates + static_cast<i64>(r) * k_prime;
   const int gid = lane >> 2, t = lane & 3;
   const int b4 = (lane >> 4) & 1, b3 = (lane >> 3) & 1;
-  for (int tile0 = c_begin + warp * kTileCands; tile0 < c_end; tile0 += kWarps * kTileCands) {
-    // this lane's load candidates 8j + gid: page byte offset, slot, whether the row sees them in the caches
-    i64 base[2] = {0, 0};
-    int slot[2] = {0, 0};
-    int ok[2] = {0, 0};
+  // this lane's load candidates 8j + gid of a tile: their cache slots (block-table entry * 64 + slot; kNoSlot where
+  // the row does not see the position or its page is not in the caches), a chain of two dependent loads (the
+  // candidate, its block-table entry) run one tile ahead of the tile being scored
+  constexpr u32 kNoSlot = 0xFFFFFFFFu;
+  auto locate = [&](int tile0, u32 (&loc)[2]) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
+      loc[j] = kNoSlot;
       const int c = tile0 + 8 * j + gid;
       if (c < c_end) {
         const u32 pos = tie_index(cand[c]);
         if (pos >= static_cast<u32>(rk.lo) && pos < static_cast<u32>(rk.hi) &&
             static_cast<int>(pos >> kPageBits) < bt_width) {
           const int e = bt[pos >> kPageBits];
-          if (e >= 0 && static_cast<i64>(e) < num_pages) {
-            ok[j] = 1;
-            base[j] = static_cast<i64>(e) * kFp8PageBytes;
-            slot[j] = static_cast<int>(pos & (kPageSlots - 1));
-          }
+          if (e >= 0 && static_cast<i64>(e) < num_pages && e < (1 << (32 - kPageBits)) - 1)
+            loc[j] = (static_cast<u32>(e) << kPageBits) | (pos & (kPageSlots - 1));
         }
       }
+    }
+  };
+  u32 next_loc[2];
+  locate(c_begin + warp * kTileCands, next_loc);
+  for (int tile0 = c_begin + warp * kTileCands; tile0 < c_end; tile0 += kWarps * kTileCands) {
+    const u32 loc[2] = {next_loc[0], next_loc[1]};
+    if (tile0 + kWarps * kTileCands < c_end) locate(tile0 + kWarps * kTileCands, next_loc);
+    i64 base[2];
+    int slot[2], ok[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      ok[j] = loc[j] != kNoSlot;
+      base[j] = ok[j] ? static_cast<i64>(loc[j] >> kPageBits) * kFp8PageBytes : 0;
+      slot[j] = ok[j] ? static_cast<int>(loc[j] & (kPageSlots - 1)) : 0;
     }
     const int c_out = tile0 + 8 * b4 + 2 * t + b3;  // the candidate this lane holds after the reduction
     const bool writer = (lane & 4) == 0 && c_out < c_end;
@@ -635,9 +521,13 @@ struct ScoredKeys {
 // raw_indices (positions) and, when fp8_rank is not null, each key's stage-1 rank; -1 padded. A row that sees
 // n <= index_topk keys selects lo .. lo + n - 1 in order (its rank counted over its visible logits: greater, or
 // equal at a lower position); any other row selects its min(index_topk, scored) greatest stage-2 keys (a radix
-// select over keys[r, 0 .. k_prime)), written in descending order (slot = how many selected keys are greater);
+// select over keys[r, 0 .. k_prime)), written in descending order (a bitonic sort in shared memory);
 // a key's stage-1 rank is how many of the row's candidates have a greater stage-1 key (they hold every key that
-// does). Grid (rows), kSelectThreads threads; index_topk <= kMaxTopK.
+// does). The row's keys are read once, into shared memory when k_prime <= CachedKeys (every later pass runs
+// there), their first 12-bit digit counted on the way; the keys of the index_topk-th key's bin are collected and
+// radix-selected in shared memory. Grid (rows), kSelectThreads threads, dynamic shared memory: CachedKeys int64;
+// index_topk <= kMaxTopK.
+template <int CachedKeys>
 __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_finish(
     const long long* __restrict__ keys, int k_prime, const long long* __restrict__ candidates,
     const float* __restrict__ logits, long long logits_stride, const int* __restrict__ block_table,
@@ -645,6 +535,7 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_finish(
     int* __restrict__ raw_indices, int* __restrict__ fp8_rank) {
   using namespace dsa;
   using namespace dsa::rescore;
+  extern __shared__ long long cached_keys[];
   __shared__ int counts[kRadixBins];
   __shared__ int scratch[kSelectWarps + 3];
   __shared__ long long chosen[kMaxTopK];
@@ -682,24 +573,69 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_finish(
     }
     return;
   }
-  const ScoredKeys src{keys + static_cast<i64>(r) * k_prime, k_prime};
+  const long long* __restrict__ row_keys_g = keys + static_cast<i64>(r) * k_prime;
+  const bool in_smem = k_prime <= CachedKeys;
+  for (int i = tid; i < kRadixBins; i += kSelectThreads) counts[i] = 0;
   if (tid == 0) n_chosen = n_scored = 0;
   __syncthreads();
   int scored = 0;
-  for (int i = tid; i < k_prime; i += kSelectThreads) scored += src.keys[i] != kInvalidKey;
+  for (int i = tid; i < k_prime; i += kSelectThreads) {
+    const long long k = row_keys_g[i];
+    if (in_smem) cached_keys[i] = k;
+    if (k != kInvalidKey) {
+      ++scored;
+      atomicAdd(&counts[unsigned_key(k) >> (64 - kDigitBits)], 1);
+    }
+  }
   atomicAdd(&n_scored, scored);
   __syncthreads();
+  const ScoredKeys src{in_smem ? cached_keys : row_keys_g, k_prime};
   const int m = min(index_topk, n_scored);
   if (m > 0) {
-    const u64 t = m == n_scored ? 0ull : radix_threshold(src, 0, 0ull, m, counts, scratch);
-    __syncthreads();
-    const int size = src.size();
-    for (int i = tid; i < size; i += kSelectThreads) {
+    u64 t = 0ull;  // m == n_scored: every scored key
+    if (m < n_scored) {
+      const BinFound f = find_bin(counts, m, scratch);
+      const int need = m - f.above;
+      const u64 prefix = static_cast<u64>(f.bin) << (64 - kDigitBits);
+      t = prefix;  // need == f.count: the whole bin
+      if (need != f.count && f.count <= kMaxTopK) {  // the bin's keys, collected in `chosen`, select the rest
+        for (int i = tid; i < k_prime; i += kSelectThreads) {
+          u64 key;
+          if (src.get(i, key) && static_cast<int>(key >> (64 - kDigitBits)) == f.bin)
+            chosen[atomicAdd(&n_chosen, 1)] = static_cast<long long>(key);
+        }
+        __syncthreads();
+        t = radix_threshold(ListKeySource{reinterpret_cast<const u64*>(chosen), f.count}, kDigitBits, prefix,
+                            need, counts, scratch);
+      } else if (need != f.count) {
+        t = radix_threshold(src, kDigitBits, prefix, need, counts, scratch);
+      }
+      __syncthreads();
+      if (tid == 0) n_chosen = 0;
+      __syncthreads();
+    }
+    for (int i = tid; i < k_prime; i += kSelectThreads) {
       u64 key;
       if (src.get(i, key) && key >= t) chosen[atomicAdd(&n_chosen, 1)] = signed_key(key);
     }
   }
+  // descending order: a bitonic sort of the m distinct keys, padded to a power of two with keys below them all
+  int m2 = 1;
+  while (m2 < m) m2 <<= 1;
+  for (int i = m + tid; i < m2; i += kSelectThreads) chosen[i] = kInvalidKey;
   __syncthreads();
+  for (int size = 2; size <= m2; size <<= 1)
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      for (int i = tid; i < (m2 >> 1); i += kSelectThreads) {
+        const int a = 2 * i - (i & (stride - 1)), b = a + stride;  // a has bit `stride` clear
+        const long long x = chosen[a], y = chosen[b];
+        if (((a & size) == 0) == (x < y)) {  // descending runs where bit `size` of a is clear
+          chosen[a] = y;
+          chosen[b] = x;
+        }
+      }
+      __syncthreads();
+    }
   const long long* __restrict__ cand = candidates + static_cast<i64>(r) * k_prime;
   for (int i = tid; i < index_topk; i += kSelectThreads) {
     if (i >= m) {
@@ -707,8 +643,7 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_finish(
       continue;
     }
     const long long key = chosen[i];
-    int slot = 0;
-    for (int j = 0; j < m; ++j) slot += chosen[j] > key;
+    const int slot = i;
     const int raw = static_cast<int>(tie_index(key));
     int rank = -1;
     if (fp8_rank != nullptr) {

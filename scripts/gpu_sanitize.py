@@ -1,5 +1,5 @@
 """Small launches of every kernel family for compute-sanitizer (run by scripts/run_gpu_suite.sh; `logits` or
-`rescore` as the argument: those kernels only).
+`rescore` as the argument: those kernels only; `rescore` also runs the top-k's).
 
 Shapes are small (the sanitizer slows kernels down 10-100x) but cover every template axis and the
 out-of-range cases: negative / past-the-end out_loc, positions past the RoPE table, block-table entries
@@ -195,6 +195,24 @@ def run_rescore():
     return n
 
 
+def run_topk():
+    """paged_topk: lengths 0, trivial, past the width; rows in and past the shared-memory cache; an unaligned logits
+    view (the vector loads' scalar head); flat rows (the boundary bin past what is collected) and ties."""
+    from cupy_dsa import topk
+
+    n = 0
+    for width, k in ((300, 16), (9001, 512), (20480, 512)):
+        R = 6
+        base = torch.randn(R, width + 3, device=dev)
+        lens = torch.tensor([0, k, k + 1, width // 2, width, width + 9], dtype=torch.int32, device=dev)
+        table = torch.randint(0, 1 << 20, (R, -(-width // 64)), dtype=torch.int32, device=dev)
+        for logits_in in (base[:, 1:width + 1], torch.zeros(R, width, device=dev),
+                          torch.round(base[:, :width] * 4) / 4):
+            topk.paged_topk(logits_in, lens, table, k, raw_indices=True)
+            n += 1
+    return n
+
+
 if __name__ == "__main__":
     import sys
 
@@ -205,11 +223,13 @@ if __name__ == "__main__":
     print("instantiations warmed:", cupy_dsa.warm_up(dev))
     if sys.argv[1:] == ["logits"]:     # racecheck / initcheck: the decode kernels, the plan and prefill
         print("logits launches:", run_logits())
-    elif sys.argv[1:] == ["rescore"]:
+    elif sys.argv[1:] == ["rescore"]:  # the selection kernels: fp8-rescore's and the top-k
         print("rescore launches:", run_rescore())
+        print("topk launches:", run_topk())
     else:
         print("store launches:", run_store())
         print("logits launches:", run_logits())
         print("rescore launches:", run_rescore())
+        print("topk launches:", run_topk())
     torch.cuda.synchronize()
     print("gpu_sanitize: done")

@@ -31,6 +31,10 @@ lengths and inputs; then next_n 4 target verify captured once and replayed twice
 same slots written), logits (valid columns), top-k overlap (>= 0.99 per row), page indices = the slot
 transform of the raw indices.
 
+The ``bf16 query`` phase runs extend, decode and verify again with ``SGLANG_CUPY_DSA_INDEX_Q=bf16``: the hook prepares
+the query from the layer's projections (``prepare_index_q(numerics="bf16")``) on each route (CUDA-graph capture of
+that path: tests/test_sglang_plugin.py::test_gpu_bf16_query_path_graph).
+
 The ``fp8-cupy`` phase repeats all of it (store, extend batch, one-request extend, decode, verify next_n 2 and 4,
 decode and verify CUDA graphs) with ``SGLANG_CUPY_DSA_INDEX_K=fp8-cupy``: SGLang's 8448-byte fp8 pool written by
 cupy_dsa's store (device bytes = the CPU path's, an e4m3 code at most one step apart and the fp32 scale a few ulp
@@ -43,7 +47,7 @@ pages beside it, both written by one store launch (the fp8 bytes checked as in f
 within 1e-3 of the CPU path's), then extend, decode, verify and both CUDA graphs twice, with stage 1 from cupy_dsa's
 kernels (the plugin's routes) and from SGLang's own fp8 logits call (here its torch fp8 logits: DeepGEMM is not on
 this machine), each rescored top-k against the CPU path's (overlap >= 0.99 per row, SGLang's slot transform). Stage 2
-takes stage 1's fp8 q here (``SGLANG_CUPY_DSA_RESCORE_Q=fp8``: the layer stand-in has no projections). Not run here:
+takes stage 1's fp8 q here (``SGLANG_CUPY_DSA_INDEX_Q=fp8``: the layer stand-in has no projections). Not run here:
 the default bf16 stage-2 query through SGLang's forward (its query prep, ``prepare_index_q(numerics="bf16")``, is
 GPU-tested in tests/test_query.py; the forward with it is checked on CPU in tests/sglang_checks) and HiCache's
 transfer of the hi and lo pages (checked on CPU through SGLang's host pools and transfer engine, sgl_kernel's
@@ -746,23 +750,40 @@ def run(device, seed, only=None):
                           len(PROMPTS), g, expect_kind=kind, draft=n, **kw)
         # the drafts were rejected: the requests go on from their decode lengths (the slots get rewritten)
 
+    def projected_query_routes(label):
+        # extend, decode and verify with the layer's projections: the hook builds the query the mode (and
+        # SGLANG_CUPY_DSA_INDEX_Q) asks for with prepare_index_q on each route
+        tokens = [(b, p) for b, (n, e) in enumerate(zip(PROMPTS, EXTEND)) for p in range(n - e, n)]
+        indexer_phase(f"{label} extend, 3 requests", sg, worlds, batch, tokens, sg.ForwardMode.EXTEND, 3,
+                      g, expect_kind="varlen", extend_lens=EXTEND, reference=True)
+        tokens = [(b, m - 1) for b, m in enumerate(batch.lens)]
+        indexer_phase(f"{label} decode", sg, worlds, batch, tokens, sg.ForwardMode.DECODE, len(PROMPTS), g,
+                      reference=True)
+        tokens = [(b, m - 2 + i) for b, m in enumerate(batch.lens) for i in range(2)]
+        indexer_phase(f"{label} target verify, next_n 2", sg, worlds, batch, tokens, sg.ForwardMode.TARGET_VERIFY,
+                      len(PROMPTS), g, expect_kind="grouped", draft=2, reference=True)
+
     def reference_mode():
         # bf16-reference: the hook builds DeepSeek-V4's reference query (prepare_index_q) on each route
         os.environ[core.ENV_NAME] = "bf16-reference"
         core.reset_mode()
         try:
-            tokens = [(b, p) for b, (n, e) in enumerate(zip(PROMPTS, EXTEND)) for p in range(n - e, n)]
-            indexer_phase("bf16-reference extend, 3 requests", sg, worlds, batch, tokens, sg.ForwardMode.EXTEND, 3,
-                          g, expect_kind="varlen", extend_lens=EXTEND, reference=True)
-            tokens = [(b, m - 1) for b, m in enumerate(batch.lens)]
-            indexer_phase("bf16-reference decode", sg, worlds, batch, tokens, sg.ForwardMode.DECODE, len(PROMPTS), g,
-                          reference=True)
-            tokens = [(b, m - 2 + i) for b, m in enumerate(batch.lens) for i in range(2)]
-            indexer_phase("bf16-reference target verify, next_n 2", sg, worlds, batch, tokens,
-                          sg.ForwardMode.TARGET_VERIFY, len(PROMPTS), g, expect_kind="grouped", draft=2,
-                          reference=True)
+            projected_query_routes("bf16-reference")
         finally:
             os.environ[core.ENV_NAME] = "bf16"
+            core.reset_mode()
+
+    def bf16_query():
+        # SGLANG_CUPY_DSA_INDEX_Q=bf16: the hook prepares the query from the layer's projections (prepare_index_q,
+        # bf16 numerics) on each route, over the bf16 keys of the prompt store
+        os.environ[core.QUERY_ENV] = "bf16"
+        core.reset_mode()
+        try:
+            if device != "cpu":
+                core.ensure_warm(torch.device(device))
+            projected_query_routes("bf16 query")
+        finally:
+            os.environ.pop(core.QUERY_ENV, None)
             core.reset_mode()
 
     def fp8_cupy():
@@ -794,6 +815,7 @@ def run(device, seed, only=None):
     phase("decode", decode)
     phase("verify", verify)
     phase("bf16-reference", reference_mode)
+    phase("bf16 query", bf16_query)
     phase("cuda graph" if device != "cpu" else "graph step (eager on cpu)",
           lambda: graph_phase(sg, worlds, batch, g, capture=device != "cpu"))
     phase("verify cuda graph" if device != "cpu" else "verify graph step (eager on cpu)",
@@ -808,7 +830,7 @@ def run(device, seed, only=None):
             worlds2 = [World(sg, device, norm_w, freq_cis), World(sg, "cpu", norm_w, freq_cis)]
             batch2 = Batch(g)
             prompt_store(worlds2, batch2)
-            os.environ[core.RESCORE_Q_ENV] = "fp8"  # the layer stand-in has no projections to build a bf16 q from
+            os.environ[core.QUERY_ENV] = "fp8"  # the layer stand-in has no projections to build a bf16 q from
             for stage1 in ("cupy", "sglang"):
                 os.environ[core.RESCORE_STAGE1_ENV] = stage1
                 core.reset_mode()
@@ -827,7 +849,7 @@ def run(device, seed, only=None):
         finally:
             os.environ[core.ENV_NAME] = "bf16"
             os.environ.pop(core.RESCORE_STAGE1_ENV, None)
-            os.environ.pop(core.RESCORE_Q_ENV, None)
+            os.environ.pop(core.QUERY_ENV, None)
             core.reset_mode()
 
     phase("fp8-cupy", fp8_cupy)

@@ -3,12 +3,22 @@
 # racecheck and initcheck over every kernel family (small shapes incl. out-of-range indices), then
 # `cupy-dsa bench all` and `cupy-dsa bench variants`. Prints a short summary last.
 #   usage: bash scripts/run_gpu_suite.sh [pytest -k expression]     (results under $OUT, default ./out)
-#   SKIP_PYTEST, SKIP_FUZZ, SKIP_SANITIZE, SKIP_STARTUP (start-up compile, timing method), SKIP_BENCH, SKIP_EMULATE,
-#   SKIP_VARIANTS leave a part out.
+#   SKIP_PYTEST, SKIP_FUZZ, SKIP_SANITIZE, SKIP_SGLANG, SKIP_STARTUP (start-up compile, timing method), SKIP_BENCH,
+#   SKIP_EMULATE, SKIP_VARIANTS leave a part out.
+#   TIMEBOX=1: the subset for a short device lease: the GPU tests, memcheck / racecheck / initcheck over the logits
+#   kernels and the sm_120 emulation, each step under its own timeout (PYTEST_S 270, SANITIZE_S 60 per tool,
+#   EMULATE_S 150 seconds) so a slow step cannot take the others' time; the other parts are left out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-$PWD/.cupy_cache}
+SANITIZE_PARTS="logits rescore"   # racecheck / initcheck; memcheck runs over every family ("" = all)
+MEMCHECK_PART=""
+if [ -n "${TIMEBOX:-}" ]; then
+  SKIP_FUZZ=1 SKIP_SGLANG=1 SKIP_STARTUP=1 SKIP_BENCH=1 SKIP_VARIANTS=1 SANITIZE_PARTS=logits MEMCHECK_PART=logits
+fi
+# run "$@" under `timeout SECONDS` with TIMEBOX, plainly otherwise
+step() { local s=$1; shift; if [ -n "${TIMEBOX:-}" ]; then timeout "$s" "$@"; else "$@"; fi; }
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { echo "pip install failed"; tail -5 "$OUT/pip.log"; }
@@ -23,7 +33,8 @@ if [ -f .anchors/build_deepgemm.sh ]; then
 fi
 K=${1:-}
 if [ -z "${SKIP_PYTEST:-}" ]; then
-python3 -m pytest -q -m gpu tests ${K:+-k "$K"} -p no:cacheprovider --maxfail=5 2>&1 | tail -40 | tee "$OUT/pytest_gpu.log"
+step ${PYTEST_S:-270} python3 -m pytest -q -m gpu tests ${K:+-k "$K"} -p no:cacheprovider --maxfail=5 2>&1 | tail -40 \
+  | tee "$OUT/pytest_gpu.log"
 fi
 touch "$OUT/pytest_gpu.log"
 PYTEST_LINE=$(tail -1 "$OUT/pytest_gpu.log")
@@ -35,15 +46,16 @@ if [ -z "${SKIP_FUZZ:-}" ]; then
   FUZZ_LINE=$(tail -1 "$OUT/pytest_fuzz.log")
 fi
 if [ -z "${SKIP_SANITIZE:-}" ]; then
-  compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/gpu_sanitize.py >"$OUT/sanitizer.log" 2>&1
+  step ${SANITIZE_S:-60} compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/gpu_sanitize.py \
+      $MEMCHECK_PART >"$OUT/sanitizer.log" 2>&1
   SAN_RC=$?
   SAN_LINE=$(grep -E "ERROR SUMMARY" "$OUT/sanitizer.log" | tail -1)
   tail -5 "$OUT/sanitizer.log"
   # racecheck (shared memory) and initcheck (reads of unwritten device memory) over the logits kernels
   # (decode, the plans, prefill and varlen prefill) and the rescoring kernels (fp8-rescore)
-  for part in logits rescore; do
+  for part in $SANITIZE_PARTS; do
     for tool in racecheck initcheck; do
-      compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/gpu_sanitize.py $part >"$OUT/$tool-$part.log" 2>&1
+      step ${SANITIZE_S:-60} compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/gpu_sanitize.py $part >"$OUT/$tool-$part.log" 2>&1
       echo "compute-sanitizer $tool $part (rc=$?): $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/$tool-$part.log" | tail -1)" \
         | tee -a "$OUT/sanitizers.txt"
     done
@@ -52,7 +64,8 @@ fi
 
 # SGLang 0.5.23's own indexer code driving our kernels, when its wheels were carried in .whl_sgl
 SGL_LINE="not run (no .whl_sgl)"
-if ls .whl_sgl/sglang-0.5.23-*.whl >/dev/null 2>&1; then
+[ -n "${SKIP_SGLANG:-}" ] && SGL_LINE="not run (SKIP_SGLANG)"
+if [ -z "${SKIP_SGLANG:-}" ] && ls .whl_sgl/sglang-0.5.23-*.whl >/dev/null 2>&1; then
   OUT="$OUT" timeout 300 bash scripts/run_sglang_gpu.sh >"$OUT/sglang_path.txt" 2>&1
   SGL_LINE=$(grep -E "SGLANG GPU PATH" "$OUT/sglang_path.txt" | tail -1)
   tail -3 "$OUT/sglang_path.txt"
@@ -97,7 +110,7 @@ if [ -z "${SKIP_BENCH:-}" ]; then
 fi
 # sm_120's product configs on this GPU under sm_120's CTAs per SM (padded shared memory)
 if [ -z "${SKIP_EMULATE:-}" ]; then
-  python3 -m cupy_dsa bench variants --emulate sm_120 --json "$OUT/h200-emulate-sm120.json" \
+  step ${EMULATE_S:-150} python3 -m cupy_dsa bench variants --emulate sm_120 --json "$OUT/h200-emulate-sm120.json" \
       --markdown "$OUT/emulate-sm120.md" >"$OUT/emulate.log" 2>&1 || tail -20 "$OUT/emulate.log"
 fi
 if [ -z "${SKIP_BENCH:-}${SKIP_VARIANTS:-}" ]; then

@@ -24,11 +24,25 @@ def seed():
     return s
 
 
+# A GPU session selecting at least this many GPU tests compiles every declared config up front (one NVRTC program
+# per source, about a minute cold); a smaller selection (one test, a -k subset) compiles what it launches on first
+# use. CUPY_DSA_PRELOAD=1 / 0 forces either.
+PRELOAD_MIN_GPU_TESTS = 50
+
+
+def preload_declared(n_gpu_tests: int, env=os.environ) -> bool:
+    """Whether a session that selected ``n_gpu_tests`` GPU tests should compile every declared config first."""
+    forced = env.get("CUPY_DSA_PRELOAD")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return n_gpu_tests >= PRELOAD_MIN_GPU_TESTS
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _declared_kernels_loaded(request):
-    """GPU sessions: every declared config of this GPU's arch (product and experimental) compiled in one NVRTC
-    program per source before the first test, instead of one program per experimental config on first use."""
-    if not HAS_GPU or not any("gpu" in item.keywords for item in request.session.items):
+    """Large GPU sessions: every declared config of this GPU's arch (product and experimental) compiled in one
+    NVRTC program per source before the first test, instead of one program per experimental config on first use."""
+    if not HAS_GPU or not preload_declared(sum("gpu" in item.keywords for item in request.session.items)):
         return
     from cupy_dsa import launch, runtime
 

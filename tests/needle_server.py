@@ -4,7 +4,14 @@
 It counts tokens as words and punctuation marks (+3 per message, +2 per request) and "reads" only the last
 ``window`` tokens of the prompt: it answers the needle's number when the needle sentence lies in them, so recall
 falls as the context grows past the window, the further from the end the faster. Faults can be switched on: HTTP
-errors for the first requests, a delay, an API key, no usage, no model listing, answers cut off by max_tokens."""
+errors for the first requests, a delay, an API key, no usage, no model listing, answers cut off by max_tokens.
+
+Run on its own it is a stand-in server to try `cupy-dsa needle` without a GPU or a model (it prints its URL and
+serves until interrupted)::
+
+    python tests/needle_server.py --port 30001 &
+    cupy-dsa needle --base-url http://127.0.0.1:30001/v1 --lengths 256,512,1K --depths 0,0.5,1 --trials 2
+"""
 import json
 import re
 import threading
@@ -22,7 +29,7 @@ class FakeServer:
     """An OpenAI-compatible chat server with a fixed reading rule and switchable faults."""
 
     def __init__(self, *, window=300, models=("fake-dsv4",), max_model_len=1 << 20, list_models=True,
-                 list_max_len=True, fail=0, fail_status=500, delay=0.0, api_key=None, usage=True, reasons=0):
+                 list_max_len=True, fail=0, fail_status=500, delay=0.0, api_key=None, usage=True, reasons=0, port=0):
         self.window, self.models, self.max_model_len = window, list(models), max_model_len
         self.list_models, self.list_max_len = list_models, list_max_len
         self.fail, self.fail_status, self.delay, self.api_key, self.usage = fail, fail_status, delay, api_key, usage
@@ -102,7 +109,7 @@ class FakeServer:
                                      "total_tokens": prompt_tokens + 5}
                 self._send(200, resp)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
@@ -120,3 +127,24 @@ class FakeServer:
         self.httpd.shutdown()
         self.httpd.server_close()
         self.thread.join(5)
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="A stand-in OpenAI-compatible server for `cupy-dsa needle` (127.0.0.1): "
+                                             "it reads only the last --window tokens of each prompt.")
+    ap.add_argument("--port", type=int, default=30001, help="port on 127.0.0.1 (0: any free one) [default: 30001]")
+    ap.add_argument("--window", type=int, default=300, help="tokens it reads from the end [default: 300]")
+    args = ap.parse_args(argv)
+    with FakeServer(window=args.window, port=args.port) as srv:
+        print(f"needle stand-in server at {srv.url} (model {srv.models[0]}, reads the last {srv.window} tokens); "
+              "Ctrl-C stops it", flush=True)
+        try:
+            srv.thread.join()
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()

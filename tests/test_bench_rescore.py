@@ -7,11 +7,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from cupy_dsa.bench import peers, readme, serve
+from cupy_dsa.bench import readme, serve
 from cupy_dsa.bench import rescore as rb
 from cupy_dsa.bench.cli import main
 
-from test_bench_routes import FakeDeepGEMM, _serve_doc, _serve_row, _torch_gather
+from test_bench_routes import (FakeDeepGEMM, FakeSGLangTopK, _serve_doc, _serve_row, _torch_gather,
+                               fake_sglang_topk, stand_in_gpu)
 
 K = 1024
 CPU = torch.device("cpu")
@@ -55,37 +56,49 @@ def test_rescore_memory_per_entry():
     assert mem["fp8-rescore"]["target_vs_bf16"] == 1.05 and mem["bf16"]["verdict"] is None
 
 
-def test_rescore_rows_on_cpu_with_deepgemm_stand_in():
-    """Every column of every phase runs (the references), the DeepGEMM ones with the stand-in; without it they
-    say why."""
-    rows = rb.rows(CPU, False, 0, FakeDeepGEMM(), None)
+def test_rescore_rows_on_cpu_with_deepgemm_stand_in(monkeypatch):
+    """Every column of every phase runs (the references), the DeepGEMM ones with the stand-in and SGLang's top-k
+    with its stand-in; without them they say why."""
+    fake_sglang_topk(monkeypatch)
+    rows = rb.rows(CPU, False, 0, FakeDeepGEMM(), None, topks=peers.topks(CPU))
     assert [r["phase"] for r in rows] == list(rb.PHASES)
     for r in rows:
         assert r["errors"] == {} and all(r["us"][c] > 0 for c in rb.COLUMNS), r
         assert r["vs_fp8_deepgemm"][rb.FP8_DG] == 1.0 and r["us_per_row"][rb.RESCORE] == r["us"][rb.RESCORE] / r["rows"]
-    none = rb.rows(CPU, False, 0, None, "deep_gemm not importable (x)", phases=("verify",))
+        assert all(r["key_bytes"][c] == 0 for c in rb.TOPK_COLUMNS.values())
+    fake_sglang_topk(monkeypatch, live=False)
+    none = rb.rows(CPU, False, 0, None, "deep_gemm not importable (x)", phases=("verify",), topks=peers.topks(CPU))
     assert len(none) == 1 and none[0]["phase"] == "verify"
     assert all(none[0]["us"][c] is None and "deep_gemm not importable" in none[0]["errors"][c]
                for c in rb.DEEPGEMM_COLUMNS)
-    assert all(none[0]["us"][c] > 0 for c in rb.COLUMNS if c not in rb.DEEPGEMM_COLUMNS)
+    assert all(none[0]["us"][c] is None and "No module named 'sglang'" in none[0]["errors"][c]
+               for c in rb.SGLANG_COLUMNS)
+    assert all(none[0]["us"][c] > 0 for c in rb.COLUMNS if c not in rb.DEEPGEMM_COLUMNS + rb.SGLANG_COLUMNS)
 
 
 @pytest.mark.parametrize("phase", rb.PHASES)
 def test_rescore_routes_select_the_same_keys(phase, monkeypatch):
     """The whole op on our route (grouped verify, varlen extend), given stage 1, and on DeepGEMM's rows given its
-    logits select the same keys; the stock columns' top-k is that of the same logits (CPU references)."""
+    logits select the same keys; the stock columns' top-k (SGLang's v2, its plan built outside the timed calls) is
+    that of the same logits, and every top-k alone selects what the reference does (CPU references)."""
     _torch_gather(monkeypatch)
     monkeypatch.setattr(serve, "NONPAGED_MIN_ROWS", 16)  # the CPU prefill chunk takes SGLang's non-paged route
+    fake = fake_sglang_topk(monkeypatch)
     c, = [c for c in rb.cases(CPU, False) if c.phase == phase]
     x = rb._inputs(c, CPU, torch.Generator().manual_seed(1), 1)
-    calls = rb._calls(c, x, FakeDeepGEMM())
+    calls = rb._calls(c, x, FakeDeepGEMM(), peers.topks(CPU))
+    assert fake.calls.count("plan") == 2 and "v2" not in fake.calls  # the stock binding's and its column's
     whole, given, on_rows = (calls[k][0]().raw_indices for k in (rb.RESCORE, rb.STAGE2, rb.RESCORE_DG))
     assert torch.equal(whole, given) and torch.equal(whole, on_rows)
     assert torch.equal(calls[rb.STAGE2_DG][0]().raw_indices, whole)
     assert rb.deepgemm_route(c) == (serve.FP8_NONPAGED if phase == "prefill" else serve.FP8_PAGED)
-    ours, stock = calls[rb.FP8][0](), calls[rb.FP8_DG][0]()
-    assert ours.values.shape == stock.values.shape == (c.rows, c.index_topk)
-    torch.testing.assert_close(ours.values, stock.values, rtol=1e-4, atol=1e-6)
+    ours, stock = calls[rb.FP8][0]().clone(), calls[rb.FP8_DG][0]().clone()
+    assert fake.calls[-2:] == ["v2", "v2"] and ours.shape == stock.shape == (c.rows, c.index_topk)
+    assert torch.equal(ours.sort(1).values, stock.sort(1).values)  # SGLang's order within a row is its own
+    for col in (rb.TOPK_V2, rb.TOPK_V1, rb.TOPK_OURS):  # alone on the stock logits: the stock column's selection
+        assert torch.equal(calls[col][0]().sort(1).values, stock.sort(1).values), col
+    values = calls[rb.TOPK_TORCH][0]().values
+    assert values.shape == (c.rows, c.index_topk)
 
 
 def test_rescore_cli_options(monkeypatch):
@@ -102,30 +115,44 @@ def test_rescore_cli_options(monkeypatch):
 def test_rescore_cli_on_a_stand_in_gpu(monkeypatch, tmp_path):
     """`bench rescore`'s GPU branch end to end on the CPU stand-in: JSON (schema, memory, columns, rows), table,
     markdown, then `bench report` of it and of the README block."""
-    from cupy_dsa.bench import cli, provenance
-
-    _torch_gather(monkeypatch)
-    for name, value in (("is_available", lambda: True), ("current_device", lambda: 0), ("device_count", lambda: 1),
-                        ("set_device", lambda dev: None)):
-        monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(cli, "_device_name", lambda dev: "stand-in GPU")
-    monkeypatch.setattr(provenance, "driver_version", lambda: None)
-    monkeypatch.setattr(peers, "deepgemm", lambda: (FakeDeepGEMM(), None))
+    stand_in_gpu(monkeypatch)
+    fake_sglang_topk(monkeypatch)
     real = rb.rows
-    monkeypatch.setattr(rb, "rows", lambda dev, quick, seed, dg, reason, progress, phases=None:
-                        real(CPU, quick, seed, dg, reason, progress, phases))
+    monkeypatch.setattr(rb, "rows", lambda dev, quick, seed, dg, reason, progress, phases=None, topks=None:
+                        real(CPU, quick, seed, dg, reason, progress, phases, topks))
     j, md = tmp_path / "r.json", tmp_path / "r.md"
     res = CliRunner().invoke(main, ["bench", "rescore", "--phase", "decode", "--phase", "extend", "--json", str(j)])
     assert res.exit_code == 0, res.output
-    assert "fp8-rescore (DeepGEMM stage 1)" in res.output  # the table's columns
+    assert "fp8-rescore (DeepGEMM stage 1)" in res.output and "stock top-k: SGLang v2" in res.output
     doc = json.loads(j.read_text())
     assert doc["schema"] == rb.SCHEMA and doc["deepgemm"] == "live" and doc["phases"] == ["decode", "extend"]
     assert [r["phase"] for r in doc["rows"]] == ["decode", "extend"] and set(doc["columns"]) == set(rb.COLUMNS)
+    assert doc["topk"]["stock"] == peers.SGLANG_V2 and not doc["topk"]["stand_in"]
+    assert set(doc["topk"]["status"].values()) == {"live"} and "SGLang v2" in doc["columns"][rb.FP8_DG] + \
+        doc["columns"][rb.BF16]
+    assert all(r["us"][c] > 0 for r in doc["rows"] for c in rb.COLUMNS)
     again = CliRunner().invoke(main, ["bench", "report", str(j), "--markdown", str(md)])
     assert again.exit_code == 0, again.output
     text = md.read_text()
     assert "| fp8-rescore / fp8 DeepGEMM |" in text and "fp8-rescore 264 B (1.03x bf16, target <= 1.05x: pass)" in text
+    assert "Stock top-k: SGLang v2 (plan_topk_v2 + topk_transform_paged_v2" in text
+    assert "| case | top-k SGLang v2 | top-k SGLang v1 | top-k cupy_dsa | top-k torch.topk | cupy_dsa / SGLang v2 |" \
+        in text and "torch.topk(index_topk)" not in text.split("Columns:")[1].split("**top-k torch.topk**")[0]
     assert again.output.strip() == text.strip() == rb.markdown(doc).strip()
+    # without SGLang's kernels: cupy_dsa.paged_topk stands in, and the JSON, the legend and the table say so
+    fake_sglang_topk(monkeypatch, live=False)
+    res = CliRunner().invoke(main, ["bench", "rescore", "--phase", "decode", "--json", str(j)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(j.read_text())
+    assert doc["topk"]["stock"] == peers.CUPY_DSA_TOPK and doc["topk"]["stand_in"]
+    assert "STANDS IN" in doc["topk"]["stand_in_note"] and "a54fd74" in doc["topk"]["stand_in_note"]
+    assert "No module named 'sglang'" in doc["topk"]["status"][peers.SGLANG_V2]
+    assert all(r["us"][c] is None for r in doc["rows"] for c in rb.SGLANG_COLUMNS)
+    text = rb.markdown(doc)
+    assert "Stock top-k: cupy_dsa.paged_topk, STANDING IN for SGLang's v2 top-k" in text
+    assert "48 x 24,576: 28 us vs 7.6" in text and "| case | top-k cupy_dsa | top-k torch.topk |" in text
+    assert "Not run: top-k SGLang v2: SGLang's v2 top-k not importable" in text
+    assert "Not measured:" not in text  # SGLang's columns are named once, above
     readme_md = tmp_path / "README.md"
     readme_md.write_text("x\n<!-- results:rescore -->\nold\n<!-- /results:rescore -->\n")
     res = CliRunner().invoke(main, ["bench", "report", str(j), "--readme", str(readme_md)])
@@ -254,3 +281,120 @@ def test_serve_markdown_rescore_table_only_for_runs_that_have_it():
     only_ours = serve.markdown(_serve_doc([dict(new_rows[1])]))
     assert "DeepGEMM stage 1" not in only_ours and "| fp8-rescore | / (fp8 + top-k) | / fp8 | target |" in only_ours
     assert "<!--" not in readme._serve_block(doc)
+
+
+# --------------------------------------------------------------------------------------------------
+# bench serve: the stock top-k (issue 31)
+# --------------------------------------------------------------------------------------------------
+
+def test_serve_issue31_targets():
+    """Issue 31's bounds on fp8-rescore (DeepGEMM stage 1): batch 48 decode / verify at 96K (vs fp8 + top-k and
+    bf16 + top-k) and 24K (vs bf16 + top-k), prefill chunks of 8,192 after 96K / 24K."""
+    assert serve.targets_31(serve.Case("decode", 48, 96 * K, 1, 0)) == (("fp8+topk", 1.3), ("bf16+topk", 0.75))
+    assert serve.targets_31(serve.Case("verify", 48, 96 * K, 3, 0)) == (("fp8+topk", 1.3), ("bf16+topk", 0.75))
+    assert serve.targets_31(serve.Case("verify", 48, 24 * K, 3, 0)) == (("bf16+topk", 1.0),)
+    assert serve.targets_31(serve.Case("prefill", 1, 96 * K, 1, 8192)) == (("bf16+topk", 0.9),)
+    assert serve.targets_31({"phase": "prefill", "batch": 1, "context": 24 * K, "next_n": 1, "chunk": 8192}) == \
+        (("bf16+topk", 1.0),)
+    for case in (serve.Case("decode", 64, 96 * K, 1, 0), serve.Case("decode", 48, 32 * K, 1, 0),
+                 serve.Case("prefill", 1, 96 * K, 1, 4096)):
+        assert serve.targets_31(case) == (), case
+
+
+def test_serve_measure_with_the_stock_topk(monkeypatch):
+    """The +topk layouts run the stock top-k (SGLang's v2: its plan once per forward, a selection per C4 layer);
+    fp8-rescore's ratios to fp8 + top-k and bf16 + top-k, issue 31's verdicts, and each top-k alone per forward."""
+    _torch_gather(monkeypatch)
+    fake = fake_sglang_topk(monkeypatch)
+    model = serve.ServeModel("tiny", 5, 3, 66, "test", None)
+    case = serve.Case("verify", 2, 256, 2, 0)
+    monkeypatch.setattr(serve, "TARGETS_31_BATCH", 2)
+    monkeypatch.setattr(serve, "TARGETS_31", {("decode", 256): (("fp8+topk", 1e9), ("bf16+topk", 1e-9))})
+    row = serve.measure(case, model, CPU, FakeDeepGEMM(), 0, reps=1, topks=peers.topks(CPU))
+    assert row["error"] is None and row["stock_topk"] == peers.SGLANG_V2 and row["topk_alone_on"] == "fp8+topk"
+    for v in ("rescore", "rescore_dg"):
+        ms = row[f"fp8_{v}_ms"]
+        assert row[f"{v}_vs_fp8_topk"] == ms / row["fp8_topk_ms"] and row[f"{v}_vs_bf16_topk"] == ms / row["bf16_topk_ms"]
+    assert [(t["basis"], t["verdict"]) for t in row["targets_31"]] == [("fp8+topk", "pass"), ("bf16+topk", "miss")]
+    assert row["targets_31"][1]["ratio"] == row["fp8_rescore_dg_ms"] / row["bf16_topk_ms"]
+    assert set(row["topk_alone_ms"]) == set(peers.TOPK_KEYS) and all(v > 0 for v in row["topk_alone_ms"].values())
+    # per forward: one plan, then one selection per C4 layer (timed runs repeat that pattern)
+    v2 = [c for c in fake.calls if c in ("plan", "v2")]
+    assert v2[:1 + model.n_c4] == ["plan"] + ["v2"] * model.n_c4
+    # without SGLang: cupy_dsa's top-k stands in, and the row says so
+    fake_sglang_topk(monkeypatch, live=False)
+    row = serve.measure(case, model, CPU, FakeDeepGEMM(), 0, reps=1, layouts=("bf16+topk",), topks=peers.topks(CPU))
+    assert row["stock_topk"] == peers.CUPY_DSA_TOPK and row["bf16_topk_ms"] > 0 and row["topk_alone_on"] == "bf16+topk"
+    assert set(row["topk_alone_ms"]) == {peers.CUPY_DSA_TOPK, peers.TORCH_TOPK}
+    assert [t["verdict"] for t in row["targets_31"]] == [None, None]  # fp8-rescore-dg not timed
+
+
+def test_serve_topk_forwards_select_what_the_reference_does(monkeypatch):
+    """bf16+topk and fp8+topk select, per layer, the reference's top-k of that layer's logits with every row's
+    own length and page-table row (decode rows, verify rows, a prefill chunk on either fp8 route)."""
+    _torch_gather(monkeypatch)
+    monkeypatch.setattr(serve, "NONPAGED_MIN_ROWS", 16)
+    model = serve.ServeModel("tiny", 5, 2, 66, "test", None)
+    picked = []
+    op = peers.cupy_dsa_topk()
+    spy = peers.TopKOp("spy", "spy", lambda lens, table, k: peers.BoundTopK(
+        lambda: None, lambda logits: picked.append((logits, lens, table, op.bind(lens, table, k).select(logits)))))
+    for case in serve.cases(2, (256,), (1, 3), (8, 32)):
+        for layout in serve.WITH_TOPK:
+            picked.clear()
+            fwd = serve._forward(case, layout, model, CPU, torch.Generator().manual_seed(0), FakeDeepGEMM(), spy)
+            fwd.run()
+            assert len(picked) == model.n_c4
+            logits, lens, table, sel = picked[0]
+            per_request = case.chunk if case.phase == "prefill" else case.next_n
+            rows = case.batch * per_request
+            assert logits.shape[0] == lens.shape[0] == table.shape[0] == rows and sel.shape == (rows, 66)
+            # row j of a request sees its context's entries and one more per 4 new tokens, on the request's pages
+            step = (torch.arange(per_request) + 1) // 4
+            assert torch.equal(lens, (case.context // 4 + step).repeat(case.batch).to(torch.int32)), (case, layout)
+            assert (table.view(case.batch, per_request, -1) == table.view(case.batch, per_request, -1)[:, :1]).all()
+            assert lens.max() <= logits.shape[1] <= table.shape[1] * 64 and torch.equal(lens, fwd.topk_rows[0])
+
+
+def _topk_doc(stand_in=False):
+    row = dict(_serve_row("decode", 1, 0, context=96 * K, batch=48), fp8_topk_ms=1.2, bf16_topk_ms=2.0,
+               fp8_rescore_ms=2.4, rescore_vs_fp8_topk=2.0, rescore_vs_bf16_topk=1.2, fp8_rescore_dg_ms=1.5,
+               rescore_dg_vs_fp8_topk=1.25, rescore_dg_vs_bf16_topk=0.75, rescore_dg_vs_fp8=1.5,
+               targets_31=[{"basis": "fp8+topk", "target": 1.3, "ratio": 1.25, "verdict": "pass"},
+                           {"basis": "bf16+topk", "target": 0.75, "ratio": 0.75, "verdict": "pass"}],
+               topk_alone_ms={"sglang-v2": 0.08, "sglang-v1": 0.2, "cupy_dsa": 0.3, "torch": 1.6},
+               topk_alone_on="fp8+topk")
+    pre = dict(_serve_row("prefill", 1, 8192, context=24 * K), fp8_topk_ms=30.0, bf16_topk_ms=50.0,
+               fp8_rescore_ms=90.0, rescore_vs_fp8_topk=3.0, rescore_vs_bf16_topk=1.8, fp8_rescore_dg_ms=60.0,
+               rescore_dg_vs_fp8_topk=2.0, rescore_dg_vs_bf16_topk=1.2,
+               targets_31=[{"basis": "bf16+topk", "target": 1.0, "ratio": 1.2, "verdict": "miss"}], topk_alone_ms={})
+    doc = _serve_doc([row, pre])
+    status = {"sglang-v2": "live", "sglang-v1": "live", "cupy_dsa": "live", "torch": "live"}
+    doc["topk"] = {"stock": "sglang-v2", "stock_label": peers.TOPK_LABELS["sglang-v2"], "stand_in": False,
+                   "status": status}
+    if stand_in:
+        why = "SGLang's v2 top-k not importable (x)"
+        doc["topk"] = {"stock": "cupy_dsa", "stock_label": "cupy_dsa.paged_topk", "stand_in": True,
+                       "status": dict(status, **{"sglang-v2": why, "sglang-v1": why}),
+                       "stand_in_note": peers.stand_in_note(why)}
+        del row["topk_alone_ms"]["sglang-v2"], row["topk_alone_ms"]["sglang-v1"]
+    return doc
+
+
+def test_serve_markdown_with_the_stock_topk():
+    """A run that records its stock top-k: its table (fp8 + top-k, bf16 + top-k, both fp8-rescores' ratios, issue
+    31's verdicts) and each top-k alone; a stand-in is named as one, with why and its speed against v2."""
+    md = serve.markdown(_topk_doc())
+    assert ("| decode | 48 x 96K | 1.00 ms | 1.20 ms | 2.00 ms | 2.40 ms | 2.00x | 1.20x | 1.50 ms | 1.25x | 0.75x | "
+            "<= 1.30x fp8 + top-k: pass; <= 0.75x bf16 + top-k: pass |") in md
+    assert "| prefill chunk of 8,192 | after 24K |" in md and "<= 1.00x bf16 + top-k: **miss** |" in md
+    assert "**top-k** = the stock top-k, SGLang v2 (plan_topk_v2 + topk_transform_paged_v2" in md
+    assert "| step | batch x context (tokens) | SGLang v2 | SGLang v1 | cupy_dsa | torch.topk |" in md
+    assert "| decode | 48 x 96K | 0.080 ms | 0.200 ms | 0.300 ms | 1.600 ms |" in md and "Top-k not run" not in md
+    assert "(21 C4 layers over one layer's logits, the fp8 step's; its plan once)" in md
+    assert "issue 26" not in md and "torch.topk(index_topk)" not in md
+    assert readme._serve_rescore_block(_topk_doc()).startswith("fp8-rescore, gpu, commit `abc`")
+    stand_in = serve.markdown(_topk_doc(stand_in=True))
+    assert "a STAND-IN for SGLang's v2 top-k: cupy_dsa.paged_topk STANDS IN" in stand_in
+    assert "| step | batch x context (tokens) | cupy_dsa | torch.topk |" in stand_in
+    assert "Top-k not run: SGLang v2: SGLang's v2 top-k not importable (x); SGLang v1:" in stand_in

@@ -57,11 +57,75 @@ class FakeDeepGEMM:
         return out
 
 
+class FakeSGLangTopK:
+    """SGLang 0.5.23's DeepSeek-V4 top-k entry points (sglang.kernels.ops.attention.dsv4.topk) on CPU, with its
+    signatures: the selection by cupy_dsa's reference, each row's selected slots reversed (SGLang's order is
+    unspecified), -1 past them; every call recorded."""
+
+    def __init__(self, wrong=False):
+        self.calls = []
+        self.wrong = wrong  # select the k smallest instead: a kernel the loader's check must refuse
+
+    def _select(self, scores, seq_lens, page_tables, out, page_size):
+        assert page_size == 64 and scores.dtype == torch.float32 and seq_lens.dtype == page_tables.dtype == torch.int32
+        assert scores.shape[0] == seq_lens.shape[0] == page_tables.shape[0] == out.shape[0]
+        sel = cupy_dsa.paged_topk_reference(-scores if self.wrong else scores, seq_lens, page_tables,
+                                            out.shape[1]).page_indices
+        for r in range(sel.shape[0]):
+            n = int((sel[r] >= 0).sum())
+            sel[r, :n] = sel[r, :n].flip(0)
+        out.copy_(sel)
+
+    def topk_transform_paged(self, scores, seq_lens, page_tables, out_page_indices, page_size, out_raw_indices=None):
+        self.calls.append("v1")
+        self._select(scores, seq_lens, page_tables, out_page_indices, page_size)
+
+    def plan_topk_v2(self, seq_lens, static_threshold=-1, *, out=None):
+        self.calls.append("plan")
+        assert out.shape == (seq_lens.shape[0] + 1, 2) and out.dtype == torch.int32
+        return out
+
+    def topk_transform_paged_v2(self, scores, seq_lens, page_tables, out_page_indices, page_size, metadata,
+                                out_raw_indices=None):
+        self.calls.append("v2")
+        assert metadata.shape == (seq_lens.shape[0] + 1, 2)
+        self._select(scores, seq_lens, page_tables, out_page_indices, page_size)
+
+
+def fake_sglang_topk(monkeypatch, live=True):
+    """SGLang's v2 and v1 top-k as :func:`peers.sglang_topk` returns them, on :class:`FakeSGLangTopK`
+    (``live=False``: both report why they do not run, as on a GPU without SGLang). Returns the fake."""
+    fake = FakeSGLangTopK()
+
+    def loader(version, device=None):
+        key = {"v1": peers.SGLANG_V1, "v2": peers.SGLANG_V2}[version]
+        if not live:
+            return None, f"SGLang's {version} top-k not importable (ModuleNotFoundError: No module named 'sglang')"
+        return peers.TopKOp(key, peers.TOPK_LABELS[key], peers._sglang_bind(fake, key)), None
+
+    monkeypatch.setattr(peers, "sglang_topk", loader)
+    return fake
+
+
 def _torch_gather(monkeypatch):
     """SGLang's gather is a Triton kernel (a GPU, or Triton's interpreter: test below); the forwards here use the
     torch one."""
     monkeypatch.setattr(peers, "fp8_gather", lambda: ((lambda row, n: lambda c: peers.torch_fp8_gather(c, row, n)),
                                                       "torch gather (test)"))
+
+
+def stand_in_gpu(monkeypatch):
+    """A command's GPU branch on this CPU: torch says a CUDA device is there, DeepGEMM is the stand-in above, the
+    gather is torch's (the command's measurement is pointed at the CPU by the caller)."""
+    from cupy_dsa.bench import cli, provenance
+
+    _torch_gather(monkeypatch)
+    for name, value in (("is_available", lambda: True), ("current_device", lambda: 0), ("device_count", lambda: 1),
+                        ("set_device", lambda dev: None)):
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(cli, "_device_name", lambda dev: "stand-in GPU")
+    monkeypatch.setattr(provenance, "driver_version", lambda: None)
+    monkeypatch.setattr(peers, "deepgemm", lambda: (FakeDeepGEMM(), None))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -366,17 +430,10 @@ def test_serve_cli_on_a_gpu_records_routes_targets_and_the_gather(monkeypatch, t
     """`bench serve`'s GPU branch end to end, its GPU stood in for by the CPU (the ops' references, DeepGEMM's
     stand-in, the torch gather) at a test model's size: the rows, table, notes and markdown carry the fp8 route of
     every step, the gather of the non-paged one, and the verdict where a target matches."""
-    from cupy_dsa.bench import cli, provenance
-
-    _torch_gather(monkeypatch)
+    stand_in_gpu(monkeypatch)
     monkeypatch.setattr(serve, "NONPAGED_MIN_ROWS", 16)
     monkeypatch.setattr(serve, "TARGETS", {(2, 2, 256): 1e9})
-    for name, value in (("is_available", lambda: True), ("current_device", lambda: 0), ("device_count", lambda: 1),
-                        ("set_device", lambda dev: None)):
-        monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(cli, "_device_name", lambda dev: "stand-in GPU")
-    monkeypatch.setattr(provenance, "driver_version", lambda: None)
-    monkeypatch.setattr(peers, "deepgemm", lambda: (FakeDeepGEMM(), None))
+    fake_topk = fake_sglang_topk(monkeypatch)
     real = serve.measure
     monkeypatch.setattr(serve, "measure", lambda case, model, dev, dg, seed, reps, **kw: real(case, model, CPU, dg,
                                                                                                seed, 1, **kw))
@@ -395,9 +452,151 @@ def test_serve_cli_on_a_gpu_records_routes_targets_and_the_gather(monkeypatch, t
     assert "fp8 non-paged route: keys gathered by torch gather (test)" in doc["notes"]
     md = serve.markdown(doc)
     assert "| fp8 route | target |" in md and "| verify, next_n 2 | 2 x 256 |" in md and "<= 1000000000.00x: pass" in md
-    # fp8-rescore on every step, both stage 1s, against fp8 + top-k; the targets of decode / verify
-    assert all(r["fp8_topk_ms"] and r["fp8_rescore_ms"] and r["fp8_rescore_dg_ms"] for r in doc["timings"])
+    # fp8-rescore on every step, both stage 1s, against fp8 + top-k and bf16 + top-k (SGLang's v2 top-k, its
+    # plan once per forward); issue 26's bounds still recorded; each top-k alone
+    assert all(r["fp8_topk_ms"] and r["bf16_topk_ms"] and r["fp8_rescore_ms"] and r["fp8_rescore_dg_ms"]
+               for r in doc["timings"])
+    assert doc["topk"]["stock"] == peers.SGLANG_V2 and not doc["topk"]["stand_in"]
+    assert all(r["stock_topk"] == peers.SGLANG_V2 and set(r["topk_alone_ms"]) == set(peers.TOPK_KEYS)
+               and r["topk_alone_on"] == "fp8+topk" for r in doc["timings"])
+    assert {"plan", "v2", "v1"} <= set(fake_topk.calls)
     assert [r["rescore_target_ratio"] for r in by_step.values()] == [1.15, 1.15, None, None]
-    assert "| fp8-rescore | / (fp8 + top-k) | / fp8 | fp8-rescore, DeepGEMM stage 1 |" in md
-    assert "fp8-rescore ms per forward" in res.output
+    assert "| fp8-rescore | / (fp8 + top-k) | / (bf16 + top-k) | fp8-rescore, DG stage 1 |" in md
+    assert "**top-k** = the stock top-k, SGLang v2 (plan_topk_v2 + topk_transform_paged_v2" in md
+    assert "fp8-rescore ms per forward" in res.output and "each top-k alone" in res.output
     assert "fp8 route" in res.stderr or "fp8 route" in res.output
+
+
+def test_serve_query_axis_times_both_queries_with_their_preparation(monkeypatch):
+    """`bench serve --query`: the layouts whose query the plugin sets (read from the modes' records: bf16, fp8-cupy)
+    run with each query, each C4 layer preparing it (prepare_index_q with that numerics) before its logits, which get
+    that query; the row keeps ms per layout and query and the bf16 / fp8 ratio; the CLI records the queries."""
+    from cupy_dsa.sglang import core
+
+    assert serve.QUERY_LAYOUTS == ("bf16", "fp8-cupy")
+    assert all(core.record(name).query_settable and core.record(name).scoring == "one-pass"
+               for name in serve.QUERY_LAYOUTS)
+    model = serve.ServeModel("tiny", 5, 2, 66, "test", None)
+    preps, dtypes = [], []
+    real_prep, real_paged, real_varlen = cupy_dsa.prepare_index_q, cupy_dsa.paged_mqa_logits, cupy_dsa.mqa_logits
+    monkeypatch.setattr(cupy_dsa, "prepare_index_q", lambda *a, **k: preps.append(k["numerics"]) or real_prep(*a, **k))
+    monkeypatch.setattr(cupy_dsa, "paged_mqa_logits", lambda q, *a, **k: dtypes.append(q.dtype) or real_paged(q, *a, **k))
+    monkeypatch.setattr(cupy_dsa, "mqa_logits", lambda q, *a, **k: dtypes.append(q.dtype) or real_varlen(q, *a, **k))
+    for case in serve.cases(2, (256,), (1, 3), (8,)):
+        for layout in serve.QUERY_LAYOUTS:
+            for query, dtype in (("fp8", torch.float8_e4m3fn), ("bf16", torch.bfloat16)):
+                preps.clear()
+                dtypes.clear()
+                fwd = serve._forward(case, layout, model, CPU, torch.Generator().manual_seed(0), None, query=query)
+                fwd.run()
+                assert preps == [query] * model.n_c4 and dtypes == [dtype] * model.n_c4, (case, layout, query)
+    row = serve.measure_queries(serve.Case("verify", 2, 256, 2, 0), model, CPU, 0, reps=1)
+    assert row["error"] is None and set(row["ms"]) == set(serve.QUERY_LAYOUTS), row
+    for layout, per in row["ms"].items():
+        assert set(per) == {"fp8", "bf16"} and row["bf16_q_vs_fp8_q"][layout] == per["bf16"] / per["fp8"]
+    md = "\n".join(serve.query_markdown({"query_timings": [row], "device": "cpu", "git_commit": "abc"}))
+    assert "| bf16, fp8 q | bf16, bf16 q | fp8-cupy, fp8 q | fp8-cupy, bf16 q | bf16: bf16 q / fp8 q |" in md, md
+    assert serve.query_markdown({"timings": []}) == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    res = CliRunner().invoke(main, ["bench", "serve", "--query", "BF16,fp8", "--json", "-"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout[res.stdout.index("{"):])
+    assert doc["queries"] == ["fp8", "bf16"] and doc["query_timings"] == [] and serve.QUERY_COUNTED in doc["notes"]
+    res = CliRunner().invoke(main, ["bench", "serve", "--query", "fp16"])
+    assert res.exit_code == 2 and "--query" in res.output and "'fp16'" in res.output
+
+
+# --------------------------------------------------------------------------------------------------
+# the stock top-k (issue 31): SGLang's own kernels where they run, else cupy_dsa's standing in
+# --------------------------------------------------------------------------------------------------
+
+def test_sglang_topk_says_why_it_cannot_run_on_cpu(monkeypatch):
+    """On a CPU (CI), SGLang's top-k reports a clean reason before importing anything; the run's top-k is then
+    cupy_dsa's, named as SGLang v2's stand-in with its measured speed against v2."""
+    monkeypatch.setattr(peers, "_SGLANG_TOPK", {})
+    for version in ("v1", "v2"):
+        op, why = peers.sglang_topk(version, CPU)
+        assert op is None and why == f"SGLang's {version} top-k not run: it is a CUDA kernel and this run has no CUDA device"
+    with pytest.raises(ValueError, match="version: expected 'v1' or 'v2', got 'v3'"):
+        peers.sglang_topk("v3", CPU)
+    t = peers.topks(CPU)
+    assert t.stand_in and t.stock.key == peers.CUPY_DSA_TOPK and list(t.ops) == [peers.CUPY_DSA_TOPK, peers.TORCH_TOPK]
+    d = t.describe()
+    assert d["stock"] == "cupy_dsa" and d["stand_in"] and "no CUDA device" in d["status"]["sglang-v2"]
+    assert "STANDS IN for SGLang's v2 top-k" in d["stand_in_note"] and "48 x 65,536: 102 us vs 13" in d["stand_in_note"]
+    assert json.loads(json.dumps(d)) == d
+
+
+def test_sglang_topk_import_failure_is_a_reason(monkeypatch):
+    """A GPU machine whose SGLang does not import: the reason names the error; nothing is retried per call."""
+    monkeypatch.setattr(peers, "_SGLANG_TOPK", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(peers, "_install_kernel_stubs", lambda: [])
+    tried = []
+
+    def no_sglang(name):
+        tried.append(name)
+        raise ModuleNotFoundError("No module named 'sglang'")
+
+    monkeypatch.setattr(peers.importlib, "import_module", no_sglang)
+    for _ in range(2):
+        op, why = peers.sglang_topk("v2", "cuda:0")
+        assert op is None and why == ("SGLang's v2 top-k not importable (ModuleNotFoundError: No module named "
+                                      "'sglang')")
+    assert tried == [peers.SGLANG_TOPK_MODULE]
+
+
+def test_sglang_topk_binding_and_check():
+    """The bindings call SGLang's entry points as SGLang's indexer does (page size 64, v2's plan buffer of
+    rows + 1, filled once per forward); the loader's check accepts a kernel that selects the reference's keys
+    in any order and refuses one that does not."""
+    fake = FakeSGLangTopK()
+    v2 = peers.TopKOp(peers.SGLANG_V2, "v2", peers._sglang_bind(fake, peers.SGLANG_V2))
+    v1 = peers.TopKOp(peers.SGLANG_V1, "v1", peers._sglang_bind(fake, peers.SGLANG_V1))
+    peers._self_check(v2, CPU)
+    peers._self_check(v1, CPU)
+    assert fake.calls == ["plan", "v2", "v1"]
+    bad = peers.TopKOp(peers.SGLANG_V2, "v2", peers._sglang_bind(FakeSGLangTopK(wrong=True), peers.SGLANG_V2))
+    with pytest.raises(RuntimeError, match="selects .* slots that differ from the reference"):
+        peers._self_check(bad, CPU)
+    lens = torch.tensor([3, 200], dtype=torch.int32)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    with pytest.raises(ValueError, match="index_topk: SGLang v1's top-k takes at most 1024, got 2048"):
+        v1.bind(lens, table, 2048)
+    b = v2.bind(lens, table, 16)
+    b.plan()
+    out = b.select(torch.randn(2, 256))
+    assert out.dtype == torch.int32 and out.shape == (2, 16) and out[0, 3:].eq(-1).all()
+    assert sorted(out[0, :3].tolist()) == [0, 1, 2] and out[1].ge(4 * 64).all()  # row 1: its own pages
+
+
+def test_sglang_topk_entry_points_take_what_the_bench_passes():
+    """SGLang 0.5.23's top-k module (imported on the CPU, nothing compiled) has the entry points the bench calls,
+    with the parameters in the order it passes them."""
+    import inspect
+
+    pytest.importorskip("sglang")
+    mod = __import__(peers.SGLANG_TOPK_MODULE, fromlist=["x"])
+    params = {name: list(inspect.signature(getattr(mod, name)).parameters)
+              for name in ("topk_transform_paged", "plan_topk_v2", "topk_transform_paged_v2")}
+    assert params["topk_transform_paged"][:5] == ["scores", "seq_lens", "page_tables", "out_page_indices", "page_size"]
+    assert params["plan_topk_v2"][0] == "seq_lens" and "out" in params["plan_topk_v2"]
+    assert params["topk_transform_paged_v2"][:6] == ["scores", "seq_lens", "page_tables", "out_page_indices",
+                                                     "page_size", "metadata"]
+
+
+def test_kernel_stubs_leave_deep_gemm_alone():
+    """Before SGLang's import the bench stubs only the kernel packages SGLang imports but the top-k does not
+    need (never deep_gemm, whose columns must run the real one or say why not); SGLang's top-k module then
+    imports (a fresh process: the stubs are process-wide)."""
+    pytest.importorskip("sglang")
+    code = ("from cupy_dsa.bench import peers; print(sorted(peers._install_kernel_stubs())); "
+            "import importlib; importlib.import_module(peers.SGLANG_TOPK_MODULE)\n"
+            "try:\n import deep_gemm; print(not deep_gemm.__version__.endswith('cupy_dsa_stub'))\n"
+            "except ImportError:\n print(True)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    stubbed, real_or_none = out.stdout.strip().splitlines()[-2:]
+    assert set(eval(stubbed)) <= {"sgl_kernel", "flash_mla", "flashinfer"} and real_or_none == "True"

@@ -407,7 +407,7 @@ def test_notes_cite_no_documents(runs):
 
 def test_bytes_figures():
     rows = {(r["model"], r["layout"]): r for r in bytes_mod.rows(50.0)}
-    assert {r["bytes_per_entry"] for r in rows.values()} == {132, 68, 256}
+    assert {r["bytes_per_entry"] for r in rows.values()} == {132, 68, 256, 264}   # 264: fp8-rescore (fp8 + int8 pages)
     flash8, flash16 = rows[("DeepSeek-V4-Flash", "fp8")], rows[("DeepSeek-V4-Flash", "bf16")]
     assert flash8["index_bytes_per_token_per_layer"] == 33 and flash16["index_bytes_per_token_per_layer"] == 64
     assert flash16["index_bytes_per_token"] == 64 * flash16["index_layers"]
@@ -614,9 +614,11 @@ def test_rescore_gpu_quick(tmp_path):
     doc = json.loads(j.read_text())
     rows = doc["rows"]
     assert [r["phase"] for r in rows] == list(rescore_bench.PHASES)
+    live = {rescore_bench.TOPK_COLUMNS[k] for k, why in doc["topk"]["status"].items() if why == "live"}
     for r in rows:
         assert set(r["us"]) == set(rescore_bench.COLUMNS)
-        timed = [c for c in rescore_bench.COLUMNS if doc["deepgemm"] == "live" or c not in rescore_bench.DEEPGEMM_COLUMNS]
+        timed = [c for c in rescore_bench.COLUMNS if (doc["deepgemm"] == "live" or c not in rescore_bench.DEEPGEMM_COLUMNS)
+                 and (c in live or c not in rescore_bench.TOPK_COLUMNS.values())]
         assert all(r["us"][c] > 0 for c in timed), r
         assert r["key_bytes"]["fp8"] < r["key_bytes"]["bf16"]
 
@@ -763,30 +765,46 @@ RESULTS_JSON = REPO / "bench" / "results" / "h200.json"
 
 
 def test_readme_results_blocks_are_generated_from_the_committed_json():
-    """Every figure block of the README is what `bench report --readme` renders from the committed JSON it quotes
-    (bench/results/h200*.json; a hand edit, or a JSON committed without regenerating the README, fails here)."""
+    """Every figure block of the README and of bench/results/README.md is what `bench report --readme` renders from
+    the committed JSON it quotes, with its stale line (a hand edit, a JSON committed without re-rendering, or a
+    kernel commit since the last rendering fails here: bench/results/README.md lists the commands to re-render)."""
     from cupy_dsa.bench import readme as readme_mod
 
-    readme = (REPO / "README.md").read_text()
-    bodies = {m["name"]: m["body"] for m in readme_mod.README_BLOCK.finditer(readme)}
+    files = {name: (REPO / name).read_text() for name in ("README.md", "bench/results/README.md")}
+    bodies = {}
+    for name, text in files.items():
+        for m in readme_mod.README_BLOCK.finditer(text):
+            assert m["name"] not in bodies, f"results:{m['name']} stands twice"
+            bodies[m["name"]] = (name, m["body"])
+    diverse = RESULTS_JSON.parent / "h200-recall-diverse.json"  # `bench recall --suite diverse`, once committed
     assert set(bodies) == (set(readme_mod.README_BLOCKS) | set(readme_mod.SERVE_README_BLOCKS)
-                           | set(readme_mod.RESCORE_README_BLOCKS))
+                           | set(readme_mod.RESCORE_README_BLOCKS) | set(readme_mod.EMULATE_README_BLOCKS)
+                           | (set(readme_mod.RECALL_DIVERSE_README_BLOCKS) if diverse.exists() else set()))
     serve = {n: b for n, b in readme_mod.SERVE_README_BLOCKS.items() if n != "serve-rescore"}
-    docs = {"h200.json": (json.loads(RESULTS_JSON.read_text()), readme_mod.README_BLOCKS),
+    bench_blocks = {n: b for n, b in readme_mod.README_BLOCKS.items() if n != "recall"}
+    docs = {"h200.json": (json.loads(RESULTS_JSON.read_text()), bench_blocks),
             "h200-recall.json": (json.loads((RESULTS_JSON.parent / "h200-recall.json").read_text()),
                                  {"recall": readme_mod.README_BLOCKS["recall"]}),
             "h200-serve.json": (json.loads((RESULTS_JSON.parent / "h200-serve.json").read_text()), serve),
             "h200-serve-rescore.json": (json.loads((RESULTS_JSON.parent / "h200-serve-rescore.json").read_text()),
                                         {"serve-rescore": readme_mod.SERVE_README_BLOCKS["serve-rescore"]}),
             "h200-rescore.json": (json.loads((RESULTS_JSON.parent / "h200-rescore.json").read_text()),
-                                  readme_mod.RESCORE_README_BLOCKS)}
+                                  readme_mod.RESCORE_README_BLOCKS),
+            "h200-emulate-sm120.json": (json.loads((RESULTS_JSON.parent / "h200-emulate-sm120.json").read_text()),
+                                        readme_mod.EMULATE_README_BLOCKS)}
+    if diverse.exists():
+        docs[diverse.name] = (json.loads(diverse.read_text()), readme_mod.RECALL_DIVERSE_README_BLOCKS)
     for what, (doc, blocks) in docs.items():
-        assert readme_mod.readme_with_results(readme, doc, blocks) == readme
+        note = readme_mod.stale_note(doc)
         for name, block in blocks.items():
-            if name == "query" and block.missing(doc):  # no query rows in the committed run yet: says so
-                assert bodies[name].startswith("Not measured yet"), bodies[name]
-                continue
-            assert bodies[name] == block.render(doc) + "\n", f"results:{name} is not what {what} renders"
+            where, body = bodies[name]
+            if note is None:  # no git history to tell: the stale line is not compared
+                body, note_here = readme_mod.without_stale_note(body), ""
+            else:
+                note_here = note
+            assert body == block.render(doc) + note_here + "\n", (
+                f"{where}: results:{name} is not what {what} renders: cupy-dsa bench report bench/results/{what} "
+                f"--readme {where}")
 
 
 def test_report_readme_rewrites_marked_blocks(tmp_path):
@@ -800,3 +818,101 @@ def test_report_readme_rewrites_marked_blocks(tmp_path):
     md.write_text("<!-- results:nonsense -->\n<!-- /results:nonsense -->\n")
     res = CliRunner().invoke(main, ["bench", "report", str(RESULTS_JSON), "--readme", str(md)])
     assert res.exit_code == 2 and "results:nonsense" in res.output and "headline" in res.output
+
+
+# --------------------------------------------------------------------------------------------------
+# bench recall --suite diverse
+# --------------------------------------------------------------------------------------------------
+
+def test_recall_suite_diverse_on_cpu(tmp_path):
+    """`bench recall --suite diverse` on the CPU backend: every format and oracle at every k, the exact oracle keeps
+    its own top-k, the reference format matches the reference oracle, the error budget is consistent (both roundings
+    miss at least what one alone does, a format with the exact query's rounding adds none); the default suite stays
+    the needle suite; `bench report` and its README block render the rows."""
+    from cupy_dsa.bench import readme as readme_mod
+    from cupy_dsa.bench import recall_diverse as rd
+
+    j = tmp_path / "diverse.json"
+    res = _invoke(["bench", "recall", "--suite", "diverse", "--backend", "cpu", "--quick", "--json", str(j)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(j.read_text())
+    rows = doc["recall_diverse"]
+    assert doc["recall"] == [] and {r["suite"] for r in rows} == {"diverse"}
+    assert {r["format"] for r in rows} == set(rd.FORMATS) | set(rd.ORACLES) and {r["k"] for r in rows} == set(rd.TOPKS)
+    assert any(not r["trivial"] and r["index_entries"] >= 4 * r["k"] for r in rows)
+    by = {(r["format"], r["k"], r["context_tokens"]): r for r in rows}
+    for r in rows:
+        assert r["error"] is None and r["queries"] == 4, r
+        assert 0.0 <= r["recall_min"] <= r["recall_mean"] <= 1.0 and r["missed_share"] == 1 - r["recall_mean"]
+        assert r["recall_peaked"] is not None and r["recall_unpeaked"] is not None
+        if r["format"] == "exact":
+            assert r["recall_mean"] == 1.0, r
+        if r["format"] in ("reference", "bf16-reference"):  # the latter: fp32 summation order only
+            assert r["ref_overlap_mean"] >= (1.0 if r["format"] == "reference" else 0.99), r
+        if r["format"] in rd.ONE_PASS:
+            key, query = rd.ONE_PASS[r["format"]]
+            assert (r["key"], r["query"]) == (key, query)
+            both, k_only, q_only = r["missed_both"], r["missed_key_only"], r["missed_query_only"]
+            assert None not in (both, k_only, q_only), r
+            # the op's fp32 scores and the fp64 emulation of both roundings select nearly the same keys
+            assert abs(both - r["missed_share"]) <= 0.01, r
+            twin = by.get((f"{r['format']}+q-bf16", r["k"], r["context_tokens"]), r)  # the same keys, bf16 q
+            assert twin["missed_key_only"] == k_only, (r, twin)  # same keys: the same key-only misses
+        else:
+            assert r["missed_both"] is None
+        if r["format"] in rd.RESCORE:
+            assert r["key"] == "two-level" and r["k_prime"] == rd.K_PRIME_MULTIPLE * r["k"]
+    nontrivial = [r for r in rows if not r["trivial"]]
+    # the budget shows the query: with bf16 keys the bf16 query misses no more than the fp8 query on its own side
+    for r in nontrivial:
+        if r["format"] == "bf16":
+            twin = by[("bf16+q-bf16", r["k"], r["context_tokens"])]
+            assert twin["missed_query_only"] <= r["missed_query_only"], (r, twin)
+    assert "error budget" in res.output and "| bf16+q-bf16 | bf16 | bf16 |" in res.output
+    rerun = _invoke(["bench", "report", str(j)])
+    assert rerun.exit_code == 0 and "| fp8-rescore-4x-bf16q | two-level | bf16 |" in rerun.output
+    md = tmp_path / "README.md"
+    md.write_text("x\n<!-- results:recall-diverse -->\nold\n<!-- /results:recall-diverse -->\n")
+    res = _invoke(["bench", "report", str(j), "--readme", str(md)])
+    assert res.exit_code == 2 and "--allow-cpu-or-quick" in res.output  # a CPU run does not replace H200 figures
+    res = _invoke(["bench", "report", str(j), "--readme", str(md), "--allow-cpu-or-quick"])
+    assert res.exit_code == 0 and md.read_text() == ("x\n<!-- results:recall-diverse -->\n"
+                                                     + readme_mod.RECALL_DIVERSE_README_BLOCKS["recall-diverse"]
+                                                     .render(doc) + "\n<!-- /results:recall-diverse -->\n")
+    res = _invoke(["bench", "recall", "--suite", "haystack"])
+    assert res.exit_code == 2 and "--suite" in res.output
+
+
+def test_recall_suite_default_is_needle():
+    from cupy_dsa.bench import cli
+
+    assert cli.DEFAULTS["suite"] == "needle"
+    opt = [p for p in cli.bench.commands["recall"].params if p.name == "suite"]
+    assert opt and list(opt[0].type.choices) == ["needle", "diverse"]
+    assert not [p for p in cli.bench.commands["all"].params if p.name == "suite"]
+
+
+def test_recall_diverse_sizes():
+    from cupy_dsa.bench.recall_diverse import contexts
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert contexts(cpu, True) == ([8192], 4) and max(contexts(cpu, False)[0]) == 16384
+    for quick in (True, False):
+        ctxs, rows = contexts(gpu, quick)
+        assert min(ctxs) // 4 >= 16384 and rows >= 16   # >= 16K keys on the GPU
+
+
+@pytest.mark.gpu
+def test_recall_suite_diverse_on_gpu(monkeypatch):
+    """The diverse suite through the CUDA kernels at 16K keys: the stored reference matches the reference oracle,
+    and the one-pass formats' op scores agree with their fp64 emulation."""
+    from cupy_dsa.bench import recall_diverse as rd
+
+    monkeypatch.setattr(rd, "contexts", lambda device, quick: ([65536], 8))
+    rows = rd.run(torch.device("cuda"), True, 0)
+    assert all(r["error"] is None for r in rows), [r["error"] for r in rows if r["error"]][:1]
+    for r in rows:
+        if r["format"] == "bf16-reference":
+            assert r["ref_overlap_mean"] >= 0.95, r
+        if r["format"] in rd.ONE_PASS:
+            assert abs(r["missed_both"] - r["missed_share"]) <= 0.01, r

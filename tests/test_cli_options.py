@@ -180,3 +180,144 @@ def test_serve_config_names_the_model_by_its_config(tmp_path, monkeypatch):
 def _json_of(args):
     out = _run(args).stdout
     return json.loads(out[out.index("{"):])
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0"])
+def test_needle_timeout_must_be_finite_and_positive(value):
+    res = _run(["needle", "--timeout", value])
+    assert res.exit_code == 2 and "Invalid value for '--timeout'" in res.output, res.output
+    assert "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("args, option", [
+    (["bench", "--device", "banana", "bytes"], "--device"),
+    (["bench", "bytes", "--device", "banana"], "--device"),
+])
+def test_bytes_refuses_devices_it_cannot_have(args, option, monkeypatch):
+    """`bytes` needs no device, but a bad one is an error as it is for `store` (it exited 0)."""
+    _no_work_but_run(monkeypatch)
+    res = _run(args)
+    assert res.exit_code == 2 and f"Invalid value for '{option}'" in res.output, res.output
+
+
+def test_bytes_refuses_cuda_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for args in (["bench", "--backend", "cuda", "bytes"], ["bench", "bytes", "--device", "cuda:0"]):
+        res = _run(args)
+        assert res.exit_code == 2 and "no CUDA device is available" in res.output, (args, res.output)
+    assert _run(["bench", "bytes", "--backend", "cpu"]).exit_code == 0
+
+
+def _no_work_but_run(monkeypatch):
+    from cupy_dsa.bench import bytes as bytes_mod
+
+    def boom(*a, **k):
+        raise AssertionError("work started before the option error")
+
+    monkeypatch.setattr(bytes_mod, "rows", boom)
+
+
+def test_serve_without_a_gpu_does_not_replace_a_measured_run(monkeypatch, tmp_path):
+    """The README's reproduction line names the committed H200 file: on a CPU machine it is refused (it replaced
+    the file with a memory-only JSON, rc 0); a file without a measured run may be written."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    measured = tmp_path / "h200-serve.json"
+    measured.write_text(json.dumps({"schema": "cupy-dsa-serve/1", "measured": True, "device": "NVIDIA H200"}))
+    before = measured.read_text()
+    res = _run(["bench", "serve", "--json", str(measured)])
+    assert res.exit_code == 2 and "Invalid value for '--json'" in res.output and "holds a measured run" in res.output
+    assert measured.read_text() == before
+    fresh = tmp_path / "cpu-serve.json"
+    assert _run(["bench", "serve", "--json", str(fresh)]).exit_code == 0
+    assert _run(["bench", "serve", "--json", str(fresh)]).exit_code == 0   # its own memory-only run: rewritten
+    assert json.loads(fresh.read_text())["measured"] is False
+
+
+def _all_commands(group=cli.main, path=()):
+    import click
+
+    for name, cmd in group.commands.items():
+        yield path + (name,), cmd
+        if isinstance(cmd, click.Group):
+            yield from _all_commands(cmd, path + (name,))
+
+
+def test_defaults_are_shown_in_one_style():
+    """Every option's default reads `[default: X]`, as click's show_default writes it (some said `[X]`)."""
+    import re
+
+    for path, cmd in _all_commands():
+        for p in cmd.params:
+            tail = re.search(r"\[([^\]]*)\]\s*$", getattr(p, "help", None) or "")
+            assert not tail or tail[1].startswith("default: "), (path, p.name, p.help)
+
+
+def test_help_is_fast_and_imports_no_torch():
+    """The CLI imports its heavy modules inside the commands: `import cupy_dsa` and --help load no torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, cupy_dsa.bench.cli; assert 'torch' not in sys.modules and 'rich' not in sys.modules"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_python_m_cupy_dsa_from_a_checkout_without_the_install(tmp_path):
+    """From the checkout's root the source tree shadows an installed copy, which has cupy_dsa/bench while the
+    checkout has bench/ beside cupy_dsa/: `python -m cupy_dsa --help` must find the checkout's bench."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sys, runpy; sys.meta_path[:] = [f for f in sys.meta_path if 'Editable' not in "
+            "getattr(f, '__name__', type(f).__name__)]; sys.path.insert(0, sys.argv[1]); "
+            "sys.argv = ['cupy_dsa', '--help']; runpy.run_module('cupy_dsa', run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=120,
+                       cwd=root)
+    assert r.returncode == 0 and "bench" in r.stdout and "needle" in r.stdout, r.stdout + r.stderr
+
+
+def test_resources_says_what_it_compiles_as_it_goes(monkeypatch):
+    """`bench resources` printed nothing for minutes while NVRTC compiled: it names each compile on stderr."""
+    from cupy_dsa.bench import resources
+
+    seen = []
+
+    def rows(archs, progress=None):
+        progress(f"compiling mqa_logits.cu for {archs[0]} (24 product configs)")
+        seen.append(archs)
+        return []
+
+    monkeypatch.setattr(resources, "rows", rows)
+    monkeypatch.setattr(resources, "markdown", lambda rs: "| table |")
+    res = _run(["bench", "resources", "--arch", "sm_90"])
+    assert res.exit_code == 0, res.output
+    assert "minutes on a cold cache" in res.output and "compiling mqa_logits.cu for sm_90" in res.output
+    assert seen == [("sm_90",)]
+
+
+def _results(name):
+    from pathlib import Path
+
+    return json.loads((Path(__file__).resolve().parents[1] / "bench" / "results" / name).read_text())
+
+
+@pytest.mark.parametrize("base, change, words", [
+    ("h200.json", {"bytes": [{"bogus": True}]}, "a field of the results is missing"),
+    ("h200.json", {"logits": "x"}, "'logits' is str 'x', expected a list of objects"),
+    ("h200-rescore.json", {"memory": [1, 2, 3]}, "'memory' is list [1, 2, 3], expected a list of objects"),
+    ("h200-serve.json", {"timings": "garbage"}, "'timings' is str 'garbage'"),
+    ("h200-serve.json", {"batch": "x"}, "'batch' is str 'x', expected an integer"),
+    ("h200-serve.json", {"model": None}, "it has no 'model' field"),
+    (None, {"schema": "cupy-dsa-needle/1", "label": "x", "server": {}, "cells": []}, "it has no 'settings' field"),
+])
+def test_report_refuses_a_broken_structure(base, change, words, tmp_path):
+    """A JSON of a valid schema with a broken structure: exit status 2 naming the file and the field (it ended in
+    a traceback, or rendered `batch: "x"` silently)."""
+    doc = dict(_results(base) if base else {}, **change)
+    j = tmp_path / "broken.json"
+    j.write_text(json.dumps(doc))
+    res = _run(["bench", "report", str(j)])
+    assert res.exit_code == 2 and words in res.output and str(j) in " ".join(res.output.split()), res.output
+    assert "Traceback" not in res.output

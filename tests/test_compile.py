@@ -12,7 +12,7 @@ from cupy_dsa import arch as arch_limits
 from cupy_dsa import launch, runtime
 
 ARCHS = ["sm_80", "sm_89", "sm_90", "sm_100", "sm_120"]
-SOURCES = ["mqa_logits.cu", "prepare_index_q.cu", "rescore_topk.cu", "store_index_k.cu"]
+SOURCES = ["mqa_logits.cu", "prepare_index_q.cu", "rescore_topk.cu", "store_index_k.cu", "topk.cu"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -29,7 +29,7 @@ def test_every_source_declares_configs():
         assert set(product) == set(declared) == set(SOURCES)
         assert all(set(product[f]) <= set(declared[f]) for f in SOURCES)
     assert set(launch.families()) == {"store_index_k", "paged_mqa_logits", "paged_mqa_logits_plan", "mqa_logits",
-                                     "mqa_logits_plan", "prepare_index_q", "rescore_topk"}
+                                     "mqa_logits_plan", "prepare_index_q", "rescore_topk", "paged_topk"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -50,6 +50,28 @@ def test_product_configs_do_not_spill(filename, arch):
     spills = {e: r for e, r in resources.items() if e in launch.product_expressions(arch)[filename]
               and (r["spill_stores"] or r["spill_loads"])}
     assert not spills, f"{arch}: product configs spill: {spills}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("filename", SOURCES)
+def test_ptxas_table_is_what_this_compile_reports(filename, arch):
+    """bench/results/README.md's ptxas table is `cupy-dsa bench resources`' output for the NVRTC it names (its
+    rescore_gather rows went stale); under another NVRTC the figures may differ and are not compared."""
+    from pathlib import Path
+
+    from cupy_dsa.bench import resources
+
+    text = (Path(__file__).resolve().parents[1] / "bench" / "results" / "README.md").read_text()
+    table = re.search(r"<!-- resources:ptxas -->\n(.*?)<!-- /resources:ptxas -->", text, re.S)[1]
+    named = tuple(int(x) for x in re.search(r"ptxas's report \(NVRTC (\d+)\.(\d+)", text).groups())
+    if tuple(runtime.cupy_module().cuda.nvrtc.getVersion()) != named:
+        pytest.skip(f"the table is NVRTC {named}'s")
+    configs = {c.expr: c for f in launch.families().values() for c in f.product(arch)}
+    product = launch.product_expressions(arch)[filename]
+    rows = [dict(r, arch=arch, config=e, dynamic_smem=configs[e].smem)
+            for e, r in compiled(filename, arch)[2].items() if e in product]
+    for line in resources.markdown(rows).splitlines()[2:]:
+        assert line in table, f"{line} (re-run cupy-dsa bench resources into bench/results/README.md)"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -158,7 +180,7 @@ def _split_top(text: str) -> list[str]:
 def kernel_signature(source: str, name: str):
     """(template parameter names, [(argument name, C type)]) of ``__global__ ... name(...)`` in ``source``."""
     text = _expand_macros(runtime.read_source(source))
-    for header in ("mqa_logits_sm90.cuh",):
+    for header in ("mqa_logits_sm90.cuh", "radix_select.cuh"):
         if f'#include "{header}"' in text:
             text = _expand_macros(runtime.read_source(header)) + text
     m = re.search(rf"(template\s*<([^>]*)>\s*)?__global__[^;{{]*?\b{name}\s*\(([^)]*)\)", text, flags=re.S)
@@ -280,6 +302,15 @@ def test_warm_up_without_a_gpu_says_so(device, monkeypatch):
 def test_warm_up_rejects_other_types(device):
     with pytest.raises(TypeError, match="device"):
         cupy_dsa.warm_up(device)
+
+
+@pytest.mark.parametrize("bad", [[1, 2], 3.0, "x", None])
+def test_to_torch_and_to_cupy_name_their_argument(bad):
+    """Not a DLPack object / not a tensor: an error naming the argument, not a raw DLPack one."""
+    with pytest.raises(TypeError, match=r"^a: expected a CuPy array"):
+        cupy_dsa.to_torch(bad)
+    with pytest.raises(TypeError, match=r"^t: expected a torch.Tensor"):
+        cupy_dsa.to_cupy(bad)
 
 
 @pytest.mark.gpu

@@ -334,3 +334,26 @@ def test_calibration_refuses_a_flat_count():
                                            ("https://h/api/v1/", "https://h/api/v1"), (" http://h:2/v1 ", "http://h:2/v1")])
 def test_base_url(url, expected):
     assert needle.normalize_base_url(url) == expected
+
+
+def test_the_stand_in_server_runs_on_its_own(tmp_path):
+    """`python tests/needle_server.py` is the documented way to try `cupy-dsa needle` without a server."""
+    import subprocess
+    import sys
+    import urllib.request
+    from pathlib import Path
+
+    script = Path(__file__).with_name("needle_server.py")
+    proc = subprocess.Popen([sys.executable, str(script), "--port", "0", "--window", "200"], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        line = proc.stdout.readline()
+        url = line.split(" at ")[1].split(" ")[0]
+        models = json.loads(urllib.request.urlopen(url + "/models", timeout=10).read())
+        assert models["data"][0]["id"] == "fake-dsv4" and "last 200 tokens" in line
+        res = _invoke(["needle", "--base-url", url, "--lengths", "256,512", "--depths", "0,1", "--trials", "1",
+                       "--json", str(tmp_path / "n.json")])
+        assert res.exit_code == 0, res.output
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -103,3 +103,27 @@ def test_serve_plot_shows_prefill_too(tmp_path, monkeypatch):
     titles = [ax.get_title() for ax in seen[0].axes]
     assert any(t.startswith("prefill chunk of") for t in titles) and any(t.startswith("decode step") for t in titles)
     plt.close(seen[0])
+
+
+def test_recall_study_has_one_legend_with_the_served_formats_marked(figs):
+    """The recall plot had 15 legend entries in every panel and did not mark fp8-rescore's served setting."""
+    (_, fig), = [(f, g) for f, g in figs(H200) if f.endswith("-recall.png")]
+    assert not any(ax.get_legend() for ax in fig.axes)
+    legend, = fig.legends
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert len(labels) <= 11, labels
+    served = [lb for lb in labels if lb.endswith("(served)")]
+    assert labels[:len(served)] == served and "fp8-rescore-4x-bf16q (served)" in served, labels
+    assert not set(plots.PLOT_LEFT_OUT) & {lb.split(" ")[0] for lb in labels}
+
+
+@pytest.mark.parametrize("png, doc", [("h200.png", "h200.json"), ("h200-recall.png", "h200-recall.json")])
+def test_committed_plots_carry_their_json_commit(png, doc):
+    """A plot's title names the commit of the JSON it was drawn from (h200.png said another commit, -dirty):
+    `cupy-dsa bench report bench/results/h200.json --plot bench/results/h200.png`, then
+    `... h200-recall.json --plot bench/results/h200-recall.png` redraw them, no GPU needed."""
+    from PIL import Image
+
+    commit = json.loads((RESULTS / doc).read_text())["git_commit"]
+    title = Image.open(RESULTS / png).text.get("Title", "")
+    assert f"commit {commit}" in title and "dirty" not in title, title

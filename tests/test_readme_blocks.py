@@ -13,7 +13,8 @@ from cupy_dsa.bench.provenance import SECTIONS
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-README = (REPO / "README.md").read_text()
+# the README's blocks and bench/results/README.md's, as one text (each block stands in one of them)
+README = (REPO / "README.md").read_text() + "\n" + (RESULTS / "README.md").read_text()
 
 
 def _report(*args):
@@ -21,7 +22,8 @@ def _report(*args):
 
 
 def _blocks(text):
-    return {m["name"]: m["body"] for m in readme_mod.README_BLOCK.finditer(text)}
+    """Block bodies without their stale lines (those follow the run's commit, not its figures)."""
+    return {m["name"]: readme_mod.without_stale_note(m["body"]) for m in readme_mod.README_BLOCK.finditer(text)}
 
 
 def _changed(before, after):
@@ -163,3 +165,60 @@ def test_driver_is_recorded_for_gpu_runs(monkeypatch):
 
     monkeypatch.setattr(subprocess, "run", missing)
     assert provenance.driver_version() is None
+
+
+def _model_block(name):
+    import re
+
+    m = re.search(rf"<!-- model:{name} -->\n(.*?)<!-- /model:{name} -->", README, re.S)
+    assert m, f"no model:{name} block"
+    return m[1].strip()
+
+
+def test_memory_block_is_bench_bytes():
+    """The README's memory / PD-bytes table is `bench bytes`' arithmetic, fp8-rescore's 264 B included."""
+    from cupy_dsa.bench import bytes as bytes_mod
+
+    assert _model_block("bytes") == bytes_mod.readme_block().strip()
+    flash = {r["layout"]: r for r in bytes_mod.rows() if r["model"] == "DeepSeek-V4-Flash"}
+    assert flash["fp8-rescore"]["bytes_per_entry"] == 2 * flash["fp8"]["bytes_per_entry"] == 264
+    assert round(flash["fp8"]["total_kv_bytes_per_token"]) == 3850 and round(flash["bf16"]["total_kv_bytes_per_token"]) == 4501
+
+
+def test_rtx_model_runs_the_cost_tables_batch():
+    """The RTX PRO 6000 model used batch 32 where the H200 cost table uses 64, and called assumed inputs measured."""
+    from cupy_dsa.bench import roofline
+
+    serve = json.loads((RESULTS / "h200-serve.json").read_text())
+    assert roofline.README_BATCH == serve["batch"] == 64
+    block = _model_block("rtx-pro-6000")
+    assert "decode 64 x 8K" in block and "decode 32 x" not in block
+    assert "measured" not in roofline.RTX_PRO_6000.source and "ASSUMED" in roofline.RTX_PRO_6000.source
+
+
+def test_a_block_says_when_kernels_changed_after_its_run(monkeypatch, tmp_path):
+    """A block rendered from a run that predates a kernel commit carries a stale line naming the run's commit, the
+    kernel commits since and their files; a fresh run carries none; where git cannot tell, the line is kept."""
+    monkeypatch.setattr(readme_mod, "kernel_changes_since",
+                        lambda c: {"aaa": (3, "bbb", ["kernels/mqa_logits.cu"]), "ccc": (0, "", [])}.get(c))
+    doc = json.loads((RESULTS / "h200-rescore.json").read_text())
+    text = "<!-- results:rescore -->\nold\n<!-- /results:rescore -->\n"
+    stale = readme_mod.readme_update(text, dict(doc, git_commit="aaa"), readme_mod.RESCORE_README_BLOCKS)[0]
+    assert "**Stale:** measured at `aaa`; 3 later commits changed the kernels (`kernels/mqa_logits.cu`; the last: " \
+           "`bbb`)" in stale
+    fresh = readme_mod.readme_update(stale, dict(doc, git_commit="ccc"), readme_mod.RESCORE_README_BLOCKS)[0]
+    assert "Stale" not in fresh
+    unknown = readme_mod.readme_update(stale, dict(doc, git_commit="zzz"), readme_mod.RESCORE_README_BLOCKS)[0]
+    assert "**Stale:** measured at `aaa`" in unknown   # no history to tell: the line it had stays
+    assert readme_mod.without_stale_note(stale).replace("`aaa`", "`ccc`") == fresh
+
+
+def test_kernel_history_is_read_from_the_checkout():
+    """The committed runs' commits are in this checkout's history (a shallow clone may lack them: None)."""
+    doc = json.loads((RESULTS / "h200-emulate-sm120.json").read_text())
+    since = readme_mod.kernel_changes_since(doc["git_commit"])
+    if since is None:
+        pytest.skip("no git history of the run's commit here (not a checkout, or a shallow clone)")
+    n, last, files = since
+    assert n >= 1 and last and all(f.startswith("kernels/") for f in files)
+    assert readme_mod.kernel_changes_since("0" * 12) is None

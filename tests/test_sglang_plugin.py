@@ -73,6 +73,8 @@ CHECKS = {
                 "hicache_backup_and_load_carry_lo_pages",
                 "resolution_rescore_refusals", "settings_refused_before_anything_is_patched",
                 "flags_and_yaml_keys_take_rescore", "check_command_describes_rescore"],
+    "query": ["registered_with_the_bf16_query", "every_mode_and_query_through_sglang_forward",
+              "query_flag_yaml_key_and_refusals", "check_command_names_the_query"],
 }
 SCENARIO_ENV = {
     "on": {ENV: "bf16", "SGLANG_PLUGINS": "cupy_dsa", "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1",
@@ -86,10 +88,13 @@ SCENARIO_ENV = {
     # stage 1 from SGLang's own call runs its torch fp8 logits on CPU
     "rescore": {ENV: "fp8-rescore", "SGLANG_PLUGINS": "cupy_dsa", "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1",
                 "SGLANG_OPT_USE_TOPK_V2": "0"},
+    # the bf16 query at start-up; every mode and query inside
+    "query": {ENV: "bf16", core.QUERY_ENV: "bf16", "SGLANG_PLUGINS": "cupy_dsa", "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1",
+              "SGLANG_OPT_USE_TOPK_V2": "0"},
 }
 _CLEARED = (ENV, "SGLANG_PLUGINS", "SGLANG_PLATFORM", "SGLANG_OPT_DSV4_NONPAGED_INDEXER",
             "SGLANG_OPT_DSV4_NONPAGED_INDEXER_MIN_QUERY_TOKENS", "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH",
-            "SGLANG_OPT_USE_TOPK_V2") + core.RESCORE_ENVS
+            "SGLANG_OPT_USE_TOPK_V2", core.QUERY_ENV) + core.RESCORE_ENVS
 
 
 def _require_sglang():
@@ -277,7 +282,8 @@ def test_gpu_sglang_path_dry_mode():
     rc, out, err = _background("gpu_script_dry")
     last = out.strip().splitlines()[-1] if out.strip() else ""
     assert rc == 0 and last.startswith("SGLANG GPU PATH: PASS"), f"{out[-4000:]}\n{err[-3000:]}"
-    assert "10 phases" in last and "bf16-reference" in last and "fp8-cupy" in last and "fp8-rescore" in last, last
+    assert "11 phases" in last and "bf16-reference" in last and "bf16 query" in last and "fp8-cupy" in last \
+        and "fp8-rescore" in last, last
 
 
 # --------------------------------------------------------------------------------------------------
@@ -325,10 +331,10 @@ def test_fp8_cupy_mode_keeps_sglangs_format(monkeypatch):
     assert core.index_k_mode() == "fp8-cupy" and core.enabled()
     core.reset_mode()
     assert [core.cache_layout(m) for m in core.MODES] == ["fp8", "bf16", "bf16", "bf16", "fp8", "fp8"]
-    assert core.numerics_of("fp8-cupy") == "exact" and core.query_is_fp8("fp8-cupy")
+    assert core.numerics_of("fp8-cupy") == "exact" and core.record("fp8-cupy").query == "fp8"
     assert core.pd_layout_tag("fp8-cupy") == ",c4idx:fp8-cupy"
     assert "cupy_dsa" in core.describe("fp8-cupy") and core.describe("bf16") == "bf16 C4 index keys"
-    with pytest.raises(ValueError, match="fp8-cupy keeps SGLang's 132-byte fp8 keys"):
+    with pytest.raises(ValueError, match="fp8-cupy: SGLang's fp8 C4 index keys on cupy_dsa's store and kernels"):
         core.parse_mode("fp8cupy")
     u8 = torch.uint8
     assert core.index_cache_layout(torch.zeros(2, layouts.FP8_PAGE_BYTES, dtype=u8)) == "fp8"
@@ -348,14 +354,15 @@ def test_fp8_rescore_mode_and_settings(monkeypatch):
     try:
         assert core.index_k_mode() == "fp8-rescore" and core.enabled() and core.is_two_level("fp8-rescore")
         assert core.cache_layout("fp8-rescore") == "fp8" and core.numerics_of("fp8-rescore") == "exact"
-        assert core.query_is_fp8("fp8-rescore") and core.pd_layout_tag("fp8-rescore") == ",c4idx:fp8-rescore"
+        assert core.pd_layout_tag("fp8-rescore") == ",c4idx:fp8-rescore"
+        assert core.index_query() == core.record("fp8-rescore").query == "bf16"  # its stage-2 query by default
         assert [core.index_bytes_per_entry(m) for m in core.MODES] == [132, 256, 256, 256, 132, 264]
-        assert "264 B per entry" in core.describe("fp8-rescore")
+        assert "int8 residual pages" in core.describe("fp8-rescore")
         assert not any(core.is_two_level(m) for m in core.MODES[:-1])
         settings = core.rescore_settings()
-        assert settings == ("sglang", 4, None, "bf16") and settings.k_prime(512) == 2048 and settings.k_prime(1024) == 4096
+        assert settings == ("sglang", 4, None) and settings.k_prime(512) == 2048 and settings.k_prime(1024) == 4096
         assert "stage 1 = SGLang's own fp8 logits call" in settings.describe() and "K' = 4x index_topk" in settings.describe()
-        assert f"stage 2 with the unquantized query rounded to bf16 ({core.RESCORE_Q_ENV}=bf16)" in settings.describe()
+        assert "stage 2 with the rotated q rounded to bf16 once" in core.describe_query("fp8-rescore", "bf16")
         monkeypatch.setenv(core.RESCORE_KPRIME_ENV, "1500")
         assert core.rescore_settings().k_prime(512) == 2048, "the settings were re-read without reset_mode"
         core.reset_mode()
@@ -370,24 +377,21 @@ def test_fp8_rescore_mode_and_settings(monkeypatch):
         assert core.parse_stage1(" CUPY ") == "cupy" and core.parse_stage1(None) == "sglang"
         with pytest.raises(ValueError, match="expected one of sglang, cupy"):
             core.parse_stage1("deepgemm")
-        assert core.parse_stage2_q(" FP8 ") == "fp8" and core.parse_stage2_q(None) == core.DEFAULT_STAGE2_Q == "bf16"
-        for bad in ("fp16", "bfloat16", "fp32"):
-            with pytest.raises(ValueError, match=f"{core.RESCORE_Q_ENV}='{bad}': expected one of fp8, bf16"):
-                core.parse_stage2_q(bad)
-        monkeypatch.setenv(core.RESCORE_Q_ENV, "fp8")
+        monkeypatch.setenv(core.QUERY_ENV, " FP8 ")
         core.reset_mode()
-        assert core.rescore_settings() == ("sglang", None, 1500, "fp8"), core.rescore_settings()
-        assert "stage 2 with SGLang's fp8 query" in core.rescore_settings().describe()
-        monkeypatch.setenv(core.RESCORE_Q_ENV, "fp4")
-        assert f"{core.RESCORE_Q_ENV}='fp4'" in core.rescore_settings_problem("fp8-rescore")
-        monkeypatch.setenv(core.RESCORE_Q_ENV, "bf16")
-        assert f"{core.RESCORE_Q_ENV}" in core.rescore_settings_problem("fp8-cupy")  # set for another mode: refused
-        assert core.rescore_settings_problem("fp8-rescore") is None
+        assert core.rescore_settings() == ("sglang", None, 1500), core.rescore_settings()
+        assert core.index_query() == "fp8"
+        assert "stage 2 with SGLang's fused fp8 q" in core.describe_query("fp8-rescore", "fp8")
+        monkeypatch.setenv(core.QUERY_ENV, "fp4")
+        assert f"{core.QUERY_ENV}='fp4'" in core.settings_problem("fp8-rescore")
+        monkeypatch.setenv(core.QUERY_ENV, "bf16")
+        assert core.settings_problem("fp8-rescore") is None
         monkeypatch.setenv(core.RESCORE_STAGE1_ENV, "tilelang")
-        assert "'tilelang'" in core.rescore_settings_problem("fp8-rescore")
-        assert "apply to fp8-rescore only" in core.rescore_settings_problem("bf16")
-        assert core.rescore_settings_problem("fp8") is None  # the switch off reads nothing
-        with pytest.raises(ValueError, match="fp8-rescore adds a 132-byte residual page"):
+        assert "'tilelang'" in core.settings_problem("fp8-rescore")
+        assert "apply to fp8-rescore only" in core.settings_problem("bf16")
+        monkeypatch.delenv(core.QUERY_ENV)
+        assert "apply to fp8-rescore only" in core.settings_problem("fp8")  # the switch off refuses them too
+        with pytest.raises(ValueError, match="fp8-rescore: two-level C4 index keys"):
             core.parse_mode("fp8rescore")
     finally:
         core.reset_mode()
@@ -415,7 +419,7 @@ def test_warm_expressions_fp8_rescore():
     from cupy_dsa import launch, logits, query, rescore, store
 
     for arch in ("sm_80", "sm_90", "sm_120"):
-        exprs = core.warm_expressions(arch, mode="fp8-rescore", next_ns=(1, 2), stage1="cupy", stage2_q="fp8")
+        exprs = core.warm_expressions(arch, mode="fp8-rescore", next_ns=(1, 2), stage1="cupy", query="fp8")
         assert exprs[core.STORE_SOURCE] == store.product_instantiations(
             layouts=("two-level",), numerics=("exact",), in_dtypes=(torch.bfloat16,), sources=("decode", "prefill"))
         assert exprs[core.LOGITS_SOURCE] == logits.product_instantiations(arch, q_fp8=(1,), next_ns=(1, 2),
@@ -423,7 +427,7 @@ def test_warm_expressions_fp8_rescore():
         assert exprs[core.RESCORE_SOURCE] == [e for e in rescore.product_instantiations()
                                               if e != "rescore_topk_kernel<0>"]
         assert set(exprs[core.RESCORE_SOURCE]) <= set(launch.product_expressions(arch)[core.RESCORE_SOURCE])
-        sg = core.warm_expressions(arch, mode="fp8-rescore", next_ns=(1, 2), stage1="sglang", stage2_q="fp8")
+        sg = core.warm_expressions(arch, mode="fp8-rescore", next_ns=(1, 2), stage1="sglang", query="fp8")
         assert core.LOGITS_SOURCE not in sg and sg[core.RESCORE_SOURCE] == exprs[core.RESCORE_SOURCE]
         assert core.QUERY_SOURCE not in exprs
         # a bf16 stage-2 q: stage 2's bf16-q instantiation instead of the fp8-q one, and the query prep that makes
@@ -492,6 +496,89 @@ def test_warm_expressions_fp8_cupy():
                                                         ) - {e for e in exprs[core.LOGITS_SOURCE] if "plan" in e}
         assert set(exprs[core.STORE_SOURCE]) <= set(launch.product_expressions(arch)[core.STORE_SOURCE])
         assert core.QUERY_SOURCE not in exprs
+
+
+def test_mode_records():
+    """One frozen record per mode; what each mode's helpers answer comes from it."""
+    import dataclasses
+
+    assert core.MODES == ("fp8", "bf16", "bf16-fp4sim", "bf16-reference", "fp8-cupy", "fp8-rescore")
+    table = {m: (r.key_format, r.key_numerics, r.query, r.query_settable, r.scoring)
+             for m, r in core.MODE_RECORDS.items()}
+    assert table == {"fp8": ("fp8", "exact", "fp8", False, "sglang"),
+                     "bf16": ("bf16", "exact", "fp8", True, "one-pass"),
+                     "bf16-fp4sim": ("bf16", "fp4sim", "fp8", True, "one-pass"),
+                     "bf16-reference": ("bf16", "fp4sim", "fp4sim", False, "one-pass"),
+                     "fp8-cupy": ("fp8", "exact", "fp8", True, "one-pass"),
+                     "fp8-rescore": ("two-level", "exact", "bf16", True, "two-level")}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        core.record("bf16").query = "bf16"
+    assert [m for m in core.MODES if core.record(m).hooked] == list(core.MODES[1:])
+    assert [core.record(m).bytes_per_entry for m in core.MODES] == [132, 256, 256, 256, 132, 264]
+
+
+def test_query_setting(monkeypatch):
+    """SGLANG_CUPY_DSA_INDEX_Q: fp8 or bf16 (any case), for bf16, bf16-fp4sim, fp8-cupy and fp8-rescore (its stage 2);
+    unset: the mode's default; refused by name with fp8 (the switch off) and bf16-reference (its query is fixed), and
+    an invalid value refused with every mode."""
+    settable = [m for m in core.MODES if core.record(m).query_settable]
+    assert settable == ["bf16", "bf16-fp4sim", "fp8-cupy", "fp8-rescore"]
+    for mode in core.MODES:
+        assert core.query_of(mode, None) == core.query_of(mode, "  ") == core.record(mode).query
+        for value in ("fp8", " BF16 "):
+            if mode in settable:
+                assert core.query_of(mode, value) == value.strip().lower()
+            else:
+                with pytest.raises(ValueError, match=f"{core.QUERY_ENV}='{value}' set with {ENV}={mode}"):
+                    core.query_of(mode, value)
+        with pytest.raises(ValueError, match=f"{core.QUERY_ENV}='fp16': expected one of fp8, bf16"):
+            core.query_of(mode, "fp16")
+    for name in core.RESCORE_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(ENV, "fp8-cupy")
+    monkeypatch.setenv(core.QUERY_ENV, "bf16")
+    core.reset_mode()
+    try:
+        assert core.index_query() == "bf16" and core.settings_problem("fp8-cupy") is None
+        monkeypatch.setenv(core.QUERY_ENV, "fp8")
+        assert core.index_query() == "bf16", "the query was re-read without reset_mode"
+        core.reset_mode()
+        assert core.index_query() == "fp8"
+        for mode, why in (("fp8", "the switch is off"), ("bf16-reference", "its query (fp4sim) is part of the mode")):
+            problem = core.settings_problem(mode)
+            assert f"{core.QUERY_ENV}='fp8' set with {ENV}={mode}: {why}" in problem, problem
+        assert "query: the rotated q rounded to bf16 once" in core.describe_query("bf16", "bf16")
+        assert "PD tag" not in core.pd_layout_hint("bf16") and f"{core.QUERY_ENV} may differ" in \
+            core.pd_layout_hint("bf16")
+    finally:
+        core.reset_mode()
+
+
+def test_warm_expressions_follow_the_query():
+    """A bf16 query: the one-pass modes warm the bf16-q logits of their layout and the bf16 query prep (one launch);
+    fp8-rescore keeps its fp8-q stage 1 and swaps stage 2's instantiation; fixed-query modes take no other query."""
+    from cupy_dsa import logits, query
+
+    for arch in ("sm_90", "sm_120"):
+        for mode in ("bf16", "bf16-fp4sim", "fp8-cupy"):
+            rec = core.record(mode)
+            fp8 = core.warm_expressions(arch, mode=mode, next_ns=(1, 3))
+            bf16 = core.warm_expressions(arch, mode=mode, query="bf16", next_ns=(1, 3))
+            assert bf16[core.STORE_SOURCE] == fp8[core.STORE_SOURCE] and core.QUERY_SOURCE not in fp8
+            assert bf16[core.LOGITS_SOURCE] == logits.product_instantiations(arch, q_fp8=(0,), next_ns=(1, 3),
+                                                                             layouts=(rec.cache_layout,))
+            assert fp8[core.LOGITS_SOURCE] == logits.product_instantiations(arch, q_fp8=(1,), next_ns=(1, 3),
+                                                                            layouts=(rec.cache_layout,))
+            assert bf16[core.QUERY_SOURCE] == query.product_instantiations(numerics=("bf16",))
+        ref = core.warm_expressions(arch, mode="bf16-reference")
+        assert ref[core.QUERY_SOURCE] == query.product_instantiations(numerics=("fp4sim",))
+        assert ref[core.LOGITS_SOURCE] == logits.product_instantiations(arch, q_fp8=(0,), layouts=("bf16",))
+        r8 = core.warm_expressions(arch, mode="fp8-rescore", query="fp8", stage1="cupy")
+        r16 = core.warm_expressions(arch, mode="fp8-rescore", query="bf16", stage1="cupy")
+        assert r8[core.LOGITS_SOURCE] == r16[core.LOGITS_SOURCE]  # stage 1: SGLang's fp8 q either way
+        for mode, other in (("bf16-reference", "bf16"), ("bf16-reference", "fp8"), ("fp8", "bf16")):
+            with pytest.raises(ValueError, match=f"{mode} does not take the query '{other}'"):
+                core.warm_expressions(arch, mode=mode, query=other)
 
 
 def test_switch_is_cached_until_reset(monkeypatch):
@@ -597,6 +684,11 @@ def test_ensure_warm_compiles_only_the_selection(monkeypatch):
     core.ensure_warm(torch.device("cuda", 0))
     assert len(seen) == 1 and seen[0][0] == 0
     assert seen[0][1] == core.warm_expressions("sm_90", mode="bf16", next_ns=(1, 2))
+    monkeypatch.setenv(core.QUERY_ENV, "bf16")  # another query: its own selection, warmed once too
+    core.reset_mode()
+    core.ensure_warm(torch.device("cuda", 0))
+    core.ensure_warm(torch.device("cuda", 0))
+    assert len(seen) == 2 and seen[1][1] == core.warm_expressions("sm_90", mode="bf16", query="bf16", next_ns=(1, 2))
     core.reset_mode()
 
 
@@ -957,6 +1049,123 @@ def test_gpu_plugin_path_eager_and_graph(seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bf16", "fp8-cupy", "fp8-rescore"])
+def test_gpu_bf16_query_path_graph(seed, monkeypatch, mode):
+    """SGLANG_CUPY_DSA_INDEX_Q=bf16 on the plugin's path: warm-up compiles the bf16 query's instantiations, then one
+    decode step and one grouped verify step (next_n 2) of two C4 layers, each preparing its query from the layer's
+    projections (core.project_query + core.prepare_query, one launch) and scoring with it (the logits, or fp8-rescore's
+    stage 2 beside SGLang's fp8 q), are captured in one CUDA graph and replayed on new projections; query, logits and
+    top-k against the CPU path."""
+    import cupy_dsa
+    from cupy_dsa import runtime
+    from cupy_dsa.query import prepare_index_q_reference
+
+    dev = torch.device("cuda")
+    monkeypatch.setenv(ENV, mode)
+    monkeypatch.setenv(core.QUERY_ENV, "bf16")
+    for name in core.RESCORE_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(core.RESCORE_STAGE1_ENV, "cupy")
+    core.reset_mode()
+    rec = core.record(mode)
+    n_pages, topk, max_pos, R, max_pages = 40, 512, 8192, 6, 40
+    width = max_pages * 64
+    ang = torch.rand(max_pos, 32) * 6.2831853
+    freq_cis = torch.polar(torch.ones_like(ang), ang)
+    norm_w = torch.rand(128) + 0.5
+    n_tok = n_pages * 64 - 64
+    kv = torch.randn(n_tok, 128)
+    seq = ((torch.arange(n_tok) + 1) * 4).numpy().astype(np.uint32)
+    plan = _compress_plan(seq, np.arange(n_tok).astype(np.uint16))
+    out_loc = torch.arange(64, n_pages * 64, dtype=torch.int64)
+    caches = {}
+    for d in (torch.device("cpu"), dev):
+        cache = torch.zeros(n_pages, layouts.page_bytes(rec.cache_layout), dtype=torch.uint8, device=d)
+        lo = torch.zeros_like(cache) if rec.two_level else None
+        core.store_index_k_bf16(kv.to(d), plan.to(d), is_decode=False, compress_ratio=4, norm_weight=norm_w.to(d),
+                                norm_eps=1e-6, freq_cis=freq_cis.to(d), out_loc=out_loc.to(d), kvcache=cache, mode=mode,
+                                lo_cache=lo)
+        caches[d.type] = (cache, lo)
+    pt = torch.stack([torch.randperm(n_pages) for _ in range(R)]).to(torch.int32)[:, :max_pages]
+    lens = torch.tensor([1, 700, 1500, 1501, 2300, 2301], dtype=torch.int32)   # rows 2-3 and 4-5: a verify request each
+    vpt = pt[torch.tensor([0, 1, 2, 2, 4, 4])]
+    positions = torch.arange(R)
+    ws = 128 ** -0.5 * 64 ** -0.5
+    on = {d.type: (freq_cis.to(d), positions.to(d), torch.zeros(R, 16, device=d)) for d in (torch.device("cpu"), dev)}
+
+    def step(d, q_raw, w_raw, lens_d, pt_d, vpt_d, out):
+        """Everything on ``d`` already: no host-to-device copy while a graph is captured."""
+        cache, lo = caches[d.type]
+        fc, pos, x = on[d.type]
+        layer = types.SimpleNamespace(n_local_heads=64, head_dim=128, freqs_cis=fc, weight_scale=ws,
+                                      compute_weights=lambda x, skip_scale=False: w_raw,
+                                      wq_b=lambda a: (q_raw.view(q_raw.shape[0], -1), None))
+        for i in range(2):  # two C4 layers
+            q_proj, w_proj = core.project_query(layer, x, x)
+            q_b, w_b = core.prepare_query(q_proj, w_proj, layer, pos, "bf16")
+            w_b = w_b.squeeze(2)
+            if rec.two_level:
+                q8, w8 = cupy_dsa.prepare_index_q(q_proj, w_proj, freqs_cis=core.rope_table(fc), positions=pos,
+                                                  weight_scale=ws, numerics="fp8")
+                res = core.rescore_rows(q8, w8, lens_d, pt_d, cache, lo, slice(0, R), topk, 4 * topk,
+                                        q_rescore=q_b, weights_rescore=w_b)
+                raw = res.raw_indices
+                vraw = core.rescore_verify(q8, w8, lens_d, vpt_d, cache, lo, 2, slice(2, 6), topk, 4 * topk,
+                                           q_rescore=q_b, weights_rescore=w_b).raw_indices
+            else:
+                logits = core.paged_logits(q_b, w_b, lens_d, pt_d, cache, width, slice(0, R))
+                _, raw = core.topk_page_indices(logits, lens_d, pt_d, topk)
+                vlog = core.verify_logits(q_b, w_b, lens_d, vpt_d, cache, width, 2, slice(2, 6))
+                _, vraw = core.topk_page_indices(vlog, lens_d[2:6], vpt_d[2:6], topk)
+                out["logits"].copy_(logits)
+            out["q"].copy_(q_b)
+            out["raw"].copy_(raw)
+            out["vraw"].copy_(vraw)
+
+    def buffers(d):
+        return {"q": torch.zeros(R, 64, 128, dtype=torch.bfloat16, device=d),
+                "logits": torch.zeros(R, width, device=d), "raw": torch.zeros(R, topk, dtype=torch.int32, device=d),
+                "vraw": torch.zeros(4, topk, dtype=torch.int32, device=d)}
+
+    core.configure_warm(next_ns=(1, 2))
+    core.ensure_warm(dev)
+    warmed = core.warm_expressions(runtime.device_arch(dev.index or 0), mode=mode, query="bf16", next_ns=(1, 2),
+                                   stage1="cupy")
+    assert core.QUERY_SOURCE in warmed and any("prepare_index_q<2," in e for e in warmed[core.QUERY_SOURCE])
+    q_raw = torch.zeros(R, 64, 128, dtype=torch.bfloat16, device=dev)
+    w_raw = torch.zeros(R, 64, dtype=torch.bfloat16, device=dev)
+    g_lens, g_pt, g_vpt = lens.to(dev), pt.to(dev), vpt.to(dev)
+    out = buffers(dev)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(dev, q_raw, w_raw, g_lens, g_pt, g_vpt, out)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(dev, q_raw, w_raw, g_lens, g_pt, g_vpt, out)
+    for replay in range(2):
+        new_q = (2 * torch.randn(R, 64, 128)).bfloat16()
+        new_w = torch.rand(R, 64).bfloat16()
+        q_raw.copy_(new_q.to(dev))
+        w_raw.copy_(new_w.to(dev))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = buffers(torch.device("cpu"))
+        step(torch.device("cpu"), new_q, new_w, lens, pt, vpt, ref)
+        want_q, _ = prepare_index_q_reference(new_q, new_w, freqs_cis=core.rope_table(freq_cis), positions=positions,
+                                              weight_scale=ws, numerics="bf16")
+        assert torch.equal(ref["q"], want_q)
+        assert torch.equal(out["q"].cpu(), want_q), f"replay {replay}: the bf16 query differs from its reference"
+        if not rec.two_level:
+            _cmp_logits(f"{mode}, bf16 q, replay {replay}", out["logits"], ref["logits"], lens)
+        for name, got, want in (("decode", out["raw"], ref["raw"]), ("verify", out["vraw"], ref["vraw"])):
+            overlap = [_recall(got[r].cpu(), want[r]) for r in range(got.shape[0])]
+            assert min(overlap) >= 0.99, f"{mode}, bf16 q, replay {replay}, {name}: top-k overlap {overlap}"
+    core.reset_mode()
+
+
+@pytest.mark.gpu
 def test_gpu_rescore_path_eager_and_graph(seed):
     """fp8-rescore's glue on the device with SGLang-shaped tensors: the two-page store from a CompressPlan, the three
     rescoring routes (decode rows, grouped verify, varlen extend in two chunks) with the forward's plans and with
@@ -1086,11 +1295,11 @@ def self_check(monkeypatch):
 
     monkeypatch.setattr(guard, "compatibility_problems", lambda: [])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.delenv(ENV, raising=False)
-    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    for name in (ENV, "SGLANG_PLUGINS", core.QUERY_ENV) + core.RESCORE_ENVS:
+        monkeypatch.delenv(name, raising=False)
 
-    def run(flag=None):
-        code, lines = check.run(flag)
+    def run(flag=None, query=None):
+        code, lines = check.run(flag, query)
         by_status = {}
         for status, text in lines:
             by_status.setdefault(status, []).append(text)
@@ -1118,7 +1327,9 @@ def test_check_bf16_on_everything_holds(self_check, monkeypatch):
     monkeypatch.setattr(check, "_gpu_lines", lambda mode: [(check.OK, f"gpu checked for {mode}")])
     code, lines = self_check()
     assert "PROBLEM" not in lines and code == 0, lines
-    assert f"{ENV}=BF16 -> bf16: bf16 index keys (exact numerics), SGLang's fp8 query" in lines["ok"], lines
+    assert f"{ENV}=BF16 -> bf16: bf16 C4 index keys (256 B per entry, exact key numerics); query: SGLang's fused fp8 q " \
+           f"(one scale per token and head, in the head weights) ({core.QUERY_ENV} unset: the mode's default)" \
+           in lines["ok"], lines
     assert any("the flag must name the same mode or start-up is refused" in t for t in lines["ok"]), lines
     assert "gpu checked for bf16" in lines["ok"]
 
@@ -1131,9 +1342,13 @@ def test_check_self_test_runs_each_mode_on_cpu(monkeypatch):
     seen = []
     real = core.store_index_k_bf16
     monkeypatch.setattr(core, "store_index_k_bf16", lambda *a, **k: seen.append(k["kvcache"].shape[1]) or real(*a, **k))
-    for mode in ("bf16", "bf16-fp4sim", "bf16-reference", "fp8-cupy", "fp8-rescore"):
-        assert check.self_test(torch.device("cpu"), mode) == 0.0
-    assert seen == [layouts.BF16_PAGE_BYTES] * 6 + [layouts.FP8_PAGE_BYTES] * 4
+    expect = []
+    for mode in core.MODES[1:]:
+        rec = core.record(mode)
+        for query in rec.query_choices:
+            assert check.self_test(torch.device("cpu"), mode, query) == 0.0, (mode, query)
+            expect += [layouts.page_bytes(rec.cache_layout)] * 2
+    assert seen == expect and len(expect) == 18
 
 
 def test_check_fp8_cupy_mode_line(self_check, monkeypatch):
@@ -1143,8 +1358,21 @@ def test_check_fp8_cupy_mode_line(self_check, monkeypatch):
     monkeypatch.setattr(check, "_gpu_lines", lambda mode: [(check.OK, f"gpu checked for {mode}")])
     code, lines = self_check()
     assert code == 0 and "gpu checked for fp8-cupy" in lines["ok"], lines
-    assert any(t.startswith(f"{ENV}=fp8-cupy -> fp8-cupy: SGLang's fp8 index keys (132 B per entry")
-               for t in lines["ok"]), lines
+    (line,) = [t for t in lines["ok"] if t.startswith(f"{ENV}=fp8-cupy -> fp8-cupy: SGLang's fp8 C4 index keys on "
+                                                      "cupy_dsa's store and kernels (132 B per entry)")]
+    assert f"query: SGLang's fused fp8 q (one scale per token and head, in the head weights) ({core.QUERY_ENV} " \
+           "unset: the mode's default)" in line, line
+    code, lines = self_check(query="BF16")  # what --cupy-dsa-index-q or its YAML key sets
+    assert code == 0 and any(f"query: the rotated q rounded to bf16 once (the head weights without a q scale) "
+                             f"({core.QUERY_ENV}=bf16)" in t for t in lines["ok"]), lines
+    monkeypatch.setenv(core.QUERY_ENV, "fp8")
+    code, lines = self_check(query="bf16")
+    assert code == 1 and any(f"--cupy-dsa-index-q bf16 (--query) and {core.QUERY_ENV}=fp8 differ" in t
+                             for t in lines["PROBLEM"]), lines
+    monkeypatch.setenv(ENV, "bf16-reference")
+    code, lines = self_check()
+    assert code == 1 and any(f"{core.QUERY_ENV}='fp8' set with {ENV}=bf16-reference" in t
+                             for t in lines["PROBLEM"]), lines
 
 
 def test_check_fp8_rescore_mode_line(self_check, monkeypatch):
@@ -1156,8 +1384,10 @@ def test_check_fp8_rescore_mode_line(self_check, monkeypatch):
     monkeypatch.setattr(check, "_gpu_lines", lambda mode: [(check.OK, f"gpu checked for {mode}")])
     code, lines = self_check()
     assert code == 0 and "gpu checked for fp8-rescore" in lines["ok"], lines
-    (line,) = [t for t in lines["ok"] if t.startswith(f"{ENV}=fp8-rescore -> fp8-rescore: two-level index keys")]
-    assert "int8 residual pages (264 B per entry)" in line and "stage 1 = cupy_dsa's fp8-key kernels" in line, line
+    (line,) = [t for t in lines["ok"] if t.startswith(f"{ENV}=fp8-rescore -> fp8-rescore: two-level C4 index keys")]
+    assert "int8 residual pages) and a rescored top-k (264 B per entry)" in line, line
+    assert "stage 1 = cupy_dsa's fp8-key kernels" in line, line
+    assert "stage 2 with the rotated q rounded to bf16 once" in line, line
     assert "K' = 3x index_topk" in line, line
     monkeypatch.setenv(core.RESCORE_KPRIME_ENV, "none")
     code, lines = self_check()
@@ -1178,7 +1408,7 @@ def test_check_gpu_below_the_minimum_arch_is_a_problem(self_check, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "Tesla T4")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (7, 5))
     monkeypatch.setattr(runtime, "_ARCHS", {})
-    monkeypatch.setattr(check, "_device_self_test", lambda idx, mode: pytest.fail("self-test on an sm_75 GPU"))
+    monkeypatch.setattr(check, "_device_self_test", lambda *a: pytest.fail("self-test on an sm_75 GPU"))
     code, lines = self_check()
     assert code == 1
     assert any(t.startswith("cuda:0 (Tesla T4) is sm_75; cupy_dsa's kernels need sm_80 or newer")
@@ -1244,8 +1474,7 @@ def gpu_stub(monkeypatch):
 def test_check_mode_stands_for_the_flag_or_yaml_key(self_check, gpu_stub, mode):
     code, lines = self_check(mode.upper())
     assert code == 0 and "PROBLEM" not in lines, lines
-    keys = ("two-level index keys" if core.is_two_level(mode) else
-            "bf16 index keys" if core.cache_layout(mode) == "bf16" else "SGLang's fp8 index keys (132 B per entry")
+    keys = f"{core.record(mode).keys} ({core.record(mode).bytes_per_entry} B per entry"
     assert any(t.startswith(f"{ENV}={mode} (from --cupy-dsa-index-k-dtype {mode}, --mode) -> {mode}: {keys}")
                for t in lines["ok"]), lines
     assert f"gpu self-test for {mode}" in lines["ok"]
@@ -1265,7 +1494,8 @@ def test_check_mode_disagreeing_with_the_variable_is_the_refusal(self_check, gpu
 def test_check_without_mode_reads_the_variable(self_check, monkeypatch):
     monkeypatch.setenv(ENV, "bf16")
     code, lines = self_check()
-    assert f"{ENV}=bf16 -> bf16: bf16 index keys (exact numerics), SGLang's fp8 query" in lines["ok"], lines
+    assert any(t.startswith(f"{ENV}=bf16 -> bf16: bf16 C4 index keys (256 B per entry, exact key numerics); query: "
+                            "SGLang's fused fp8 q") for t in lines["ok"]), lines
 
 
 def test_check_prints_the_pd_layout_tag_and_the_variable(self_check):
@@ -1301,6 +1531,7 @@ def test_startup_logs_the_pd_layout_tag_with_the_variable(monkeypatch, caplog):
     from cupy_dsa.sglang import hooks
 
     monkeypatch.setenv(ENV, "bf16-fp4sim")
+    monkeypatch.setenv(core.QUERY_ENV, "bf16")
     core.reset_mode()
     monkeypatch.setattr(hooks, "require_compatible_sglang", lambda mode: None)
     monkeypatch.setattr(hooks, "_install", lambda entries, resolution: None)
@@ -1318,13 +1549,17 @@ def test_startup_logs_the_pd_layout_tag_with_the_variable(monkeypatch, caplog):
     text = " ".join(r.getMessage() for r in caplog.records)
     assert "appends ',c4idx:bf16-fp4sim' to SGLang's KV layout string" in text, text
     assert f"must run the same {ENV}" in text and "SGLANG_DSV4_KV_LAYOUT" in text, text
+    # which query runs
+    assert (f"bf16-fp4sim: query: the rotated q rounded to bf16 once (the head weights without a q scale) "
+            f"({core.QUERY_ENV}=bf16)") in text, text
 
 
 @pytest.mark.gpu
 def test_gpu_check_self_test():
     from cupy_dsa.sglang import check
 
-    for mode in ("bf16", "bf16-fp4sim", "fp8-cupy", "fp8-rescore"):
-        assert check.self_test(torch.device("cuda"), mode) <= check.SELF_TEST_TOLERANCE
+    for mode in ("bf16", "bf16-fp4sim", "bf16-reference", "fp8-cupy", "fp8-rescore"):
+        for query in core.record(mode).query_choices:
+            assert check.self_test(torch.device("cuda"), mode, query) <= check.SELF_TEST_TOLERANCE, (mode, query)
     code, lines = check.run()
     assert any("store + logits match the CPU reference" in t for s, t in lines if s == check.OK), lines

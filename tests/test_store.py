@@ -7,117 +7,14 @@ torch.rsqrt instead (<= 2 ulp apart from rsqrtf) at most 1 in 1000 bf16 elements
 bf16 ulp (fp8: one e4m3 code; scales within 4e-7 relative).
 """
 import itertools
-import math
 
-import numpy as np
 import pytest
 import torch
 
-from cupy_dsa import layouts, runtime, store
-from cupy_dsa.layouts import BF16_PAGE_BYTES, FP8_PAGE_BYTES, FP8_SCALE_OFFSET, PAGE_SLOTS
-
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
-STYLES = ("v4", "v32")
-QUANT = (("bf16", "exact"), ("bf16", "fp4sim"), ("fp8", "exact"))
-
-
-# --------------------------------------------------------------------------------------------------
-# inputs and the independent float64 formulation
-# --------------------------------------------------------------------------------------------------
-
-def make_inputs(n, *, style="v4", max_pos=300, in_dtype=torch.float32, device="cpu", pos_dtype=torch.int64):
-    d = dict(device=device)
-    kv = (torch.randn(n, 128, **d) * (torch.rand(n, 1, **d) * 4 + 0.5) + torch.randn(n, 1, **d) * 0.3).to(in_dtype)
-    w = torch.rand(128, **d) + 0.5
-    b = torch.randn(128, **d) * 0.2 if style == "v32" else None
-    ang = (torch.rand(max_pos, 32, dtype=torch.float64, **d) * 2 - 1) * math.pi
-    freqs = torch.stack((ang.cos(), ang.sin()), dim=-1).reshape(max_pos, 64).float()
-    pos = torch.randint(0, max_pos, (n,), **d).to(pos_dtype)
-    return dict(kv=kv, positions=pos, norm_weight=w, norm_bias=b, freqs_cis=freqs)
-
-
-def _hadamard_matrix():
-    i = np.arange(128)
-    pc = np.vectorize(lambda v: bin(int(v)).count("1"))(i[:, None] & i[None, :])
-    return torch.from_numpy(np.where(pc % 2 == 0, 1.0, -1.0) / math.sqrt(128.0))
-
-
-H128 = _hadamard_matrix()
-
-
-def ideal_key(kv, positions, norm_weight, freqs_cis, norm_bias=None, eps=1e-6, key_style="v4", hadamard=True):
-    """float64: norm, complex-multiplication RoPE, explicit Hadamard matrix."""
-    x = kv.double().cpu()
-    w = norm_weight.double().cpu()
-    if key_style == "v4":
-        x = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
-    else:
-        d = x - x.mean(-1, keepdim=True)
-        x = d / torch.sqrt((d * d).mean(-1, keepdim=True) + eps) * w + norm_bias.double().cpu()
-    f = freqs_cis.double().cpu()[positions.long().cpu()]
-    rot = torch.complex(f[:, 0::2], f[:, 1::2])
-    x = x.clone()
-    if key_style == "v4":
-        z = torch.complex(x[:, 64::2], x[:, 65::2]) * rot
-        x[:, 64::2], x[:, 65::2] = z.real, z.imag
-    else:
-        z = torch.complex(x[:, :32], x[:, 32:64]) * rot
-        x[:, :32], x[:, 32:64] = z.real, z.imag
-    if hadamard:
-        x = x @ H128.T
-    return x
-
-
-def fp4_ideal(x):
-    """float64 e2m1 rounding (nearest value, ties to the even code) with scale 2^ceil(log2(max(amax,1e-4)/6))."""
-    xb = x.reshape(-1, 4, 32)
-    amax = xb.abs().amax(-1, keepdim=True)
-    scale = torch.exp2(torch.ceil(torch.log2(torch.clamp_min(amax, 1e-4) / 6.0)))
-    q = xb / scale
-    dist = (q.abs()[..., None] - E2M1).abs()
-    best = dist.min(-1, keepdim=True).values
-    # among equally near codes take the even one (codes 0..7 in E2M1 order)
-    cand = (dist == best) & (torch.arange(8) % 2 == 0)
-    code = torch.where(cand.any(-1), cand.float().argmax(-1), dist.argmin(-1))
-    return (torch.copysign(E2M1[code], q) * scale).reshape(x.shape), scale
-
-
-def row_rms(x):
-    return x.double().pow(2).mean(-1, keepdim=True).sqrt()
-
-
-def unique_locs(n, num_pages, device="cpu"):
-    return torch.randperm(num_pages * PAGE_SLOTS, device=device)[:n]
-
-
-def poisoned(num_pages, layout, device="cpu"):
-    return torch.randint(0, 256, (num_pages, layouts.page_bytes(layout)), dtype=torch.uint8, device=device)
-
-
-def slot_bytes(cache, loc, layout):
-    """Flat byte indices of the slots ``loc`` (values then scale for fp8), computed from the layout spec."""
-    loc = loc.long()
-    page, slot = loc // 64, loc % 64
-    ar = torch.arange(256, device=loc.device)
-    if layout == "bf16":
-        base = page * BF16_PAGE_BYTES + slot * 256
-        return (base[:, None] + ar).flatten()
-    vals = page[:, None] * FP8_PAGE_BYTES + slot[:, None] * 128 + ar[:128]
-    sc = page[:, None] * FP8_PAGE_BYTES + FP8_SCALE_OFFSET + slot[:, None] * 4 + ar[:4]
-    return torch.cat((vals, sc), 1).flatten()
-
-
-def read_slots(cache, loc, layout):
-    """(values float32 [n, 128], scales float32 [n] or None) of the slots ``loc``."""
-    flat = cache.reshape(-1).cpu()
-    idx = slot_bytes(cache, loc.cpu(), layout).view(len(loc), -1)
-    raw = flat[idx]
-    if layout == "bf16":
-        return raw.contiguous().view(torch.bfloat16).float(), None
-    vals = raw[:, :128].contiguous().view(torch.float8_e4m3fn).float()
-    sc = raw[:, 128:].contiguous().view(torch.float32).flatten()
-    return vals * sc[:, None], sc
-
+from cupy_dsa import layouts, store
+from store_cases import (E2M1, PLAN_MAX_POS, PLAN_N, PLAN_PAGES, QUANT, STYLES, _count, _decode_plan,  # noqa: F401
+                         _good, _prefill_plan, device_rsqrt, fp4_ideal, gpu_case, ideal_key, make_inputs,
+                         poisoned, read_slots, row_rms, slot_bytes, target_bytes, unique_locs)
 
 # --------------------------------------------------------------------------------------------------
 # CPU: reference numerics
@@ -278,23 +175,6 @@ def test_store_nothing_valid_and_empty():
     assert torch.equal(cache, c0)
 
 
-def _decode_plan(seq_lens):
-    rows = np.zeros((len(seq_lens), 16), dtype=np.uint8)
-    for i, s in enumerate(seq_lens):
-        rows[i] = np.frombuffer(np.array([s & 0xFFFFFFFF, 0xDEADBEEF, 7, 9], dtype="<u4").tobytes(), np.uint8)
-    return torch.from_numpy(rows)
-
-
-def _prefill_plan(seq_lens, ragged):
-    rows = np.zeros((len(seq_lens), 16), dtype=np.uint8)
-    for i, (s, r) in enumerate(zip(seq_lens, ragged)):
-        rows[i, :4] = np.frombuffer(np.uint32(s).tobytes(), np.uint8)
-        rows[i, 4:6] = np.frombuffer(np.uint16(r).tobytes(), np.uint8)
-        rows[i, 6:8] = np.frombuffer(np.uint16(0xBEEF).tobytes(), np.uint8)
-        rows[i, 8:16] = 0xAB
-    return torch.from_numpy(rows)
-
-
 def _check_plan_store(seed, layout, num_pages, inp, plan, loc, pos, row_locs, valid, **plan_kw):
     """Store through ``plan`` into a poisoned cache: exactly the ``valid`` rows land at ``row_locs``."""
     cache = poisoned(num_pages, layout)
@@ -311,7 +191,6 @@ def _both_layouts_and_loc_dtypes(test):
         pytest.mark.parametrize("loc_dtype", [torch.int64, torch.int32])(test))
 
 
-PLAN_N, PLAN_PAGES, PLAN_MAX_POS = 40, 3, 300
 
 
 @_both_layouts_and_loc_dtypes
@@ -362,12 +241,6 @@ def test_typed_cache_views():
 # --------------------------------------------------------------------------------------------------
 # CPU: bad input
 # --------------------------------------------------------------------------------------------------
-
-def _good():
-    inp = make_inputs(6, style="v4")
-    return dict(kv=inp["kv"], cache=layouts.empty_cache(2, "bf16"), positions=inp["positions"],
-                out_loc=unique_locs(6, 2), norm_weight=inp["norm_weight"], freqs_cis=inp["freqs_cis"])
-
 
 BAD = [
     ("kv", lambda g: g["kv"].double(), TypeError),
@@ -488,45 +361,6 @@ def test_instantiations_registered():
 # GPU: kernel vs reference
 # --------------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def device_rsqrt(monkeypatch):
-    """Swap the GPU's rsqrtf into the reference, so kernel and reference must agree bit for bit."""
-    cp = runtime.cupy_module()
-    kern = cp.RawKernel(r'''
-extern "C" __global__ void rsq(const float* x, float* y, long long n) {
-  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) y[i] = rsqrtf(x[i]);
-}''', "rsq", options=("-ftz=true",))
-
-    def dev_rsqrt(x):
-        xs = x.to("cuda", torch.float32).contiguous()
-        y = torch.empty_like(xs)
-        n = xs.numel()
-        if n:
-            torch.cuda.synchronize()
-            with cp.cuda.Device(xs.device.index):
-                kern(((n + 255) // 256,), (256,), (xs.data_ptr(), y.data_ptr(), np.int64(n)))
-                cp.cuda.runtime.deviceSynchronize()
-        return y.to(x.device)
-
-    monkeypatch.setattr(store, "_rsqrt", dev_rsqrt)
-    return dev_rsqrt
-
-
-def _skip_mix(n, num_pages, max_pos, pos, loc):
-    """~10% skips: negative / out-of-range out_loc and out-of-range positions."""
-    r = torch.rand(n, device=loc.device)
-    loc = torch.where(r < 0.03, torch.full_like(loc, -1), loc)
-    loc = torch.where((r >= 0.03) & (r < 0.05), loc + num_pages * 64, loc)
-    pos = torch.where((r >= 0.05) & (r < 0.08), torch.full_like(pos, -3), pos)
-    pos = torch.where((r >= 0.08) & (r < 0.10), pos + max_pos, pos)
-    return pos, loc
-
-
-def _count(a, b):
-    return (a != b).sum().item()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [1, 7, 64, 1000, 65537, 1 << 20])
 @pytest.mark.parametrize("layout,numerics", QUANT)
@@ -534,14 +368,7 @@ def _count(a, b):
 @pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
 def test_gpu_kernel_vs_reference(seed, device_rsqrt, n, layout, numerics, key_style, in_dtype):
     dev = torch.device("cuda")
-    max_pos = 4096
-    pos_dtype = torch.int64 if in_dtype == torch.float32 else torch.int32
-    inp = make_inputs(n, style=key_style, max_pos=max_pos, in_dtype=in_dtype, device=dev, pos_dtype=pos_dtype)
-    num_pages = (n * 11 // 10) // 64 + 2
-    loc = unique_locs(n, num_pages, dev)
-    pos, loc = _skip_mix(n, num_pages, max_pos, inp["positions"], loc)
-    kw = dict(positions=pos, out_loc=loc, norm_weight=inp["norm_weight"], freqs_cis=inp["freqs_cis"],
-              norm_bias=inp["norm_bias"], numerics=numerics, key_style=key_style)
+    inp, num_pages, kw, valid = gpu_case(n, key_style, in_dtype, numerics=numerics)
     cache = poisoned(num_pages, layout, dev)
     cache0 = cache.clone()
     expected = cache0.clone()
@@ -549,10 +376,7 @@ def test_gpu_kernel_vs_reference(seed, device_rsqrt, n, layout, numerics, key_st
     store.store_index_k(inp["kv"], cache, **kw)
     torch.cuda.synchronize()
     # non-target bytes untouched, target bytes as the reference
-    valid = (loc >= 0) & ((loc >> 6) < num_pages) & (pos >= 0) & (pos < max_pos)
-    target = torch.zeros(cache.numel(), dtype=torch.bool, device=dev)
-    if valid.any():
-        target[slot_bytes(cache, loc[valid], layout)] = True
+    target = target_bytes(cache, kw, valid, layout)
     flat, flat0, flate = cache.reshape(-1), cache0.reshape(-1), expected.reshape(-1)
     outside = _count(flat[~target], flat0[~target])
     inside = _count(flat[target], flate[target])
@@ -713,229 +537,3 @@ def test_prefill_plan_ragged_id_past_out_loc_is_skipped():
     positions, locs = plan_to_direct(plan, torch.tensor([70, 71], dtype=torch.int64), is_decode=False)
     assert positions.tolist() == [4, 8, 12]
     assert locs.tolist() == [70, 71, -1]
-
-
-# --------------------------------------------------------------------------------------------------
-# Two-level keys (lo_cache): one launch writes the fp8 page and its int8 residual page
-# --------------------------------------------------------------------------------------------------
-
-def _two_level_expected(hi0, lo0, kv, pos, loc, inp, key_style, valid):
-    """The poisoned hi / lo caches with the valid rows written, addressed from the layout spec: hi bytes = the
-    fp8 store's, lo bytes = residual_encode_reference's int8 codes and fp32 scale, at the same slot."""
-    from cupy_dsa import rescore
-
-    hi, lo = hi0.clone().reshape(-1), lo0.clone().reshape(-1)
-    idx = valid.nonzero().flatten()
-    if idx.numel():
-        k = store.rotate_index_k_reference(kv[idx], pos[idx], inp["norm_weight"], inp["freqs_cis"],
-                                           inp["norm_bias"], key_style=key_style)
-        codes, sc, lo_codes, lo_sc = rescore.residual_encode_reference(k)
-        at = slot_bytes(hi0, loc[idx], "fp8")
-        hi[at] = torch.cat((codes, sc.view(torch.uint8).view(-1, 4)), 1).reshape(-1)
-        lo[at] = torch.cat((lo_codes.view(torch.uint8), lo_sc.view(torch.uint8).view(-1, 4)), 1).reshape(-1)
-    return hi.view(hi0.shape), lo.view(lo0.shape)
-
-
-def _with_skips(n, num_pages, max_pos, inp, device="cpu"):
-    """Unique slots with skips (negative / out-of-range out_loc, out-of-range positions) in the first 6 rows."""
-    loc = unique_locs(n, num_pages, device)
-    pos = inp["positions"].clone()
-    loc[0], loc[1], loc[2] = -1, num_pages * 64, 1 << 40
-    pos[3], pos[4], pos[5] = -1, max_pos, max_pos + 7
-    valid = torch.ones(n, dtype=torch.bool, device=device)
-    valid[:6] = False
-    return pos, loc, valid
-
-
-@pytest.mark.parametrize("key_style", STYLES)
-@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
-def test_two_level_store_hi_is_the_fp8_store_lo_the_residual(seed, key_style, in_dtype):
-    n, num_pages, max_pos = 200, 5, 300
-    inp = make_inputs(n, style=key_style, max_pos=max_pos, in_dtype=in_dtype)
-    pos, loc, valid = _with_skips(n, num_pages, max_pos, inp)
-    kw = dict(positions=pos, out_loc=loc, norm_weight=inp["norm_weight"], freqs_cis=inp["freqs_cis"],
-              norm_bias=inp["norm_bias"], key_style=key_style)
-    hi, lo = poisoned(num_pages, "fp8"), poisoned(num_pages, "fp8")
-    hi0, lo0 = hi.clone(), lo.clone()
-    plain = hi0.clone()
-    store.store_index_k(inp["kv"], plain, **kw)
-    store.store_index_k(inp["kv"], hi, lo_cache=lo, **kw)
-    assert torch.equal(hi, plain), f"seed {seed}: the hi page differs from the plain fp8 store"
-    exp_hi, exp_lo = _two_level_expected(hi0, lo0, inp["kv"], pos, loc, inp, key_style, valid)
-    assert torch.equal(hi, exp_hi)
-    assert int((lo != exp_lo).sum()) == 0, f"seed {seed}: lo bytes differ from the residual reference"
-    # the typed view [P, 64, 1, 132] of both caches is accepted and written in place
-    hv, lv = poisoned(num_pages, "fp8"), poisoned(num_pages, "fp8")
-    hv.copy_(hi0), lv.copy_(lo0)
-    store.store_index_k(inp["kv"], hv.view(num_pages, 64, 1, 132), lo_cache=lv.view(num_pages, 64, 1, 132), **kw)
-    assert torch.equal(hv, hi) and torch.equal(lv, lo)
-
-
-@pytest.mark.parametrize("is_decode", [True, False])
-def test_two_level_store_from_plan(seed, is_decode):
-    n, num_pages, max_pos = PLAN_N, PLAN_PAGES, PLAN_MAX_POS
-    inp = make_inputs(n, max_pos=max_pos)
-    seq = [int(v) for v in torch.randint(4, max_pos, (n,))]
-    loc = unique_locs(n + 10, num_pages)
-    if is_decode:
-        seq[0], seq[1] = 5, 0
-        plan, row_locs = _decode_plan(seq), loc[:n]
-        valid = torch.tensor([s % 4 == 0 and s >= 4 for s in seq])
-    else:
-        seq[0] = 0xFFFFFFFF
-        ragged = [int(v) for v in torch.randperm(n + 10)[:n]]
-        plan, row_locs = _prefill_plan(seq, ragged), torch.tensor([int(loc[r]) for r in ragged])
-        valid = torch.tensor([s != 0xFFFFFFFF for s in seq])
-    pos = torch.tensor([s - 4 if s != 0xFFFFFFFF else -1 for s in seq])
-    hi, lo = poisoned(num_pages, "fp8"), poisoned(num_pages, "fp8")
-    hi0, lo0 = hi.clone(), lo.clone()
-    store.store_index_k_from_plan(inp["kv"], plan, cache=hi, lo_cache=lo, out_loc=loc, is_decode=is_decode,
-                                  norm_weight=inp["norm_weight"], freqs_cis=inp["freqs_cis"])
-    exp_hi, exp_lo = _two_level_expected(hi0, lo0, inp["kv"], pos, row_locs, inp, "v4", valid)
-    assert torch.equal(hi, exp_hi) and torch.equal(lo, exp_lo), f"seed {seed}: {int((lo != exp_lo).sum())} lo bytes"
-
-
-def test_two_level_store_of_non_finite_keys():
-    """A key holding a NaN or an infinity: hi as the fp8 store writes it (NaN), lo codes zero and a NaN lo scale;
-    clean keys next to it are stored as usual."""
-    from cupy_dsa import rescore
-
-    inp = make_inputs(4)
-    kv = inp["kv"].clone()
-    kv[1, 3], kv[2, 100] = float("nan"), float("inf")
-    kw = dict(positions=inp["positions"], out_loc=torch.arange(4), norm_weight=inp["norm_weight"],
-              freqs_cis=inp["freqs_cis"])
-    hi, lo, plain = (layouts.empty_cache(1, "fp8") for _ in range(3))
-    store.store_index_k(kv, plain, **kw)
-    store.store_index_k(kv, hi, lo_cache=lo, **kw)
-    assert torch.equal(hi, plain)
-    codes, scales = rescore.lo_views(lo)
-    assert bool((codes[0, 1:3] == 0).all()) and bool(torch.isnan(scales[0, 1:3]).all())
-    assert bool(torch.isfinite(scales[0, [0, 3]]).all()) and bool((codes[0, [0, 3]] != 0).any())
-
-
-def test_two_level_store_bad_input():
-    g = _good()
-    kv, bf16_cache = g.pop("kv"), g.pop("cache")
-    hi = layouts.empty_cache(2, "fp8")
-    with pytest.raises(ValueError, match="^lo_cache: two-level keys need an fp8-layout cache"):
-        store.store_index_k(kv, bf16_cache, lo_cache=layouts.empty_cache(2, "fp8"), **g)
-    with pytest.raises(ValueError, match="^lo_cache: expected the shape of cache"):
-        store.store_index_k(kv, hi, lo_cache=layouts.empty_cache(3, "fp8"), **g)
-    with pytest.raises(ValueError, match="^lo_cache: expected the shape of cache"):
-        store.store_index_k(kv, hi, lo_cache=layouts.empty_cache(2, "fp8").view(2, 64, 1, 132), **g)
-    with pytest.raises(TypeError, match="^lo_cache: expected dtype torch.uint8"):
-        store.store_index_k(kv, hi, lo_cache=layouts.empty_cache(2, "fp8").view(torch.int8), **g)
-    with pytest.raises(TypeError, match="^lo_cache: expected a torch.Tensor"):
-        store.store_index_k(kv, hi, lo_cache=[0], **g)
-    with pytest.raises(ValueError, match="^lo_cache: expected a contiguous tensor"):
-        store.store_index_k(kv, hi, lo_cache=torch.zeros(8448, 2, dtype=torch.uint8).t(), **g)
-    with pytest.raises(ValueError, match="^lo_cache: expected its own memory"):
-        store.store_index_k(kv, hi, lo_cache=hi, **g)
-    with pytest.raises(ValueError, match="^numerics: 'fp4sim' needs a bf16-layout cache"):
-        store.store_index_k(kv, hi, lo_cache=layouts.empty_cache(2, "fp8"), numerics="fp4sim", **g)
-    plan = _decode_plan([4] * 6)
-    with pytest.raises(ValueError, match="^lo_cache: expected the shape of cache"):
-        store.store_index_k_from_plan(kv, plan, cache=hi, lo_cache=layouts.empty_cache(1, "fp8"), out_loc=g["out_loc"],
-                                      is_decode=True, norm_weight=g["norm_weight"], freqs_cis=g["freqs_cis"])
-    with pytest.raises(ValueError, match="^lo_cache: expected the shape of cache"):
-        store.store_index_k_reference(kv, hi, lo_cache=layouts.empty_cache(1, "fp8"), **g)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n", [1, 7, 1000, 65537])
-@pytest.mark.parametrize("key_style", STYLES)
-@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
-def test_gpu_two_level_store_vs_reference(seed, device_rsqrt, n, key_style, in_dtype):
-    """One launch: hi bytes equal the plain fp8 kernel's and the reference's, lo bytes the residual reference's,
-    bit for bit (device rsqrtf in the reference); bytes outside the target slots untouched in both caches; a
-    rerun over other poison writes the same target bytes."""
-    dev = torch.device("cuda")
-    max_pos = 4096
-    pos_dtype = torch.int64 if in_dtype == torch.float32 else torch.int32
-    inp = make_inputs(n, style=key_style, max_pos=max_pos, in_dtype=in_dtype, device=dev, pos_dtype=pos_dtype)
-    num_pages = (n * 11 // 10) // 64 + 2
-    loc = unique_locs(n, num_pages, dev)
-    pos, loc = _skip_mix(n, num_pages, max_pos, inp["positions"], loc)
-    kw = dict(positions=pos, out_loc=loc, norm_weight=inp["norm_weight"], freqs_cis=inp["freqs_cis"],
-              norm_bias=inp["norm_bias"], key_style=key_style)
-    hi, lo = poisoned(num_pages, "fp8", dev), poisoned(num_pages, "fp8", dev)
-    hi0, lo0 = hi.clone(), lo.clone()
-    plain = hi0.clone()
-    store.store_index_k(inp["kv"], plain, **kw)
-    store.store_index_k(inp["kv"], hi, lo_cache=lo, **kw)
-    exp_hi, exp_lo = hi0.clone(), lo0.clone()
-    store.store_index_k_reference(inp["kv"], exp_hi, lo_cache=exp_lo, **kw)
-    torch.cuda.synchronize()
-    assert _count(hi, plain) == 0, f"seed {seed}: hi differs from the plain fp8 store in {_count(hi, plain)} bytes"
-    assert _count(hi, exp_hi) == 0, f"seed {seed}: hi differs from the reference in {_count(hi, exp_hi)} bytes"
-    assert _count(lo, exp_lo) == 0, f"seed {seed}: lo differs from the reference in {_count(lo, exp_lo)} bytes"
-    valid = (loc >= 0) & ((loc >> 6) < num_pages) & (pos >= 0) & (pos < max_pos)
-    target = torch.zeros(hi.numel(), dtype=torch.bool, device=dev)
-    if valid.any():
-        target[slot_bytes(hi, loc[valid], "fp8")] = True
-    for got, before in ((hi, hi0), (lo, lo0)):
-        assert _count(got.reshape(-1)[~target], before.reshape(-1)[~target]) == 0, f"seed {seed}: outside bytes"
-    hi2, lo2 = poisoned(num_pages, "fp8", dev), poisoned(num_pages, "fp8", dev)
-    store.store_index_k(inp["kv"], hi2, lo_cache=lo2, **kw)
-    torch.cuda.synchronize()
-    for a, b in ((hi2, hi), (lo2, lo)):
-        assert _count(a.reshape(-1)[target], b.reshape(-1)[target]) == 0, f"seed {seed}: rerun differs"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("source", ["direct", "decode", "prefill"])
-@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
-def test_gpu_two_level_store_every_source(seed, device_rsqrt, source, idx_dtype):
-    dev = torch.device("cuda")
-    n, num_pages, max_pos = 777, 16, 2048
-    inp = make_inputs(n, max_pos=max_pos, in_dtype=torch.bfloat16, device=dev)
-    common = dict(norm_weight=inp["norm_weight"], freqs_cis=inp["freqs_cis"])
-    loc = unique_locs(n, num_pages, dev)
-    seq = torch.randint(4, max_pos, (n,), device=dev)
-    if source == "direct":
-        pos, dloc = inp["positions"], loc
-        run = lambda h, lo: store.store_index_k(inp["kv"], h, lo_cache=lo, positions=pos.to(idx_dtype),  # noqa
-                                                out_loc=loc.to(idx_dtype), **common)
-    elif source == "decode":
-        plan = _decode_plan([int(s) for s in seq.cpu()]).to(dev)
-        pos, dloc = seq - 4, torch.where(seq % 4 == 0, loc, torch.full_like(loc, -1))
-        run = lambda h, lo: store.store_index_k_from_plan(inp["kv"], plan, cache=h, lo_cache=lo,  # noqa: E731
-                                                          out_loc=loc.to(idx_dtype), is_decode=True, **common)
-    else:
-        ragged = torch.randperm(n, device=dev)
-        sv = [int(s) if i % 7 else 0xFFFFFFFF for i, s in enumerate(seq.cpu())]
-        plan = _prefill_plan(sv, [int(r) for r in ragged.cpu()]).to(dev)
-        pos = seq - 4
-        dloc = torch.tensor([int(loc[r]) if s != 0xFFFFFFFF else -1 for s, r in zip(sv, ragged.cpu())], device=dev)
-        run = lambda h, lo: store.store_index_k_from_plan(inp["kv"], plan, cache=h, lo_cache=lo,  # noqa: E731
-                                                          out_loc=loc.to(idx_dtype), is_decode=False, **common)
-    hi, lo = poisoned(num_pages, "fp8", dev), poisoned(num_pages, "fp8", dev)
-    exp_hi, exp_lo = hi.clone(), lo.clone()
-    store.store_index_k_reference(inp["kv"], exp_hi, lo_cache=exp_lo, positions=pos.long(), out_loc=dloc, **common)
-    run(hi, lo)
-    torch.cuda.synchronize()
-    assert _count(hi, exp_hi) == 0 and _count(lo, exp_lo) == 0, \
-        f"seed {seed}: {source}/{idx_dtype}: {_count(hi, exp_hi)} hi / {_count(lo, exp_lo)} lo bytes differ"
-
-
-@pytest.mark.gpu
-def test_gpu_two_level_store_of_non_finite_keys(device_rsqrt):
-    inp = make_inputs(64, device="cuda")
-    kv = inp["kv"].clone()
-    kv[1, 3], kv[2, 100], kv[5] = float("nan"), float("inf"), float("-inf")
-    kw = dict(positions=inp["positions"], out_loc=torch.arange(64, device="cuda"), norm_weight=inp["norm_weight"],
-              freqs_cis=inp["freqs_cis"])
-    hi, lo, plain = (poisoned(1, "fp8", "cuda") for _ in range(3))
-    exp_lo = lo.clone()
-    store.store_index_k(kv, plain, **kw)
-    store.store_index_k(kv, hi, lo_cache=lo, **kw)
-    store.store_index_k_reference(kv, poisoned(1, "fp8", "cuda"), lo_cache=exp_lo, **kw)
-    torch.cuda.synchronize()
-    assert torch.equal(hi, plain)
-    from cupy_dsa import rescore
-    (codes, scales), (ecodes, escales) = rescore.lo_views(lo), rescore.lo_views(exp_lo)
-    assert torch.equal(codes, ecodes)
-    assert bool((codes[0, [1, 2, 5]] == 0).all()) and bool(torch.isnan(scales[0, [1, 2, 5]]).all())
-    same = (scales == escales) | (torch.isnan(scales) & torch.isnan(escales))
-    assert bool(same.all())

@@ -1,9 +1,10 @@
-"""``python -m cupy_dsa.sglang check``: whether a SGLang server started in this environment gets cupy_dsa's bf16
-index keys, one ``ok`` / ``PROBLEM`` / ``note`` line per fact, each problem with what to do. Exit code 0 when
+"""``python -m cupy_dsa.sglang check``: whether a SGLang server started in this environment gets cupy_dsa's index
+keys, and with which query, one ``ok`` / ``PROBLEM`` / ``note`` line per fact, each problem with what to do. Exit code 0 when
 everything the server needs holds.
 
 Checks, in order: SGLang's plugin loader finds cupy_dsa (entry point group, ``SGLANG_PLUGINS``), the mode from
-``SGLANG_CUPY_DSA_INDEX_K`` or ``--mode`` (what the server flag or its YAML key sets) and the CLI flag, the PD
+``SGLANG_CUPY_DSA_INDEX_K`` or ``--mode`` (what the server flag or its YAML key sets), the query that runs
+(``SGLANG_CUPY_DSA_INDEX_Q``) and the CLI flag, the PD
 layout tag, the installed SGLang against the hooks' fingerprint, the GPUs and
 their archs, and on each GPU the kernels the mode uses (compiled and loaded) and a small store + logits run
 against the CPU reference.
@@ -74,25 +75,23 @@ def _mode_lines(flag: str | None = None) -> tuple[str | None, list[tuple[str, st
         if not (raw and raw.strip()):
             raw = flag  # what the flag sets in the launcher before the schedulers start
         mode = flag
-    problem = core.rescore_settings_problem(mode)
+    problem = core.settings_problem(mode)
     if problem:
         return None, [(PROBLEM, f"{problem}. SGLang start-up is refused with this setting.")]
     source = f" (from {CLI_FLAG} {flag}, --mode)" if flag is not None else ""
-    if mode == "fp8":
+    rec = core.record(mode)
+    if not rec.hooked:
         shown = f"{ENV_NAME}={raw}{source}" if raw and raw.strip() else f"{ENV_NAME} unset"
         lines = [(OK, f"{shown} -> fp8: the switch is off, SGLang runs unchanged with its fp8 "
                       f"index keys (set {ENV_NAME}=bf16 or pass {CLI_FLAG} bf16 to turn it on)")]
-    elif core.is_two_level(mode):
-        settings = core.rescore_settings_from_env().describe()
-        lines = [(OK, f"{ENV_NAME}={raw}{source} -> {mode}: two-level index keys, SGLang's fp8 keys (its bytes, its "
-                      f"pool buffer) + int8 residual pages ({core.index_bytes_per_entry(mode)} B per entry), SGLang's "
-                      f"fp8 query in stage 1; {settings}")]
-    elif core.cache_layout(mode) == "fp8":
-        lines = [(OK, f"{ENV_NAME}={raw}{source} -> {mode}: SGLang's fp8 index keys (132 B per entry, SGLang's bytes) "
-                       f"written by cupy_dsa's store and scored by cupy_dsa's kernels, SGLang's fp8 query")]
     else:
-        lines = [(OK, f"{ENV_NAME}={raw}{source} -> {mode}: bf16 index keys ({core.numerics_of(mode)} numerics), "
-                       f"{'SGLang' + chr(39) + 's fp8 query' if core.query_is_fp8(mode) else 'DeepSeek-V4 reference query (FP4-simulated bf16)'}")]
+        query = core.query_of(mode, os.environ.get(core.QUERY_ENV))
+        text = f"{ENV_NAME}={raw}{source} -> {mode}: {rec.keys} ({rec.bytes_per_entry} B per entry"
+        text += f", {rec.key_numerics} key numerics)" if rec.cache_layout == "bf16" else ")"
+        text += f"; {core.describe_query(mode, query)}"
+        if rec.two_level:
+            text += f"; {core.rescore_settings_from_env().describe()}"
+        lines = [(OK, text)]
     parser = argparse.ArgumentParser()
     hooks._add_cli_args_hook(None, parser)
     flag = [a for a in parser._actions if CLI_FLAG in a.option_strings]
@@ -147,28 +146,34 @@ def _gpu_lines(mode: str | None) -> list[tuple[str, str]]:
         else:
             lines.append((NOTE, f"cuda:{idx} {name} ({arch}): neither run- nor compile-tested "
                                 f"(run: {', '.join(RUN_TESTED_ARCHS)}; compile: {', '.join(COMPILE_TESTED_ARCHS)})"))
-        lines += _device_self_test(idx, mode if mode not in (None, "fp8") else "bf16")
+        hooked = mode is not None and core.record(mode).hooked
+        lines += _device_self_test(idx, mode if hooked else "bf16",
+                                   core.query_of(mode, os.environ.get(core.QUERY_ENV)) if hooked else "fp8")
     return lines
 
 
-def _device_self_test(idx: int, mode: str) -> list[tuple[str, str]]:
-    """Warm the mode's kernels on ``cuda:idx``, then store 128 keys and score 2 rows against the CPU path."""
+def _device_self_test(idx: int, mode: str, query: str) -> list[tuple[str, str]]:
+    """Warm the mode's kernels for its query on ``cuda:idx``, then store 128 keys and score 2 rows against the CPU
+    path."""
     device = torch.device("cuda", idx)
-    saved = os.environ.get(ENV_NAME)
+    saved = {n: os.environ.get(n) for n in (ENV_NAME, core.QUERY_ENV)}
     try:
         core.set_mode(mode)
+        if core.record(mode).query_settable:
+            os.environ[core.QUERY_ENV] = query
         core.ensure_warm(device)
     except Exception as e:  # noqa: BLE001 - a compile or load failure is the finding
-        return [(PROBLEM, f"cuda:{idx}: compiling the {mode} kernels failed ({type(e).__name__}: {e})")]
+        return [(PROBLEM, f"cuda:{idx}: compiling the {mode} kernels ({query} query) failed ({type(e).__name__}: {e})")]
     finally:
-        if saved is None:
-            os.environ.pop(ENV_NAME, None)
-        else:
-            os.environ[ENV_NAME] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         core.reset_mode()
-    lines = [(OK, f"cuda:{idx}: the {mode} store and logits kernels compile and load")]
+    lines = [(OK, f"cuda:{idx}: the {mode} store and logits kernels ({query} query) compile and load")]
     try:
-        worst = self_test(device, mode)
+        worst = self_test(device, mode, query)
     except Exception as e:  # noqa: BLE001 - a launch failure is the finding
         return lines + [(PROBLEM, f"cuda:{idx}: the store + logits self-test failed ({type(e).__name__}: {e})")]
     if worst > SELF_TEST_TOLERANCE:
@@ -180,11 +185,12 @@ def _device_self_test(idx: int, mode: str) -> list[tuple[str, str]]:
 SELF_TEST_TOLERANCE = 2e-3
 
 
-def self_test(device: torch.device, mode: str) -> float:
+def self_test(device: torch.device, mode: str, query: str | None = None) -> float:
     """Store 128 keys (two pages of the mode's cache layout) through a prefill plan, score 2 rows of the mode's q
-    (fp8, or bf16 for bf16-reference) over them, on ``device`` and on the CPU reference; the largest logit
-    difference relative to the row's largest reference logit. fp8-rescore stores the residual pages too and
-    compares the stage-2 scores (from both pages) of every key as well."""
+    (``query``, default the mode's: an fp8 or a bf16 tensor) over them, on ``device`` and on the CPU reference; the
+    largest logit difference relative to the row's largest reference logit. Two-level keys: the residual pages are
+    stored too, the logits take the fp8 q (stage 1) and the stage-2 scores (from both pages) of every key, with the
+    query, are compared as well."""
     import numpy as np
 
     gen = torch.Generator().manual_seed(0)
@@ -197,14 +203,18 @@ def self_test(device: torch.device, mode: str) -> float:
     rows["seq"], rows["rid"], rows["blen"] = (np.arange(n_tok) + 1) * 4, np.arange(n_tok), 4
     plan = torch.from_numpy(rows.view(np.uint8).reshape(n_tok, 16).copy())
     out_loc = torch.arange(n_tok, dtype=torch.int64)
-    q = torch.randn(2, 64, 128, generator=gen).to(torch.float8_e4m3fn if core.query_is_fp8(mode) else torch.bfloat16)
+    rec = core.record(mode)
+    query = rec.query if query is None else query
+    q_full = torch.randn(2, 64, 128, generator=gen)
+    q = q_full.to(torch.float8_e4m3fn if core.logits_q_dtype(mode, query) == "fp8" else torch.bfloat16)
+    q2 = q_full.to(torch.float8_e4m3fn if query == "fp8" else torch.bfloat16)  # stage 2's (two-level)
     w = torch.rand(2, 64, generator=gen)
     lens = torch.tensor([70, n_tok], dtype=torch.int32)
     page_table = torch.tensor([[1, 0], [0, 1]], dtype=torch.int32)
     logits, stage2 = [], []
     for dev in (torch.device("cpu"), device):
-        cache = torch.zeros(n_pages, layouts.page_bytes(core.cache_layout(mode)), dtype=torch.uint8, device=dev)
-        lo = torch.zeros_like(cache) if core.is_two_level(mode) else None
+        cache = torch.zeros(n_pages, layouts.page_bytes(rec.cache_layout), dtype=torch.uint8, device=dev)
+        lo = torch.zeros_like(cache) if rec.two_level else None
         core.store_index_k_bf16(kv.to(dev), plan.to(dev), is_decode=False, compress_ratio=4,
                                 norm_weight=norm_w.to(dev), norm_eps=1e-6, freq_cis=freq_cis.to(dev),
                                 out_loc=out_loc.to(dev), kvcache=cache, mode=mode, lo_cache=lo)
@@ -214,7 +224,7 @@ def self_test(device: torch.device, mode: str) -> float:
             from cupy_dsa.rescore import rescore_candidate_scores
 
             cand = torch.arange(n_tok, dtype=torch.int32, device=dev).repeat(2, 1)
-            stage2.append(rescore_candidate_scores(q.to(dev).unsqueeze(1), w.to(dev), cache, lo, lens.to(dev),
+            stage2.append(rescore_candidate_scores(q2.to(dev).unsqueeze(1), w.to(dev), cache, lo, lens.to(dev),
                                                    page_table.to(dev), cand).cpu())
     worst = 0.0
     for ref, got in (logits, stage2) if stage2 else (logits,):
@@ -224,18 +234,43 @@ def self_test(device: torch.device, mode: str) -> float:
     return worst
 
 
-def run(flag: str | None = None) -> tuple[int, list[tuple[str, str]]]:
-    """(exit code, lines); ``flag``: the mode set by the server flag or YAML key (``check --mode``)."""
+def run(flag: str | None = None, query: str | None = None) -> tuple[int, list[tuple[str, str]]]:
+    """(exit code, lines); ``flag``: the mode set by the server flag or YAML key (``check --mode``); ``query``: the
+    query set by ``--cupy-dsa-index-q`` or its YAML key (``check --query``)."""
     lines = _loader_lines()
-    mode, mode_lines = _mode_lines(flag)
+    raw_query = os.environ.get(core.QUERY_ENV)
+    if query is not None and raw_query and raw_query.strip() and core.parse_query(raw_query) != core.parse_query(query):
+        lines.append((PROBLEM, f"{core.QUERY_FLAG} {query} (--query) and {core.QUERY_ENV}={raw_query} differ: SGLang "
+                               f"start-up is refused with both values named. Unset {core.QUERY_ENV} or make the two "
+                               f"agree."))
+        mode, mode_lines = None, []
+    else:
+        if query is not None:
+            os.environ[core.QUERY_ENV] = query  # what the flag sets in the launcher before the schedulers start
+        try:
+            mode, mode_lines = _mode_lines(flag)
+        finally:
+            if raw_query is None:
+                os.environ.pop(core.QUERY_ENV, None)
+            else:
+                os.environ[core.QUERY_ENV] = raw_query
+            core.reset_mode()
     lines += mode_lines
     lines += _sglang_lines(mode)
-    lines += _gpu_lines(mode)
+    if query is not None and mode is not None:
+        os.environ[core.QUERY_ENV] = query
+    try:
+        lines += _gpu_lines(mode)
+    finally:
+        if raw_query is None:
+            os.environ.pop(core.QUERY_ENV, None)
+        else:
+            os.environ[core.QUERY_ENV] = raw_query
     return (1 if any(status == PROBLEM for status, _ in lines) else 0), lines
 
 
-def main(argv: list[str] | None = None, mode: str | None = None) -> int:
-    code, lines = run(mode)
+def main(argv: list[str] | None = None, mode: str | None = None, query: str | None = None) -> int:
+    code, lines = run(mode, query)
     for status, text in lines:
         print(f"{status:<8} {text}")
     print("cupy_dsa check: " + ("everything a server with cupy_dsa's index keys needs holds" if code == 0 else

@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -24,55 +25,128 @@ logger = logging.getLogger(__name__)
 
 ENV_NAME = "SGLANG_CUPY_DSA_INDEX_K"
 CLI_FLAG = "--cupy-dsa-index-k-dtype"
-MODES = ("fp8", "bf16", "bf16-fp4sim", "bf16-reference", "fp8-cupy", "fp8-rescore")
-# bf16-reference: DeepSeek-V4's own indexer numerics (its reference inference code): FP4-simulated keys in bf16
-# and an FP4-simulated bf16 query (cupy_dsa.prepare_index_q), fp32 scores; the other modes keep SGLang's fp8 q
-REFERENCE_MODE = "bf16-reference"
-# fp8-cupy: SGLang's fp8 index keys (132 B per entry, the bytes SGLang's store writes, same pool memory) written
-# by cupy_dsa's store and scored by cupy_dsa's kernels: the format of fp8, the kernels of bf16 (a diagnosis mode)
-FP8_CUPY_MODE = "fp8-cupy"
-# fp8-rescore: two-level index keys (cupy_dsa.rescore): SGLang's fp8 page (the "hi" page, its bytes in its own pool
-# buffer) plus an int8 residual page ("lo", a buffer of the same page count beside it), 264 B per entry; each row's
-# top index_topk is chosen among its K' best fp8 logits (stage 1) by their scores from hi + lo (stage 2)
-RESCORE_MODE = "fp8-rescore"
 DEFAULT_MODE = "fp8"
 
+# The indexer query (one setting for every mode that takes it): SGLang's fused fp8 q (one scale per token and head,
+# folded into the head weights), or the same rotated q rounded to bf16 once (cupy_dsa.prepare_index_q(numerics=
+# "bf16"), the weights without the q scale). It does not change the cache layout: no PD tag, no HiCache namespace.
+QUERY_ENV = "SGLANG_CUPY_DSA_INDEX_Q"
+QUERY_FLAG = "--cupy-dsa-index-q"
+QUERY_CHOICES = ("fp8", "bf16")
+
 # fp8-rescore's settings: which kernel computes stage 1 (SGLang's own fp8 logits call, or cupy_dsa's fp8-key
-# kernels), K' (a multiple of index_topk, "4x", or a count of candidates per row, "2048") and stage 2's query
-# (SGLang's fp8 q, or the unquantized q rounded to bf16: SGLang's fused kernel keeps the rotated q only in registers
-# on its way to fp8, so "bf16" rotates wq_b's bf16 output once more, in torch, for stage 2)
+# kernels) and K' (a multiple of index_topk, "4x", or a count of candidates per row, "2048"); its stage-2 query is
+# the query setting above (stage 1 always takes SGLang's fp8 q)
 RESCORE_STAGE1_ENV = "SGLANG_CUPY_DSA_RESCORE_STAGE1"
 RESCORE_KPRIME_ENV = "SGLANG_CUPY_DSA_RESCORE_KPRIME"
-RESCORE_Q_ENV = "SGLANG_CUPY_DSA_RESCORE_Q"
 RESCORE_STAGE1_FLAG = "--cupy-dsa-rescore-stage1"
 RESCORE_KPRIME_FLAG = "--cupy-dsa-rescore-kprime"
-RESCORE_Q_FLAG = "--cupy-dsa-rescore-q"
 STAGE1_CHOICES = ("sglang", "cupy")
-STAGE2_Q_CHOICES = ("fp8", "bf16")
 DEFAULT_STAGE1 = "sglang"
 DEFAULT_KPRIME = "4x"
-# bf16 by default: on diverse keys the fp8 q is what limits stage 2 (bench recall's background keys, K' = 4k: 99.6-99.9%
-# of the exact top-k with the fp8 q, 99.98-100% with the bf16 q); on its near-duplicate stress suite the residual keys
-# limit both alike
-DEFAULT_STAGE2_Q = "bf16"
-RESCORE_ENVS = (RESCORE_STAGE1_ENV, RESCORE_KPRIME_ENV, RESCORE_Q_ENV)
+RESCORE_ENVS = (RESCORE_STAGE1_ENV, RESCORE_KPRIME_ENV)
 
 # Without SGLang's row-chunk plan (SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1 builds none) an eager call still
 # bounds one fp32 logits block to this many bytes; graph-captured calls are never split (fixed shapes).
 MAX_EAGER_LOGITS_BYTES = 2 << 30
 
 
+# --------------------------------------------------------------------------------------------------
+# The modes: one record each
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class IndexMode:
+    """One value of the switch: key format x key numerics x query x scoring. Everything that differs between modes
+    (hooks, store, forward, warm-up, ``check``, PD tag, HiCache namespace, the bench) reads it from here.
+
+    * ``key_format``: what SGLang's C4 indexer pool holds per entry: ``"fp8"`` (SGLang's 132-byte fp8 + scale),
+      ``"bf16"`` (256 bytes), ``"two-level"`` (SGLang's fp8 page, its bytes in its own buffer, plus an int8 residual
+      page beside it: 264 bytes);
+    * ``key_numerics``: the store's rounding of the key before it is written: ``"exact"`` or ``"fp4sim"``;
+    * ``query``: the query when :data:`QUERY_ENV` is unset (``"fp8"``: SGLang's; ``"bf16"``; ``"fp4sim"``:
+      DeepSeek-V4's reference query), and ``query_settable``: whether :data:`QUERY_ENV` may choose fp8 or bf16;
+    * ``scoring``: ``"sglang"`` (SGLang's own store, logits and top-k: the switch off), ``"one-pass"`` (cupy_dsa's
+      logits, SGLang's top-k) or ``"two-level"`` (each row's top-k chosen among its K' best fp8 logits by their
+      scores from both pages; the query setting is stage 2's, stage 1 takes SGLang's fp8 q);
+    * ``keys``: what the pages hold, for messages."""
+    name: str
+    key_format: str
+    key_numerics: str
+    query: str
+    query_settable: bool
+    scoring: str
+    keys: str
+
+    @property
+    def hooked(self) -> bool:
+        """Whether cupy_dsa's hooks serve it (False: SGLang unchanged)."""
+        return self.scoring != "sglang"
+
+    @property
+    def cache_layout(self) -> str:
+        """The row format of SGLang's index pool: ``"fp8"`` (8448-byte pages; the hi page of two-level keys) or
+        ``"bf16"`` (16384-byte pages)."""
+        return "bf16" if self.key_format == "bf16" else "fp8"
+
+    @property
+    def two_level(self) -> bool:
+        return self.key_format == "two-level"
+
+    @property
+    def bytes_per_entry(self) -> int:
+        """Index-key bytes of one compressed token (what SGLang's KV budget counts): 132, 256 or 264."""
+        from cupy_dsa.layouts import BF16_BYTES_PER_TOKEN, FP8_BYTES_PER_TOKEN
+
+        return {"fp8": FP8_BYTES_PER_TOKEN, "bf16": BF16_BYTES_PER_TOKEN,
+                "two-level": 2 * FP8_BYTES_PER_TOKEN}[self.key_format]
+
+    @property
+    def query_choices(self) -> tuple[str, ...]:
+        return QUERY_CHOICES if self.query_settable else (self.query,)
+
+
+_MODE_LIST = (
+    IndexMode("fp8", "fp8", "exact", "fp8", False, "sglang",
+              "SGLang's fp8 C4 index keys on SGLang's store and kernels (the switch off)"),
+    IndexMode("bf16", "bf16", "exact", "fp8", True, "one-pass", "bf16 C4 index keys"),
+    IndexMode("bf16-fp4sim", "bf16", "fp4sim", "fp8", True, "one-pass",
+              "bf16 C4 index keys holding FP4-rounded values"),
+    # DeepSeek-V4's own indexer numerics (its reference inference code): FP4-simulated keys in bf16 and an
+    # FP4-simulated bf16 query, fp32 scores; its query is part of the mode
+    IndexMode("bf16-reference", "bf16", "fp4sim", "fp4sim", False, "one-pass",
+              "bf16 C4 index keys holding FP4-rounded values, DeepSeek-V4's reference query"),
+    # SGLang's fp8 keys (132 B per entry, same pool memory) written by cupy_dsa's store and scored by cupy_dsa's
+    # kernels: the format of fp8, the kernels of bf16 (a diagnosis mode: with the query setting, keys x query)
+    IndexMode("fp8-cupy", "fp8", "exact", "fp8", True, "one-pass",
+              "SGLang's fp8 C4 index keys on cupy_dsa's store and kernels"),
+    # bf16 stage-2 query by default: on diverse keys the fp8 q is what limits stage 2 (bench recall's background
+    # keys, K' = 4k: 99.6-99.9% of the exact top-k with the fp8 q, 99.98-100% with the bf16 q)
+    IndexMode("fp8-rescore", "two-level", "exact", "bf16", True, "two-level",
+              "two-level C4 index keys (SGLang's fp8 keys + int8 residual pages) and a rescored top-k"),
+)
+MODE_RECORDS: dict[str, IndexMode] = {m.name: m for m in _MODE_LIST}
+MODES = tuple(MODE_RECORDS)
+
+
+def _parse_choice(value, choices, default, name: str, meaning: str):
+    """A setting's value, case-insensitive and stripped; ``default`` when unset; ValueError naming the variable, the
+    accepted values and what they mean."""
+    if value is None or str(value).strip() == "":
+        return default
+    v = str(value).strip().lower()
+    if v not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)} ({meaning})")
+    return v
+
+
 def parse_mode(value) -> str:
     """Normalise a switch value (case-insensitive); raise ValueError naming the accepted values."""
-    if value is None or str(value).strip() == "":
-        return DEFAULT_MODE
-    v = str(value).strip().lower()
-    if v not in MODES:
-        raise ValueError(f"{ENV_NAME}={value!r}: expected one of {', '.join(MODES)} "
-                         f"(fp8 leaves SGLang unchanged; bf16 / bf16-fp4sim / bf16-reference store 256-byte bf16 index "
-                         f"keys; fp8-cupy keeps SGLang's 132-byte fp8 keys on cupy_dsa's kernels; fp8-rescore adds "
-                         f"a 132-byte residual page to them and rescores each row's fp8 candidates)")
-    return v
+    return _parse_choice(value, MODES, DEFAULT_MODE, ENV_NAME, "; ".join(f"{m.name}: {m.keys}" for m in _MODE_LIST))
+
+
+def record(mode: str) -> IndexMode:
+    return MODE_RECORDS[mode]
 
 
 class StartupRefused(SystemExit):
@@ -90,6 +164,7 @@ class StartupRefused(SystemExit):
 
 
 _MODE: str | None = None
+_QUERY: str | None = None
 
 
 def index_k_mode() -> str:
@@ -101,56 +176,98 @@ def index_k_mode() -> str:
     return _MODE
 
 
+def mode_record() -> IndexMode:
+    """This process's mode (:func:`index_k_mode`) as its record."""
+    return MODE_RECORDS[index_k_mode()]
+
+
 def set_mode(value) -> str:
     """Set the switch for this process and the processes it starts (the CLI flag and YAML key do this)."""
-    global _MODE
+    global _MODE, _QUERY
     mode = parse_mode(value)
     os.environ[ENV_NAME] = mode
-    _MODE = mode
+    _MODE, _QUERY = mode, None
     return mode
 
 
 def reset_mode() -> None:
-    """Forget the cached switch and fp8-rescore's cached settings (tests that change the variables within one
-    process)."""
-    global _MODE, _RESCORE
-    _MODE = None
-    _RESCORE = None
+    """Forget the cached switch, query and fp8-rescore's cached settings (tests that change the variables within
+    one process)."""
+    global _MODE, _QUERY, _RESCORE
+    _MODE = _QUERY = _RESCORE = None
 
 
 def enabled() -> bool:
-    return index_k_mode() != "fp8"
+    return mode_record().hooked
 
 
 def cache_layout(mode: str) -> str:
-    """The row format of the index cache in SGLang's pool: ``"fp8"`` (SGLang's 132 B per entry: fp8, fp8-cupy, and
-    fp8-rescore's hi page) or ``"bf16"`` (256 B per entry)."""
-    return "fp8" if mode in ("fp8", FP8_CUPY_MODE, RESCORE_MODE) else "bf16"
+    return MODE_RECORDS[mode].cache_layout
 
 
 def is_two_level(mode: str) -> bool:
-    """Whether the mode keeps a residual (lo) page beside SGLang's fp8 page (fp8-rescore)."""
-    return mode == RESCORE_MODE
+    return MODE_RECORDS[mode].two_level
 
 
 def index_bytes_per_entry(mode: str) -> int:
-    """Index-key bytes of one compressed token in a mode (what SGLang's KV budget counts): 132, 256 or 264."""
-    from cupy_dsa.rescore import TWO_LEVEL_BYTES_PER_TOKEN
-    from cupy_dsa.layouts import BF16_BYTES_PER_TOKEN, FP8_BYTES_PER_TOKEN
+    return MODE_RECORDS[mode].bytes_per_entry
 
-    if is_two_level(mode):
-        return TWO_LEVEL_BYTES_PER_TOKEN
-    return FP8_BYTES_PER_TOKEN if cache_layout(mode) == "fp8" else BF16_BYTES_PER_TOKEN
+
+def numerics_of(mode: str) -> str:
+    return MODE_RECORDS[mode].key_numerics
 
 
 def describe(mode: str) -> str:
     """What a mode serves, for messages."""
-    if mode == FP8_CUPY_MODE:
-        return "SGLang's fp8 C4 index keys on cupy_dsa's store and kernels"
-    if mode == RESCORE_MODE:
-        return ("two-level C4 index keys (SGLang's fp8 keys + int8 residual pages, 264 B per entry) and a rescored "
-                "top-k")
-    return "bf16 C4 index keys"
+    return MODE_RECORDS[mode].keys
+
+
+# --------------------------------------------------------------------------------------------------
+# The query setting
+# --------------------------------------------------------------------------------------------------
+
+QUERY_TEXT = {"fp8": "SGLang's fused fp8 q (one scale per token and head, in the head weights)",
+              "bf16": "the rotated q rounded to bf16 once (the head weights without a q scale)",
+              "fp4sim": "DeepSeek-V4's reference query (FP4-simulated bf16)"}
+
+
+def parse_query(value) -> str | None:
+    """A query setting (case-insensitive), None when unset; raise ValueError naming the accepted values."""
+    return _parse_choice(value, QUERY_CHOICES, None, QUERY_ENV,
+                         f"fp8: {QUERY_TEXT['fp8']}; bf16: {QUERY_TEXT['bf16']}")
+
+
+def query_of(mode: str, value=None) -> str:
+    """The query a mode runs with the setting ``value`` (unset: the mode's default); ValueError for a value the
+    mode does not take."""
+    rec = MODE_RECORDS[mode]
+    q = parse_query(value)
+    if q is None:
+        return rec.query
+    if not rec.query_settable:
+        why = ("the switch is off: SGLang's own kernels score its fp8 q" if not rec.hooked else
+               f"its query ({rec.query}) is part of the mode")
+        settable = ", ".join(m.name for m in _MODE_LIST if m.query_settable)
+        raise ValueError(f"{QUERY_ENV}={value!r} set with {ENV_NAME}={mode}: {why}. Unset {QUERY_ENV}, or set "
+                         f"{ENV_NAME} to one of {settable}")
+    return q
+
+
+def index_query() -> str:
+    """This process's query (``"fp8"``, ``"bf16"`` or ``"fp4sim"``), read from the environment once per process."""
+    global _QUERY
+    if _QUERY is None:
+        _QUERY = query_of(index_k_mode(), os.environ.get(QUERY_ENV))
+    return _QUERY
+
+
+def describe_query(mode: str, query: str) -> str:
+    rec = MODE_RECORDS[mode]
+    source = (f"{QUERY_ENV}={query}" if (os.environ.get(QUERY_ENV) or "").strip() else
+              f"{QUERY_ENV} unset: the mode's default" if rec.query_settable else "fixed by the mode")
+    if rec.two_level:
+        return f"stage 1 with {QUERY_TEXT['fp8']}, stage 2 with {QUERY_TEXT[query]} ({source})"
+    return f"query: {QUERY_TEXT[query]} ({source})"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -159,49 +276,33 @@ def describe(mode: str) -> str:
 
 class RescoreSettings(NamedTuple):
     """``stage1``: ``"sglang"`` (SGLang's own fp8 logits call, the function its forward would call) or ``"cupy"``
-    (cupy_dsa's fp8-key kernels on the plugin's routes); K' is ``multiple x index_topk`` or ``count``;
-    ``stage2_q``: ``"fp8"`` (SGLang's fp8 q, its scale in the weights) or ``"bf16"`` (the rotated, unquantized q
-    rounded to bf16, the weights without the q scale)."""
+    (cupy_dsa's fp8-key kernels on the plugin's routes); K' is ``multiple x index_topk`` or ``count``."""
     stage1: str
     multiple: int | None
     count: int | None
-    stage2_q: str = DEFAULT_STAGE2_Q
 
     def k_prime(self, index_topk: int) -> int:
         """Candidates per row for a layer of ``index_topk`` (the ops cap it at the row's width)."""
-        if self.count is not None:
-            if self.count < index_topk:
-                raise ValueError(f"{RESCORE_KPRIME_ENV}={self.count}: K' must be at least index_topk ({index_topk}); "
-                                 f"use a multiple such as 4x")
-            return self.count
-        return self.multiple * int(index_topk)
+        problem = self.k_prime_problem(index_topk)
+        if problem:
+            raise ValueError(problem)
+        return self.count if self.count is not None else self.multiple * int(index_topk)
+
+    def k_prime_problem(self, index_topk: int) -> str | None:
+        if self.count is not None and self.count < int(index_topk):
+            return (f"{RESCORE_KPRIME_ENV}={self.count}: K' must be at least index_topk ({index_topk}); use a "
+                    f"multiple such as 4x")
+        return None
 
     def describe(self) -> str:
         kp = f"{self.multiple}x index_topk" if self.count is None else f"{self.count}"
         first = ("SGLang's own fp8 logits call" if self.stage1 == "sglang" else "cupy_dsa's fp8-key kernels")
-        second = ("SGLang's fp8 query" if self.stage2_q == "fp8" else "the unquantized query rounded to bf16")
-        return (f"stage 1 = {first} ({RESCORE_STAGE1_ENV}={self.stage1}), K' = {kp} ({RESCORE_KPRIME_ENV}), stage 2 "
-                f"with {second} ({RESCORE_Q_ENV}={self.stage2_q})")
+        return f"stage 1 = {first} ({RESCORE_STAGE1_ENV}={self.stage1}), K' = {kp} ({RESCORE_KPRIME_ENV})"
 
 
 def parse_stage1(value) -> str:
-    if value is None or str(value).strip() == "":
-        return DEFAULT_STAGE1
-    v = str(value).strip().lower()
-    if v not in STAGE1_CHOICES:
-        raise ValueError(f"{RESCORE_STAGE1_ENV}={value!r}: expected one of {', '.join(STAGE1_CHOICES)} (sglang: "
-                         f"SGLang's own fp8 logits call computes stage 1; cupy: cupy_dsa's fp8-key kernels)")
-    return v
-
-
-def parse_stage2_q(value) -> str:
-    if value is None or str(value).strip() == "":
-        return DEFAULT_STAGE2_Q
-    v = str(value).strip().lower()
-    if v not in STAGE2_Q_CHOICES:
-        raise ValueError(f"{RESCORE_Q_ENV}={value!r}: expected one of {', '.join(STAGE2_Q_CHOICES)} (stage 2's query: "
-                         f"fp8 = SGLang's fp8 q; bf16 = the unquantized q rounded to bf16)")
-    return v
+    return _parse_choice(value, STAGE1_CHOICES, DEFAULT_STAGE1, RESCORE_STAGE1_ENV,
+                         "sglang: SGLang's own fp8 logits call computes stage 1; cupy: cupy_dsa's fp8-key kernels")
 
 
 def parse_k_prime(value) -> tuple[int | None, int | None]:
@@ -218,8 +319,8 @@ def parse_k_prime(value) -> tuple[int | None, int | None]:
     return (int(digits), None) if multiple else (None, int(digits))
 
 
-def parse_rescore_settings(stage1=None, k_prime=None, stage2_q=None) -> RescoreSettings:
-    return RescoreSettings(parse_stage1(stage1), *parse_k_prime(k_prime), parse_stage2_q(stage2_q))
+def parse_rescore_settings(stage1=None, k_prime=None) -> RescoreSettings:
+    return RescoreSettings(parse_stage1(stage1), *parse_k_prime(k_prime))
 
 
 def rescore_settings_from_env() -> RescoreSettings:
@@ -238,17 +339,21 @@ def rescore_settings() -> RescoreSettings:
     return _RESCORE
 
 
-def rescore_settings_problem(mode: str) -> str | None:
-    """Why the rescore variables cannot be used with ``mode`` (an invalid value, or a value set for another mode
-    that is on), else None. With the switch off (fp8) nothing is read."""
-    if mode == "fp8":
-        return None
-    if mode != RESCORE_MODE:
+def settings_problem(mode: str) -> str | None:
+    """Why the query setting or fp8-rescore's settings cannot be used with ``mode`` (an invalid value, or a value set
+    for a mode that does not take it: refused, never ignored, the switch off included), else None. K' against the
+    model's index_topk is checked at the launcher's resolution step (``hooks.validate_config``)."""
+    try:
+        query_of(mode, os.environ.get(QUERY_ENV))
+    except ValueError as e:
+        return str(e)
+    if not MODE_RECORDS[mode].two_level:
         stray = [n for n in RESCORE_ENVS if (os.environ.get(n) or "").strip()]
         if stray:
             verb = "they apply" if len(stray) > 1 else "it applies"
-            return (f"{', '.join(stray)} set with {ENV_NAME}={mode}: {verb} to {RESCORE_MODE} only. Unset "
-                    f"{' and '.join(stray)}, or set {ENV_NAME}={RESCORE_MODE}")
+            two_level = [m.name for m in _MODE_LIST if m.two_level]
+            return (f"{', '.join(stray)} set with {ENV_NAME}={mode}: {verb} to {', '.join(two_level)} only. Unset "
+                    f"{' and '.join(stray)}, or set {ENV_NAME}={two_level[0]}")
         return None
     try:
         rescore_settings_from_env()
@@ -257,29 +362,21 @@ def rescore_settings_problem(mode: str) -> str | None:
     return None
 
 
-def numerics_of(mode: str) -> str:
-    """The store's key numerics of a mode."""
-    return "fp4sim" if mode in ("bf16-fp4sim", REFERENCE_MODE) else "exact"
-
-
-def query_is_fp8(mode: str) -> bool:
-    """Whether the mode keeps SGLang's fp8 query (every mode but bf16-reference)."""
-    return mode != REFERENCE_MODE
-
-
 def pd_layout_tag(mode: str) -> str:
-    """Suffix appended to SGLang's PD layout string, so fp8 and bf16 peers refuse to pair."""
+    """Suffix appended to SGLang's PD layout string, so peers with different index keys refuse to pair (the query
+    does not change the pages: it is not in the tag)."""
     return f",c4idx:{mode}"
 
 
 def pd_layout_hint(mode: str) -> str:
     """What a server logs at start-up about its PD layout: the tag (none for fp8) and, since SGLang's refusal of a
     mismatched peer names only --dsv4-attn-backend and SGLANG_DSV4_KV_LAYOUT, the variable that must agree too."""
-    tag = f"appends {pd_layout_tag(mode)!r} to" if mode != "fp8" else "adds nothing to"
+    tag = f"appends {pd_layout_tag(mode)!r} to" if MODE_RECORDS[mode].hooked else "adds nothing to"
     return (f"cupy_dsa: PD layout: {ENV_NAME}={mode} {tag} SGLang's KV layout string; prefill and decode servers "
             f"must run the same {ENV_NAME}; otherwise SGLang refuses the pair with 'KV layout mismatch: prefill "
             f"server has kv_layout=..., but decode server has kv_layout=... Both servers must use the same "
-            f"--dsv4-attn-backend and SGLANG_DSV4_KV_LAYOUT', where a differing c4idx part means {ENV_NAME}.")
+            f"--dsv4-attn-backend and SGLANG_DSV4_KV_LAYOUT', where a differing c4idx part means {ENV_NAME}. "
+            f"{QUERY_ENV} may differ between them (it does not change the pages).")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -292,35 +389,44 @@ QUERY_SOURCE = "prepare_index_q.cu"
 RESCORE_SOURCE = "rescore_topk.cu"
 
 
-def warm_expressions(arch: str, *, mode: str, next_ns=(1,), kv_dtypes=(torch.bfloat16,),
-                     stage1: str = "cupy", stage2_q: str = DEFAULT_STAGE2_Q) -> dict[str, list[str]]:
-    """The kernel instantiations one SGLang server launches, ``{source_file: [name expressions]}``: the mode's
-    cache layout (:func:`cache_layout`), fp8 q, the given ``next_ns`` (1, plus the MTP draft count), the mode's
-    store numerics on SGLang's decode and prefill plan rows for the model's kv dtype. Everything else compiles
-    on first use.
-    The logits expressions are ``cupy_dsa.logits.product_instantiations``; bf16-reference adds the query prep
-    for bf16 head weights (``weights_proj``'s dtype) and takes the bf16-query logits. fp8-rescore stores both
-    pages in one launch (the store's ``two-level`` layout), adds the rescoring kernels for stage 2's query
-    (``stage2_q``: SGLang's fp8 q, or a bf16 q), and launches no logits kernel of its own when SGLang's call computes
-    stage 1 (``stage1="sglang"``)."""
-    from cupy_dsa import launch, logits, query, rescore, store
+def logits_q_dtype(mode: str, query: str) -> str:
+    """The query dtype of the mode's one pass over every key (cupy_dsa's logits, or stage 1): ``"fp8"`` or
+    ``"bf16"`` (the bf16 and fp4sim queries are bf16 tensors). Two-level scoring's first pass takes SGLang's fp8 q
+    whatever the setting (the setting is stage 2's)."""
+    return "fp8" if (MODE_RECORDS[mode].two_level or query == "fp8") else "bf16"
 
+
+def warm_expressions(arch: str, *, mode: str, query: str | None = None, next_ns=(1,), kv_dtypes=(torch.bfloat16,),
+                     stage1: str = "cupy") -> dict[str, list[str]]:
+    """The kernel instantiations one SGLang server launches, ``{source_file: [name expressions]}``, read from the
+    mode's record (:class:`IndexMode`) and its query (``query``; None: the mode's default): the store of the key
+    format and numerics on SGLang's decode and prefill plan rows for the model's kv dtype (two-level: both pages
+    in one launch), the logits of the cache layout for the first pass's q dtype (:func:`logits_q_dtype`) and the
+    given ``next_ns`` (1, plus the MTP draft count), the query prep of a query cupy_dsa prepares (bf16, fp4sim; for
+    bf16 head weights, ``weights_proj``'s dtype), and for two-level scoring the rescoring kernels of stage 2's query
+    (no logits kernel of its own when SGLang's call computes stage 1, ``stage1="sglang"``). Everything else compiles
+    on first use. The logits expressions are ``cupy_dsa.logits.product_instantiations``."""
+    from cupy_dsa import launch, logits, query as query_prep, rescore, store
+
+    rec = MODE_RECORDS[mode]
+    query = rec.query if query is None else query
+    if query not in rec.query_choices:
+        raise ValueError(f"warm_expressions: {mode} does not take the query {query!r} (it takes "
+                         f"{', '.join(rec.query_choices)})")
     product = launch.product_expressions(arch)
     kv_dtypes = tuple(d for d in kv_dtypes if d in (torch.float32, torch.bfloat16)) or (torch.bfloat16,)
-    layout = cache_layout(mode)
     out = {STORE_SOURCE: store.product_instantiations(
-        layouts=("two-level" if is_two_level(mode) else layout,), numerics=(numerics_of(mode),), key_styles=("v4",),
+        layouts=(rec.key_format,), numerics=(rec.key_numerics,), key_styles=("v4",),
         hadamard=(True,), in_dtypes=kv_dtypes, sources=("decode", "prefill"))}
-    if not (is_two_level(mode) and stage1 == "sglang"):
-        out[LOGITS_SOURCE] = logits.product_instantiations(arch, q_fp8=(int(query_is_fp8(mode)),),
-                                                           next_ns=tuple(sorted(set(next_ns))), layouts=(layout,))
-    if is_two_level(mode):  # the stage-2 instantiation of the one q type stage 2 gets (1: fp8, 0: bf16)
-        unused = ("stage2", 0 if parse_stage2_q(stage2_q) == "fp8" else 1)
+    if not (rec.two_level and stage1 == "sglang"):
+        q_fp8 = int(logits_q_dtype(mode, query) == "fp8")
+        out[LOGITS_SOURCE] = logits.product_instantiations(arch, q_fp8=(q_fp8,), next_ns=tuple(sorted(set(next_ns))),
+                                                           layouts=(rec.cache_layout,))
+    if rec.two_level:  # the stage-2 instantiation of the one q type stage 2 gets (1: fp8, 0: bf16)
+        unused = ("stage2", 0 if query == "fp8" else 1)
         out[RESCORE_SOURCE] = [rescore.RESCORE.select(p, None).expr for p in rescore.RESCORE.problems if p != unused]
-    if not query_is_fp8(mode):
-        out[QUERY_SOURCE] = query.product_instantiations(numerics=("fp4sim",), weight_dtypes=(torch.bfloat16,))
-    elif is_two_level(mode) and parse_stage2_q(stage2_q) == "bf16":
-        out[QUERY_SOURCE] = query.product_instantiations(numerics=("bf16",), weight_dtypes=(torch.bfloat16,))
+    if query != "fp8":
+        out[QUERY_SOURCE] = query_prep.product_instantiations(numerics=(query,), weight_dtypes=(torch.bfloat16,))
     for filename, exprs in out.items():
         unknown = [e for e in exprs if e not in product.get(filename, ())]
         if unknown:
@@ -362,10 +468,12 @@ def ensure_warm(device: torch.device) -> None:
         return
     idx = device.index if device.index is not None else torch.cuda.current_device()
     mode = index_k_mode()
-    settings = rescore_settings() if is_two_level(mode) else None
-    stage1 = settings.stage1 if settings else "cupy"
-    stage2_q = settings.stage2_q if settings else DEFAULT_STAGE2_Q
-    key = (idx, mode, stage1, stage2_q, _WARM_CONFIG["next_ns"], _WARM_CONFIG["kv_dtypes"])
+    if not MODE_RECORDS[mode].hooked:  # the switch off (check's self-test): bf16's kernels
+        mode, query = "bf16", "fp8"
+    else:
+        query = index_query()
+    stage1 = rescore_settings().stage1 if MODE_RECORDS[mode].two_level else "cupy"
+    key = (idx, mode, query, stage1, _WARM_CONFIG["next_ns"], _WARM_CONFIG["kv_dtypes"])
     if key in _WARMED:
         return
     with _WARM_LOCK:
@@ -376,12 +484,11 @@ def ensure_warm(device: torch.device) -> None:
                            "compiling now", idx)
         from cupy_dsa import runtime
 
-        exprs = warm_expressions(runtime.device_arch(idx), mode=mode if mode != "fp8" else "bf16",
-                                 next_ns=_WARM_CONFIG["next_ns"], kv_dtypes=_WARM_CONFIG["kv_dtypes"], stage1=stage1,
-                                 stage2_q=stage2_q)
+        exprs = warm_expressions(runtime.device_arch(idx), mode=mode, query=query, next_ns=_WARM_CONFIG["next_ns"],
+                                 kv_dtypes=_WARM_CONFIG["kv_dtypes"], stage1=stage1)
         n = runtime.warm_up_expressions(idx, exprs)
-        logger.info("cupy_dsa: warmed %d kernel instantiations on cuda:%d (%s)", n, idx,
-                    ", ".join(f"{f}: {len(e)}" for f, e in exprs.items()))
+        logger.info("cupy_dsa: warmed %d kernel instantiations on cuda:%d for %s with the %s query (%s)", n, idx,
+                    mode, query, ", ".join(f"{f}: {len(e)}" for f, e in exprs.items()))
         _WARMED.add(key)
 
 
@@ -431,8 +538,8 @@ def require_lo_cache(hi: torch.Tensor, what: str) -> torch.Tensor:
     lo = lo_cache_of(hi)
     if lo is None:
         raise RuntimeError(
-            f"cupy_dsa ({ENV_NAME}={RESCORE_MODE}): {what}: the fp8 index cache {tuple(hi.shape)} on {hi.device} has "
-            f"no residual (lo) pages. They are allocated with SGLang's indexer pool when {ENV_NAME}={RESCORE_MODE} is set "
+            f"cupy_dsa ({ENV_NAME}={index_k_mode()}): {what}: the fp8 index cache {tuple(hi.shape)} on {hi.device} has "
+            f"no residual (lo) pages. They are allocated with SGLang's indexer pool when {ENV_NAME}={index_k_mode()} is set "
             f"before SGLang starts (every scheduler process must see it; SGLANG_PLUGINS, if set, must list cupy_dsa).")
     return lo
 
@@ -465,38 +572,31 @@ def store_index_k_bf16(kv: torch.Tensor, plan_rows: torch.Tensor, *, is_decode: 
         numerics=numerics_of(mode), key_style="v4", hadamard=True, lo_cache=lo_cache)
 
 
-def reference_query(c4_indexer, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
-                    q_lora_quant=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16-reference's indexer query from the layer's own projections, in DeepSeek-V4's reference numerics:
-    ``(q bf16 [T, 64, 128] FP4-simulated, weights fp32 [T, 64, 1])`` where SGLang's ``compute_q`` makes an fp8
-    q with its scale folded into the weights. Same projections (``weights_proj``, ``wq_b`` on ``q_lora`` or
-    its fp8 group quant), same RoPE table, position and ``weight_scale`` as SGLang's fused kernel."""
-    import cupy_dsa
-
+def project_query(c4_indexer, x: torch.Tensor, q_lora: torch.Tensor,
+                  q_lora_quant=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's own projections, as SGLang's ``compute_q`` and ``compute_weights`` run them before its fused fp8 q
+    kernel: ``wq_b``'s bf16 output (on ``q_lora`` or its fp8 group quant) ``[T, 64, 128]`` and ``weights_proj``'s
+    head weights without any scale ``[T, 64]``."""
     weights = c4_indexer.compute_weights(x, skip_scale=True)
     q, _ = c4_indexer.wq_b(q_lora if q_lora_quant is None else q_lora_quant)
-    q = q.view(-1, c4_indexer.n_local_heads, c4_indexer.head_dim)
-    if q.is_cuda:
-        ensure_warm(q.device)
-    q_ref, w_ref = cupy_dsa.prepare_index_q(
-        q.contiguous(), weights, freqs_cis=rope_table(c4_indexer.freqs_cis), positions=positions,
-        weight_scale=float(c4_indexer.weight_scale), numerics="fp4sim")
-    return q_ref, w_ref.unsqueeze(2)
+    return q.view(-1, c4_indexer.n_local_heads, c4_indexer.head_dim), weights
 
 
-def rotated_query_bf16(q: torch.Tensor, weights: torch.Tensor, freqs_cis: torch.Tensor, positions: torch.Tensor,
-                       weight_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8-rescore's bf16 stage-2 query and head weights: ``wq_b``'s bf16 output ``q [T, 64, 128]`` rotated as
-    SGLang's fused q kernel rotates it before its fp8 quantization (RoPE, Hadamard-128, fp32), rounded to bf16
-    once, and ``float(weights_proj output) * weight_scale`` (its weights without the fp8 q scale): ``(bf16 [T, 64,
-    128], float32 [T, 64])`` by one launch of ``cupy_dsa.prepare_index_q(numerics="bf16")``. SGLang never holds
-    this query (its kernel keeps the rotated q in registers on the way to fp8)."""
+def prepare_query(q: torch.Tensor, weights: torch.Tensor, c4_indexer, positions: torch.Tensor,
+                  numerics: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A query cupy_dsa prepares from :func:`project_query`'s outputs in one launch of
+    ``cupy_dsa.prepare_index_q``, rotated as SGLang's fused q kernel rotates it (RoPE at ``positions`` from the
+    layer's table, Hadamard-128, fp32, the same ``weight_scale``): ``numerics="bf16"`` (rounded to bf16 once, the
+    weights without a q scale; SGLang never holds this query, its kernel keeps the rotated q in registers on the way
+    to fp8) or ``"fp4sim"`` (DeepSeek-V4's reference query). Returns ``(bf16 [T, 64, 128], float32 [T, 64, 1])``."""
     import cupy_dsa
 
     if q.is_cuda:
         ensure_warm(q.device)
-    return cupy_dsa.prepare_index_q(q.contiguous(), weights, freqs_cis=rope_table(freqs_cis), positions=positions,
-                                    weight_scale=float(weight_scale), numerics="bf16")
+    q_out, w_out = cupy_dsa.prepare_index_q(q.contiguous(), weights, freqs_cis=rope_table(c4_indexer.freqs_cis),
+                                            positions=positions, weight_scale=float(c4_indexer.weight_scale),
+                                            numerics=numerics)
+    return q_out, w_out.unsqueeze(2)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -100,24 +100,22 @@ def forward_c4_indexer_bf16(self, *, x, q_lora, c4_indexer, forward_batch, alt_s
         positions = positions[:n]
 
     q_rescore = weights_rescore = None
-    if not core.query_is_fp8(index_k_mode()):
-        # bf16-reference: DeepSeek-V4's reference query (FP4-simulated bf16) in place of SGLang's fp8 one, then the
-        # compressor as _forward_prepare_normal orders them; one stream (the multi-stream split only overlaps
-        # SGLang's own q kernel with the weights projection)
+    rec, query = core.mode_record(), core.index_query()
+    if query != "fp8":
+        # a query cupy_dsa prepares (bf16, or bf16-reference's FP4-simulated one) from the layer's own projections;
+        # in two-level scoring it is stage 2's, beside SGLang's fp8 q for stage 1. Then the compressor, as
+        # _forward_prepare_normal orders them, on one stream (the multi-stream split only overlaps SGLang's own q
+        # kernel with the weights projection)
         if q_lora_ready is not None:
             torch.cuda.current_stream(q_lora.device).wait_event(q_lora_ready)
-        q, weights = core.reference_query(c4_indexer, x, q_lora, positions, q_lora_quant)
-        if not skip_compressor:
-            self.forward_indexer_compressor(x=x, forward_batch=forward_batch, layer_id=c4_indexer.layer_id,
-                                            compressor=c4_indexer.compressor)
-    elif core.is_two_level(index_k_mode()) and core.rescore_settings().stage2_q == "bf16":
-        # fp8-rescore with a bf16 stage-2 query: wq_b's bf16 output is needed beside SGLang's fp8 q, and only
-        # SGLang's compute_q holds it; so the projections and SGLang's fused fp8 q kernel are called here, in
-        # _forward_prepare_normal's order, on one stream (the multi-stream split only overlaps them with the
-        # compressor)
-        if q_lora_ready is not None:
-            torch.cuda.current_stream(q_lora.device).wait_event(q_lora_ready)
-        q, weights, q_rescore, weights_rescore = _rescore_queries(ix, c4_indexer, x, q_lora, positions, q_lora_quant)
+        q_proj, w_proj = core.project_query(c4_indexer, x, q_lora, q_lora_quant)
+        if rec.two_level:
+            q, weights = ix.fused_q_indexer_rope_hadamard_quant(q_proj, w_proj, c4_indexer.weight_scale,
+                                                                c4_indexer.freqs_cis, positions)
+            q_rescore, weights_rescore = core.prepare_query(q_proj, w_proj, c4_indexer, positions, query)
+            weights_rescore = weights_rescore.squeeze(2)
+        else:
+            q, weights = core.prepare_query(q_proj, w_proj, c4_indexer, positions, query)
         if not skip_compressor:
             self.forward_indexer_compressor(x=x, forward_batch=forward_batch, layer_id=c4_indexer.layer_id,
                                             compressor=c4_indexer.compressor)
@@ -174,7 +172,7 @@ def forward_c4_indexer_bf16(self, *, x, q_lora, c4_indexer, forward_batch, alt_s
             ix.topk_transform_paged(logits, lens[r], page_table[r], page_indices[r], page_size, raw)
 
     kvcache = pool.get_index_k_with_scale_buffer(layer_id=c4_indexer.layer_id)  # keeps HiCache's layer wait
-    expected = core.cache_layout(index_k_mode())
+    expected = rec.cache_layout
     if core.index_cache_layout(kvcache) != expected:
         raise RuntimeError(
             f"cupy_dsa ({ENV_NAME}={index_k_mode()}): the C4 index cache of layer {c4_indexer.layer_id} has "
@@ -188,7 +186,7 @@ def forward_c4_indexer_bf16(self, *, x, q_lora, c4_indexer, forward_batch, alt_s
     rows_per_chunk = indexer_metadata.rows_per_chunk
     if route == ROUTE_GROUPED and rows_per_chunk is not None and rows_per_chunk < rows and rows_per_chunk % next_n:
         route, next_n = ROUTE_ROWS, 1  # SGLang's chunks would split a request's draft rows
-    if core.is_two_level(index_k_mode()):
+    if rec.two_level:
         _rescored_topk(self, ix, forward_batch, c4_indexer, q=q, weights=weights, lens=lens, page_table=page_table,
                        page_indices=page_indices, raw_indices=raw_indices, kvcache=kvcache, route=route,
                        next_n=next_n, capturing=capturing, q_rescore=q_rescore, weights_rescore=weights_rescore)
@@ -267,21 +265,6 @@ def sglang_fp8_logits_fn(ix):
     return fn, True
 
 
-def _rescore_queries(ix, c4_indexer, x, q_lora, positions, q_lora_quant):
-    """fp8-rescore's queries when stage 2 takes a bf16 q: ``(q fp8 [T, 64, 128], weights fp32 [T, 64, 1])`` from
-    SGLang's own fused q kernel, as its ``compute_q`` calls it (stage 1), and ``(q_rescore bf16 [T, 64, 128],
-    weights_rescore fp32 [T, 64])``: the same ``wq_b`` output rotated and rounded to bf16, and the same head weights
-    without the fp8 q scale (stage 2). One ``wq_b`` and one ``weights_proj`` for both."""
-    weights = c4_indexer.compute_weights(x, skip_scale=True)
-    q, _ = c4_indexer.wq_b(q_lora if q_lora_quant is None else q_lora_quant)
-    q = q.view(-1, c4_indexer.n_local_heads, c4_indexer.head_dim)
-    q_fp8, weights_fp8 = ix.fused_q_indexer_rope_hadamard_quant(q, weights, c4_indexer.weight_scale,
-                                                                 c4_indexer.freqs_cis, positions)
-    q_bf16, weights_bf16 = core.rotated_query_bf16(q, weights, c4_indexer.freqs_cis, positions,
-                                                   c4_indexer.weight_scale)
-    return q_fp8, weights_fp8, q_bf16, weights_bf16
-
-
 def _rescored_topk(self, ix, forward_batch, c4_indexer, *, q, weights, lens, page_table, page_indices, raw_indices,
                    kvcache, route, next_n, capturing, q_rescore=None, weights_rescore=None) -> None:
     """fp8-rescore: each row's top ``index_topk`` (the width of SGLang's page-index buffer, as its own top-k fills
@@ -294,7 +277,7 @@ def _rescored_topk(self, ix, forward_batch, c4_indexer, *, q, weights, lens, pag
     ``cupy`` runs cupy_dsa's fp8-key kernels on the plugin's routes (decode rows, grouped verify, varlen extend),
     with the forward's plans built by its first C4 layer.
 
-    Stage 2 (``SGLANG_CUPY_DSA_RESCORE_Q``) scores the candidates with ``q_rescore`` / ``weights_rescore`` (the bf16
+    Stage 2 (the query setting, ``SGLANG_CUPY_DSA_INDEX_Q``) scores the candidates with ``q_rescore`` / ``weights_rescore`` (the bf16
     query and its weights, ``[rows, 64, 128]`` / ``[rows, 64]``) when given, else with stage 1's fp8 q and weights."""
     if getattr(forward_batch, "tbo_parent_token_range", None) is not None:
         raise RuntimeError(f"cupy_dsa ({ENV_NAME}={index_k_mode()}): a two-batch-overlap micro-batch reached the indexer; "

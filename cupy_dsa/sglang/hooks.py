@@ -3,13 +3,16 @@
 Entry point ``cupy_dsa = cupy_dsa.sglang.plugin:register`` in group ``sglang.srt.plugins``; SGLang calls
 :func:`register` in every process that runs ``load_plugins()`` (launcher, each scheduler, DP controller,
 detokenizer). The switch is ``SGLANG_CUPY_DSA_INDEX_K`` (``fp8`` = SGLang unchanged, the default;
-``bf16``; ``bf16-fp4sim``; ``bf16-reference``; ``fp8-cupy``: SGLang's 132-byte fp8 keys, the same bytes and pool
-memory, written by cupy_dsa's store and scored by cupy_dsa's kernels; ``fp8-rescore``: those fp8 keys plus a
+``bf16``; ``bf16-fp4sim``; ``bf16-reference``; ``fp8-cupy``: SGLang's 132-byte fp8 keys in SGLang's format and pool
+memory (their bytes checked against a CPU emulation of SGLang's fp8 store, not its CUDA kernel), written by cupy_dsa's
+store and scored by cupy_dsa's kernels; ``fp8-rescore``: those fp8 keys plus a
 132-byte int8 residual page per entry, each row's top-k rescored among its K' best fp8 logits), or the server flag
 ``--cupy-dsa-index-k-dtype`` (also a ``--config`` YAML key), which sets the variable in the launcher before the
-schedulers are spawned. fp8-rescore's settings have flags and variables of their own (``--cupy-dsa-rescore-stage1``
-/ ``SGLANG_CUPY_DSA_RESCORE_STAGE1``, ``--cupy-dsa-rescore-kprime`` / ``SGLANG_CUPY_DSA_RESCORE_KPRIME``,
-``--cupy-dsa-rescore-q`` / ``SGLANG_CUPY_DSA_RESCORE_Q``: stage 2's query, SGLang's fp8 q or a bf16 q).
+schedulers are spawned. The query (``--cupy-dsa-index-q`` / ``SGLANG_CUPY_DSA_INDEX_Q``: SGLang's fp8 q or the
+rotated q rounded to bf16; fp8-rescore's stage-2 query) and fp8-rescore's settings (``--cupy-dsa-rescore-stage1`` /
+``SGLANG_CUPY_DSA_RESCORE_STAGE1``, ``--cupy-dsa-rescore-kprime`` / ``SGLANG_CUPY_DSA_RESCORE_KPRIME``) have flags,
+variables and ``--config`` keys of their own; a mode that does not take one refuses it. What differs between modes
+is read from their records (:class:`~cupy_dsa.sglang.core.IndexMode`).
 
 Start-up is all or nothing. With the switch on, :func:`register` first checks that the installed SGLang is
 one the hooks were written for (:data:`~cupy_dsa.sglang.guard.SUPPORTED_SGLANG` and
@@ -45,7 +48,7 @@ read once per process), each delegating to SGLang's original when it is off:
   buffer, then a lo buffer of the same shape in the same memory region) and AFTER
   ``DeepSeekV4IndexerPool.contiguous_page_row_buffers`` (PD registers the lo buffers too);
 * H4 AFTER ``DeepSeekV4TokenToKVPool.pd_kv_layout``: appends ``,c4idx:<mode>`` so PD peers with
-  different index-key formats refuse to pair (fp8-cupy too: its pages are SGLang's bytes, but a prefill peer on
+  different index-key formats refuse to pair (fp8-cupy too: its pages are in SGLang's format, but a prefill peer on
   SGLang's kernel would pick that side's top-k, and a run labelled fp8-cupy would not be cupy_dsa's kernels);
 * HiCache: AFTER ``_dsv4_indexer_regions`` (bf16 index pages move page-aligned only; fp8-rescore's lo pages are a
   second region, the twin of SGLang's fp8 region) and AROUND
@@ -114,16 +117,20 @@ def require_compatible_sglang(mode: str) -> None:
 # Entry point
 # --------------------------------------------------------------------------------------------------
 
-def _resolve_switch() -> str:
-    """The switch, or a start-up refusal naming the bad value (never a silent fp8); with it on, fp8-rescore's
-    settings too (an invalid one, or one set for another mode, is refused the same way)."""
+def _resolve_switch(final: bool = False) -> str:
+    """The switch, or a start-up refusal naming the bad value (never a silent fp8); with it on (or ``final``: the
+    launcher's resolution step, after the CLI flag and YAML key have set the variables), the query setting and
+    fp8-rescore's settings too: an invalid one, or one set for a mode that does not take it (the switch off
+    included), is refused the same way. With the switch off at ``register()`` they are not read yet: the flag may
+    still turn it on."""
     try:
         mode = index_k_mode()
     except ValueError as e:
         raise StartupRefused(f"cupy_dsa: {e}. Refusing to start. {off_hint()}") from None
-    problem = core.rescore_settings_problem(mode)
-    if problem:
-        raise StartupRefused(f"cupy_dsa ({ENV_NAME}={mode}): {problem}. Refusing to start. {off_hint()}")
+    if core.record(mode).hooked or final:
+        problem = core.settings_problem(mode)
+        if problem:
+            raise StartupRefused(f"cupy_dsa ({ENV_NAME}={mode}): {problem}. Refusing to start. {off_hint()}")
     return mode
 
 
@@ -136,7 +143,8 @@ def register() -> None:
     flag and the launcher check are installed; if they cannot be, SGLang runs without them (unchanged)."""
     global _registered_always, _registered_switched
     mode = _resolve_switch()
-    if mode != "fp8" and not _registered_switched:  # bf16 modes and fp8-cupy: every hook
+    rec = core.record(mode)
+    if rec.hooked and not _registered_switched:  # every hook
         require_compatible_sglang(mode)
         entries = [] if _registered_always else _always_entries()
         try:
@@ -147,10 +155,11 @@ def register() -> None:
         register_env_field()
         logger.info("cupy_dsa: %s=%s, hooks registered for %s (SGLang %s)", ENV_NAME, mode, core.describe(mode),
                     sglang_version())
-        if core.is_two_level(mode):
+        logger.info("cupy_dsa: %s: %s", mode, core.describe_query(mode, core.index_query()))
+        if rec.two_level:
             logger.info("cupy_dsa: %s: %s", mode, core.rescore_settings().describe())
         logger.info("%s", core.pd_layout_hint(mode))
-    elif mode == "fp8" and not _registered_always:
+    elif not rec.hooked and not _registered_always:
         try:
             _install(_always_entries(), resolution=True)
         except HookInstallError as e:
@@ -307,9 +316,10 @@ def _require_supported_platform() -> None:
         raise RuntimeError(f"cupy_dsa ({ENV_NAME}={index_k_mode()}): {problem}")
 
 
-def refusal_reasons(cfg, mode: str) -> list[str]:
+def refusal_reasons(cfg, mode: str, index_topk: int | None = None) -> list[str]:
     """Why this (resolved) server configuration cannot run in ``mode`` (bf16 index keys, or fp8-cupy's cupy_dsa
-    kernels on SGLang's fp8 keys); empty if it can. fp8-cupy is refused where the bf16 modes are."""
+    kernels on SGLang's fp8 keys); empty if it can. fp8-cupy is refused where the bf16 modes are. ``index_topk``:
+    the model's (two-level scoring's K' must reach it), when known."""
     reasons = []
     if getattr(cfg, "enable_deepseek_v4_fp4_indexer", False):
         reasons.append(
@@ -318,7 +328,7 @@ def refusal_reasons(cfg, mode: str) -> list[str]:
             f"{ENV_NAME}=bf16-fp4sim to keep FP4-rounded keys in bf16), or set {ENV_NAME}=fp8.")
     if getattr(cfg, "enable_nvidia_megakernel", False):
         what = ("its decode and verify steps would score the keys with the megakernel's indexer, not cupy_dsa's"
-                if core.cache_layout(mode) == "fp8" else
+                if core.record(mode).cache_layout == "fp8" else
                 f"which are 256-byte bf16 pages with {ENV_NAME}={mode}")
         reasons.append(
             f"--enable-nvidia-megakernel: the megakernel runs its own fp8 indexer over SGLang's 132-byte "
@@ -326,8 +336,12 @@ def refusal_reasons(cfg, mode: str) -> list[str]:
     problem = _platform_problem(getattr(cfg, "device", None))
     if problem:
         reasons.append(problem)
-    if core.is_two_level(mode):
+    if core.record(mode).two_level:
         reasons += _rescore_refusals(cfg, mode)
+        k_prime = core.rescore_settings().k_prime_problem(index_topk) if index_topk is not None else None
+        if k_prime:
+            reasons.append(f"{k_prime}: the model's index_topk is {index_topk}, and the first C4 forward (CUDA-graph "
+                           f"capture, or the first request) would raise")
     return reasons
 
 
@@ -350,17 +364,33 @@ def _rescore_refusals(cfg, mode: str) -> list[str]:
     return reasons
 
 
+def model_index_topk(server_args) -> int | None:
+    """The model's ``index_topk`` from the model config SGLang's own resolution step built and kept on the server
+    arguments (``model_config_of``'s memo; nothing is loaded here), or None when there is none (no model: tests, an
+    instance connector)."""
+    from sglang.srt.arg_groups import model_override_base as mob
+
+    views = tuple(getattr(mob, n) for n in ("ResolvedView", "ResolvingConfig") if hasattr(mob, n))
+    record = mob.record_of(server_args) if views and isinstance(server_args, views) else server_args
+    hf_config = getattr(getattr(record, "_model_config", None), "hf_config", None)
+    value = getattr(hf_config, "index_topk", None)
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def validate_config(server_args, previous) -> None:
     """H5 (resolution step ``handle_model_specific_adjustments``; runs once, in the launcher)."""
     previous(server_args)
-    mode = _resolve_switch()  # an invalid value (the switch's, or fp8-rescore's settings) stops the launch here
-    if mode == "fp8":
+    # an invalid value (the switch's, the query's, fp8-rescore's settings), or a setting the mode does not take,
+    # stops the launch here
+    mode = _resolve_switch(final=True)
+    if not core.record(mode).hooked:
         return
     # the CLI flag / YAML key may have turned the switch on after register() ran with it off
     require_compatible_sglang(mode)
     from sglang.srt.arg_groups.model_override_base import resolving_view
 
-    reasons = refusal_reasons(resolving_view(server_args), mode)
+    index_topk = model_index_topk(server_args) if core.record(mode).two_level else None
+    reasons = refusal_reasons(resolving_view(server_args), mode, index_topk)
     if reasons:
         raise ValueError(f"cupy_dsa ({ENV_NAME}={mode}, {core.describe(mode)}) cannot run with this "
                          "configuration:\n  - " + "\n  - ".join(reasons))
@@ -400,12 +430,13 @@ def _flags():
             help=(f"[cupy_dsa plugin, fp8-rescore] K', the fp8 candidates per row that stage 2 rescores: a multiple "
                   f"of index_topk (default {core.DEFAULT_KPRIME}) or a count (>= index_topk). Same as "
                   f"{core.RESCORE_KPRIME_ENV}."))),
-        (core.RESCORE_Q_FLAG, core.RESCORE_Q_ENV, core.parse_stage2_q, dict(
-            type=str.lower, choices=core.STAGE2_Q_CHOICES,
-            help=(f"[cupy_dsa plugin, fp8-rescore] stage 2's query (the one that rescores the candidates): fp8 "
-                  f"(SGLang's fp8 q, its scale folded in the weights) or bf16 (the rotated, unquantized q rounded "
-                  f"to bf16, the weights without that scale); default {core.DEFAULT_STAGE2_Q}. Same as "
-                  f"{core.RESCORE_Q_ENV}."))),
+        (core.QUERY_FLAG, core.QUERY_ENV, core.parse_query, dict(
+            type=str.lower, choices=core.QUERY_CHOICES,
+            help=(f"[cupy_dsa plugin] the indexer query: fp8 (SGLang's fused fp8 q, one scale per token and head) or "
+                  f"bf16 (the rotated q rounded to bf16 once); for "
+                  + ", ".join(f"{m.name} (default {m.query})" for m in core.MODE_RECORDS.values() if m.query_settable)
+                  + f"; fp8-rescore's is its stage-2 query. Refused with the other modes. Same as "
+                  f"{core.QUERY_ENV}."))),
     )
 
 
@@ -477,10 +508,10 @@ def _allocating_hi_pages():
 
 def _bytes_per_token_hook(original, *args, **kwargs):
     index_head_dim, use_fp4 = _bytes_args(*args, **kwargs)
-    mode = index_k_mode()
-    if use_fp4 or core.cache_layout(mode) != "bf16":
+    rec = core.mode_record()
+    if use_fp4 or rec.cache_layout != "bf16":
         # fp4 pools (incl. V4.1 low-ratio, forced fp4) stay as they are; fp8 and fp8-cupy keep SGLang's 132 B
-        if use_fp4 or not core.is_two_level(mode) or getattr(_HI_PAGES_ONLY, "on", False):
+        if use_fp4 or not rec.two_level or getattr(_HI_PAGES_ONLY, "on", False):
             return original(*args, **kwargs)
         # fp8-rescore: an entry is SGLang's fp8 bytes plus as many residual bytes, which the KV budget (and the
         # pool's own count) must see; SGLang's buffer itself is allocated with its fp8 rows (_create_buffer_hook)
@@ -497,7 +528,7 @@ def _bytes_per_token_hook(original, *args, **kwargs):
 def _is_rescore_pool(pool) -> bool:
     """A C4 indexer pool of fp8-rescore: SGLang's fp8 layout (not FP4, not the split HIP layout), 64-slot pages of
     128-dim keys."""
-    return (core.is_two_level(index_k_mode()) and not getattr(pool, "use_fp4_indexer", False)
+    return (core.mode_record().two_level and not getattr(pool, "use_fp4_indexer", False)
             and not getattr(pool, "uses_aiter_fp4_layout", False)
             and getattr(pool, "page_size", None) == layouts.PAGE_SLOTS
             and getattr(pool, "index_head_dim", None) == layouts.HEAD_DIM)
@@ -584,22 +615,23 @@ def _store_hook(original, kv, plan, *args, **kwargs):
     kvcache = kwargs.get("kvcache")
     layout = core.index_cache_layout(kvcache)
     mode = index_k_mode()
-    if layout is None or (layout == "fp8" and mode not in (core.FP8_CUPY_MODE, core.RESCORE_MODE)):
+    rec = core.record(mode)
+    if layout is None or (layout == "fp8" and not (rec.hooked and rec.cache_layout == "fp8")):
         # SGLang's formats (fp8 index keys outside fp8-cupy, fp4 index keys, main KV) unchanged
         return original(kv, plan, *args, **kwargs)
     bad = _unrecognised_store_call(kv, plan, args, kwargs)
-    if core.cache_layout(mode) != layout:
+    if rec.cache_layout != layout:
         bad.insert(0, f"{ENV_NAME}={mode} in this process")
     if bad:
         why = ("let SGLang's fp8 store write into bf16 pages" if layout == "bf16" else
                f"hand it to SGLang's store: {ENV_NAME}={mode} writes every index key with cupy_dsa's store"
-               + (" (the fp8 page and its residual page in one launch)" if core.is_two_level(mode) else ""))
+               + (" (the fp8 page and its residual page in one launch)" if rec.two_level else ""))
         raise RuntimeError(
             f"cupy_dsa store: compress_norm_rope_store was called on a {layout} index cache (uint8 "
             f"[P, {layouts.page_bytes(layout)}]) with a call it does not recognise: {'; '.join(bad)}. Refusing to "
             f"{why}.")
     _require_supported_platform()
-    lo_cache = core.require_lo_cache(kvcache, "the index-key store") if core.is_two_level(mode) else None
+    lo_cache = core.require_lo_cache(kvcache, "the index-key store") if rec.two_level else None
     core.store_index_k_bf16(
         kv, plan[1], is_decode=bool(plan.is_decode), compress_ratio=int(plan.compress_ratio),
         norm_weight=kwargs["norm_weight"], norm_eps=kwargs["norm_eps"], freq_cis=kwargs["freq_cis"],
@@ -632,7 +664,7 @@ def _forward_c4_indexer_hook(original, self, *args, **kwargs):
 
 def _pd_kv_layout_hook(result, *args, **kwargs):
     mode = index_k_mode()
-    if mode == "fp8":
+    if not core.record(mode).hooked:
         return None
     return f"{result}{core.pd_layout_tag(mode)}"
 
@@ -651,7 +683,7 @@ def _hicache_regions_hook(result, *args, **kwargs):
             # the token-granular host copy hard-codes the 584-byte C4 KV row split; bf16 pages move whole
             region = dataclasses.replace(region, page_aligned_only=True)
         out.append(region)
-    if core.is_two_level(index_k_mode()):
+    if core.mode_record().two_level:
         out = _with_lo_region(out, _hicache_args(*args, **kwargs)[0])
     return out
 
@@ -684,7 +716,7 @@ def _with_lo_region(regions, kvcache):
 def _hicache_storage_config_hook(original, self, *args, **kwargs):
     result = original(self, *args, **kwargs)
     mode = index_k_mode()
-    if mode != "fp8":
+    if core.record(mode).hooked:  # the key format's namespace; the query does not change the pages
         tag = f"c4idx-{mode}"
         name = getattr(self, "model_name", None)
         if not (name or "").endswith(tag):

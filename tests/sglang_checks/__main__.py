@@ -15,6 +15,9 @@ Scenarios (the environment is set by the caller):
   rescore   SGLANG_CUPY_DSA_INDEX_K=fp8-rescore, SGLANG_PLUGINS=cupy_dsa: two-level keys (SGLang's fp8 page + a
             residual page) and the rescored top-k (pool, budget, store bytes, top-k against the reference, PD,
             HiCache, refusals, flags)
+  query     SGLANG_CUPY_DSA_INDEX_K=bf16, SGLANG_CUPY_DSA_INDEX_Q=bf16, SGLANG_PLUGINS=cupy_dsa: every mode x query
+            setting through SGLang's forward (the query reaches the logits op, the top-k is the reference's with
+            it), flag, YAML key and refusals
   refuse_installed  the installed SGLang must refuse start-up (exit status 3 if it did not)
 """
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from scenario_fp8cupy import scenario_fp8cupy
 from scenario_off import scenario_excluded, scenario_off
 from scenario_on import scenario_on
+from scenario_query import scenario_query
 from scenario_refusals import refuse_installed, scenario_refusals
 from scenario_rescore import scenario_rescore
 
@@ -38,5 +42,6 @@ if __name__ == "__main__":
         refuse_installed()
         sys.exit(0)
     {"on": scenario_on, "off": scenario_off, "excluded": scenario_excluded,
-     "refusals": scenario_refusals, "fp8cupy": scenario_fp8cupy, "rescore": scenario_rescore}[sys.argv[1]]()
+     "refusals": scenario_refusals, "fp8cupy": scenario_fp8cupy, "rescore": scenario_rescore,
+     "query": scenario_query}[sys.argv[1]]()
     print("RESULTS_JSON:" + json.dumps({"results": harness.RESULTS, "info": harness.INFO}), flush=True)

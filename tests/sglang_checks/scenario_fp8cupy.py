@@ -3,7 +3,9 @@ pool, its 132-byte entries) written by cupy_dsa's store and scored by cupy_dsa's
 classes.
 
 * the pool and the KV budget are SGLang's (132 B per entry);
-* the store writes the bytes SGLang's fp8 store writes: a stand-in of SGLang's store (its quantization
+* the store writes the bytes a CPU emulation of SGLang's fp8 store writes (SGLang's CUDA store kernel itself is
+  not compared: it needs a GPU; its RoPE may fuse multiply-adds that cupy_dsa's store and this emulation keep
+  separate, so a scale word could differ by one ulp there): the emulation (SGLang's quantization
   ``scale = max(amax, 1e-4) / 448``, ``e4m3(RNE(k * (1 / scale)))``, and SGLang's own page packing
   ``fp8_mqa_logits_make_fused_kv``, at SGLang's plan addressing) applied to the same fp32 key gives the same
   pages, and the stored key is the fp64 index key up to fp8 rounding;
@@ -338,4 +340,5 @@ def scenario_fp8cupy():
         mode, lines = check_cmd._mode_lines()
         assert mode == MODE
         text = " ".join(t for _, t in lines)
-        assert "SGLang's fp8 index keys (132 B per entry" in text and "cupy_dsa's kernels" in text, text
+        assert "SGLang's fp8 C4 index keys on cupy_dsa's store and kernels (132 B per entry)" in text, text
+        assert "query: SGLang's fused fp8 q" in text, text

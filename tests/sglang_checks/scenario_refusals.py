@@ -153,18 +153,25 @@ def scenario_refusals():
 
     @check
     def invalid_rescore_setting_refused_before_patching():
-        # fp8-rescore's stage-2 query: a bad value, or a value with another mode on, stops start-up in
-        # load_plugins() before any hook is applied
+        # the query setting and fp8-rescore's settings: a bad value, or a value with a mode that does not take it,
+        # stops start-up in load_plugins() before any hook is applied
         from cupy_dsa.sglang import core
 
-        for mode, value, fragments in (("fp8-rescore", "fp16", (f"{core.RESCORE_Q_ENV}='fp16'", "expected one of fp8, bf16")),
-                                       ("bf16", "bf16", (f"{core.RESCORE_Q_ENV} set with {ENV}=bf16", "fp8-rescore only"))):
-            os.environ[core.RESCORE_Q_ENV] = value
+        Q, K = core.QUERY_ENV, core.RESCORE_KPRIME_ENV
+        for mode, name, value, fragments in (
+                ("fp8-rescore", Q, "fp16", (f"{Q}='fp16'", "expected one of fp8, bf16")),
+                ("bf16", Q, "fp16", (f"{Q}='fp16'", "expected one of fp8, bf16")),
+                ("fp8-cupy", Q, "int8", (f"{Q}='int8'", "expected one of fp8, bf16")),
+                ("bf16-reference", Q, "bf16", (f"{Q}='bf16' set with {ENV}=bf16-reference",
+                                               "its query (fp4sim) is part of the mode")),
+                ("bf16-reference", Q, "fp8", (f"{Q}='fp8' set with {ENV}=bf16-reference",)),
+                ("bf16", K, "2x", (f"{K} set with {ENV}=bf16", "fp8-rescore only"))):
+            os.environ[name] = value
             try:
                 with mode_env(mode):
                     _load_expect_refusal(*fragments, "Refusing to start")
             finally:
-                os.environ.pop(core.RESCORE_Q_ENV, None)
+                os.environ.pop(name, None)
                 core.reset_mode()
             nothing_patched()
 

@@ -35,12 +35,13 @@ from scenario_fp8cupy import assert_sglang_fp8_pages
 
 MODE = "fp8-rescore"
 FP8_PAGE = 8448
-STAGE1, KPRIME, STAGE2_Q = core.RESCORE_STAGE1_ENV, core.RESCORE_KPRIME_ENV, core.RESCORE_Q_ENV
+STAGE1, KPRIME, STAGE2_Q = core.RESCORE_STAGE1_ENV, core.RESCORE_KPRIME_ENV, core.QUERY_ENV
 
 
 @contextlib.contextmanager
 def settings_env(stage1=None, kprime=None, stage2_q=None):
-    """fp8-rescore's settings for a block (read once per process: the cache is reset on entry and exit)."""
+    """fp8-rescore's settings and the query setting (its stage-2 query) for a block (read once per process: the cache
+    is reset on entry and exit)."""
     old = {n: os.environ.get(n) for n in (STAGE1, KPRIME, STAGE2_Q)}
     for name, value in ((STAGE1, stage1), (KPRIME, kprime), (STAGE2_Q, stage2_q)):
         if value is None:
@@ -70,7 +71,7 @@ def rescore_cache():
 
 
 def assert_two_level_pages(hi, lo, case):
-    """hi: byte-identical to SGLang's fp8 store (stand-in); lo: byte-identical to cupy_dsa.rescore's reference store of
+    """hi: byte-identical to the CPU emulation of SGLang's fp8 store (its CUDA kernel is not run here); lo: byte-identical to cupy_dsa.rescore's reference store of
     the same fp32 keys, and untouched (zero) elsewhere."""
     assert_sglang_fp8_pages(hi, case)
     rows = torch.tensor([r for r, _, _ in case.expected])
@@ -289,7 +290,8 @@ def scenario_rescore():
 
         every_hook_in_place()
         assert envs.SGLANG_CUPY_DSA_INDEX_K.get() == MODE and core.index_k_mode() == MODE
-        assert core.rescore_settings() == ("sglang", 4, None, "bf16"), core.rescore_settings()
+        assert core.rescore_settings() == ("sglang", 4, None), core.rescore_settings()
+        assert core.index_query() == "bf16"  # the query setting unset: fp8-rescore's default stage-2 query
 
     @check
     def budget_counts_264_bytes():
@@ -451,7 +453,7 @@ def scenario_rescore():
 
     @check
     def indexer_bf16_stage2_query_reaches_stage2():
-        # SGLANG_CUPY_DSA_RESCORE_Q=bf16: one wq_b and one weights_proj feed SGLang's fused fp8 q kernel (stage 1) and
+        # SGLANG_CUPY_DSA_INDEX_Q=bf16: one wq_b and one weights_proj feed SGLang's fused fp8 q kernel (stage 1) and
         # the bf16 rotation (stage 2); stage 2 gets exactly the independently computed bf16 q and unscaled weights;
         # the top-k equals the reference called with them, on every route and both stage-1 sources, and differs
         # from stage 2 with the fp8 q on these rows
@@ -502,7 +504,7 @@ def scenario_rescore():
                           if a != b]
                 assert differ, f"{what}, stage1={stage1}: the bf16 and fp8 stage-2 queries select the same keys"
                 INFO.setdefault("rescore_bf16q_rows_differing_from_fp8q", {})[f"{what}, {stage1}"] = differ
-        # with SGLANG_CUPY_DSA_RESCORE_Q=fp8 stage 2 gets no q_rescore: stage 1's fp8 q and weights; recall of the exact top-k
+        # with SGLANG_CUPY_DSA_INDEX_Q=fp8 stage 2 gets no q_rescore: stage 1's fp8 q and weights; recall of the exact top-k
         # (fp64 scores of the fp32 keys and the fp32 rotated q) of both stage-2 queries, for the record
         ns = _bf16q_setup(lens=(2560, 2400, 2100, 1800))
         k = ns.keys.double().view(40, 64, 128)[ns.page_table.long()].reshape(4, -1, 128)
@@ -513,7 +515,7 @@ def scenario_rescore():
             INFO[f"rescore_recall_exact_stage2_{name}_q"] = [
                 len(got[r] & set(oracle[r, :n].topk(512).indices.tolist())) / 512 for r, n in enumerate(ns.lens)]
         md, spies, _ = _run(ForwardMode.DECODE, 4, "cupy", ns=ns)
-        assert spies.stage2 == [(None, None)], "SGLANG_CUPY_DSA_RESCORE_Q=fp8 passed a stage-2 query"
+        assert spies.stage2 == [(None, None)], "SGLANG_CUPY_DSA_INDEX_Q=fp8 passed a stage-2 query"
         _assert_equal_reference(md, _reference_bf16q(ns, bf16=False), "decode, fp8 stage-2 q")
 
     @check
@@ -733,12 +735,15 @@ def scenario_rescore():
         assert len(calls) == 6 and len(lo_calls) == 3, [(len(a), len(b)) for a, b, _, _ in calls]
         assert mph.__dict__.get("transfer_kv_direct", None) is unbound, "the stand-in was left in SGLang"
 
-    def resolve(**fields):
+    def resolve(index_topk=None, **fields):
         from sglang.srt.arg_groups.resolution_hooks import run_hook
         from sglang.srt.server_args import ServerArgs
 
         def handle_model_specific_adjustments(server_args):  # SGLang's step, by name
             server_args._builtin_ran = True
+            if index_topk is not None:  # the model config SGLang's step builds (model_config_of's memo)
+                server_args._model_config = types.SimpleNamespace(hf_config=types.SimpleNamespace(
+                    architectures=["DeepseekV4ForCausalLM"], index_topk=index_topk))
 
         sa = ServerArgs(model_path="dummy", **fields)
         run_hook(handle_model_specific_adjustments, sa)
@@ -789,11 +794,12 @@ def scenario_rescore():
                 else:
                     raise AssertionError(f"{stage1}, {kprime}, {stage2_q} accepted at resolution")
         with settings_env(kprime="2X", stage1=" CUPY ", stage2_q=" BF16 "):
-            assert core.rescore_settings() == ("cupy", 2, None, "bf16") and core.rescore_settings().k_prime(512) == 1024
+            assert core.rescore_settings() == ("cupy", 2, None) and core.rescore_settings().k_prime(512) == 1024
+            assert core.index_query() == "bf16"
         with settings_env(kprime="3000"):
             assert core.rescore_settings().k_prime(1024) == 3000
-        # a rescore setting with another mode on: refused, not ignored
-        for name, kw in ((KPRIME, dict(kprime="2x")), (STAGE2_Q, dict(stage2_q="bf16"))):
+        # a rescore setting with another mode on: refused, not ignored; the query setting is bf16's too
+        for name, kw in ((KPRIME, dict(kprime="2x")), (STAGE1, dict(stage1="cupy"))):
             with mode_env("bf16"), settings_env(**kw):
                 try:
                     hooks._resolve_switch()
@@ -801,8 +807,35 @@ def scenario_rescore():
                     assert f"{name} set with {ENV}=bf16" in str(e) and f"{MODE} only" in str(e), str(e)
                 else:
                     raise AssertionError(f"{name} was ignored in bf16 mode")
-        with mode_env("fp8"), settings_env(kprime="junk"):
-            assert hooks._resolve_switch() == "fp8"  # the switch off: nothing is read
+        with mode_env("bf16"), settings_env(stage2_q="bf16"):
+            assert hooks._resolve_switch() == "bf16" and core.index_query() == "bf16"
+        # the switch off: register() reads no setting (the CLI flag may still turn the switch on), the launcher's
+        # resolution step refuses a stray or invalid one like the other modes do
+        for kw, fragment in ((dict(kprime="junk"), f"{KPRIME} set with {ENV}=fp8"),
+                             (dict(stage1="cupy"), f"{STAGE1} set with {ENV}=fp8"),
+                             (dict(stage2_q="bf16"), f"{STAGE2_Q}='bf16' set with {ENV}=fp8")):
+            with mode_env("fp8"), settings_env(**kw):
+                assert hooks._resolve_switch() == "fp8"
+                try:
+                    resolve()
+                except StartupRefused as e:
+                    assert fragment in str(e) and "Refusing to start" in str(e), str(e)
+                else:
+                    raise AssertionError(f"{kw} accepted with the switch off")
+        # K' as a count below the model's index_topk (in the model config SGLang's own step built): refused at the
+        # launcher's resolution step, not at the first C4 forward
+        for kprime, topk, refused in (("100", 512, True), ("511", 512, True), ("512", 512, False),
+                                      ("1024", 2048, True), ("2x", 512, False)):
+            with settings_env(kprime=kprime):
+                try:
+                    resolve(index_topk=topk)
+                except ValueError as e:
+                    assert refused and f"{KPRIME}={kprime}: K' must be at least index_topk ({topk})" in str(e), str(e)
+                    assert "the model's index_topk is" in str(e), str(e)
+                else:
+                    assert not refused, f"K'={kprime} accepted with index_topk {topk}"
+        with settings_env(kprime="100"):
+            resolve()  # no model config: nothing to check against (the forward refuses it)
 
     @check
     def flags_and_yaml_keys_take_rescore():
@@ -815,24 +848,25 @@ def scenario_rescore():
         with mode_env(None), settings_env():
             prepare_server_args(["--model-path", "dummy", "--cupy-dsa-index-k-dtype", "FP8-Rescore",
                                  "--cupy-dsa-rescore-stage1", "cupy", "--cupy-dsa-rescore-kprime", "3x",
-                                 "--cupy-dsa-rescore-q", "BF16"])
+                                 "--cupy-dsa-index-q", "BF16"])
             assert os.environ.get(ENV) == MODE and os.environ.get(STAGE1) == "cupy" and os.environ.get(KPRIME) == "3x"
             assert os.environ.get(STAGE2_Q) == "bf16"
-            assert core.index_k_mode() == MODE and core.rescore_settings() == ("cupy", 3, None, "bf16")
+            assert core.index_k_mode() == MODE and core.rescore_settings() == ("cupy", 3, None)
+            assert core.index_query() == "bf16"
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
             f.write("model-path: dummy\ncupy-dsa-index-k-dtype: fp8-rescore\ncupy-dsa-rescore-kprime: 2048\n"
-                    "cupy-dsa-rescore-q: fp8\n")
+                    "cupy-dsa-index-q: fp8\n")
         try:
             with mode_env(None), settings_env():
                 prepare_server_args(["--config", f.name])
                 assert os.environ.get(ENV) == MODE and os.environ.get(KPRIME) == "2048", os.environ.get(KPRIME)
-                assert os.environ.get(STAGE2_Q) == "fp8" and core.rescore_settings().stage2_q == "fp8"
+                assert os.environ.get(STAGE2_Q) == "fp8" and core.index_query() == "fp8"
                 assert STAGE1 not in os.environ
         finally:
             os.unlink(f.name)
         with mode_env(None), settings_env():
             for bad in (["--cupy-dsa-rescore-kprime", "4y"], ["--cupy-dsa-rescore-stage1", "deepgemm"],
-                        ["--cupy-dsa-rescore-q", "fp16"]):
+                        ["--cupy-dsa-index-q", "fp16"], ["--cupy-dsa-rescore-q", "bf16"]):
                 try:
                     prepare_server_args(["--model-path", "dummy"] + bad)
                 except SystemExit:
@@ -856,9 +890,11 @@ def scenario_rescore():
         mode, lines = check_cmd._mode_lines()
         assert mode == MODE
         text = " ".join(t for _, t in lines)
-        assert "int8 residual pages (264 B per entry)" in text and "stage 1 = SGLang's own fp8 logits call" in text, text
+        assert "int8 residual pages) and a rescored top-k (264 B per entry)" in text, text
+        assert "stage 1 = SGLang's own fp8 logits call" in text, text
         assert "K' = 4x index_topk" in text and ",c4idx:fp8-rescore" in text, text
-        assert f"stage 2 with the unquantized query rounded to bf16 ({STAGE2_Q}=bf16)" in text, text
+        assert f"stage 2 with the rotated q rounded to bf16 once (the head weights without a q scale) ({STAGE2_Q} " \
+               "unset: the mode's default)" in text, text
         with settings_env(kprime="4y"):
             mode, lines = check_cmd._mode_lines()
             assert mode is None and lines[0][0] == check_cmd.PROBLEM and f"{KPRIME}='4y'" in lines[0][1], lines

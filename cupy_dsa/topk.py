@@ -1,0 +1,139 @@
+"""The indexer's top-k in SGLang's output form: :func:`paged_topk` (``kernels/topk.cu``) and its torch reference.
+
+What SGLang's ``topk_transform_paged`` kernels compute after the indexer logits: row ``r`` sees positions ``[0, n)``,
+``n = clamp(lens[r], 0, width)``; a row with ``n <= index_topk`` selects ``0 .. n - 1`` without reading logits (SGLang's
+trivial path), any other row its ``index_topk`` greatest logits, ties to the lower position (SGLang leaves ties
+unspecified). Outputs int32 ``[rows, index_topk]``, -1 padded: ``page_indices`` (SGLang's slot transform,
+``(page_table[r, i >> 6] << 6) | (i & 63)``) and optionally ``raw_indices`` (the positions ``i``). Selected keys come in
+position order (SGLang's are unordered), so reruns are bitwise identical.
+
+One CTA per row: a radix select with 12-bit digits whose first digit is counted while the row is read, once, into
+shared memory (rows of up to 16,384 visible keys; longer ones are read again from L2 by each radix pass). The
+benches time the stock step as the fp8 logits plus this op, standing in for SGLang's own top-k where SGLang
+cannot run; ``cupy-dsa bench rescore`` times it beside SGLang's v1 and v2 kernels where they can.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import launch, runtime
+from .contracts import check_bool, check_contiguous, check_device, check_dtype, check_int
+from .launch import I32, I64, PTR
+from .layouts import PAGE_SLOTS
+
+SELECT_THREADS = 512                 # the radix kernels' block (kSelectThreads in kernels/radix_select.cuh)
+ROW_CACHE_KEYS = 16384               # visible keys a row may have to be read into shared memory once
+ROW_CACHE_ENTRIES = ROW_CACHE_KEYS + 4   # u32 entries: the 16-byte alignment pad of the body (kSelectCache) rounded
+_SRC = "topk.cu"
+
+
+def row_cache_entries(width: int) -> int:
+    """The ``CacheEntries`` template value for rows of at most ``width`` visible keys: the cache, or none."""
+    return ROW_CACHE_ENTRIES if width <= ROW_CACHE_KEYS else 0
+
+
+TOPK_KERNEL = launch.Kernel(
+    _SRC, "paged_topk_kernel", params=("CacheEntries",),
+    args=(("logits", PTR), ("logits_stride", I64), ("width", I32), ("lens", PTR), ("page_table", PTR),
+          ("pt_stride", I64), ("index_topk", I32), ("page_indices", PTR), ("raw_indices", PTR)),
+    threads=lambda cfg: SELECT_THREADS, smem=lambda cfg: 4 * cfg.CacheEntries)
+
+# A problem: whether the rows fit in the shared-memory cache.
+TOPK = launch.register(launch.Family(
+    "paged_topk", problems=[(True,), (False,)],
+    select=lambda p, arch: TOPK_KERNEL.config(CacheEntries=ROW_CACHE_ENTRIES if p[0] else 0),
+    serves=lambda cfg, p: cfg.CacheEntries == (ROW_CACHE_ENTRIES if p[0] else 0)))
+
+
+class TopK(NamedTuple):
+    """int32 ``[rows, index_topk]`` each, -1 padded: ``page_indices`` (SGLang's form) and ``raw_indices`` (positions;
+    None unless asked for)."""
+    page_indices: torch.Tensor
+    raw_indices: torch.Tensor | None
+
+
+def _check(logits, lens, page_table, index_topk, raw_indices):
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits: expected a torch.Tensor, got {type(logits).__name__}")
+    check_dtype("logits", logits, (torch.float32,))
+    if logits.dim() != 2:
+        raise ValueError(f"logits: expected shape [rows, width], got {tuple(logits.shape)}")
+    R = logits.shape[0]
+    if R > 0 and logits.shape[1] > 1 and logits.stride(1) != 1:
+        raise ValueError(f"logits: expected stride(1) == 1 (SGLang's contract), got strides {logits.stride()}")
+    if not isinstance(lens, torch.Tensor):
+        raise TypeError(f"lens: expected a torch.Tensor, got {type(lens).__name__}")
+    check_dtype("lens", lens, (torch.int32,))
+    if tuple(lens.shape) != (R,):
+        raise ValueError(f"lens: expected shape ({R},) (one length per logits row), got {tuple(lens.shape)}")
+    check_contiguous("lens", lens)
+    if not isinstance(page_table, torch.Tensor):
+        raise TypeError(f"page_table: expected a torch.Tensor, got {type(page_table).__name__}")
+    check_dtype("page_table", page_table, (torch.int32,))
+    if page_table.dim() != 2 or page_table.shape[0] != R:
+        raise ValueError(f"page_table: expected shape [{R}, pages] (one row per logits row), got "
+                         f"{tuple(page_table.shape)}")
+    if page_table.shape[1] > 1 and page_table.stride(1) != 1:
+        raise ValueError(f"page_table: expected stride(1) == 1, got strides {page_table.stride()}")
+    for name, t in (("lens", lens), ("page_table", page_table)):
+        check_device(name, t, logits.device, "logits")
+    index_topk = check_int("index_topk", index_topk, 1)
+    return index_topk, check_bool("raw_indices", raw_indices)
+
+
+def paged_topk_reference(logits, lens, page_table, index_topk, *, raw_indices=False) -> TopK:
+    """:func:`paged_topk` in torch (CPU backend and test oracle), selected keys in position order."""
+    index_topk, want_raw = _check(logits, lens, page_table, index_topk, raw_indices)
+    R, dev = logits.shape[0], logits.device
+    width = min(logits.shape[1], page_table.shape[1] * PAGE_SLOTS)
+    n = lens.long().clamp(0, width)
+    page_out = torch.full((R, index_topk), -1, dtype=torch.int32, device=dev)
+    raw_out = torch.full_like(page_out, -1)
+    if R and width:
+        cols = torch.arange(width, device=dev)
+        seen = cols[None, :] < n[:, None]
+        # ties to the lower position: a stable descending sort; unseen columns last
+        s = logits[:, :width].float().masked_fill(~seen, float("-inf"))
+        order = torch.sort(s, dim=1, descending=True, stable=True).indices
+        order = order.gather(1, torch.sort(seen.gather(1, order).to(torch.int8), dim=1, descending=True,
+                                           stable=True).indices)
+        m = min(index_topk, width)
+        pos = torch.sort(order[:, :m], dim=1).values                       # position order
+        trivial = n <= index_topk                                            # 0 .. n - 1, no logits read
+        seq = torch.arange(m, device=dev)[None, :].expand(R, m)
+        pos = torch.where(trivial[:, None], seq, pos)
+        ok = seq < torch.minimum(n, torch.full_like(n, index_topk))[:, None]
+        page = page_table.long().gather(1, (pos // PAGE_SLOTS).clamp(max=page_table.shape[1] - 1))
+        slot = (page * PAGE_SLOTS + pos % PAGE_SLOTS).to(torch.int32)   # int32 wrap, as the kernel's
+        page_out[:, :m] = torch.where(ok, slot, torch.full_like(slot, -1))
+        raw_out[:, :m] = torch.where(ok, pos, torch.full_like(pos, -1)).to(torch.int32)
+    return TopK(page_out, raw_out if want_raw else None)
+
+
+def paged_topk(logits, lens, page_table, index_topk, *, raw_indices=False) -> TopK:
+    """Top-``index_topk`` of each row's visible logits in SGLang's output form (see the module docstring).
+
+    logits float32 ``[rows, width]`` (last dim contiguous), lens int32 ``[rows]``, page_table int32 ``[rows, pages]``
+    (SGLang's per-row page table); positions past ``pages * 64`` are never visible. One launch, no host sync, no
+    data-dependent shape: capturable in a CUDA graph (after :func:`cupy_dsa.warm_up`). CPU tensors run the
+    reference. Returns :class:`TopK`."""
+    if not (isinstance(logits, torch.Tensor) and logits.is_cuda):
+        return paged_topk_reference(logits, lens, page_table, index_topk, raw_indices=raw_indices)
+    index_topk, want_raw = _check(logits, lens, page_table, index_topk, raw_indices)
+    R, dev = logits.shape[0], logits.device
+    page_out = torch.empty(R, index_topk, dtype=torch.int32, device=dev)
+    raw_out = torch.empty_like(page_out) if want_raw else None
+    if R == 0:
+        return TopK(page_out, raw_out)
+    width = min(logits.shape[1], page_table.shape[1] * PAGE_SLOTS)
+    cfg = TOPK.select((width <= ROW_CACHE_KEYS,), runtime.device_arch(dev.index))
+    cfg.launch(dev, (R, 1, 1), logits=logits if width > 0 else None, logits_stride=logits.stride(0), width=width,
+               lens=lens, page_table=page_table if page_table.shape[1] > 0 else None,
+               pt_stride=page_table.stride(0), index_topk=index_topk, page_indices=page_out, raw_indices=raw_out)
+    return TopK(page_out, raw_out)
+
+
+__all__ = ["paged_topk", "paged_topk_reference", "TopK"]

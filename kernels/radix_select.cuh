@@ -1,0 +1,377 @@
+// Block-wide radix selection over a query row's logits, shared by the top-k (kernels/topk.cu) and the fp8-rescore
+// candidates (kernels/rescore_topk.cu).
+//
+// A row's keys order its visible logits descending with ties to the lower position: the 64-bit unsigned key of
+// column c is (logit_key(logits[c]) << 32) | (0xFFFFFFFF - c), where logit_key is the fp32 value's
+// order-preserving 32 bits (NaN above +inf, as torch ranks it; -0.0 as +0.0). Keys are distinct, so a row's top-k
+// set is unique. select_row finds the k-th greatest key T with 12-bit digits (the first digit counted while the
+// row is read, once, into shared memory when it fits; the rest among the keys of T's first-digit bin, collected)
+// and hands the keys >= T out in position order: the same keys in the same slots on every run.
+#pragma once
+#include "common.cuh"
+
+namespace dsa {
+namespace radix {
+
+// How a query row's visible positions [lo, hi) and its block-table row are found (cupy_dsa.logits' contracts).
+enum RowMode {
+  kDecodeLens1D = 0,  // row r = request r / next_n, row j = r % next_n of it sees lens0[b] - (next_n - 1 - j)
+  kDecodeLens2D = 1,  // sees lens0[r] (per-row lengths)
+  kPrefillKsKe = 2,   // sees [lens0[r], lens1[r]) of its request: the one request (cu_rows null) or the request
+                      // of cu_rows that owns row r (none: the row is empty)
+};
+
+struct RowSpec {
+  const int* lens0;
+  const int* lens1;
+  const int* cu_rows;
+  int mode;
+  int next_n;
+  int batch;
+  int width;          // positions past it are never visible (the logits' columns)
+};
+
+struct RowKeys {
+  int lo, hi;         // visible positions (empty: 0, 0)
+  int table_row;      // the row's block-table row
+};
+
+__device__ __forceinline__ RowKeys row_keys(const RowSpec& s, int r) {
+  int lo = 0, hi = 0, table_row = 0;
+  if (s.mode == kDecodeLens1D) {
+    table_row = r / s.next_n;
+    hi = s.lens0[table_row] - (s.next_n - 1 - r % s.next_n);
+  } else if (s.mode == kDecodeLens2D) {
+    table_row = r / s.next_n;
+    hi = s.lens0[r];
+  } else {
+    lo = s.lens0[r];
+    hi = s.lens1[r];
+    if (s.cu_rows != nullptr) {
+      // the request owning row r: the last b with cu_rows[b] <= r (non-decreasing offsets), if r < cu_rows[b + 1]
+      int a = 0, z = s.batch;
+      while (z - a > 1) {
+        const int mid = (a + z) >> 1;
+        if (s.cu_rows[mid] <= r) a = mid; else z = mid;
+      }
+      table_row = a;
+      if (s.batch <= 0 || s.cu_rows[a] > r || r >= s.cu_rows[a + 1]) hi = lo;
+    }
+  }
+  lo = max(lo, 0);
+  hi = min(hi, s.width);
+  if (hi <= lo) lo = hi = 0;
+  return {lo, hi, table_row};
+}
+
+// The fp32 value's order-preserving int32: NaN (any sign, any payload) above +inf, as torch ranks it; -0.0
+// counts as +0.0.
+__device__ __forceinline__ int ordered_bits(float value) {
+  const int b = __float_as_int(value);
+  if ((b & 0x7FFFFFFF) > 0x7F800000) return 0x7FFFFFFF;
+  if (b == static_cast<int>(0x80000000u)) return 0;
+  return b >= 0 ? b : b ^ 0x7FFFFFFF;
+}
+
+// A key that sorts as signed int64 by (value, tie), both descending: ordered_bits(value) in the high half,
+// `tie` (greater = earlier) in the low half.
+__device__ __forceinline__ long long order_key(float value, u32 tie) {
+  return static_cast<long long>((static_cast<u64>(static_cast<u32>(ordered_bits(value))) << 32) | tie);
+}
+
+// The same order as an unsigned one (the radix select's digits) and back.
+__device__ __forceinline__ u64 unsigned_key(long long key) { return static_cast<u64>(key) ^ (1ull << 63); }
+__device__ __forceinline__ long long signed_key(u64 key) { return static_cast<long long>(key ^ (1ull << 63)); }
+
+// The position i a key's low half holds as 0xFFFFFFFF - i (stage-1 and stage-2 keys alike).
+__device__ __forceinline__ u32 tie_index(long long key) {
+  return 0xFFFFFFFFu - static_cast<u32>(static_cast<u64>(key));
+}
+
+// ---- block-wide radix selection (kSelectThreads threads, kRadixBins bins of shared or global counts) --------
+constexpr int kSelectThreads = 512;
+constexpr int kSelectWarps = kSelectThreads / 32;
+constexpr int kDigitBits = 12;
+constexpr int kRadixBins = 1 << kDigitBits;
+constexpr int kBinsPerThread = kRadixBins / kSelectThreads;
+static_assert(kBinsPerThread * kSelectThreads == kRadixBins && kSelectWarps <= 32, "select: whole bins per thread");
+
+struct BinFound {
+  int bin;      // the bin holding the need-th greatest key
+  int above;    // keys in the bins above it
+  int count;    // keys in it
+};
+
+// The bin where the keys counted in `hist` (bin = digit, greater digit = greater key) reach `need` >= 1 from
+// the top, given that they hold at least `need`. Every thread of the block calls it; `scratch` is shared
+// (kSelectWarps + 3 ints); every thread returns the same answer.
+__device__ __forceinline__ BinFound find_bin(const int* hist, int need, int* scratch) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int mine[kBinsPerThread];
+  int sum = 0;
+#pragma unroll
+  for (int i = 0; i < kBinsPerThread; ++i) {
+    mine[i] = hist[tid * kBinsPerThread + i];
+    sum += mine[i];
+  }
+  // keys in the bins of the threads above this one: a suffix scan (warp, then warps)
+  int incl = sum;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_down_sync(0xffffffffu, incl, d);
+    if (lane + d < 32) incl += v;
+  }
+  if (lane == 0) scratch[warp] = incl;
+  __syncthreads();
+  int warps_above = 0;
+  for (int w = warp + 1; w < kSelectWarps; ++w) warps_above += scratch[w];
+  int above = warps_above + incl - sum;
+  if (above < need && above + sum >= need) {
+    int i = kBinsPerThread - 1;
+    while (above + mine[i] < need) above += mine[i--];
+    scratch[kSelectWarps] = tid * kBinsPerThread + i;
+    scratch[kSelectWarps + 1] = above;
+    scratch[kSelectWarps + 2] = mine[i];
+  }
+  __syncthreads();
+  const BinFound f = {scratch[kSelectWarps], scratch[kSelectWarps + 1], scratch[kSelectWarps + 2]};
+  __syncthreads();  // scratch is reused by the next call
+  return f;
+}
+
+// The least key T such that exactly `need` >= 1 of the keys `src` yields (distinct unsigned keys whose top
+// `known` bits equal `prefix`'s; src.get(i, key) -> false skips slot i of src.size()) are >= T, given that it
+// yields at least `need`. 12-bit digits from the top; a pass stops early when its bin holds exactly the keys
+// still needed. `hist`: kRadixBins shared ints; every thread returns the same T.
+template <class Source>
+__device__ u64 radix_threshold(const Source& src, int known, u64 prefix, int need, int* hist, int* scratch) {
+  int lo_bit = 64 - known;
+  while (lo_bit > 0) {
+    const int width = min(kDigitBits, lo_bit), shift = lo_bit - width;
+    for (int i = threadIdx.x; i < kRadixBins; i += kSelectThreads) hist[i] = 0;
+    __syncthreads();
+    const int n = src.size();
+    for (int i = threadIdx.x; i < n; i += kSelectThreads) {
+      u64 key;
+      if (src.get(i, key) && (lo_bit == 64 || (key >> lo_bit) == (prefix >> lo_bit)))
+        atomicAdd(&hist[static_cast<int>((key >> shift) & ((1ull << width) - 1))], 1);
+    }
+    __syncthreads();
+    const BinFound f = find_bin(hist, need, scratch);
+    prefix |= static_cast<u64>(f.bin) << shift;
+    need -= f.above;
+    lo_bit = shift;
+    if (f.count == need) break;
+  }
+  return prefix;
+}
+
+
+// ---- one CTA selects one row ---------------------------------------------------------------------------
+__device__ __forceinline__ u32 logit_key(float value) { return static_cast<u32>(ordered_bits(value)) ^ 0x80000000u; }
+__device__ __forceinline__ u64 full_key(u32 logit, int pos) {
+  return (static_cast<u64>(logit) << 32) | (0xFFFFFFFFu - static_cast<u32>(pos));
+}
+
+constexpr int kListCap = 2048;  // keys of the k-th key's first-digit bin that select_row collects in shared memory
+
+// A row's visible logits [lo, lo + n) as logit keys, addressed by "slot" c = pad + i (i = c - pad the row's element):
+// slot 0 of the row (row - pad) is 16-byte aligned, so four slots from a multiple of 4 are one 16-byte load, from
+// the CTA's shared copy (cache[c]) when the row was read into it, else from the row (again: L2).
+struct RowLogits {
+  const float* row;   // the logit of position lo
+  const u32* cache;   // null: read the row
+  int pad, lo, n;
+
+  // the keys of slots c0 .. c0 + 3 (c0 a multiple of 4) and whether each is one of the row's
+  __device__ __forceinline__ void quad(int c0, u32 (&key)[4], bool (&valid)[4]) const {
+    const int i0 = c0 - pad;
+    if (cache != nullptr) {
+      const uint4 v = *reinterpret_cast<const uint4*>(cache + c0);
+      key[0] = v.x, key[1] = v.y, key[2] = v.z, key[3] = v.w;
+    } else if (i0 >= 0 && i0 + 3 < n) {
+      const float4 v = __ldg(reinterpret_cast<const float4*>(row + i0));
+      key[0] = logit_key(v.x), key[1] = logit_key(v.y), key[2] = logit_key(v.z), key[3] = logit_key(v.w);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) key[e] = (i0 + e >= 0 && i0 + e < n) ? logit_key(row[i0 + e]) : 0u;
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) valid[e] = i0 + e >= 0 && i0 + e < n;
+  }
+  __device__ __forceinline__ int slots() const { return pad + n; }
+  __device__ __forceinline__ u32 bits(int i) const { return cache != nullptr ? cache[pad + i] : logit_key(row[i]); }
+};
+
+// The keys of a row (every one: the flat-row fallback of select_row) and of a collected list.
+struct RowKeySource {
+  RowLogits r;
+  __device__ int size() const { return r.n; }
+  __device__ bool get(int i, u64& key) const {
+    key = full_key(r.bits(i), r.lo + i);
+    return true;
+  }
+};
+
+struct ListKeySource {
+  const u64* keys;
+  int n;
+  __device__ int size() const { return n; }
+  __device__ bool get(int i, u64& key) const {
+    key = keys[i];
+    return true;
+  }
+};
+
+// Reads the row's n logits once (16-byte loads, four in flight per thread), counting their first digits into
+// `hist` and, with a cache, keeping their keys at cache[pad + i]. Returns pad.
+__device__ __forceinline__ int load_row(const float* __restrict__ row, int n, u32* cache, int* hist) {
+  const int tid = threadIdx.x;
+  const int head = min(n, static_cast<int>(((16u - (reinterpret_cast<unsigned long long>(row) & 15u)) & 15u) >> 2));
+  const int pad = (4 - head) & 3;
+  auto take = [&](int i, float v) {
+    const u32 key = logit_key(v);
+    if (cache != nullptr) cache[pad + i] = key;
+    atomicAdd(&hist[key >> (32 - kDigitBits)], 1);
+  };
+  if (tid < head) take(tid, row[tid]);
+  const float4* __restrict__ body = reinterpret_cast<const float4*>(row + head);
+  const int n4 = (n - head) >> 2;
+  constexpr int kInFlight = 4;
+  for (int j0 = tid; j0 < n4; j0 += kInFlight * kSelectThreads) {
+    float4 v[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int j = j0 + u * kSelectThreads;
+      v[u] = j < n4 ? __ldg(body + j) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int j = j0 + u * kSelectThreads;
+      if (j < n4) {
+        const int i = head + 4 * j;
+        take(i, v[u].x);
+        take(i + 1, v[u].y);
+        take(i + 2, v[u].z);
+        take(i + 3, v[u].w);
+      }
+    }
+  }
+  const int tail = head + 4 * n4 + tid;
+  if (tail < n) take(tail, row[tail]);  // fewer than 4 left
+  return pad;
+}
+
+// Each warp's contiguous stretch of slots, 128 (32 lanes x 4) at a time.
+__device__ __forceinline__ void warp_stretch(const RowLogits& r, int& begin, int& end) {
+  const int per_warp = ((r.slots() + kSelectWarps - 1) / kSelectWarps + 127) & ~127;
+  begin = (threadIdx.x >> 5) * per_warp;
+  end = min(r.slots(), begin + per_warp);
+}
+
+// Hands the row's keys >= t to out(slot, position, key) in position order (slots 0, 1, ...): each warp counts
+// its stretch, then writes from its offset (a prefix over the lanes per 128 slots). `scratch`: kSelectWarps
+// shared ints.
+template <class Out>
+__device__ __forceinline__ void write_selected(const RowLogits& r, u64 t, int* scratch, const Out& out) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int begin, end;
+  warp_stretch(r, begin, end);
+  auto picks = [&](int c0, u32 (&key)[4], bool (&take)[4]) {
+    bool valid[4];
+    r.quad(c0, key, valid);
+    int m = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      take[e] = valid[e] && full_key(key[e], r.lo + c0 + e - r.pad) >= t;
+      m += take[e];
+    }
+    return m;
+  };
+  int count = 0;
+  for (int c0 = begin + 4 * lane; c0 < end; c0 += 128) {
+    u32 key[4];
+    bool take[4];
+    count += picks(c0, key, take);
+  }
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) count += __shfl_xor_sync(0xffffffffu, count, d);
+  if (lane == 0) scratch[warp] = count;
+  __syncthreads();
+  int at = 0;
+  for (int w = 0; w < warp; ++w) at += scratch[w];
+  for (int base = begin; base < end; base += 128) {  // warp-uniform
+    const int c0 = base + 4 * lane;
+    u32 key[4];
+    bool take[4] = {false, false, false, false};
+    const int m = c0 < end ? picks(c0, key, take) : 0;
+    int incl = m;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += v;
+    }
+    int slot = at + incl - m;
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (take[e]) {
+        const int i = c0 + e - r.pad;
+        out(slot++, r.lo + i, full_key(key[e], r.lo + i));
+      }
+    at += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  __syncthreads();  // scratch is reused
+}
+
+// The k greatest keys of a row that sees n > k >= 1 positions [lo, lo + n) (`row`: the logit of position lo), handed
+// to out(slot, position, key) in position order, slots 0 .. k - 1. Every thread of the block calls it. Three passes
+// over the row: the read (first digits counted), the collection of the keys in the k-th key's first-digit bin
+// (radix-selected in shared memory; a bin of more than kListCap keys, ties of a flat row, is selected over the
+// row), the write. `cache`: null, or kSelectCache(n) shared u32; `hist`: kRadixBins shared ints; `scratch`:
+// kSelectWarps + 3 shared ints; `list`: kListCap shared u64 and `list_n` one shared int.
+template <class Out>
+__device__ void select_row(const float* __restrict__ row, int lo, int n, int k, u32* cache, int* hist, int* scratch,
+                           u64* list, int* list_n, const Out& out) {
+  for (int i = threadIdx.x; i < kRadixBins; i += kSelectThreads) hist[i] = 0;
+  if (threadIdx.x == 0) *list_n = 0;
+  __syncthreads();
+  const int pad = load_row(row, n, cache, hist);
+  __syncthreads();
+  const RowLogits r{row, cache, pad, lo, n};
+  const BinFound f = find_bin(hist, k, scratch);
+  const int need = k - f.above;
+  const u64 prefix = static_cast<u64>(f.bin) << (64 - kDigitBits);
+  u64 t = prefix;  // need == f.count: the whole bin
+  if (need != f.count && f.count <= kListCap) {
+    int begin, end;
+    warp_stretch(r, begin, end);
+    for (int c0 = begin + 4 * (threadIdx.x & 31); c0 < end; c0 += 128) {
+      u32 key[4];
+      bool valid[4];
+      r.quad(c0, key, valid);
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (valid[e] && static_cast<int>(key[e] >> (32 - kDigitBits)) == f.bin)
+          list[atomicAdd(list_n, 1)] = full_key(key[e], lo + c0 + e - pad);
+    }
+    __syncthreads();
+    t = radix_threshold(ListKeySource{list, f.count}, kDigitBits, prefix, need, hist, scratch);
+  } else if (need != f.count) {
+    t = radix_threshold(RowKeySource{r}, kDigitBits, prefix, need, hist, scratch);
+  }
+  __syncthreads();
+  write_selected(r, t, scratch, out);
+}
+
+// Shared u32 a row of n visible logits takes in select_row's cache: its slots, rounded up to whole 16-byte quads.
+__host__ __device__ constexpr int kSelectCache(int n) { return (n + 3 + 3) & ~3; }
+
+}  // namespace radix
+}  // namespace dsa
+
+#define DSA_ROW_SPEC_ARGS                                                                                  \
+  const int *__restrict__ lens0, const int *__restrict__ lens1, const int *__restrict__ cu_rows, int mode, \
+      int next_n, int batch, int width
+#define DSA_ROW_SPEC \
+  dsa::radix::RowSpec { lens0, lens1, cu_rows, mode, next_n, batch, width }
+

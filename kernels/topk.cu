@@ -1,0 +1,46 @@
+// The indexer's top-k in SGLang's output form (cupy_dsa.topk): what SGLang's topk_transform_paged kernels compute
+// after the logits, here for the benches' stock step (the stand-in for SGLang's own top-k where it cannot run).
+//
+// Row r sees positions [0, n), n = clamp(lens[r], 0, width). A row with n <= index_topk selects 0 .. n - 1 without
+// reading logits (SGLang's trivial path); any other row its index_topk greatest logits (ties: lower position) by
+// one CTA's radix select (kernels/radix_select.cuh), in position order. Outputs, int32 [rows, index_topk], -1
+// padded: page_indices (SGLang's slot transform, (page_table[r, i >> 6] << 6) | (i & 63)) and, when not null,
+// raw_indices (the positions i). Nothing is read past a row's n logits or its page-table entries of them.
+#include "radix_select.cuh"
+
+// Grid (rows), kSelectThreads threads; dynamic shared memory: CacheEntries u32 (a row that does not fit is read
+// again from L2 by each radix pass).
+template <int CacheEntries>
+__global__ void __launch_bounds__(dsa::radix::kSelectThreads) paged_topk_kernel(
+    const float* __restrict__ logits, long long logits_stride, int width, const int* __restrict__ lens,
+    const int* __restrict__ page_table, long long pt_stride, int index_topk, int* __restrict__ page_indices,
+    int* __restrict__ raw_indices) {
+  using namespace dsa;
+  using namespace dsa::radix;
+  extern __shared__ u32 row_cache[];
+  __shared__ int counts[kRadixBins];
+  __shared__ int scratch[kSelectWarps + 3];
+  __shared__ u64 list[kListCap];
+  __shared__ int list_n;
+  const int r = blockIdx.x;
+  const int n = max(0, min(lens[r], width));
+  const int* __restrict__ pt = page_table + static_cast<i64>(r) * pt_stride;
+  int* __restrict__ out = page_indices + static_cast<i64>(r) * index_topk;
+  int* __restrict__ raw = raw_indices == nullptr ? nullptr : raw_indices + static_cast<i64>(r) * index_topk;
+  auto slot_of = [&](int pos) {
+    return static_cast<int>((static_cast<u32>(pt[pos >> kPageBits]) << kPageBits) |
+                            static_cast<u32>(pos & (kPageSlots - 1)));
+  };
+  if (n <= index_topk) {  // CTA-uniform
+    for (int i = threadIdx.x; i < index_topk; i += kSelectThreads) {
+      out[i] = i < n ? slot_of(i) : -1;
+      if (raw != nullptr) raw[i] = i < n ? i : -1;
+    }
+    return;
+  }
+  select_row(logits + static_cast<i64>(r) * logits_stride, 0, n, index_topk,
+             CacheEntries >= kSelectCache(n) ? row_cache : nullptr, counts, scratch, list, &list_n, [&](int slot, int pos, u64) {
+               out[slot] = slot_of(pos);
+               if (raw != nullptr) raw[slot] = pos;
+             });
+}
