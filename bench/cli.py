@@ -195,7 +195,7 @@ SUITE_OPTION = click.option(
          "query's rounding); diverse: a top-k boundary contested by diverse keys (AR(1) drift, topic clusters, "
          "outlier channels through the norm weight) and realistic queries, every format with its error budget "
          "(missed with only the key rounded, only the query rounded, both). CPU: small sizes; GPU: 16K and 64K keys, "
-         "k 512 and 2048. [needle]")
+         "k 512 and 2048. [default: needle]")
 
 
 _subcommand("bytes", ("bytes",), "Bytes per index token of each layout, per C4 layer and per full token, for "

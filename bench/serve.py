@@ -471,7 +471,7 @@ def measure(case: Case, model: ServeModel, device, dg, seed: int, reps: int, lay
         if (layout in NEEDS_DEEPGEMM and dg is None) or (layouts is not None and layout not in layouts):
             continue
         try:
-            fwd = _forward(case, layout, model, device, _gen(device, seed), dg, topks.stock)
+            fwd = _forward(case, layout, model, device, _gen(device, seed), dg, topk=topks.stock)
             t = time_calls([fwd.run], device, reps=reps)
             row[MS_KEY[layout]] = t.seconds * 1e3
             if layout in WITH_TOPK and (sample is None or layout == "fp8+topk"):  # the stock logits first

@@ -8,6 +8,10 @@
 #   TIMEBOX=1: the subset for a short device lease: the GPU tests, memcheck / racecheck / initcheck over the logits
 #   kernels and the sm_120 emulation, each step under its own timeout (PYTEST_S 270, SANITIZE_S 60 per tool,
 #   EMULATE_S 150 seconds) so a slow step cannot take the others' time; the other parts are left out.
+#   RESCORE_BENCH=1: issue 31's benches alone: SGLang 0.5.23's wheels of .whl_sgl installed (as run_sglang_gpu.sh
+#   does) so that the stock step's top-k is SGLang's own (v2 and v1 JIT-compiled and checked once first), then
+#   `bench serve` at issue 31's shapes (SERVE_ARGS) and the full `bench rescore` (RESCORE_ARGS), each under its own
+#   timeout (TOPK_S 150, SERVE_S 150, RESCORE_S 180 seconds), JSONs in bench/results/ and $OUT; the rest left out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -16,6 +20,9 @@ SANITIZE_PARTS="logits rescore"   # racecheck / initcheck; memcheck runs over ev
 MEMCHECK_PART=""
 if [ -n "${TIMEBOX:-}" ]; then
   SKIP_FUZZ=1 SKIP_SGLANG=1 SKIP_STARTUP=1 SKIP_BENCH=1 SKIP_VARIANTS=1 SANITIZE_PARTS=logits MEMCHECK_PART=logits
+fi
+if [ -n "${RESCORE_BENCH:-}" ]; then
+  SKIP_PYTEST=1 SKIP_FUZZ=1 SKIP_SANITIZE=1 SKIP_SGLANG=1 SKIP_STARTUP=1 SKIP_BENCH=1 SKIP_EMULATE=1 SKIP_VARIANTS=1
 fi
 # run "$@" under `timeout SECONDS` with TIMEBOX, plainly otherwise
 step() { local s=$1; shift; if [ -n "${TIMEBOX:-}" ]; then timeout "$s" "$@"; else "$@"; fi; }
@@ -116,6 +123,35 @@ fi
 if [ -z "${SKIP_BENCH:-}${SKIP_VARIANTS:-}" ]; then
   python3 -m cupy_dsa bench variants --json "$OUT/variants.json" 2>&1 | tee "$OUT/variants.log" | tail -80
 fi
+# Issue 31: the stock step (fp8 logits + the stock top-k) with SGLang's own top-k, in bench serve and bench rescore
+RESCORE_LINE="not run (RESCORE_BENCH unset)"
+if [ -n "${RESCORE_BENCH:-}" ]; then
+  SITE=${SGLANG_SITE:-/tmp/site}
+  if ls .whl_sgl/sglang-0.5.23-*.whl >/dev/null 2>&1 && [ ! -f "$SITE/sglang/version.py" ]; then
+    python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl_sgl/*.whl >"$OUT/sglang_wheels.log" 2>&1 \
+      || tail -3 "$OUT/sglang_wheels.log"
+  fi
+  [ -f "$SITE/sglang/version.py" ] && export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$SITE
+  T1=$(date +%s)
+  # once before the benches: the JIT compile lands in tvm-ffi's cache, which both benches then load
+  timeout ${TOPK_S:-150} python3 -c "
+import time
+from cupy_dsa.bench import peers
+for v in ('v2', 'v1'):
+    t = time.time(); op, why = peers.sglang_topk(v)
+    print(f'SGLang {v} top-k: {why or \"live, selects what the reference does\"} ({time.time() - t:.0f} s)')
+" >"$OUT/sglang_topk.txt" 2>&1
+  T2=$(date +%s)
+  SERVE_ARGS=${SERVE_ARGS:-"--batch 48 --context 24K,96K --next-n 1,3 --chunk 8192 --layouts bf16+topk,fp8,fp8+topk,fp8-rescore,fp8-rescore-dg"}
+  timeout ${SERVE_S:-150} python3 -m cupy_dsa bench serve $SERVE_ARGS --json bench/results/h200-serve-rescore.json \
+      >"$OUT/serve.log" 2>&1; SERVE_RC=$?
+  T3=$(date +%s)
+  timeout ${RESCORE_S:-180} python3 -m cupy_dsa bench rescore ${RESCORE_ARGS:-} --json bench/results/h200-rescore.json \
+      >"$OUT/rescore.log" 2>&1; RESCORE_RC=$?
+  cp bench/results/h200-serve-rescore.json bench/results/h200-rescore.json "$OUT/" 2>/dev/null
+  RESCORE_LINE="SGLang top-k $((T2 - T1)) s; bench serve rc=$SERVE_RC ($((T3 - T2)) s), bench rescore rc=$RESCORE_RC \
+($(($(date +%s) - T3)) s) (124: timed out; logs serve.log, rescore.log)"
+fi
 echo "================ SUMMARY ($(($(date +%s) - T0)) s) ================"
 echo "device: $(cat "$OUT/device.txt")"
 echo "commit: ${CUPY_DSA_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}"
@@ -128,4 +164,13 @@ echo "SGLang path: $SGL_LINE"
 [ -f "$OUT/timing_method.txt" ] && grep "timing method" "$OUT/timing_method.txt"
 [ -f "$OUT/headline.md" ] && cat "$OUT/headline.md"
 [ -f "$OUT/emulate-sm120.md" ] && cat "$OUT/emulate-sm120.md"
+echo "issue-31 benches: $RESCORE_LINE"
+if [ -n "${RESCORE_BENCH:-}" ]; then
+  cat "$OUT/sglang_topk.txt" | tail -3
+  grep -hiE "stock top-k|Traceback|Error" "$OUT/serve.log" "$OUT/rescore.log" | cut -c1-300 | head -8
+  [ -f "$OUT/h200-serve-rescore.json" ] && python3 -m cupy_dsa bench report "$OUT/h200-serve-rescore.json" 2>/dev/null \
+      | sed -n '/^fp8-rescore, /,$p' | grep -v "^$" | cut -c1-400
+  [ -f "$OUT/h200-rescore.json" ] && python3 -m cupy_dsa bench report "$OUT/h200-rescore.json" 2>/dev/null \
+      | grep -E "^\| (case|decode|verify|extend|prefill)|Stock top-k|Not run" | cut -c1-400
+fi
 exit 0

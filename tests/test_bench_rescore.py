@@ -7,7 +7,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from cupy_dsa.bench import readme, serve
+from cupy_dsa.bench import peers, readme, serve
 from cupy_dsa.bench import rescore as rb
 from cupy_dsa.bench.cli import main
 
@@ -342,7 +342,7 @@ def test_serve_topk_forwards_select_what_the_reference_does(monkeypatch):
     for case in serve.cases(2, (256,), (1, 3), (8, 32)):
         for layout in serve.WITH_TOPK:
             picked.clear()
-            fwd = serve._forward(case, layout, model, CPU, torch.Generator().manual_seed(0), FakeDeepGEMM(), spy)
+            fwd = serve._forward(case, layout, model, CPU, torch.Generator().manual_seed(0), FakeDeepGEMM(), topk=spy)
             fwd.run()
             assert len(picked) == model.n_c4
             logits, lens, table, sel = picked[0]

@@ -517,6 +517,16 @@ def test_mode_records():
     assert [core.record(m).bytes_per_entry for m in core.MODES] == [132, 256, 256, 256, 132, 264]
 
 
+def test_mode_table_is_rendered_from_the_records():
+    table = core.mode_table().splitlines()
+    assert len(table) == 2 + len(core.MODES)
+    assert table[3] == ("| `bf16` | bf16 C4 index keys | 256 | exact | `fp8` by default, or `bf16` | one-pass |")
+    assert table[5] == ("| `bf16-reference` | bf16 C4 index keys holding FP4-rounded values, DeepSeek-V4's reference "
+                        "query | 256 | fp4sim | `fp4sim` (fixed) | one-pass |")
+    assert table[7].startswith("| `fp8-rescore` | two-level") and "| 264 | exact | `bf16` by default, or `fp8` |" \
+        in table[7]
+
+
 def test_query_setting(monkeypatch):
     """SGLANG_CUPY_DSA_INDEX_Q: fp8 or bf16 (any case), for bf16, bf16-fp4sim, fp8-cupy and fp8-rescore (its stage 2);
     unset: the mode's default; refused by name with fp8 (the switch off) and bf16-reference (its query is fixed), and

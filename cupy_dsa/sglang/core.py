@@ -140,6 +140,17 @@ def _parse_choice(value, choices, default, name: str, meaning: str):
     return v
 
 
+def mode_table() -> str:
+    """The modes as a markdown table, rendered from their records (what the README's mode table states)."""
+    lines = [f"| `{ENV_NAME}` | index keys | bytes per entry | key numerics | query (`{QUERY_ENV}`) | scoring |",
+             "|---|---|---|---|---|---|"]
+    for m in _MODE_LIST:
+        query = (f"`{m.query}` by default, or `{'` / `'.join(c for c in QUERY_CHOICES if c != m.query)}`"
+                 if m.query_settable else f"`{m.query}` (fixed)")
+        lines.append(f"| `{m.name}` | {m.keys} | {m.bytes_per_entry} | {m.key_numerics} | {query} | {m.scoring} |")
+    return "\n".join(lines)
+
+
 def parse_mode(value) -> str:
     """Normalise a switch value (case-insensitive); raise ValueError naming the accepted values."""
     return _parse_choice(value, MODES, DEFAULT_MODE, ENV_NAME, "; ".join(f"{m.name}: {m.keys}" for m in _MODE_LIST))
