@@ -467,7 +467,7 @@ def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, queries, memory_
               help="run ARCH's product configs (and their variants) on this GPU held to ARCH's CTAs per SM "
                    "(padded shared memory), against this GPU's natural residency and its own product configs.")
 @click.option("--op", "ops", multiple=True, type=click.Choice(["decode", "verify", "prefill", "extend"]),
-              help="--emulate: only these cases (repeatable). [all four]")
+              help="--emulate: only these cases (repeatable). [default: all four]")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
               callback=_writable_output, help="write the rows as JSON.")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
