@@ -466,11 +466,13 @@ def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, queries, memory_
               type=click.Choice(["sm_120"]),   # the archs every arch declares the product configs of
               help="run ARCH's product configs (and their variants) on this GPU held to ARCH's CTAs per SM "
                    "(padded shared memory), against this GPU's natural residency and its own product configs.")
+@click.option("--op", "ops", multiple=True, type=click.Choice(["decode", "verify", "prefill", "extend"]),
+              help="--emulate: only these cases (repeatable). [default: all four]")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
               callback=_writable_output, help="write the rows as JSON.")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
               default=None, callback=_writable_output, help="--emulate: write the table as markdown (- = stdout).")
-def variants_cmd(device, quick, seed, emulate_arch, json_path, markdown_path):
+def variants_cmd(device, quick, seed, emulate_arch, ops, json_path, markdown_path):
     """Time every declared config (product and experimental) of the decode and prefill logits on this GPU,
     on the same inputs; the product config of each case first (experimental configs run only here and in
     the tests). With --emulate ARCH: ARCH's product configs under ARCH's residency. Needs a CUDA GPU."""
@@ -480,10 +482,15 @@ def variants_cmd(device, quick, seed, emulate_arch, json_path, markdown_path):
 
     if markdown_path and not emulate_arch:
         raise click.BadParameter("the markdown table is written for --emulate runs", param_hint="--markdown")
+    if ops and not emulate_arch:
+        raise click.BadParameter("cases are picked for --emulate runs", param_hint="--op")
     dev, _ = _resolve_device("cuda", device, has_backend_option=False)
     if emulate_arch:
-        rows, ceilings = variants.emulate_rows(dev, emulate_arch, quick, seed)
-        doc = variants.emulate_document(_device_name(dev), emulate_arch, quick, seed, rows, ceilings)
+        err = _console(stderr=True)
+        rows, ceilings = variants.emulate_rows(
+            dev, emulate_arch, quick, seed, ops=ops,
+            progress=lambda r: err.print(f"[dim]{r['op']} {r['case']}: {r['config']}: {r['us_full']:.1f} us[/]"))
+        doc = variants.emulate_document(_device_name(dev), emulate_arch, quick, seed, rows, ceilings, ops)
         md = variants.emulate_markdown(doc)
         click.echo(md)
         if json_path:
@@ -491,18 +498,23 @@ def variants_cmd(device, quick, seed, emulate_arch, json_path, markdown_path):
         if markdown_path:
             click.echo(md, file=click.open_file(markdown_path, "w"))
         return
-    rows = variants.decode_rows(dev, quick, seed) + variants.prefill_rows(dev, quick, seed)
+    from .timing import mma_rates
+
+    ceilings = {"mma_sync": mma_rates(dev, quick)}
+    rows = variants.decode_rows(dev, quick, seed) + variants.prefill_rows(dev, quick, seed, ceilings)
     table = Table(title=f"variants on {_device_name(dev)}")
     for col in ("op", "case", "config", "us", "vs product"):
         table.add_column(col)
     for r in rows:
         case = (f"{r['layout']} B={r['B']} ctx={r['ctx']} next_n={r['next_n']}" if r["op"] == "decode"
-                else f"q={r['q']} T={r['T']} S={r['S']} ({r['tflops']:.0f} TFLOP/s)")
+                else f"q={r['q']} T={r['T']} S={r['S']} ({r['tflops']:.0f} TFLOP/s"
+                + (f", {r['pct_mma']:.0f}% of the mma.sync ceiling at {r['mma_ceiling_warps']} warps/SM"
+                   if r.get("pct_mma") is not None else "") + ")")
         table.add_row(r["op"], case, ("* " if r["product"] else "  ") + r["config"], f"{r['us']:.1f}",
                       f"{r['vs_product']:.3f}")
     report.print_fitted(_console(), table, keys=2)
     if json_path:
-        _write_text(json_path, json.dumps({"device": _device_name(dev), "rows": rows}, indent=1))
+        _write_text(json_path, json.dumps({"device": _device_name(dev), "ceilings": ceilings, "rows": rows}, indent=1))
 
 
 @bench.command(name="rescore")

@@ -119,13 +119,20 @@ def ceilings_table(doc) -> Table:
         t.add_row("ratios to ceilings are GPU figures; see the note below")
         return t
     t = Table(title=f"Ceilings measured in this run ({doc['device']}, backend {doc['backend']})")
-    for col in ("d2d copy (read+write)", "read-only stream", "bf16 matmul", "L2"):
+    mma = c.get("mma_sync") or {}
+    for col in ("d2d copy (read+write)", "read-only stream", "bf16 matmul", "L2") + (
+            ("mma.sync bf16 / e4m3 (TFLOP/s at 4/8/16 warps per SM)",) if mma.get("bf16") else ()):
         t.add_column(col, justify="right")
+
+    def rates(r):
+        return "/".join(f"{r[w]:.0f}" for w in sorted(r, key=int)) if r else "not native"
+
     t.add_row(
         f"{_f(c.get('copy_gbps'), '{:.0f}')} GB/s" + (f" ({c['copy_bytes'] / 2**20:.0f} MiB)" if c.get("copy_bytes") else ""),
         f"{_f(c.get('read_gbps'), '{:.0f}')} GB/s",
         f"{_f(c.get('matmul_tflops'), '{:.3g}')} TFLOP/s" + (f" ({c['matmul_n']}^3)" if c.get("matmul_n") else ""),
-        "—" if not c.get("l2_bytes") else f"{c['l2_bytes'] / 2**20:.0f} MiB")
+        "—" if not c.get("l2_bytes") else f"{c['l2_bytes'] / 2**20:.0f} MiB",
+        *((f"{rates(mma['bf16'])} / {rates(mma.get('e4m3'))}",) if mma.get("bf16") else ()))
     return t
 
 

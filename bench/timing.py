@@ -1,5 +1,6 @@
 """Timing and ceilings: CUDA-graph replay timed with CUDA events, peak-memory deltas, and the copy /
-matmul / read-only ceilings every ratio in the bench is measured against (in the same process)."""
+matmul / read-only / register-operand mma.sync ceilings every ratio in the bench is measured against (in the
+same process)."""
 
 from __future__ import annotations
 
@@ -235,8 +236,132 @@ def read_bandwidth(device: torch.device, nbytes: int, reps: int = 20) -> float |
         return None
 
 
+# The register-operand mma.sync ceilings: what the mma.sync family (every arch's kernels but sm_90's wgmma ones,
+# and all of sm_120's) can reach with no memory traffic at all. One CTA of W warps per SM (W = the residency
+# asked), each warp running kMmaChains independent accumulator chains of one mma shape on operands that stay in
+# registers; the operands are non-zero normal values (zeros can run faster than data). Template Fp8: 0 = bf16
+# m16n8k16, 1 = e4m3 m16n8k32 (valid PTX from sm_89; measured only where it is native, see MMA_E4M3_NATIVE).
+MMA_CHAINS = 8
+MMA_WARPS_PER_SM = (4, 8, 16)           # residencies measured: 8 is sm_120's for the logits' product configs
+MMA_FLOPS = {0: 2 * 16 * 8 * 16, 1: 2 * 16 * 8 * 32}   # per mma instruction: bf16 m16n8k16, e4m3 m16n8k32
+MMA_CEILING_SRC = r"""
+template <int Fp8>
+__global__ void mma_ceiling(int iters, float* __restrict__ sink) {
+  constexpr int kChains = %(chains)d;
+  const unsigned lane = threadIdx.x & 31u;
+  // bf16: 1.0 .. 1.05 in both halves; e4m3: 1.0 .. 1.375 in every byte (normal values, never zero)
+  const unsigned a = Fp8 ? 0x38383838u + 0x01010101u * (lane & 3u) : 0x3f803f80u + 0x00010001u * (lane & 7u);
+  const unsigned b = Fp8 ? 0x39393939u - 0x01010101u * (lane >> 3) : 0x3f813f81u + 0x00010001u * (lane >> 2);
+  float d[kChains][4];
+#pragma unroll
+  for (int c = 0; c < kChains; ++c)  // distinct chains: ptxas may not merge them (it would where they are equal)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) d[c][e] = 0.25f * (4 * c + e + 1);
+  for (int i = 0; i < iters; ++i) {
+#pragma unroll
+    for (int c = 0; c < kChains; ++c) {
+      if (Fp8) {
+#if __CUDA_ARCH__ >= 890
+        asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%%0,%%1,%%2,%%3}, {%%4,%%5,%%6,%%7}, "
+                     "{%%8,%%9}, {%%0,%%1,%%2,%%3};\n"
+                     : "+f"(d[c][0]), "+f"(d[c][1]), "+f"(d[c][2]), "+f"(d[c][3])
+                     : "r"(a), "r"(a ^ 0x01000100u), "r"(a), "r"(a), "r"(b), "r"(b));
+#endif
+      } else {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%%0,%%1,%%2,%%3}, {%%4,%%5,%%6,%%7}, "
+                     "{%%8,%%9}, {%%0,%%1,%%2,%%3};\n"
+                     : "+f"(d[c][0]), "+f"(d[c][1]), "+f"(d[c][2]), "+f"(d[c][3])
+                     : "r"(a), "r"(a ^ 0x00010001u), "r"(a), "r"(a), "r"(b), "r"(b));
+      }
+    }
+  }
+  float s = 0.0f;
+#pragma unroll
+  for (int c = 0; c < kChains; ++c) s += d[c][0] + d[c][1] + d[c][2] + d[c][3];
+  if (s == 1234.5f) sink[0] = s;  // keeps the chains alive; practically never taken
+}
+""" % {"chains": MMA_CHAINS}
+
+
+# Archs that run the e4m3 mma natively (SASS QMMA). On sm_90 / sm_100 ptxas emulates it with f16 HMMAs, and on
+# this loop it computes the loop-invariant products once and turns each mma into FADDs (CUDA 13, read in the SASS):
+# a "ceiling" measured there would count flops that never ran, so none is measured.
+MMA_E4M3_NATIVE = ("sm_89", "sm_120", "sm_121")
+
+
+def mma_ceiling_expressions(arch: str) -> list[str]:
+    """The instantiations of ``MMA_CEILING_SRC`` measured on ``arch``: bf16 everywhere, e4m3 where native."""
+    return ["mma_ceiling<0>"] + (["mma_ceiling<1>"] if arch in MMA_E4M3_NATIVE else [])
+
+
+def mma_rates(device: torch.device, quick: bool = False, reps: int = 10) -> dict | None:
+    """Register-operand mma.sync ceilings measured now on ``device``: ``{"bf16": {warps per SM: TFLOP/s},
+    "e4m3": {...} or None}`` at the residencies of ``MMA_WARPS_PER_SM`` (one CTA per SM); None without a GPU
+    or CuPy."""
+    if device.type != "cuda":
+        return None
+    try:
+        import cupy as cp
+        import numpy as np
+
+        from cupy_dsa import runtime
+
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        exprs = mma_ceiling_expressions(runtime.device_arch(idx))
+        with cp.cuda.Device(idx):
+            mod = cp.RawModule(code=MMA_CEILING_SRC, options=("-std=c++17",), name_expressions=exprs)
+            fns = {e: mod.get_function(e) for e in exprs}
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        sink = torch.zeros(1, dtype=torch.float32, device=device)
+        iters = 1024 if quick else 4096
+
+        class _Ref:
+            def __init__(self, ptr):
+                self.ptr = ptr
+
+            def __cuda_stream__(self):
+                return (0, self.ptr)
+
+        arch = runtime.device_arch(idx)
+        out = {"bf16": None, "e4m3": None, "chains": MMA_CHAINS, "iters": iters, "arch": arch}
+        if arch not in MMA_E4M3_NATIVE:
+            out["e4m3_note"] = f"e4m3 mma.sync is not native on {arch} (ptxas emulates it): not measured"
+        for fp8, name in ((0, "bf16"), (1, "e4m3")):
+            expr = f"mma_ceiling<{fp8}>"
+            if expr not in fns:
+                continue
+            rates = {}
+            for warps in MMA_WARPS_PER_SM:
+                def call(fn=fns[expr], warps=warps):
+                    stream = cp.cuda.Stream.from_external(_Ref(torch.cuda.current_stream(device).cuda_stream))
+                    with cp.cuda.Device(idx):
+                        fn((sms,), (32 * warps,), (np.int32(iters), np.uint64(sink.data_ptr())), stream=stream)
+
+                t = time_calls([call], device, reps=reps, use_graph=False)
+                rates[str(warps)] = sms * warps * iters * MMA_CHAINS * MMA_FLOPS[fp8] / t.seconds / 1e12
+            out[name] = rates
+        return out
+    except Exception:
+        return None
+
+
+def mma_ceiling_at(ceilings: dict, warps_per_sm: int | None, kind: str = "bf16") -> tuple[float, int] | None:
+    """(TFLOP/s, the residency it was measured at) of the register-operand mma.sync ceiling that applies to a
+    kernel running ``warps_per_sm`` warps per SM: the measured residency closest to it from below (the
+    lowest one for fewer warps). None when ``ceilings`` has no mma.sync measurement (CPU, an older results
+    file)."""
+    rates = ((ceilings or {}).get("mma_sync") or {}).get(kind)
+    if not rates or not warps_per_sm:
+        return None
+    measured = sorted(int(w) for w in rates)
+    below = [w for w in measured if w <= warps_per_sm]
+    w = below[-1] if below else measured[0]
+    return rates[str(w)], w
+
+
 def measure_ceilings(device: torch.device, quick: bool) -> dict:
-    """Copy bandwidth, bf16 matmul rate and (GPU) read-only bandwidth, measured now on ``device``."""
+    """Copy bandwidth, bf16 matmul rate and (GPU) read-only bandwidth and register-operand mma.sync ceilings,
+    measured now on ``device``."""
     if device.type == "cuda":
         copy_n = 2**28 if quick else 2**30
         mm_n = 4096 if quick else 8192
@@ -254,4 +379,5 @@ def measure_ceilings(device: torch.device, quick: bool) -> dict:
     if device.type == "cuda":
         r = read_bandwidth(device, 2 * copy_n)
         out["read_gbps"] = r / 1e9 if r else None
+    out["mma_sync"] = mma_rates(device, quick)
     return out

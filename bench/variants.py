@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from cupy_dsa import arch as arch_limits
-from cupy_dsa import launch, layouts, logits, runtime
+from cupy_dsa import heuristics, launch, layouts, logits, runtime
 
 HEADS, DIM = layouts.N_HEADS, layouts.HEAD_DIM
 DECODE_CASES = [(1, 8192, 1), (64, 32768, 1), (128, 16384, 1), (4, 262144, 1), (64, 32768, 2), (64, 32768, 4)]
@@ -30,7 +30,9 @@ def _rows_for(family: launch.Family, problem, arch, run, device, reps, base: dic
         with family.forced(cfg, arch):
             us = _time_us(run, device, reps)
         product_us = us if product_us is None else product_us
-        rows.append(dict(base, config=str(cfg), product=not rows, us=us, vs_product=us / product_us))
+        rows.append(dict(base, config=str(cfg), product=not rows, us=us, vs_product=us / product_us,
+                         warps_per_sm=cfg.resident_ctas_per_sm(device.index) * cfg.block[0] // 32,
+                         mma_sync=cfg.kernel not in (logits.SM90_DECODE_KERNEL, logits.SM90_PREFILL_KERNEL)))
     return rows
 
 
@@ -55,7 +57,11 @@ def decode_rows(device, quick: bool, seed: int) -> list[dict]:
     return rows
 
 
-def prefill_rows(device, quick: bool, seed: int) -> list[dict]:
+def prefill_rows(device, quick: bool, seed: int, ceilings: dict | None = None) -> list[dict]:
+    """Every declared prefill config on one causal case; each mma.sync config's rate as % of the register-operand
+    mma.sync ceiling (``ceilings["mma_sync"]``, measured in the same process) at the warps per SM it ran at."""
+    from .timing import mma_ceiling_at
+
     g = torch.Generator(device=device).manual_seed(seed)
     arch = runtime.device_arch(device.index)
     T, S = (2048, 16384) if quick else (4096, 65536)
@@ -73,7 +79,10 @@ def prefill_rows(device, quick: bool, seed: int) -> list[dict]:
                              lambda: logits.mqa_logits(q, kv, w, ks, ke, clean_logits=False, out=out), device,
                              10 if quick else 30, dict(op="prefill", layout="contiguous", q="fp8" if q_fp8 else "bf16",
                                                        T=T, S=S)):
-            rows.append(dict(row, tflops=flops / row["us"] / 1e6))
+            tflops = flops / row["us"] / 1e6
+            mma = mma_ceiling_at(ceilings, row["warps_per_sm"]) if row["mma_sync"] else None
+            rows.append(dict(row, tflops=tflops, pct_mma=100 * tflops / mma[0] if mma else None,
+                             mma_ceiling_warps=mma[1] if mma else None))
     return rows
 
 
@@ -202,11 +211,24 @@ def emulate_cases(quick: bool, seed: int) -> list[tuple]:
     return cases
 
 
-def emulate_rows(device, target: str, quick: bool, seed: int, progress=None) -> tuple[list[dict], dict]:
-    """Per case: the target arch's product config at this GPU's natural residency and at the target's (padded
-    shared memory), its 4-warp variant likewise (the sizing before the target had its own), the variants with
-    more live accumulator chains, and this GPU's own product config for reference. Returns (rows, ceilings)."""
-    from .timing import measure_ceilings, time_calls
+def _mma_shares(mma, flops: float, read_s: float, seconds: float) -> dict:
+    """A row's share of the register-operand mma.sync ceiling measured at its residency (``mma``: (TFLOP/s,
+    warps per SM it was measured at), or None): the flop rate over the ceiling, and max(read time, flops at the
+    ceiling) over the time (the roofline of the mma.sync family)."""
+    if mma is None:
+        return dict(mma_ceiling_tflops=None, mma_ceiling_warps=None, pct_mma=None, pct_mma_roofline=None)
+    tflops, warps = mma
+    return dict(mma_ceiling_tflops=tflops, mma_ceiling_warps=warps, pct_mma=100 * flops / seconds / 1e12 / tflops,
+                pct_mma_roofline=100 * max(read_s, flops / (tflops * 1e12)) / seconds)
+
+
+def emulate_rows(device, target: str, quick: bool, seed: int, progress=None, ops=None) -> tuple[list[dict], dict]:
+    """Per case (of the ops ``ops``, default all): the target arch's product config at this GPU's natural
+    residency and at the target's (padded shared memory), its 4-warp variant likewise (the sizing before the
+    target had its own), the variants with more live accumulator chains (q-in-registers prefill: its ring
+    depths and n-tiles per pass, and the 4-row-tile config it replaced), and this GPU's own product config for
+    reference. Returns (rows, ceilings)."""
+    from .timing import measure_ceilings, mma_ceiling_at, time_calls
 
     arch = runtime.device_arch(device.index)
     ceilings = measure_ceilings(device, quick)
@@ -215,12 +237,19 @@ def emulate_rows(device, target: str, quick: bool, seed: int, progress=None) -> 
     reps = 10 if quick else 20
     rows = []
     for op, name, family, problem, build in emulate_cases(quick, seed):
+        if ops and op not in ops:
+            continue
         g = torch.Generator(device=device).manual_seed(seed)
         call, key_bytes, flops = build(device, g)
         read_s, mm_s = key_bytes / read_bps, flops / mm_flops
         product = family.select(problem, target)
         variants = [product]
-        if product.kernel is logits.DECODE_KERNEL or product.kernel is logits.PREFILL_KERNEL:
+        previous = None
+        if product.kernel is logits.QREG_PREFILL_KERNEL:
+            previous = heuristics.previous_small_smem_prefill(problem, target)
+            variants += [c for c in family.candidates(problem, arch) if c.kernel is product.kernel]
+            variants += [product.replace(keys_per_item=8192), previous]   # longer items: fewer q loads
+        elif product.kernel is logits.DECODE_KERNEL or product.kernel is logits.PREFILL_KERNEL:
             variants += [c for c in family.candidates(problem, arch)
                          if c.kernel is product.kernel and c.Rows == product.Rows and (c.Prefetch == 0 or c.Warps == 8)
                          and c.Mma8 == 0 and c.L2Hint == product.L2Hint and c.values.get("keys_per_cta", 4096) == 4096
@@ -233,15 +262,20 @@ def emulate_rows(device, target: str, quick: bool, seed: int, progress=None) -> 
             want, padded, held = padded_for(cfg, target, resources, device.index)
             with family.forced(cfg, arch):
                 full = time_calls([call], device, reps=reps).seconds
-            with family.forced(padded, arch):
-                emul = time_calls([call], device, reps=reps).seconds
+            emul = full
+            if padded != cfg:                     # this GPU holds more CTAs per SM than the target
+                with family.forced(padded, arch):
+                    emul = time_calls([call], device, reps=reps).seconds
+            mma = mma_ceiling_at(ceilings, want.warps)   # the mma.sync ceiling at the target's residency
             rows.append(dict(op=op, case=name, target=target, config=str(cfg), product=cfg == product,
-                             warps=cfg.Warps, mt=cfg.MT, prefetch=cfg.Prefetch, target_ctas=want.ctas, target_warps=want.warps,
+                             previous=cfg == previous, warps=cfg.block[0] // 32, mt=cfg.values.get("MT"),
+                             prefetch=cfg.values.get("Prefetch", 0), target_ctas=want.ctas, target_warps=want.warps,
                              target_binding=want.binding, held_ctas=held, natural_ctas=cfg.resident_ctas_per_sm(device.index),
                              smem_pad=padded.smem_pad, us_full=full * 1e6, us_emulated=emul * 1e6,
                              emulated_vs_full=emul / full, pct_roofline=100 * max(read_s, mm_s) / emul,
                              bound="read" if read_s >= mm_s else "matmul",
-                             tflops_emulated=flops / emul / 1e12, key_bytes=key_bytes, flops=flops))
+                             tflops_emulated=flops / emul / 1e12, key_bytes=key_bytes, flops=flops,
+                             **_mma_shares(mma, flops, read_s, emul)))
             if progress:
                 progress(rows[-1])
         own = family.select(problem, arch)
@@ -263,16 +297,21 @@ def emulate_rows(device, target: str, quick: bool, seed: int, progress=None) -> 
 EMULATE_SCHEMA = "cupy-dsa-emulate/1"
 
 
-def emulate_document(device_name: str, target: str, quick: bool, seed: int, rows: list, ceilings: dict) -> dict:
+def emulate_document(device_name: str, target: str, quick: bool, seed: int, rows: list, ceilings: dict,
+                     ops=None) -> dict:
     from .provenance import provenance
 
     return {"schema": EMULATE_SCHEMA, **provenance(), "device": device_name, "target": target, "quick": quick,
-            "seed": seed, "ceilings": ceilings, "rows": rows}
+            "seed": seed, "ops": list(ops) if ops else None, "ceilings": ceilings, "rows": rows}
 
 
 def _case_config(r) -> str:
     if not r["warps"]:
         return r["config"].split("<")[0]
+    if r["config"].startswith("mqa_logits_qreg_kernel"):
+        _, _, stages, nt = (v.strip() for v in r["config"].split("<")[1].split(">")[0].split(","))
+        extra = " ".join(x for x in r["config"].split(">", 1)[1].split() if x)
+        return f"q in registers, {r['warps']} rows x 1 warp, {stages} stages, NT {nt}" + (f", {extra}" if extra else "")
     extra = " ".join(x for x in r["config"].split(">", 1)[1].split() if x)
     prefetch = ", prefetch" if r.get("prefetch") else ""
     min_blocks = r["config"].split(">", 1)[0].split(",")[-1].strip()   # the last template parameter
@@ -285,12 +324,14 @@ def emulate_markdown(doc: dict) -> str:
     their ratio, % of the roofline (max of the read-stream and bf16-matmul times measured in the same run) at
     the target's residency, and the ratio to this GPU's own product config."""
     target, dev = doc["target"], doc["device"]
+    has_mma = any(r.get("pct_mma") is not None for r in doc["rows"])   # results from before the mma.sync ceiling
     lines = [f"Emulated on {dev}: {target}'s product configs (marked *) and variants, instantiated for this GPU, "
              f"held to {target}'s CTAs per SM by padded shared memory (commit {doc.get('git_commit') or 'unknown'}).",
              "",
              f"| op | case | config | {target} residency | us, this GPU's residency | us, {target}'s | ratio | "
-             f"% roofline at {target}'s | vs this GPU's product |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"% roofline at {target}'s | " + ("% mma.sync ceiling (TFLOP/s; max(read, mma.sync)) | " if has_mma else "")
+             + "vs this GPU's product |",
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if has_mma else "")]
     own = {(r["op"], r["case"]): r for r in doc["rows"] if r["target"] != target}
     seen = set()
     for r in doc["rows"]:
@@ -302,12 +343,32 @@ def emulate_markdown(doc: dict) -> str:
         res = f"{r['target_ctas']} x {r['target_warps'] // max(r['target_ctas'], 1)} warps ({r['target_binding']})"
         lines.append(f"| {r['op']} | {r['case']} | {'* ' if r['product'] else ''}{_case_config(r)} | {res} | "
                      f"{r['us_full']:.1f} | {r['us_emulated']:.1f} | {r['emulated_vs_full']:.2f} | "
-                     f"{r['pct_roofline']:.0f}% ({r['bound']}) | {vs} |")
+                     f"{r['pct_roofline']:.0f}% ({r['bound']}) | " + (_mma_cell(r) if has_mma else "") + f"{vs} |")
     lines += ["", "This GPU's own product configs on the same inputs: " + "; ".join(
         f"{r['op']} {r['case']}: {r['us_full']:.1f} us ({r['pct_roofline']:.0f}% of the roofline, "
         f"{_case_config(r)})" for r in own.values()) + "."]
+    if has_mma:
+        lines += ["", _mma_ceiling_note(doc.get("ceilings") or {})]
     summary = _emulate_summary([r for r in doc["rows"] if r["target"] == target], target)
     return "\n".join(lines + ([""] + [summary] if summary else []))
+
+
+def _mma_cell(r) -> str:
+    if r.get("pct_mma") is None:
+        return "- | "
+    return (f"{r['pct_mma']:.0f}% of {r['mma_ceiling_tflops']:.0f} at {r['mma_ceiling_warps']} warps/SM; "
+            f"{r['pct_mma_roofline']:.0f}% | ")
+
+
+def _mma_ceiling_note(ceilings: dict) -> str:
+    m = ceilings.get("mma_sync") or {}
+    parts = [f"{name} " + ", ".join(f"{v:.0f} at {w}" for w, v in sorted(rates.items(), key=lambda x: int(x[0])))
+             for name, rates in (("bf16 m16n8k16", m.get("bf16")), ("e4m3 m16n8k32", m.get("e4m3"))) if rates]
+    text = ("Register-operand mma.sync ceilings measured in the same run (TFLOP/s at warps per SM, one CTA per SM, "
+            f"{m.get('chains', '?')} accumulator chains per warp): " + "; ".join(parts) + ".")
+    if m.get("e4m3_note"):
+        text += f" {m['e4m3_note'][0].upper()}{m['e4m3_note'][1:]}."
+    return text
 
 
 def _emulate_summary(rows: list[dict], target: str) -> str:
@@ -329,7 +390,19 @@ def _emulate_summary(rows: list[dict], target: str) -> str:
             text += (f" (4 warps: {prefill4['tflops_emulated']:.0f}; 4 warps at this GPU's residency: "
                      f"{prefill4['flops'] / prefill4['us_full'] / 1e6:.0f})")
         text += "."
+    if prefill and prefill.get("pct_mma") is not None:
+        text += (f" Prefill at {prefill['pct_mma']:.0f}% of the bf16 mma.sync ceiling at {prefill['mma_ceiling_warps']} "
+                 f"warps/SM")
+        before = next((r for r in rows if r.get("previous") and r["op"] == "prefill"), None)
+        if before and before.get("pct_mma") is not None:
+            text += (f" (the 4-row-tile config it replaced: {before['tflops_emulated']:.0f} TFLOP/s, "
+                     f"{before['pct_mma']:.0f}%)")
+        text += "."
     verify = [r["pct_roofline"] for r in products if r["op"] == "verify"]
     if verify:
-        text += f" Grouped verify: {span(verify, '{:.0f}')}% of max(read, matmul) time."
+        text += f" Grouped verify: {span(verify, '{:.0f}')}% of max(read, matmul) time"
+        verify_mma = [r["pct_mma_roofline"] for r in products if r["op"] == "verify" and r.get("pct_mma_roofline")]
+        if verify_mma:
+            text += f", {span(verify_mma, '{:.0f}')}% of max(read, mma.sync ceiling)"
+        text += "."
     return text

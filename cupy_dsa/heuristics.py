@@ -291,17 +291,61 @@ def _prefill(layout: str, q_fp8: int, arch: str, *, rows: int = 4, prefetch: int
                                  MinBlocks=min_blocks, keys_per_cta=keys_per_cta)
 
 
+# Prefill with q held in registers (mqa_logits_qreg_kernel): one warp per query row, 8 rows per CTA sharing a
+# Stages-deep cp.async ring of 64-key chunks read with ldmatrix, persistent CTAs (one wave) walking work items of
+# keys_per_item keys. (Stages, NT): ring depth; n-tiles per pass over the k-steps (NT 4: the 64 accumulators of
+# a 32-key tile live; NT 2: two 16-key passes, each reading its B fragments once for all 4 head m-tiles). bf16
+# keys, one request (varlen keeps the 4-row tiles). H200 at sm_120's residency (1 x 8 warps), 4K x 64K causal,
+# fp8 q, two runs on 2026-12-04 (TFLOP/s; % of the bf16 mma.sync ceiling measured in the same run, 626 at 8
+# warps/SM both times): (4, 2) 386 / 395 (62 / 63%); (4, 4) 388 / 397; (3, 2) 402 / 394; (6, 2) 392; (4, 2) with
+# 8192 keys per item 389 / 400; the 4-row-tile config it replaced 364 / 360 (58%); the H200's own wgmma product
+# 561 / 572. Slower (second run): both halves of a chunk in one branch-free block 368, an mbarrier ring letting
+# the warps drift 376-379, both 345 (see the kernel).
+QREG_PREFILL_ROWS = 8
+_QREG_CONFIG = {"contiguous": (4, 2), "bf16": (4, 2)}   # layout -> (Stages, NT)
+_QREG_EXPERIMENTAL = ((3, 2), (4, 4), (6, 2))
+_QREG_CHUNK_BYTES = 64 * HEAD_DIM * 2                  # dsa::logits::kChunkBytes: one ring stage
+
+
+def _qreg_smem(cfg) -> int:
+    """dsa::logits::kQregSmemBytes<Stages> plus the bench's smem_pad."""
+    return cfg.Stages * _QREG_CHUNK_BYTES + cfg.smem_pad
+
+
+QREG_PREFILL_KERNEL = launch.Kernel(
+    _SRC, "mqa_logits_qreg_kernel", params=("QFp8", "Paged", "Stages", "NT"),
+    host={"keys_per_item": 4096, "smem_pad": 0},   # keys of one work item (a multiple of 64)
+    args=_ROW_TILE_ARGS + (("tiles", I32), ("chunks_per_item", I32)),
+    threads=lambda cfg: 32 * QREG_PREFILL_ROWS, smem=_qreg_smem, smem_check="dsa::logits::kQregSmemBytes<{Stages}>")
+
+
+def _qreg_prefill(layout: str, q_fp8: int, config=None):
+    stages, nt = config or _QREG_CONFIG[layout]
+    return QREG_PREFILL_KERNEL.config(QFp8=q_fp8, Paged=int(layout != "contiguous"), Stages=stages, NT=nt)
+
+
 def _select_prefill(problem, arch):
-    layout, q_fp8, _varlen = problem
+    layout, q_fp8, varlen = problem
     if layout != "fp8" and arch == "sm_90":
         return _sm90_prefill(layout, q_fp8)
     if arch_limits.small_smem(arch):
+        if layout != "fp8" and not varlen:
+            return _qreg_prefill(layout, q_fp8)
         return _prefill(layout, q_fp8, arch, keys_per_cta=_SMALL_SMEM_KEYS_PER_CTA)
     return _prefill(layout, q_fp8, arch)
 
 
+def previous_small_smem_prefill(problem, arch):
+    """The 100 KB archs' prefill config before the q-in-registers kernel (8 warps sharing a 4-row tile's staged
+    q, 16384 keys per CTA): `bench variants --emulate` times it beside the product."""
+    layout, q_fp8, _ = problem
+    return _prefill(layout, q_fp8, arch, keys_per_cta=_SMALL_SMEM_KEYS_PER_CTA)
+
+
 def _prefill_serves(cfg, problem) -> bool:
     layout, q_fp8, varlen = problem
+    if cfg.kernel is QREG_PREFILL_KERNEL:
+        return layout != "fp8" and not varlen and cfg.QFp8 == q_fp8 and cfg.Paged == int(layout != "contiguous")
     if cfg.kernel is SM90_PREFILL_KERNEL:
         return layout != "fp8" and cfg.QFp8 == q_fp8 and cfg.Paged == int(layout != "contiguous")
     return (cfg.KeyFp8 == _LAYOUT_KEY_FP8[layout] and cfg.QFp8 == q_fp8
@@ -330,8 +374,13 @@ def _prefill_experimental(arch):
             for warps, mt in ((4, 1), (8, 1), (8, 2), (8, 4)):   # 4-row tiles: warps sharing q x live m-tiles
                 yield _prefill(layout, q_fp8, arch, warps=warps, mt=mt)
             yield _prefill(layout, q_fp8, arch, warps=8, prefetch=1)  # 8 warps, register double-buffer
+        if layout != "fp8" and q_fp8:                        # q in registers: see _QREG_EXPERIMENTAL
+            for config in _QREG_EXPERIMENTAL:
+                yield _qreg_prefill(layout, q_fp8, config)
         for target in EMULATED_ARCHS:
             yield _select_prefill((layout, q_fp8, varlen), target)
+            if layout != "contiguous":                      # varlen keeps the 4-row tiles there
+                yield _select_prefill((layout, q_fp8, 1), target)
 
 
 # Problems: (key layout, q fp8, varlen); varlen = several requests' rows in one launch (paged caches only).

@@ -27,9 +27,9 @@ import torch
 from . import runtime
 from .contracts import check_aligned, check_bool, check_contiguous, check_device, check_dtype, check_int
 # Launch specs and per-arch config selection (re-exported: the bench and tests force configs through them)
-from .heuristics import (DECODE, DECODE_KERNEL, PLAN, PLAN_KERNEL, PREFILL, PREFILL_KERNEL, SM90_DECODE_KERNEL,
-                         SM90_PREFILL_KERNEL, VARLEN_PLAN, VARLEN_PLAN_KERNEL, _SM90_PREFILL_ROWS, _VARLEN_TILE_ROWS,
-                         product_instantiations)
+from .heuristics import (DECODE, DECODE_KERNEL, PLAN, PLAN_KERNEL, PREFILL, PREFILL_KERNEL, QREG_PREFILL_KERNEL,
+                         QREG_PREFILL_ROWS, SM90_DECODE_KERNEL, SM90_PREFILL_KERNEL, VARLEN_PLAN, VARLEN_PLAN_KERNEL,
+                         _SM90_PREFILL_ROWS, _VARLEN_TILE_ROWS, product_instantiations)
 from .layouts import (HEAD_DIM, N_HEADS, PAGE_SLOTS, bf16_view, fp8_views,
                       layout_of)
 
@@ -648,6 +648,20 @@ def mqa_logits(q, kv, weights, ks, ke, *, block_table=None, cu_rows=None, plan=N
                    bt_width=bt_width, ks=ks, ke=ke, row_start=start, row_end=end, num_keys=num_keys, out=out,
                    out_stride=out.stride(0), width=width, compressed=int(compressed),
                    clean=int(clean_logits and not compressed), **varlen_args)
+        return out
+    if cfg.kernel is QREG_PREFILL_KERNEL:
+        # persistent: one wave of CTAs walking (part, row tile) items of keys_per_item keys
+        tiles = _ceil_div(n_rows, QREG_PREFILL_ROWS)
+        chunks_per_item = max(1, cfg.keys_per_item // PAGE_SLOTS)
+        items = tiles * _ceil_div(num_keys, chunks_per_item * PAGE_SLOTS)
+        if items >= 2**31:
+            raise ValueError(f"mqa_logits: {n_rows} rows x {num_keys} keys is {items} work items of "
+                             f"{cfg.keys_per_item} keys, more than 2^31 - 1: pass rows= chunks")
+        cfg.launch(q.device, (min(_one_wave(cfg, q.device), items), 1, 1), q=q, weights=weights, kv=kv,
+                   kv_pages=kv.shape[0] if paged else 0, block_table=bt if paged else None, bt_tile_stride=0,
+                   bt_width=bt_width, lens0=ks, lens1=ke, mode=_MODE_KS_KE, row_start=start, row_end=end,
+                   num_keys=num_keys, out=out, out_stride=out.stride(0), width=width, compressed=int(compressed),
+                   clean=int(clean_logits and not compressed), tiles=tiles, chunks_per_item=chunks_per_item)
         return out
     warps = cfg.block[0] // 32
     if not varlen:

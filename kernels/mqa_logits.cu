@@ -573,6 +573,311 @@ __global__ void __launch_bounds__(Warps * 32, MinBlocks)
   if (clean) dsa::fill_uncomputed_pages(plan, batch, Rows, width, out, out_stride);
 }
 
+// ---- Prefill with q held in registers (the compute-bound mma.sync design; sm_120's prefill) -------------
+//
+// One warp per query row: the row's 64 heads x 128 dims of q are loaded once per work item as ready A fragments
+// (4 m-tiles x 8 k-steps x 4 words = 128 registers) and stay in registers for the whole key loop; each warp sums
+// relu(q . k) * w over its heads in registers (the weights in a shared-memory row per warp: the register file is
+// full) and reduces over lanes as the row-tile kernel does (gid_reduce). A CTA is kQregWarps = 8 warps = 8
+// consecutive rows sharing their keys, one CTA per SM (registers), so 8 warps per SM on every arch: 64-key chunks
+// (one page of the paged layout) stream through a Stages-deep cp.async ring in shared memory, one barrier per
+// chunk, and every warp reads them with ldmatrix (16 B of a key row per lane address, conflict-free by an XOR
+// swizzle of the 16-byte column: column c of key n sits at c ^ (n & 7)). Per k-step a warp issues 2 ldmatrix.x4
+// (the B fragments of 32 keys) for 16 mma (4 m-tiles x 4 n-tiles), in 4 / NT passes (qreg_partials): 8 mma per
+// ldmatrix.x4, where the 4-row-tile kernel reads 512 B of q from shared memory (LDS.128) per 4 mma.
+// Fragments (natural head_dim order, PTX ISA m16n8k16): mma k-step ks covers dims 16ks..16ks+15; ldmatrix of
+// the 8 keys 8j.. at column 2ks (+1) gives lane (gid, t) key 8j + gid, dims 16ks + 2t, +1 (+8): B {b0, b1};
+// q's A words are a0a1 = q[h][16ks + 2t..], a2a3 = q[h + 8][..], a4a5 = q[h][16ks + 8 + 2t..], a6a7 = q[h + 8][..]
+// with h = 16i + gid (m-tile i).
+// Persistent CTAs: work item i = (part p = i / tiles, row tile x = tiles - 1 - i % tiles) covers the chunks of
+// [p * chunks_per_item, (p + 1) * chunks_per_item) that its rows can see (all of them with `clean`, as the row-tile
+// kernel); CTA c takes items c, c + G, c + 2G ... (G = gridDim.x, one wave), and the ring runs on across its
+// items, so nothing drains between them. The producer (every thread's cp.async share) and the consumer walk
+// the same sequence of (item, chunk), the producer Stages - 1 chunks ahead. Masking and the columns written
+// are the row-tile kernel's, at 64-key granularity: a visited chunk writes each row's 64 columns (value or -inf).
+// bf16 keys only (contiguous or the paged bf16 layout); q fp8 (exact in bf16) or bf16; one request (no varlen).
+namespace dsa {
+namespace logits {
+
+constexpr int kQregWarps = 8;
+constexpr int kChunkKeys = 64;                         // keys per ring stage (one page)
+constexpr int kChunkBytes = kChunkKeys * kHeadDim * 2;  // 16 KiB of bf16 keys
+template <int Stages>
+constexpr int kQregSmemBytes = Stages * kChunkBytes;
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
+
+// 16 bytes global -> shared, bypassing L1; src_bytes 0 writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+// The (item, chunk) walk of one CTA, identical in every thread (CTA-uniform): the producer (ring refills) and
+// the consumer (compute) each walk it, the producer Stages - 1 chunks ahead.
+struct QregWork {
+  int n_items, tiles, cpi;  // items, row tiles, chunks per item
+};
+constexpr int kQregDone = 0x7fffffff;
+struct QregCursor {
+  int item;      // current item (kQregDone: past the last)
+  int row0;      // first row of the item's tile
+  int c, c_end;  // current chunk, end of the item's chunks
+};
+
+// The visible range [lo, hi) of row `row` (0, 0 when it sees nothing or is outside the launch's rows).
+__device__ __forceinline__ void qreg_row_range(const Problem& P, int row, int& lo, int& hi) {
+  lo = 0;
+  hi = 0;
+  if (row < P.row_end) {
+    lo = max(P.lens0[row], 0);
+    hi = min(P.lens1[row], P.num_keys);
+  }
+  if (lo >= hi) lo = hi = 0;
+}
+
+// Moves to the next item with chunks to visit (or past the end: item >= n_items).
+__device__ __forceinline__ void qreg_next_item(const Problem& P, const QregWork& W, QregCursor& k, int lane) {
+  const bool fill = P.clean && !P.compressed;
+  const int n_chunks = (P.num_keys + kChunkKeys - 1) / kChunkKeys;
+  for (k.item += gridDim.x; k.item < W.n_items; k.item += gridDim.x) {
+    const int p = k.item / W.tiles, x = W.tiles - 1 - k.item % W.tiles;
+    k.row0 = P.row_start + x * kQregWarps;
+    int lo, hi;
+    qreg_row_range(P, k.row0 + (lane & (kQregWarps - 1)), lo, hi);
+    int lo_min = lo < hi ? lo : 0x7fffffff, hi_max = hi;
+#pragma unroll
+    for (int m = 1; m < kQregWarps; m <<= 1) {
+      lo_min = min(lo_min, __shfl_xor_sync(0xffffffffu, lo_min, m));
+      hi_max = max(hi_max, __shfl_xor_sync(0xffffffffu, hi_max, m));
+    }
+    int c0 = 0, c1 = n_chunks;
+    if (!fill) {
+      if (hi_max == 0) continue;  // no row of the tile sees a key
+      c0 = lo_min / kChunkKeys;
+      c1 = (hi_max + kChunkKeys - 1) / kChunkKeys;
+    }
+    c0 = max(c0, p * W.cpi);
+    c1 = min(c1, (p + 1) * W.cpi);
+    if (c0 < c1) {
+      k.c = c0;
+      k.c_end = c1;
+      return;
+    }
+  }
+  k.item = kQregDone;
+}
+
+__device__ __forceinline__ void qreg_advance(const Problem& P, const QregWork& W, QregCursor& k, int lane) {
+  if (++k.c >= k.c_end) qreg_next_item(P, W, k, lane);
+}
+
+// Block-table entry of chunk c (-1: not readable), or 0 for contiguous keys.
+template <int Paged>
+__device__ __forceinline__ int qreg_entry(const Problem& P, int c) {
+  if (!Paged) return 0;
+  if (c >= P.bt_width) return -1;
+  const int e = P.block_table[c];
+  return (e < 0 || static_cast<i64>(e) >= P.kv_pages) ? -1 : e;
+}
+
+// Issue chunk c's 64 keys into ring slot `dst` (every thread: 4 x 16 bytes; zeros for an unreadable page and for
+// keys past num_keys, which are then never read).
+template <int Paged>
+__device__ __forceinline__ void qreg_issue(const Problem& P, int c, u32 dst, int tid) {
+  const int entry = qreg_entry<Paged>(P, c);
+  const unsigned char* base =
+      Paged ? P.kv + static_cast<i64>(entry < 0 ? 0 : entry) * kBf16PageBytes
+            : P.kv + static_cast<i64>(c) * kChunkBytes;
+#pragma unroll
+  for (int k = 0; k < kChunkBytes / 16 / (kQregWarps * 32); ++k) {
+    const int idx = tid + k * kQregWarps * 32, key = idx >> 4, col = idx & 15;
+    const bool in = entry >= 0 && (Paged || c * kChunkKeys + key < P.num_keys);
+    const unsigned char* src = in ? base + key * (2 * kHeadDim) + 16 * col : P.kv;
+    cp_async16(dst + key * (2 * kHeadDim) + 16 * (col ^ (key & 7)), src, in ? 16 : 0);
+  }
+}
+
+// q fragments of row `row` (A words qa[m-tile][k-step][word]) and its weights as float2 (w[16i + g],
+// w[16i + g + 8]) at ws[8i + g] (the warp's own shared-memory row: registers are all taken by q and the mma).
+template <int QFp8>
+__device__ __forceinline__ void qreg_load_q(const Problem& P, int row, int lane, u32 (&qa)[4][8][4],
+                                            float2* ws) {
+  const int gid = lane >> 2, t = lane & 3;
+  {
+    const float* wr = P.weights + static_cast<i64>(row) * kNumHeads + 16 * (lane >> 3) + (lane & 7);
+    ws[lane] = make_float2(wr[0], wr[8]);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {  // v: a0a1, a2a3, a4a5, a6a7
+        const int head = 16 * i + gid + 8 * (v & 1), d = 16 * ks + 2 * t + 8 * (v >> 1);
+        const i64 elem = (static_cast<i64>(row) * kNumHeads + head) * kHeadDim + d;
+        if (QFp8) {
+          const unsigned short x = *reinterpret_cast<const unsigned short*>(P.q + elem);
+          qa[i][ks][v] = pack_bf16x2(e4m3_to_float(x & 0xff), e4m3_to_float(x >> 8));
+        } else {
+          qa[i][ks][v] = *reinterpret_cast<const u32*>(P.q + 2 * elem);
+        }
+      }
+    }
+  }
+}
+
+// sum over the row's heads of relu(q . k) * w for the 32 keys of one half-chunk (B from the ring slot through
+// ldmatrix; lane_addr: this lane's ldmatrix row address of the half-chunk, column 0; swz: its column swizzle), as
+// p[2j + e] for key 8j + 2t + e, partial over the lane's heads (as row_partials). NT n-tiles (8 keys each) per
+// pass: every k-step's B fragments (NT / 2 ldmatrix.x4) feed all 4 m-tiles (4 * NT mma), so each pass reads B
+// once; NT 2 holds 32 accumulators, NT 4 holds 64.
+template <int NT>
+__device__ __forceinline__ void qreg_partials(const u32 (&qa)[4][8][4], const float2* ws, u32 lane_addr,
+                                              u32 swz, float (&p)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) p[i] = 0.0f;
+#pragma unroll
+  for (int j0 = 0; j0 < 4; j0 += NT) {
+    float acc[4][NT][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int jj = 0; jj < NT; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][jj][e] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+      u32 b[2 * NT];
+      const u32 col = ((2 * ks) ^ swz) * 16;  // swizzled 16-byte column 2ks (+1 for lanes 8-15, 24-31)
+#pragma unroll
+      for (int jj = 0; jj < NT; jj += 2)        // n-tiles j0 + jj, j0 + jj + 1: keys 8 (j0 + jj) ..
+        ldsm_x4(lane_addr + (j0 + jj) * 8 * (2 * kHeadDim) + col, b[2 * jj], b[2 * jj + 1], b[2 * jj + 2],
+                b[2 * jj + 3]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const u32* a = qa[i][ks];
+#pragma unroll
+        for (int jj = 0; jj < NT; ++jj)
+          mma_16816<false>(acc[i][jj], a[0], a[1], a[2], a[3], b[2 * jj], b[2 * jj + 1]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 wi = ws[8 * i + (threadIdx.x & 31) / 4];
+#pragma unroll
+      for (int jj = 0; jj < NT; ++jj) {
+        const int j = j0 + jj;
+        p[2 * j] = fmaf(fmaxf(acc[i][jj][0], 0.0f), wi.x, p[2 * j]);
+        p[2 * j] = fmaf(fmaxf(acc[i][jj][2], 0.0f), wi.y, p[2 * j]);
+        p[2 * j + 1] = fmaf(fmaxf(acc[i][jj][1], 0.0f), wi.x, p[2 * j + 1]);
+        p[2 * j + 1] = fmaf(fmaxf(acc[i][jj][3], 0.0f), wi.y, p[2 * j + 1]);
+      }
+    }
+  }
+}
+
+}  // namespace logits
+}  // namespace dsa
+
+// Prefill (mode ks / ke, one request) with q in registers, see above. Grid: one wave of persistent CTAs of
+// kQregWarps warps; tiles = ceil((row_end - row_start) / 8) row tiles, chunks_per_item: 64-key chunks per work
+// item; dynamic shared memory kQregSmemBytes<Stages>. One CTA barrier per chunk shares the ring. (Tried on the
+// H200 and slower, 2026-12-04: both halves of a chunk in one branch-free block so that ptxas overlaps one half's
+// epilogue with the other's mma, -7%; full / empty mbarriers per slot letting warps drift up to a chunk apart,
+// -4%; both, -13%.)
+template <int QFp8, int Paged, int Stages, int NT>
+__global__ void __launch_bounds__(dsa::logits::kQregWarps * 32, 1)
+    mqa_logits_qreg_kernel(DSA_LOGITS_ARGS, int tiles, int chunks_per_item) {
+  using namespace dsa;
+  using namespace dsa::logits;
+  static_assert(Stages >= 2 && (NT == 2 || NT == 4), "Stages, NT");
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ float2 s_w[kQregWarps][32];  // each warp's row weights (qreg_load_q)
+  const Problem P = DSA_LOGITS_PROBLEM;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const u32 ring = smem_u32(smem);
+
+  const QregWork W{tiles * ((P.num_keys + chunks_per_item * kChunkKeys - 1) / (chunks_per_item * kChunkKeys)), tiles,
+                   chunks_per_item};
+  QregCursor prod;
+  prod.item = static_cast<int>(blockIdx.x) - static_cast<int>(gridDim.x);
+  qreg_next_item(P, W, prod, lane);
+  QregCursor cons = prod;
+
+  // Issue chunk g of the walk (the producer cursor's chunk) into slot g % Stages and commit a cp.async group
+  // (always, so that wait_group counts chunks).
+  auto produce = [&](int g) {
+    if (prod.item != kQregDone) {
+      qreg_issue<Paged>(P, prod.c, ring + (g % Stages) * kChunkBytes, tid);
+      qreg_advance(P, W, prod, lane);
+    }
+    cp_async_commit();
+  };
+
+  // ldmatrix row of this lane inside a half-chunk: key 8 * (lane / 16) + lane % 8 (n-tiles j, j + 1), column
+  // 2ks + (lane / 8) % 2, swizzled by key & 7 = lane & 7
+  const u32 lane_row = (8 * (lane >> 4) + (lane & 7)) * (2 * kHeadDim);
+  const u32 swz = ((lane >> 3) & 1) ^ (lane & 7);
+  const float kNegInf = __int_as_float(0xff800000);
+  const int key_lane = key_of_lane(lane);
+
+#pragma unroll
+  for (int s = 0; s < Stages - 1; ++s) produce(s);
+
+  u32 qa[4][8][4];
+  float2* const ws = s_w[warp];
+  int row = -1, lo = 0, hi = 0, off = 0, cur_item = -1;
+  for (int k = 0; cons.item != kQregDone; ++k) {
+    const int slot = k % Stages;
+    cp_async_wait<Stages - 2>();
+    __syncthreads();  // chunk k landed for every thread; slot (k - 1) % Stages is free
+    produce(k + Stages - 1);
+    if (cons.item != cur_item) {  // a new item (CTA-uniform): this warp's row, its range and q fragments
+      cur_item = cons.item;
+      row = cons.row0 + warp;
+      qreg_row_range(P, row, lo, hi);
+      off = (P.compressed && row < P.row_end) ? P.lens0[row] : 0;
+      if (lo < hi) {
+        __syncwarp();  // the warp's previous item is done with its weights
+        qreg_load_q<QFp8>(P, row, lane, qa, ws);
+        __syncwarp();
+      }
+    }
+    if (row < P.row_end) {
+      const int tok0 = cons.c * kChunkKeys;
+      const bool ok = qreg_entry<Paged>(P, cons.c) >= 0;   // the chunk's page is readable
+      const u32 base = ring + slot * kChunkBytes + lane_row;
+      float sum[2] = {kNegInf, kNegInf};
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        if (lo < tok0 + 32 * half + 32 && hi > tok0 + 32 * half) {  // warp-uniform
+          float p[8];
+          qreg_partials<NT>(qa, ws, base + 32 * half * (2 * kHeadDim), swz, p);
+          sum[half] = gid_reduce(p, lane);
+        }
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int n = tok0 + 32 * half + key_lane, col = n - off;
+        if (n < P.num_keys && col >= 0 && col < P.width)
+          P.out[static_cast<i64>(row - P.row_start) * P.out_stride + col] =
+              (ok && n >= lo && n < hi) ? sum[half] : kNegInf;
+      }
+    }
+    qreg_advance(P, W, cons, lane);
+  }
+  cp_async_wait<0>();
+}
+
 namespace dsa {
 // plan[0] = 0, plan[b + 1] = plan[b] + count(b): one CTA of 1024 threads, a block-wide inclusive scan per 1024
 // requests (the plans of decode and varlen prefill).

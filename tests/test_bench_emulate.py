@@ -115,3 +115,73 @@ def test_readme_emulation_block_is_the_results_file():
     body = _block("results:emulate-sm120")
     assert (readme.without_stale_note(body) if note is None else body) == (
         variants.emulate_markdown(doc).strip() + (note or ""))
+
+
+# --------------------------------------------------------------------------------------------------
+# The register-operand mma.sync ceiling (bench/timing.py): its kernel compiles everywhere; the shares use the
+# ceiling measured at the residency a row ran at. Figures below are STAND-INS (not measurements).
+# --------------------------------------------------------------------------------------------------
+
+STAND_IN_CEILINGS = {"mma_sync": {"bf16": {"4": 500.0, "8": 600.0, "16": 640.0}, "e4m3": None, "chains": 8,
+                                  "e4m3_note": "e4m3 mma.sync is not native on sm_90 (ptxas emulates it): not measured"}}
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90", "sm_120"])
+def test_mma_ceiling_kernel_compiles_without_spills(arch):
+    from cupy_dsa import runtime
+    from cupy_dsa.bench import timing
+
+    exprs = timing.mma_ceiling_expressions(arch)
+    assert exprs == (["mma_ceiling<0>", "mma_ceiling<1>"] if arch in ("sm_89", "sm_120") else ["mma_ceiling<0>"])
+    _, lowered, log = runtime.compile_cubin("mma_ceiling", exprs, arch, source=timing.MMA_CEILING_SRC,
+                                            resource_usage=True)
+    res = runtime.ptxas_resources(log, lowered)
+    assert set(res) == set(exprs)
+    assert all(r["spill_stores"] == r["spill_loads"] == 0 and r["registers"] >= 4 * timing.MMA_CHAINS
+               for r in res.values()), res          # the accumulators stay in registers
+
+
+def test_mma_ceiling_at_picks_the_residency_it_ran_at():
+    from cupy_dsa.bench import timing
+
+    at = timing.mma_ceiling_at
+    assert at(STAND_IN_CEILINGS, 8) == (600.0, 8) and at(STAND_IN_CEILINGS, 12) == (600.0, 8)
+    assert at(STAND_IN_CEILINGS, 4) == (500.0, 4) and at(STAND_IN_CEILINGS, 2) == (500.0, 4)
+    assert at(STAND_IN_CEILINGS, 48) == (640.0, 16)
+    assert at(STAND_IN_CEILINGS, 8, "e4m3") is None and at({}, 8) is None and at(STAND_IN_CEILINGS, None) is None
+    assert timing.mma_rates(torch.device("cpu")) is None       # CPU: nothing measured, no ratios
+
+
+def test_markdown_states_the_mma_sync_share():
+    rows = [_row("sm_120", True, 8, 300.0, 330.0), _row("sm_90", True, None, 250.0, None)]
+    rows[1]["config"] = "mqa_logits_sm90_decode_kernel<1, 4, 2, 2, 2>"
+    rows[0].update(variants._mma_shares((600.0, 8), flops=330e-6 * 300e12, read_s=100e-6, seconds=330e-6))
+    rows[1].update(variants._mma_shares(None, 1, 1, 1))
+    assert rows[0]["pct_mma"] == pytest.approx(50.0) and rows[0]["pct_mma_roofline"] == pytest.approx(50.0)
+    md = variants.emulate_markdown(variants.emulate_document("NVIDIA H200", "sm_120", False, 0, rows,
+                                                             STAND_IN_CEILINGS))
+    assert "% mma.sync ceiling" in md and "| 50% of 600 at 8 warps/SM; 50% |" in md
+    assert "bf16 m16n8k16 500 at 4, 600 at 8, 640 at 16" in md and "E4m3 mma.sync is not native on sm_90" in md
+    assert "50-50% of max(read, mma.sync ceiling)" in md.splitlines()[-1]
+    # a results file from before the ceiling renders as it did (no column)
+    old = variants.emulate_markdown(variants.emulate_document("NVIDIA H200", "sm_120", False, 0,
+                                                              [_row("sm_120", True, 8, 300.0, 330.0)], {}))
+    assert "mma.sync" not in old
+
+
+def test_markdown_names_the_q_in_registers_prefill_and_the_config_it_replaced():
+    rows = [_row("sm_120", True, 8, 300.0, 300.0, case="4K x 64K causal", config="mqa_logits_qreg_kernel<1, 0, 4, 2>"),
+            _row("sm_120", False, 8, 330.0, 330.0, case="4K x 64K causal",
+                 config="mqa_logits_kernel<0, 1, 4, 8, 1, 0, 0, 2, 0, 1> keys_per_cta=16384")]
+    for r, pct in zip(rows, (60.0, 55.0)):
+        r.update(op="prefill", tflops_emulated=400.0 * pct / 60.0, pct_mma=pct, mma_ceiling_tflops=600.0,
+                 mma_ceiling_warps=8, pct_mma_roofline=pct)
+    rows[1]["previous"] = True
+    md = variants.emulate_markdown(variants.emulate_document("NVIDIA H200", "sm_120", False, 0, rows,
+                                                             STAND_IN_CEILINGS))
+    assert "| * q in registers, 8 rows x 1 warp, 4 stages, NT 2 |" in md
+    assert ("Prefill at 60% of the bf16 mma.sync ceiling at 8 warps/SM (the 4-row-tile config it replaced: 367 "
+            "TFLOP/s, 55%).") in md.splitlines()[-1]
+    cfg = logits.PREFILL.select(("contiguous", 1, 0), "sm_120")
+    assert cfg.kernel is logits.QREG_PREFILL_KERNEL
+    assert heuristics.previous_small_smem_prefill(("contiguous", 1, 0), "sm_120").kernel is logits.PREFILL_KERNEL

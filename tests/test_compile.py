@@ -125,11 +125,14 @@ def test_residency_names_the_binding_limit():
 
 def test_sm120_runs_eight_warp_tiles_where_a_four_warp_tile_is_alone():
     """The configs that 100 KB archs would hold at one 4-warp CTA (4-row prefill tiles, decode next_n 4) run
-    8 warps there, and so do next_n 2-3 (faster under sm_120's residency); 4 warps on sm_90 / sm_100 and for
+    8 warps there (prefill of bf16 keys: 8 rows, q in registers), and so do next_n 2-3 (faster under sm_120's residency); 4 warps on sm_90 / sm_100 and for
     next_n 1."""
     from cupy_dsa import logits as L
     for arch in ("sm_86", "sm_89", "sm_120", "sm_121"):
-        assert {c.Warps for c in L.PREFILL.product(arch)} == {8}
+        assert {c.block[0] // 32 for c in L.PREFILL.product(arch)} == {8}
+        # bf16 keys of one request: q in registers, one row per warp (varlen and fp8 keys: 4-row tiles)
+        assert {p for p in L.PREFILL.problems if L.PREFILL.select(p, arch).kernel is L.QREG_PREFILL_KERNEL} == {
+            (layout, q_fp8, 0) for layout in ("contiguous", "bf16") for q_fp8 in (1, 0)}
         assert {c.Rows: c.Warps for c in L.DECODE.product(arch)} == {1: 4, 2: 8, 3: 8, 4: 8}
     assert {c.Warps for c in L.DECODE.product("sm_90") if c.kernel is L.DECODE_KERNEL} == {4}
     assert {c.Warps for c in L.PREFILL.product("sm_100")} == {4}

@@ -36,8 +36,9 @@ def test_product_instantiations_are_product_configs():
 
 @gpu
 def test_gpu_variants_bitwise_equal(seed):
-    """Variants of one kernel that change scheduling (Prefetch, L2Hint, MinBlocks, CTAs per SM, keys per CTA),
-    never the arithmetic order, give bitwise equal results; Mma8 = 1 changes the arithmetic (left out)."""
+    """Variants of one kernel that change scheduling (Prefetch, L2Hint, MinBlocks, CTAs per SM, keys per CTA; the
+    q-in-registers prefill's ring depth, n-tiles per pass and item size), never the arithmetic order, give bitwise
+    equal results; Mma8 = 1 changes the arithmetic (left out)."""
     for layout, q_fp8 in (("bf16", 0), ("bf16", 1), ("fp8", 1)):
         q, cache, _, w, ctx, bt = gpu_paged_case(seed, B=7, next_n=1, max_pages=50, P=400, layout=layout,
                                                  q_dtype=FP8 if q_fp8 else torch.bfloat16, lens_2d=False)
@@ -63,6 +64,14 @@ def test_gpu_variants_bitwise_equal(seed):
             with L.PREFILL.forced(cfg.replace(keys_per_cta=keys_per_cta), ARCH):
                 outs.append((f"{cfg} keys_per_cta={keys_per_cta}", mqa_logits(q2, kv, w2, ks, ke)))
     assert len(outs) > 2
+    for what, o in outs[1:]:
+        assert torch.equal(o, outs[0][1]), f"prefill {what} differs: {int((o != outs[0][1]).sum())} entries"
+    outs = []
+    for cfg in configs(L.PREFILL, ("contiguous", 1, 0), L.QREG_PREFILL_KERNEL):  # q in registers: ring depth,
+        for keys_per_item in (cfg.keys_per_item, 64, 192):                   # n-tiles per pass, item size
+            with L.PREFILL.forced(cfg.replace(keys_per_item=keys_per_item), ARCH):
+                outs.append((f"{cfg} keys_per_item={keys_per_item}", mqa_logits(q2, kv, w2, ks, ke)))
+    assert len(outs) > 3
     for what, o in outs[1:]:
         assert torch.equal(o, outs[0][1]), f"prefill {what} differs: {int((o != outs[0][1]).sum())} entries"
     outs = []

@@ -69,13 +69,15 @@ def test_prefill_bad_input(change, exc, name):
                          if isinstance(v, launch.Config) else "-".join(map(str, v)))
 def test_gpu_prefill(seed, cfg, problem):
     """Every declared prefill config of this GPU vs the fp64 oracle (1024 keys per CTA: several CTAs share a
-    row tile)."""
+    row tile; 128 keys per work item of the q-in-registers kernel)."""
     kind, q_fp8, _ = problem
     q_dtype = FP8 if q_fp8 else torch.bfloat16
     native_fp8 = cfg.values.get("Mma8") == 1 and ARCH not in ("sm_90", "sm_100")
     variant = str(cfg)
     if "keys_per_cta" in cfg.values:
         cfg = cfg.replace(keys_per_cta=1024)
+    if "keys_per_item" in cfg.values:      # q in registers: several items per CTA, the ring running across them
+        cfg = cfg.replace(keys_per_item=128)
     T, S_pages = 203, 45
     q, kv, bt, keys, valid, w, ks, ke = gpu_prefill_case(seed, kind, q_dtype, T, S_pages)
     S = keys.shape[0]
