@@ -22,7 +22,7 @@ MEMCHECK_PART=""
 if [ -n "${TIMEBOX:-}" ]; then
   SKIP_FUZZ=1 SKIP_SGLANG=1 SKIP_STARTUP=1 SKIP_BENCH=1 SKIP_VARIANTS=1 SANITIZE_PARTS=logits MEMCHECK_PART=logits
 fi
-if [ -n "${RESCORE_BENCH:-}" ]; then
+if [ -n "${RESCORE_BENCH:-}${QUERY_BENCH:-}" ]; then
   SKIP_PYTEST=1 SKIP_FUZZ=1 SKIP_SANITIZE=1 SKIP_SGLANG=1 SKIP_STARTUP=1 SKIP_BENCH=1 SKIP_EMULATE=1 SKIP_VARIANTS=1
 fi
 # run "$@" under `timeout SECONDS` with TIMEBOX, plainly otherwise
@@ -152,6 +152,23 @@ for v in ('v2', 'v1'):
   RESCORE_LINE="SGLang top-k $((T2 - T1)) s; bench serve rc=$SERVE_RC ($((T3 - T2)) s), bench rescore rc=$RESCORE_RC \
 ($(($(date +%s) - T3)) s) (124: timed out; logs serve.log, rescore.log)"
 fi
+# Issue 32: the query setting's recall (the diverse suite) and cost, and its GPU tests
+QUERY_LINE="not run (QUERY_BENCH unset)"
+if [ -n "${QUERY_BENCH:-}" ]; then
+  timeout ${RECALL_S:-240} python3 -m cupy_dsa bench recall --suite diverse --json "$OUT/h200-recall-diverse.json" \
+      >"$OUT/recall-diverse.log" 2>&1; RECALL_RC=$?
+  [ -f "$OUT/h200-recall-diverse.json" ] && python3 -m cupy_dsa bench report "$OUT/h200-recall-diverse.json" \
+      >"$OUT/recall-diverse.md" 2>&1
+  timeout ${SERVE_S:-180} python3 -m cupy_dsa bench serve --batch 48 --context 24K,96K --next-n 1,3 --chunk 8192 \
+      --layouts bf16 --query fp8,bf16 --json "$OUT/h200-serve-query.json" >"$OUT/serve-query.log" 2>&1; QSERVE_RC=$?
+  [ -f "$OUT/h200-serve-query.json" ] && python3 -m cupy_dsa bench report "$OUT/h200-serve-query.json" \
+      --markdown "$OUT/serve-query.md" >/dev/null 2>&1
+  timeout ${PYTEST_S:-150} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE \
+      "tests/test_sglang_plugin.py::test_gpu_bf16_query_path_graph" "tests/test_sglang_plugin.py::test_gpu_check_self_test" \
+      "tests/test_cli.py::test_recall_suite_diverse_on_gpu" >"$OUT/pytest_gpu_query.log" 2>&1
+  QUERY_LINE="bench recall --suite diverse rc=$RECALL_RC, bench serve --query rc=$QSERVE_RC (124: timed out), \
+pytest: $(tail -1 "$OUT/pytest_gpu_query.log")"
+fi
 echo "================ SUMMARY ($(($(date +%s) - T0)) s) ================"
 echo "device: $(cat "$OUT/device.txt")"
 echo "commit: ${CUPY_DSA_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}"
@@ -165,6 +182,12 @@ echo "SGLang path: $SGL_LINE"
 [ -f "$OUT/headline.md" ] && cat "$OUT/headline.md"
 [ -f "$OUT/emulate-sm120.md" ] && cat "$OUT/emulate-sm120.md"
 echo "issue-31 benches: $RESCORE_LINE"
+echo "issue-32 runs: $QUERY_LINE"
+if [ -n "${QUERY_BENCH:-}" ]; then
+  grep -vE "^\s*$" "$OUT/recall-diverse.md" 2>/dev/null | head -40 | cut -c1-300
+  awk '/bf16 q \/ fp8 q/{on=1} on && /^\| (decode|verify|prefill)/' "$OUT/serve-query.md" 2>/dev/null | head -12
+  grep -E "^(FAILED|ERROR) " "$OUT/pytest_gpu_query.log" | head -10
+fi
 if [ -n "${RESCORE_BENCH:-}" ]; then
   cat "$OUT/sglang_topk.txt" | tail -3
   grep -hE "^stock top-k|Traceback|Error" "$OUT/serve.log" "$OUT/rescore.log" | cut -c1-300 | head -8
