@@ -92,9 +92,11 @@ def common_options(f):
     """The options every bench command accepts (defaults resolved after merging group and subcommand)."""
     opts = [
         click.option("--backend", type=click.Choice(["auto", "cuda", "cpu"], case_sensitive=False), default=None,
-                     help="auto = the GPU when torch sees one, else the CPU reference at small sizes. [default: auto]"),
+                     help="auto = the GPU when torch sees one, else the CPU reference at small sizes (store, query, logits, "
+                          "recall; `bytes` only checks it). [default: auto]"),
         click.option("--device", default=None, metavar="DEV",
-                     help="torch device for the GPU backend, e.g. cuda:1 (default: the current device)."),
+                     help="torch device for the GPU backend, e.g. cuda:1 (store, query, logits, recall; `bytes` only checks "
+                          "it). [default: the current device]"),
         click.option("--quick", is_flag=True, default=False, help=QUICK_HELP),
         click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
                      callback=_writable_output, help="write the results as JSON (schema cupy-dsa-bench/2)."),
@@ -103,7 +105,7 @@ def common_options(f):
                      "throughput and recall rows, the recall study goes to NAME-recall.png beside it."),
         click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
                      default=None, callback=_writable_output, help=MARKDOWN_HELP),
-        click.option("--seed", type=SEED, default=None, help="random seed, 0 to 2^32 - 1. [default: 0]"),
+        click.option("--seed", type=SEED, default=None, help="random seed of the inputs (store, query, logits, recall), 0 to 2^32 - 1. [default: 0]"),
         click.option("--gpu-mem-gb", type=FiniteFloatRange(min=0, min_open=True, max=MAX_MEMORY), default=None,
                      help="KV memory budget for `bytes` (GB = 1e9 B), up to 1e6. [default: 100]"),
     ]
@@ -306,7 +308,7 @@ def _refuse_replacing_a_measured_run(json_path: str) -> None:
 @click.option("--query", "queries", multiple=True, callback=_serve_queries_option,
               help="also time the layouts whose query the plugin's SGLANG_CUPY_DSA_INDEX_Q sets (bf16, fp8-cupy) with "
                    "each of these queries (comma list of fp8, bf16), the query's preparation included. [default: none]")
-@click.option("--device", default=None, metavar="DEV", help="CUDA device, e.g. cuda:1 (default: the current one).")
+@click.option("--device", default=None, metavar="DEV", help="CUDA device, e.g. cuda:1. [default: the current one]")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="random seed, 0 to 2^32 - 1.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True), default=None,
               callback=_writable_output, help="write the results as JSON (schema cupy-dsa-serve/1); '-' = stdout.")
@@ -459,7 +461,7 @@ def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, queries, memory_
 
 
 @bench.command(name="variants")
-@click.option("--device", default=None, metavar="DEV", help="CUDA device, e.g. cuda:1 (default: the current one).")
+@click.option("--device", default=None, metavar="DEV", help="CUDA device, e.g. cuda:1. [default: the current one]")
 @click.option("--quick", is_flag=True, default=False, help="two decode cases and a smaller prefill.")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="random seed, 0 to 2^32 - 1.")
 @click.option("--emulate", "emulate_arch", default=None, metavar="ARCH",
@@ -518,7 +520,7 @@ def variants_cmd(device, quick, seed, emulate_arch, ops, json_path, markdown_pat
 
 
 @bench.command(name="rescore")
-@click.option("--device", default=None, metavar="DEV", help="CUDA device, e.g. cuda:1 (default: the current one).")
+@click.option("--device", default=None, metavar="DEV", help="CUDA device, e.g. cuda:1. [default: the current one]")
 @click.option("--quick", is_flag=True, default=False,
               help="one case per phase: decode 8 x 64K, verify 8 x 64K next_n 2, extend 8 x 512 after 32K-64K, "
                    "prefill chunk of 4,096 after 32K.")
@@ -890,7 +892,7 @@ def _extra_body_option(ctx, param, value):
 @main.command(name="needle")
 @click.option("--base-url", default="http://127.0.0.1:30000/v1", show_default=True, callback=_base_url_option,
               metavar="URL", help="the server's OpenAI-compatible API (a URL without a path gets /v1).")
-@click.option("--model", default=None, help="served model name (default: the only model the server lists).")
+@click.option("--model", default=None, help="served model name. [default: the only model the server lists]")
 @click.option("--api-key", envvar="OPENAI_API_KEY", default="EMPTY", show_default=False,
               help="the server's --api-key, if it was started with one. [default: $OPENAI_API_KEY or EMPTY]")
 @click.option("--lengths", default="4K,8K,16K,32K,64K", show_default=True, callback=_lengths_option,

@@ -243,13 +243,16 @@ def _all_commands(group=cli.main, path=()):
 
 
 def test_defaults_are_shown_in_one_style():
-    """Every option's default reads `[default: X]`, as click's show_default writes it (some said `[X]`)."""
+    """Every option's default reads `[default: X]`, as click's show_default writes it (some said `[X]` or
+    `(default: X)`)."""
     import re
 
     for path, cmd in _all_commands():
         for p in cmd.params:
-            tail = re.search(r"\[([^\]]*)\]\s*$", getattr(p, "help", None) or "")
+            text = getattr(p, "help", None) or ""
+            tail = re.search(r"\[([^\]]*)\]\s*$", text)
             assert not tail or tail[1].startswith("default: "), (path, p.name, p.help)
+            assert "(default: " not in text, (path, p.name, p.help)
 
 
 def test_help_is_fast_and_imports_no_torch():

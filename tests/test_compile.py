@@ -179,10 +179,11 @@ def _split_top(text: str) -> list[str]:
 @functools.lru_cache(maxsize=None)
 def kernel_signature(source: str, name: str):
     """(template parameter names, [(argument name, C type)]) of ``__global__ ... name(...)`` in ``source``."""
-    text = _expand_macros(runtime.read_source(source))
-    for header in ("mqa_logits_sm90.cuh", "radix_select.cuh"):
+    text = runtime.read_source(source)
+    for header in ("mqa_logits_sm90.cuh", "radix_select.cuh"):   # their macros expand in the source too
         if f'#include "{header}"' in text:
-            text = _expand_macros(runtime.read_source(header)) + text
+            text = runtime.read_source(header) + text
+    text = _expand_macros(text)
     m = re.search(rf"(template\s*<([^>]*)>\s*)?__global__[^;{{]*?\b{name}\s*\(([^)]*)\)", text, flags=re.S)
     assert m, f"{name} not found in {source}"
     params = [p.split()[-1] for p in _split_top(m.group(2) or "")]
