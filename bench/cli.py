@@ -535,8 +535,10 @@ def rescore_cmd(device, quick, phases, seed, json_path):
     from the fp8 and int8-residual pages) against the top-k of bf16 keys, of fp8 keys (our logits + the stock top-k)
     and of DeepGEMM's fp8 logits as SGLang calls them (+ the same top-k; when deep_gemm imports), on the same keys:
     decode, MTP verify (next_n 2-4), varlen extend and prefill chunks; stage 1 (logits) and stage 2 + selection
-    apart; memory per index entry. The stock top-k is SGLang's own v2 kernel where it runs here (its v1 and our
-    paged_topk timed beside it), else cupy_dsa.paged_topk standing in for it. Needs a CUDA GPU."""
+    apart, and the floor of stage 2 + selection (its bytes over the read-only stream, its flops over the bf16
+    mma.sync ceiling, both measured in the same run) with the share of it reached; memory per index entry. The
+    stock top-k is SGLang's own v2 kernel where it runs here (its v1 and our paged_topk timed beside it), else
+    cupy_dsa.paged_topk standing in for it. Needs a CUDA GPU."""
     from rich.table import Table
 
     from . import peers, provenance, report
@@ -551,14 +553,16 @@ def rescore_cmd(device, quick, phases, seed, json_path):
     if dg is None:
         err.print(f"[yellow]DeepGEMM columns not measured: {reason}[/]")
     topks = _load_topks(dev, err)
+    ceilings = _rescore_ceilings(dev, quick, err)
     doc = {"schema": rescore_bench.SCHEMA, **provenance.provenance(), "device": _device_name(dev),
            "driver": provenance.driver_version(), "quick": quick, "seed": seed,
            "index_topk": rescore_bench.INDEX_TOPK, "k_prime": rescore_bench.K_PRIME, "deepgemm": reason or "live",
            "topk": topks.describe(), "columns": rescore_bench.legend(topks.describe()),
            "memory": rescore_bench.memory_rows(), "phases": list(phases) or list(rescore_bench.PHASES),
-           "note": rescore_bench.__doc__}
+           "ceilings": ceilings, "floor_target": dict(rescore_bench.FLOOR_TARGET), "note": rescore_bench.__doc__}
     with _progress(err) as progress:
-        doc["rows"] = rescore_bench.rows(dev, quick, seed, dg, reason, progress, phases=phases or None, topks=topks)
+        doc["rows"] = rescore_bench.rows(dev, quick, seed, dg, reason, progress, phases=phases or None, topks=topks,
+                                         ceilings=ceilings)
     cols = rescore_bench._columns_of(doc) if doc["rows"] else list(rescore_bench.COLUMNS)
     table = Table(title=f"top-{rescore_bench.INDEX_TOPK} per query row on {doc['device']} (us per call; x bf16)")
     for col in ("case", "rows") + tuple(cols):
@@ -567,12 +571,48 @@ def rescore_cmd(device, quick, phases, seed, json_path):
         table.add_row(r["case"], str(r["rows"]), *("-" if r["us"][c] is None else
                                                    f"{r['us'][c]:.1f} ({r['vs_bf16'][c]:.2f})" for c in cols))
     report.print_fitted(_console(), table, keys=2)
+    report.print_fitted(_console(), _floor_table(doc, rescore_bench), keys=2)
     for r in doc["rows"]:
         for what, why in r["errors"].items():
             if (what not in rescore_bench.DEEPGEMM_COLUMNS or dg is not None) and what not in rescore_bench.SGLANG_COLUMNS:
                 err.print(f"[red]{r['case']}: {what}: {why}[/]")
     if json_path:
         _write_text(json_path, json.dumps(doc, indent=1) + "\n")
+
+
+def _rescore_ceilings(dev, quick, err) -> dict | None:
+    """The read-only stream and the register-operand mma.sync ceilings (with the copy and matmul ones), measured
+    now for the floor of "stage 2 + selection"; None (the floor then has no time) when they cannot be measured."""
+    from . import timing
+
+    try:
+        ceilings = timing.measure_ceilings(dev, quick)
+    except Exception as exc:  # noqa: BLE001 - the run goes on without a floor in time, and says why
+        err.print(f"[yellow]ceilings not measured ({type(exc).__name__}: {str(exc)[:200]}): no floor in time[/]")
+        return None
+    if not ceilings.get("read_gbps") or not (ceilings.get("mma_sync") or {}).get("bf16"):
+        err.print("[yellow]the read-only stream or the bf16 mma.sync ceiling was not measured: no floor in time[/]")
+    return ceilings
+
+
+def _floor_table(doc, rescore_bench):
+    """The floor of "stage 2 + selection" per case and the share of it reached (issue 31), as the console shows it."""
+    from rich.table import Table
+
+    fl0 = next((r["floor"] for r in doc["rows"] if r["floor"].get("us") is not None), None)
+    rates = ("no ceilings measured" if fl0 is None else f"read {fl0['read_gbps']:.0f} GB/s, bf16 mma.sync "
+             f"{fl0['mma_tflops']:.0f} TFLOP/s at {fl0['mma_warps_per_sm']} warps/SM")
+    table = Table(title=f"floor of stage 2 + selection ({rates}): share reached, target")
+    for col in ("case", "rows x entries", "MB", "GFLOP", "floor us", "binds", "target") + rescore_bench.FLOOR_COLUMNS:
+        table.add_column(col)
+    for r in doc["rows"]:
+        fl = r["floor"]
+        shares = [("-" if fl["share"][c] is None else f"{100 * fl['share'][c]:.0f}% {fl['verdict'][c]}")
+                  for c in rescore_bench.FLOOR_COLUMNS]
+        table.add_row(r["case"], f"{fl['entry_rows']:,}", f"{fl['bytes'] / 1e6:.1f}", f"{fl['flops'] / 1e9:.1f}",
+                      "-" if fl["us"] is None else f"{fl['us']:.1f}", fl["binds"] or "-", f">= {fl['target']:.0%}",
+                      *shares)
+    return table
 
 
 def _load_topks(dev, err):

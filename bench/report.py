@@ -579,7 +579,7 @@ STRUCTURE = {
     "cupy-dsa-serve/1": {"model": "dict", "batch": "int", "contexts": "ints", "next_n": "ints", "chunk": "ints",
                          "memory": "rows", "timings": "rows", "measured": "bool", "device": "str?",
                          "notes": "list?"},
-    "cupy-dsa-rescore/1": {"device": "str", "rows": "rows", "memory": "rows", "columns": "dict?"},
+    "cupy-dsa-rescore/1": {"device": "str", "rows": "rows", "memory": "rows", "columns": "dict?", "ceilings": "dict?"},
     "cupy-dsa-emulate/1": {"device": "str", "target": "str", "rows": "rows", "ceilings": "dict"},
     "cupy-dsa-needle/1": {"settings": "dict", "server": "dict", "cells": "rows", "label": "str",
                           "calibration": "dict?"},

@@ -32,6 +32,13 @@ and page-table row, as SGLang passes them:
 
 ``fp8-rescore`` = ``stage 1`` + ``stage 2 + selection`` up to launch overlap. Memory per index entry: bf16 256 B, fp8
 132 B, fp8-rescore 264 B (hi + lo). Public ops only.
+
+The floor of ``stage 2 + selection`` (issue 31), per case: max(bytes / the read-only stream, stage 2's flops / the
+register-operand bf16 ``mma.sync`` ceiling), both ceilings measured in the same run (:func:`.timing.measure_ceilings`;
+stage 2 runs bf16 ``mma.sync`` m16n8k16). Bytes: each row's candidates (min(K', the entries it sees)) x 264 B (hi +
+lo) + each row's visible logits read once (4 B each); flops: candidates x 64 heads x 128 x 2 (fma) x 2 (hi and lo).
+The share reached = floor / the column's time, for ``stage 2 + selection`` and its DeepGEMM-logits twin; issue 31's
+target: >= 60% on every case of >= 1M (2^20) rows x index entries (each request's entries x its rows), >= 40% below.
 """
 
 from __future__ import annotations
@@ -106,6 +113,14 @@ def legend(topk: dict) -> dict:
             FP8: "our fp8-key logits + the stock top-k",
             FP8_DG: "DeepGEMM's fp8 logits on SGLang 0.5.23's route for the step + the stock top-k: the stock step"}
 
+# the floor of "stage 2 + selection" (issue 31): its columns, its target (a share of the floor, by the case's rows x
+# index entries), and what it counts
+FLOOR_COLUMNS = (STAGE2, STAGE2_DG)
+FLOOR_TARGET = {"min_entry_rows": 2**20, "large": 0.60, "small": 0.40}
+STAGE2_FLOPS_PER_CANDIDATE = layouts.N_HEADS * layouts.HEAD_DIM * 2 * 2   # fma = 2 flops; hi and lo
+LOGIT_BYTES = 4                                                           # fp32 stage-1 logits
+MMA_KIND = "bf16"                                                         # stage 2's mma: bf16 m16n8k16
+
 # memory per index entry; issue 26's target: fp8-rescore <= 1.05x bf16's
 MEMORY_TARGET_VS_BF16 = 1.05
 BYTES_PER_ENTRY = {"bf16": layouts.BF16_BYTES_PER_TOKEN, "fp8": layouts.FP8_BYTES_PER_TOKEN,
@@ -137,6 +152,18 @@ class Case:
         if self.phase in ("decode", "verify"):
             return [p // 4 for p in self.prefixes]
         return [p // 4 + self.chunk // 4 for p in self.prefixes]
+
+    def visible(self) -> list[int]:
+        """Index entries each query row sees, request by request: decode / verify row j of next_n sees its request's
+        entries less next_n - 1 - j; extend / prefill row j sees the prefix's and one more per 4 new tokens."""
+        if self.phase in ("decode", "verify"):
+            return [max(0, e - (self.next_n - 1) + j) for e in self.entries() for j in range(self.next_n)]
+        return [p // 4 + (j + 1) // 4 for p in self.prefixes for j in range(self.chunk)]
+
+    def entry_rows(self) -> int:
+        """Rows x index entries: each request's entries after the step times its rows (the floor target's size)."""
+        per_request = self.next_n if self.phase in ("decode", "verify") else self.chunk
+        return per_request * sum(self.entries())
 
 
 def _tokens(n: int) -> str:
@@ -430,17 +457,86 @@ def _ratios(row: dict) -> dict:
     return row
 
 
+# --------------------------------------------------------------------------------------------------
+# the floor of "stage 2 + selection" (issue 31)
+# --------------------------------------------------------------------------------------------------
+
+def floor_target(entry_rows: int) -> float:
+    """Issue 31's target share of the floor for a case of ``entry_rows`` rows x index entries."""
+    return FLOOR_TARGET["large"] if entry_rows >= FLOOR_TARGET["min_entry_rows"] else FLOOR_TARGET["small"]
+
+
+def mma_ceiling(ceilings: dict | None) -> tuple[float, int] | None:
+    """(TFLOP/s, warps per SM) of the best register-operand bf16 mma.sync ceiling measured (the floor assumes
+    stage 2 at the best residency), or None when the run measured none."""
+    rates = ((ceilings or {}).get("mma_sync") or {}).get(MMA_KIND)
+    if not rates:
+        return None
+    warps = max(rates, key=lambda w: rates[w])
+    return rates[warps], int(warps)
+
+
+def floor(c: Case, ceilings: dict | None) -> dict:
+    """The floor of "stage 2 + selection" for case ``c``: what it moves and computes, and (where ``ceilings`` holds
+    the read-only stream and the mma.sync ceiling, both measured in the same run) the time that costs, which
+    bound binds, and the target share."""
+    visible = c.visible()
+    candidates = sum(min(c.k_prime, v) for v in visible)
+    candidate_bytes = candidates * rescore.TWO_LEVEL_BYTES_PER_TOKEN
+    logit_bytes = sum(visible) * LOGIT_BYTES
+    flops = candidates * STAGE2_FLOPS_PER_CANDIDATE
+    read = (ceilings or {}).get("read_gbps")
+    mma = mma_ceiling(ceilings)
+    read_us = (candidate_bytes + logit_bytes) / (read * 1e9) * 1e6 if read else None
+    mma_us = flops / (mma[0] * 1e12) * 1e6 if mma else None
+    us = max(read_us, mma_us) if read_us is not None and mma_us is not None else None
+    return {"entry_rows": c.entry_rows(), "candidates": candidates, "candidate_bytes": candidate_bytes,
+            "logit_bytes": logit_bytes, "bytes": candidate_bytes + logit_bytes, "flops": flops,
+            "read_gbps": read, "mma_tflops": mma[0] if mma else None, "mma_warps_per_sm": mma[1] if mma else None,
+            "read_us": read_us, "mma_us": mma_us, "us": us,
+            "binds": None if us is None else ("read" if read_us >= mma_us else "mma.sync"),
+            "target": floor_target(c.entry_rows())}
+
+
+def floor_shares(fl: dict, us: dict) -> tuple[dict, dict]:
+    """({column: share of the floor reached}, {column: "pass" | "miss"}) of :data:`FLOOR_COLUMNS` for a floor
+    ``fl`` (:func:`floor`) and a row's times ``us``; None where the floor or the time is missing."""
+    share, verdict = {}, {}
+    for col in FLOOR_COLUMNS:
+        t = us.get(col)
+        share[col] = fl["us"] / t if fl.get("us") and t else None
+        verdict[col] = None if share[col] is None else ("pass" if share[col] >= fl["target"] else "miss")
+    return share, verdict
+
+
+def with_floor(row: dict, c: Case, ceilings: dict | None) -> dict:
+    """``row`` with its floor (:func:`floor`), the share of it each floor column reached and the verdicts."""
+    fl = floor(c, ceilings)
+    fl["share"], fl["verdict"] = floor_shares(fl, row["us"])
+    row["floor"] = fl
+    return row
+
+
+def case_of(row: dict) -> Case | None:
+    """The :class:`Case` a JSON row was measured on; None for the first runs' rows (no phase recorded)."""
+    if "phase" not in row or "prefixes" not in row:
+        return None
+    return Case(row["phase"], tuple(row["prefixes"]), row.get("next_n") or 1, row.get("chunk") or 0,
+                row.get("index_topk") or INDEX_TOPK)
+
+
 def rows(device: torch.device, quick: bool, seed: int, dg=None, dg_reason: str | None = "not asked for",
-         progress=None, phases=None, topks=None) -> list[dict]:
+         progress=None, phases=None, topks=None, ceilings: dict | None = None) -> list[dict]:
     """The measured rows of :func:`cases` (only ``phases`` when given); ``topks``: :class:`peers.TopKs` (default:
-    ours standing in for SGLang's)."""
+    ours standing in for SGLang's); each row with the floor of "stage 2 + selection" against ``ceilings`` (those
+    measured in the same run; None: the floor's bytes and flops only)."""
     topks = topks if topks is not None else peers.topks(device, sglang=False)
     case_list = [c for c in cases(device, quick) if phases is None or c.phase in phases]
     reps = (10 if quick else 25) if device.type == "cuda" else 2
     task = progress.add_task("rescore", total=len(case_list)) if progress is not None else None
     out = []
     for c in case_list:
-        out.append(measure(c, device, dg, dg_reason, seed, reps, topks))
+        out.append(with_floor(measure(c, device, dg, dg_reason, seed, reps, topks), c, ceilings))
         if task is not None:
             progress.advance(task)
     return out
@@ -491,7 +587,8 @@ def _fmt_us(v) -> str:
 
 def markdown(doc: dict) -> str:
     """The run as markdown: a table per run (us per call; the fp8-rescore columns also per query row and as a
-    ratio to DeepGEMM's fp8 + top-k where measured), the legend, memory per index entry; runs that record their
+    ratio to DeepGEMM's fp8 + top-k where measured), the floor of "stage 2 + selection" and the share of it reached
+    (issue 31; "—" where the run measured no ceilings), the legend, memory per index entry; runs that record their
     stock top-k (issue 31) also name it and give the top-k columns a table of their own."""
     topk_run = doc.get("topk")
     cols = [c for c in _columns_of(doc) if c not in TOPK_COLUMNS.values()]
@@ -522,6 +619,7 @@ def markdown(doc: dict) -> str:
     if nonpaged:
         lines += ["", f"fp8 DeepGEMM on SGLang's non-paged route (key gather + fp8_mqa_logits): {'; '.join(nonpaged)}; "
                       "every other case: paged rows."]
+    lines += _floor_table(doc)
     if topk_run:
         lines += _topk_table(doc)
     names = {**LEGEND, **(doc.get("columns") or {})} if topk_run else LEGEND
@@ -561,3 +659,59 @@ def _topk_table(doc: dict) -> list[str]:
     if missing:
         lines += ["", "Not run: " + "; ".join(missing) + "."]
     return lines
+
+
+def _row_floor(doc: dict, r: dict) -> dict | None:
+    """A row's floor: the one it recorded, else (runs from before the floor) its bytes and flops from its case,
+    against the run's ceilings if any; None for the first runs' rows."""
+    if r.get("floor"):
+        return r["floor"]
+    c = case_of(r)
+    if c is None:
+        return None
+    fl = floor(c, doc.get("ceilings"))
+    fl["share"], fl["verdict"] = floor_shares(fl, {col: _us(r, col) for col in FLOOR_COLUMNS})
+    return fl
+
+
+def _fmt_share(fl: dict, col: str) -> str:
+    share, verdict = (fl.get("share") or {}).get(col), (fl.get("verdict") or {}).get(col)
+    return "—" if share is None else f"{100 * share:.0f}%: {verdict}"
+
+
+def _floor_table(doc: dict) -> list[str]:
+    """The floor of "stage 2 + selection" per case, the share of it each floor column reached, issue 31's target
+    and the verdicts."""
+    floors = [(r, _row_floor(doc, r)) for r in doc["rows"]]
+    floors = [(r, fl) for r, fl in floors if fl is not None]
+    if not floors:
+        return []
+    cols = [c for c in FLOOR_COLUMNS if any(_us(r, c) is not None for r, _ in floors)]
+    measured = [fl for _, fl in floors if fl.get("us") is not None]
+    if measured:
+        fl = measured[0]
+        rates = (f"read-only stream {fl['read_gbps']:.0f} GB/s, bf16 mma.sync {fl['mma_tflops']:.0f} TFLOP/s at "
+                 f"{fl['mma_warps_per_sm']} warps per SM, both measured in this run")
+    else:
+        rates = "this run measured no ceilings (it predates them): no floor in time, no share, no verdict"
+    big = FLOOR_TARGET["min_entry_rows"]
+    lines = ["", f"Floor of stage 2 + selection (issue 31): max(bytes / the read-only stream, stage 2's flops / the "
+                 f"register-operand bf16 mma.sync ceiling); {rates}. Bytes: each row's candidates (K' of the entries "
+                 f"it sees) x 264 B (hi + lo) + its visible logits once x 4 B; flops: candidates x 64 heads x 128 x 2 "
+                 f"(fma) x 2 (hi, lo). Target: >= {FLOOR_TARGET['large']:.0%} of the floor where rows x index entries "
+                 f">= {big // 2**20}M, >= {FLOOR_TARGET['small']:.0%} below.", "",
+             "| case | rows x entries | MB read | stage-2 GFLOP | floor | binds | target | "
+             + " | ".join(f"{c} | share of floor" for c in cols) + " |",
+             "|" + "---|" * (7 + 2 * len(cols))]
+    for r, fl in floors:
+        cells = [_row_label(r), _fmt_count(fl["entry_rows"]), f"{fl['bytes'] / 1e6:.1f}", f"{fl['flops'] / 1e9:.1f}",
+                 _fmt_us(fl.get("us")), fl.get("binds") or "—", f">= {fl['target']:.0%}"]
+        for c in cols:
+            cells += [_fmt_us(_us(r, c)), _fmt_share(fl, c)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _fmt_count(n: int) -> str:
+    """1.00M / 256K / 512: entries in units of 2^20 or 2^10."""
+    return f"{n / 2**20:.2f}M" if n >= 2**20 else (f"{n / 2**10:.0f}K" if n >= 2**10 else str(n))

@@ -194,6 +194,6 @@ if [ -n "${RESCORE_BENCH:-}" ]; then
   [ -f "$OUT/h200-serve-rescore.json" ] && python3 -m cupy_dsa bench report "$OUT/h200-serve-rescore.json" 2>/dev/null \
       | sed -n '/^fp8-rescore, /,$p' | grep -v "^$" | cut -c1-400
   [ -f "$OUT/h200-rescore.json" ] && python3 -m cupy_dsa bench report "$OUT/h200-rescore.json" 2>/dev/null \
-      | grep -E "^\| (case|decode|verify|extend|prefill)|Stock top-k|Not run" | cut -c1-400
+      | grep -E "^\| (case|decode|verify|extend|prefill)|Stock top-k|Floor of|Not run" | cut -c1-400
 fi
 exit 0

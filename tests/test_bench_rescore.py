@@ -2,12 +2,13 @@
 them) and `bench serve`'s fp8-rescore layouts (issue 26), on CPU: the ops' torch references and the DeepGEMM
 stand-in of test_bench_routes. No timed assertions."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
 
-from cupy_dsa.bench import peers, readme, serve
+from cupy_dsa.bench import peers, readme, serve, timing
 from cupy_dsa.bench import rescore as rb
 from cupy_dsa.bench.cli import main
 
@@ -15,7 +16,15 @@ from test_bench_routes import (FakeDeepGEMM, FakeSGLangTopK, _serve_doc, _serve_
                                fake_sglang_topk, stand_in_gpu)
 
 K = 1024
+REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
+# stand-ins for a run's ceilings (GB/s, TFLOP/s by warps per SM): the CPU runs measure none
+STAND_IN_CEILINGS = {"read_gbps": 2.0, "copy_gbps": 1.5, "mma_sync": {"bf16": {"4": 2.0, "8": 3.0, "16": 2.5},
+                                                                        "e4m3": None}}
+
+
+def _no_ceilings(dev, quick):
+    raise RuntimeError("no GPU here")
 GPU = torch.device("cuda")  # only its type is read: the GPU case lists, built without a GPU
 
 
@@ -60,10 +69,12 @@ def test_rescore_rows_on_cpu_with_deepgemm_stand_in(monkeypatch):
     """Every column of every phase runs (the references), the DeepGEMM ones with the stand-in and SGLang's top-k
     with its stand-in; without them they say why."""
     fake_sglang_topk(monkeypatch)
-    rows = rb.rows(CPU, False, 0, FakeDeepGEMM(), None, topks=peers.topks(CPU))
+    rows = rb.rows(CPU, False, 0, FakeDeepGEMM(), None, topks=peers.topks(CPU), ceilings=STAND_IN_CEILINGS)
     assert [r["phase"] for r in rows] == list(rb.PHASES)
     for r in rows:
         assert r["errors"] == {} and all(r["us"][c] > 0 for c in rb.COLUMNS), r
+        assert r["floor"] == rb.with_floor({"us": r["us"]}, rb.case_of(r), STAND_IN_CEILINGS)["floor"]
+        assert all(r["floor"]["share"][c] == r["floor"]["us"] / r["us"][c] for c in rb.FLOOR_COLUMNS)
         assert r["vs_fp8_deepgemm"][rb.FP8_DG] == 1.0 and r["us_per_row"][rb.RESCORE] == r["us"][rb.RESCORE] / r["rows"]
         assert all(r["key_bytes"][c] == 0 for c in rb.TOPK_COLUMNS.values())
     fake_sglang_topk(monkeypatch, live=False)
@@ -118,8 +129,9 @@ def test_rescore_cli_on_a_stand_in_gpu(monkeypatch, tmp_path):
     stand_in_gpu(monkeypatch)
     fake_sglang_topk(monkeypatch)
     real = rb.rows
-    monkeypatch.setattr(rb, "rows", lambda dev, quick, seed, dg, reason, progress, phases=None, topks=None:
-                        real(CPU, quick, seed, dg, reason, progress, phases, topks))
+    monkeypatch.setattr(rb, "rows", lambda dev, quick, seed, dg, reason, progress, phases=None, topks=None,
+                        ceilings=None: real(CPU, quick, seed, dg, reason, progress, phases, topks, ceilings))
+    monkeypatch.setattr(timing, "measure_ceilings", lambda dev, quick: dict(STAND_IN_CEILINGS))
     j, md = tmp_path / "r.json", tmp_path / "r.md"
     res = CliRunner().invoke(main, ["bench", "rescore", "--phase", "decode", "--phase", "extend", "--json", str(j)])
     assert res.exit_code == 0, res.output
@@ -139,11 +151,28 @@ def test_rescore_cli_on_a_stand_in_gpu(monkeypatch, tmp_path):
     assert "| case | top-k SGLang v2 | top-k SGLang v1 | top-k cupy_dsa | top-k torch.topk | cupy_dsa / SGLang v2 |" \
         in text and "torch.topk(index_topk)" not in text.split("Columns:")[1].split("**top-k torch.topk**")[0]
     assert again.output.strip() == text.strip() == rb.markdown(doc).strip()
+    # the floor of stage 2 + selection against the run's ceilings (stand-ins here), in the JSON, console and markdown
+    assert doc["ceilings"] == STAND_IN_CEILINGS and doc["floor_target"] == rb.FLOOR_TARGET
+    for r in doc["rows"]:
+        fl = r["floor"]
+        assert fl["us"] > 0 and fl["mma_warps_per_sm"] == 8 and fl["read_gbps"] == 2.0
+        assert set(fl["verdict"].values()) <= {"pass", "miss"}
+        assert fl["share"][rb.STAGE2] == fl["us"] / r["us"][rb.STAGE2]
+    assert "floor of stage 2 + selection (read 2 GB/s, bf16 mma.sync 3 TFLOP/s at 8 warps/SM)" in res.output
+    assert "read-only stream 2 GB/s, bf16 mma.sync 3 TFLOP/s at 8 warps per SM, both measured in this run" in text
+    r0 = doc["rows"][0]
+    assert (f"| {r0['case']} | {rb._fmt_count(r0['floor']['entry_rows'])} | " in text
+            and f"{100 * r0['floor']['share'][rb.STAGE2]:.0f}%: {r0['floor']['verdict'][rb.STAGE2]}" in text)
     # without SGLang's kernels: cupy_dsa.paged_topk stands in, and the JSON, the legend and the table say so
     fake_sglang_topk(monkeypatch, live=False)
+    monkeypatch.setattr(timing, "measure_ceilings", _no_ceilings)  # and no ceilings: the floor has no time
     res = CliRunner().invoke(main, ["bench", "rescore", "--phase", "decode", "--json", str(j)])
     assert res.exit_code == 0, res.output
+    assert "ceilings not measured (RuntimeError: no GPU here): no floor in time" in res.output
     doc = json.loads(j.read_text())
+    assert doc["ceilings"] is None and all(r["floor"]["us"] is None and r["floor"]["bytes"] > 0 and
+                                           set(r["floor"]["verdict"].values()) == {None} for r in doc["rows"])
+    assert "this run measured no ceilings (it predates them)" in rb.markdown(doc)
     assert doc["topk"]["stock"] == peers.CUPY_DSA_TOPK and doc["topk"]["stand_in"]
     assert "STANDS IN" in doc["topk"]["stand_in_note"] and "a54fd74" in doc["topk"]["stand_in_note"]
     assert "No module named 'sglang'" in doc["topk"]["status"][peers.SGLANG_V2]
@@ -191,6 +220,79 @@ def test_rescore_markdown_new_and_old_results():
     assert "| decode 8 x 64K | 100.0 us | 90.0 us | 180.0 us | 160.0 us | 22.50 us | 2.00x |" in text
     assert "timing method not recorded" in text
     assert readme.not_gpu_figures(old) is None and readme.not_gpu_figures(dict(old, quick=True))
+
+
+# --------------------------------------------------------------------------------------------------
+# bench rescore: the floor of stage 2 + selection (issue 31)
+# --------------------------------------------------------------------------------------------------
+
+def test_rescore_floor_by_hand():
+    """Two requests of 2048 and 50 entries, next_n 2, K' = 64: rows see 2047, 2048, 49 and 50 entries, so 64 + 64 +
+    49 + 50 = 227 candidates; 227 x 264 B + 4194 logits x 4 B = 76,704 B; 227 x 64 x 128 x 2 x 2 = 7,438,336 flops."""
+    c = rb.Case("verify", (8192, 200), next_n=2, index_topk=16)
+    assert c.k_prime == 64 and c.visible() == [2047, 2048, 49, 50] and c.entry_rows() == 2 * (2048 + 50)
+    fl = rb.floor(c, {"read_gbps": 100.0, "mma_sync": {"bf16": {"4": 5.0, "8": 10.0, "16": 8.0}, "e4m3": None}})
+    assert (fl["candidates"], fl["candidate_bytes"], fl["logit_bytes"]) == (227, 59928, 16776)
+    assert fl["bytes"] == 76704 and fl["flops"] == 7438336
+    assert (fl["mma_tflops"], fl["mma_warps_per_sm"]) == (10.0, 8)           # the best residency measured
+    assert fl["read_us"] == pytest.approx(0.76704) and fl["mma_us"] == pytest.approx(0.7438336)
+    assert fl["us"] == fl["read_us"] and fl["binds"] == "read" and fl["target"] == 0.40
+    share, verdict = rb.floor_shares(fl, {rb.STAGE2: 1.5, rb.STAGE2_DG: 2.0})
+    assert share[rb.STAGE2] == pytest.approx(0.76704 / 1.5) and verdict[rb.STAGE2] == "pass"      # 51% >= 40%
+    assert share[rb.STAGE2_DG] == pytest.approx(0.76704 / 2.0) and verdict[rb.STAGE2_DG] == "miss"  # 38% < 40%
+    fast_read = rb.floor(c, {"read_gbps": 1000.0, "mma_sync": {"bf16": {"8": 10.0}}})
+    assert fast_read["binds"] == "mma.sync" and fast_read["us"] == pytest.approx(0.7438336)
+    for ceilings in (None, {"read_gbps": 100.0}, {"read_gbps": None, "mma_sync": {"bf16": {"8": 10.0}}},
+                     {"read_gbps": 100.0, "mma_sync": None}):  # a ceiling missing: no floor in time, no verdict
+        fl = rb.floor(c, ceilings)
+        assert fl["us"] is None and fl["binds"] is None and fl["bytes"] == 76704
+        assert rb.floor_shares(fl, {rb.STAGE2: 1.5}) == ({rb.STAGE2: None, rb.STAGE2_DG: None},
+                                                         {rb.STAGE2: None, rb.STAGE2_DG: None})
+
+
+def test_rescore_floor_targets_by_rows_x_entries():
+    """>= 60% from 2^20 rows x index entries (each request's entries x its rows), >= 40% below; the GPU cases."""
+    assert rb.Case("decode", (4 * 2**20,)).entry_rows() == 2**20 and rb.floor_target(2**20) == 0.60
+    assert rb.floor_target(2**20 - 1) == 0.40
+    by = {rb.case_label(c): rb.floor(c, None) for c in rb.cases(GPU, False)}
+    assert by["verify 64 x 32K, next_n 2"]["entry_rows"] == 2 * 64 * 8 * K and by["verify 64 x 32K, next_n 2"][
+        "target"] == 0.60
+    assert [by[f"decode {b}"]["target"] for b in ("1 x 64K", "8 x 64K", "64 x 64K", "8 x 256K", "64 x 256K",
+                                                   "4 x 1M")] == [0.40, 0.40, 0.60, 0.40, 0.60, 0.60]
+    assert all(fl["target"] == 0.60 for label, fl in by.items() if label.startswith(("prefill", "extend")))
+    d = by["decode 64 x 64K"]  # issue 31's figures: 34.6 MB of candidate rows
+    assert d["candidate_bytes"] == 64 * 2048 * 264 and d["logit_bytes"] == 64 * 16 * K * 4
+    assert d["flops"] == 64 * 2048 * 64 * 128 * 4
+
+
+@pytest.mark.parametrize("phase", rb.PHASES)
+def test_rescore_visible_entries_are_the_timed_rows(phase):
+    """The floor counts the entries each row of the timed calls sees (their lens_rows), row by row."""
+    c, = [c for c in rb.cases(CPU, False) if c.phase == phase]
+    x = rb._inputs(c, CPU, torch.Generator().manual_seed(1), 1)
+    assert x.lens_rows.tolist() == c.visible()
+
+
+def test_rescore_floor_markdown_old_and_new_results():
+    """The committed run (no ceilings) renders its floor's bytes and flops with "—" for the floor, the share and the
+    verdict; the same rows with ceilings render them; the first runs' rows (no case) have no floor table."""
+    old = json.loads((REPO / "bench/results/h200-rescore.json").read_text())
+    assert "ceilings" not in old and all("floor" not in r for r in old["rows"])
+    text = rb.markdown(old)
+    assert "this run measured no ceilings (it predates them): no floor in time, no share, no verdict" in text
+    # decode 8 x 64K: 8 rows x 2048 candidates x 264 B + 8 x 16K logits x 4 B = 4.85 MB; 0.5 GFLOP; 40%
+    assert "| decode 8 x 64K | 128K | 4.8 | 0.5 | — | — | >= 40% | 34.6 us | — | 35.0 us | — |" in text
+    assert "| prefill chunk of 4,096 after 32K | 36.00M | 2357.2 | 274.9 | — | — | >= 60% | 1.66 ms | — |" in text
+    new = dict(old, ceilings={"read_gbps": 4000.0, "mma_sync": {"bf16": {"8": 600.0}}})
+    new["rows"] = [rb.with_floor(dict(r), rb.case_of(r), new["ceilings"]) for r in old["rows"]]
+    text = rb.markdown(new)
+    # 4.85 MB / 4 TB/s = 1.21 us (the flops: 0.54 GFLOP / 600 TFLOP/s = 0.89 us); 1.21 / 34.6 = 4%
+    assert "| decode 8 x 64K | 128K | 4.8 | 0.5 | 1.2 us | read | >= 40% | 34.6 us | 4%: miss | 35.0 us | 3%: miss |" \
+        in text
+    assert "read-only stream 4000 GB/s, bf16 mma.sync 600 TFLOP/s at 8 warps per SM" in text
+    # a run with ceilings whose rows predate the floor: computed from the rows' cases when rendered
+    assert rb.markdown(dict(old, ceilings=new["ceilings"])) == text
+    assert "Floor of stage 2 + selection" not in rb.markdown(_new_doc())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -605,7 +605,8 @@ def test_rescore_needs_a_gpu(monkeypatch):
 @pytest.mark.gpu
 def test_rescore_gpu_quick(tmp_path):
     """One case per phase: every column timed (DeepGEMM's where it imports), the byte counts of the formats, the
-    JSON written."""
+    floor of stage 2 + selection against the ceilings measured in the run (a share and a verdict), the JSON
+    written."""
     from cupy_dsa.bench import rescore as rescore_bench
 
     j = tmp_path / "r.json"
@@ -621,6 +622,10 @@ def test_rescore_gpu_quick(tmp_path):
                  and (c in live or c not in rescore_bench.TOPK_COLUMNS.values())]
         assert all(r["us"][c] > 0 for c in timed), r
         assert r["key_bytes"]["fp8"] < r["key_bytes"]["bf16"]
+        fl = r["floor"]
+        assert fl["read_gbps"] > 0 and fl["mma_tflops"] > 0 and fl["us"] > 0 and fl["binds"] in ("read", "mma.sync")
+        assert 0 < fl["share"][rescore_bench.STAGE2] and fl["verdict"][rescore_bench.STAGE2] in ("pass", "miss")
+    assert doc["ceilings"]["mma_sync"]["bf16"] and "Floor of stage 2 + selection" in rescore_bench.markdown(doc)
 
 
 # --------------------------------------------------------------------------------------------------
