@@ -33,7 +33,7 @@ transform of the raw indices.
 
 The ``bf16 query`` phase runs extend, decode and verify again with ``SGLANG_CUPY_DSA_INDEX_Q=bf16``: the hook prepares
 the query from the layer's projections (``prepare_index_q(numerics="bf16")``) on each route (CUDA-graph capture of
-that path: tests/test_sglang_plugin.py::test_gpu_bf16_query_path_graph).
+that path: tests/test_sglang_gpu.py::test_gpu_bf16_query_path_graph).
 
 The ``fp8-cupy`` phase repeats all of it (store, extend batch, one-request extend, decode, verify next_n 2 and 4,
 decode and verify CUDA graphs) with ``SGLANG_CUPY_DSA_INDEX_K=fp8-cupy``: SGLang's 8448-byte fp8 pool written by

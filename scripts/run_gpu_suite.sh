@@ -164,7 +164,7 @@ if [ -n "${QUERY_BENCH:-}" ]; then
   [ -f "$OUT/h200-serve-query.json" ] && python3 -m cupy_dsa bench report "$OUT/h200-serve-query.json" \
       --markdown "$OUT/serve-query.md" >/dev/null 2>&1
   timeout ${PYTEST_S:-150} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE \
-      "tests/test_sglang_plugin.py::test_gpu_bf16_query_path_graph" "tests/test_sglang_plugin.py::test_gpu_check_self_test" \
+      "tests/test_sglang_gpu.py::test_gpu_bf16_query_path_graph" "tests/test_sglang_check.py::test_gpu_check_self_test" \
       "tests/test_cli.py::test_recall_suite_diverse_on_gpu" >"$OUT/pytest_gpu_query.log" 2>&1
   QUERY_LINE="bench recall --suite diverse rc=$RECALL_RC, bench serve --query rc=$QSERVE_RC (124: timed out), \
 pytest: $(tail -1 "$OUT/pytest_gpu_query.log")"

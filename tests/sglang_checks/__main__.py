@@ -3,7 +3,7 @@
 ``python tests/sglang_checks <scenario>`` loads plugins the way SGLang's processes do
 (``sglang.srt.plugins.load_plugins()``), runs every check of the scenario (each isolated: one failing
 check does not hide the others) and prints one ``RESULTS_JSON:`` line. SGLang's hook registry cannot be
-undone, hence one process per scenario; tests/test_sglang_plugin.py runs the scenarios and asserts.
+undone, hence one process per scenario; tests/test_sglang_scenarios.py runs the scenarios and asserts.
 
 Scenarios (the environment is set by the caller):
   on        SGLANG_CUPY_DSA_INDEX_K=bf16, SGLANG_PLUGINS=cupy_dsa: every hook, recall, guards

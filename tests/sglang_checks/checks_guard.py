@@ -69,7 +69,7 @@ def guard_checks():
             pd_decode_handshake(fp8_layout, bf16_layout)
         except RuntimeError as e:
             assert "KV layout mismatch" in str(e) and "c4idx:bf16" in str(e), str(e)
-            INFO["pd_mismatch"] = str(e)  # the README quotes it (test_sglang_plugin.py checks)
+            INFO["pd_mismatch"] = str(e)  # the README quotes it (test_sglang_scenarios.py checks)
         else:
             raise AssertionError("an fp8 decode peer accepted a bf16 prefill peer")
         assert_pd_layout_accepted(bf16_layout)
