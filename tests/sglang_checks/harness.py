@@ -43,26 +43,9 @@ def assert_refused(call, fragments, accepted):
         raise AssertionError(accepted)
 
 
-class mode_env:
-    """Temporarily set the switch (the plugin caches it per process: reset the cache on entry and exit)."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def __enter__(self):
-        self.old = os.environ.get(ENV)
-        if self.value is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = self.value
-        core.reset_mode()
-
-    def __exit__(self, *exc):
-        if self.old is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = self.old
-        core.reset_mode()
+def mode_env(value):
+    """Temporarily set the switch (None: unset; the plugin caches it per process: reset on entry and exit)."""
+    return core.env_vars({ENV: value})
 
 
 def load():

@@ -27,23 +27,9 @@ from scenario_rescore import sglang_fused_q_on_cpu
 Q = core.QUERY_ENV
 
 
-@contextlib.contextmanager
 def query_env(value):
-    """The query setting for a block (read once per process: the cache is reset on entry and exit)."""
-    old = os.environ.get(Q)
-    if value is None:
-        os.environ.pop(Q, None)
-    else:
-        os.environ[Q] = value
-    core.reset_mode()
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(Q, None)
-        else:
-            os.environ[Q] = old
-        core.reset_mode()
+    """The query setting for a block (None: unset; read once per process: the cache is reset on entry and exit)."""
+    return core.env_vars({Q: value})
 
 
 def query_setup(mode, lens, groups=None, seed=7, max_pos=4096):
@@ -148,9 +134,7 @@ def scenario_query():
                     with mode_env(mode), query_env(query if rec.query_settable else None), \
                             contextlib.ExitStack() as stack:
                         if rec.two_level:
-                            os.environ[core.RESCORE_STAGE1_ENV] = "cupy"
-                            stack.callback(os.environ.pop, core.RESCORE_STAGE1_ENV, None)
-                            core.reset_mode()
+                            stack.enter_context(core.env_vars({core.RESCORE_STAGE1_ENV: "cupy"}))
                             from scenario_rescore import spied_rescore
                             spies = stack.enter_context(spied_rescore(f"in {mode}"))
                         else:

@@ -38,26 +38,10 @@ FP8_PAGE = 8448
 STAGE1, KPRIME, STAGE2_Q = core.RESCORE_STAGE1_ENV, core.RESCORE_KPRIME_ENV, core.QUERY_ENV
 
 
-@contextlib.contextmanager
 def settings_env(stage1=None, kprime=None, stage2_q=None):
-    """fp8-rescore's settings and the query setting (its stage-2 query) for a block (read once per process: the cache
-    is reset on entry and exit)."""
-    old = {n: os.environ.get(n) for n in (STAGE1, KPRIME, STAGE2_Q)}
-    for name, value in ((STAGE1, stage1), (KPRIME, kprime), (STAGE2_Q, stage2_q)):
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    core.reset_mode()
-    try:
-        yield
-    finally:
-        for name, value in old.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        core.reset_mode()
+    """fp8-rescore's settings and the query setting (its stage-2 query) for a block (None: unset; read once per
+    process: the cache is reset on entry and exit)."""
+    return core.env_vars({STAGE1: stage1, KPRIME: kprime, STAGE2_Q: stage2_q})
 
 
 # --------------------------------------------------------------------------------------------------
