@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -46,6 +47,26 @@ def assert_refused(call, fragments, accepted):
 def mode_env(value):
     """Temporarily set the switch (None: unset; the plugin caches it per process: reset on entry and exit)."""
     return core.env_vars({ENV: value})
+
+
+def server_args_from_yaml(text):
+    """SGLang's ``prepare_server_args`` on a ``--config`` YAML file holding ``text`` (the file is removed after)."""
+    from sglang.srt.server_args import prepare_server_args
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(text)
+    try:
+        return prepare_server_args(["--config", f.name])
+    finally:
+        os.unlink(f.name)
+
+
+def check_command_text():
+    """``cupy-dsa check``'s mode section for this process's settings: (the mode it found, its lines as one text)."""
+    from cupy_dsa.sglang import check as check_cmd
+
+    mode, lines = check_cmd._mode_lines()
+    return mode, " ".join(t for _, t in lines)
 
 
 def load():

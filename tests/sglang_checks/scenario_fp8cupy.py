@@ -28,7 +28,8 @@ from checks_indexer import _indexer_setup, one_attention_cp_rank, spied_logits_r
 from checks_store import (call_site_case, decode_case, index_cache, key_f64, prefill_case, store_through_binding,
                           store_through_sglang_call_site)
 from checks_strictness import Spy, _store_call, assert_hook_refuses, assert_stores_refused
-from harness import ENV, INFO, check, every_hook_in_place, load, make_index_pool, mode_env
+from harness import (ENV, INFO, check, check_command_text, every_hook_in_place, load, make_index_pool, mode_env,
+                     server_args_from_yaml)
 
 MODE = "fp8-cupy"
 FP8_PAGE = 8448
@@ -317,28 +318,18 @@ def scenario_fp8cupy():
 
     @check
     def flag_and_yaml_key_take_fp8cupy():
-        import tempfile
-
         from sglang.srt.server_args import prepare_server_args
 
         with mode_env(None):
             prepare_server_args(["--model-path", "dummy", "--cupy-dsa-index-k-dtype", "FP8-Cupy"])
             assert os.environ.get(ENV) == MODE and core.index_k_mode() == MODE, os.environ.get(ENV)
-        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-            f.write("model-path: dummy\ncupy-dsa-index-k-dtype: fp8-cupy\n")
-        try:
-            with mode_env(None):
-                prepare_server_args(["--config", f.name])
-                assert os.environ.get(ENV) == MODE, os.environ.get(ENV)
-        finally:
-            os.unlink(f.name)
+        with mode_env(None):
+            server_args_from_yaml("model-path: dummy\ncupy-dsa-index-k-dtype: fp8-cupy\n")
+            assert os.environ.get(ENV) == MODE, os.environ.get(ENV)
 
     @check
     def check_command_describes_fp8cupy():
-        from cupy_dsa.sglang import check as check_cmd
-
-        mode, lines = check_cmd._mode_lines()
-        assert mode == MODE
-        text = " ".join(t for _, t in lines)
+        mode, text = check_command_text()
+        assert mode == MODE, text
         assert "SGLang's fp8 C4 index keys on cupy_dsa's store and kernels (132 B per entry)" in text, text
         assert "query: SGLang's fused fp8 q" in text, text

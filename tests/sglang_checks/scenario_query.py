@@ -21,7 +21,7 @@ import torch
 from cupy_dsa.sglang import core, hooks
 
 from checks_indexer import _indexer_setup, one_attention_cp_rank, spied_logits_routes
-from harness import ENV, INFO, check, every_hook_in_place, load, mode_env
+from harness import ENV, INFO, check, check_command_text, every_hook_in_place, load, mode_env, server_args_from_yaml
 from scenario_rescore import sglang_fused_q_on_cpu
 
 Q = core.QUERY_ENV
@@ -173,8 +173,6 @@ def scenario_query():
 
     @check
     def query_flag_yaml_key_and_refusals():
-        import tempfile
-
         from sglang.srt.arg_groups.resolution_hooks import run_hook
         from sglang.srt.server_args import ServerArgs, prepare_server_args
 
@@ -184,14 +182,9 @@ def scenario_query():
             prepare_server_args(["--model-path", "dummy", "--cupy-dsa-index-k-dtype", "fp8-cupy",
                                  "--cupy-dsa-index-q", "BF16"])
             assert os.environ.get(ENV) == "fp8-cupy" and os.environ.get(Q) == "bf16" and core.index_query() == "bf16"
-        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-            f.write("model-path: dummy\ncupy-dsa-index-k-dtype: bf16-fp4sim\ncupy-dsa-index-q: bf16\n")
-        try:
-            with mode_env(None), query_env(None):
-                prepare_server_args(["--config", f.name])
-                assert os.environ.get(ENV) == "bf16-fp4sim" and core.index_query() == "bf16"
-        finally:
-            os.unlink(f.name)
+        with mode_env(None), query_env(None):
+            server_args_from_yaml("model-path: dummy\ncupy-dsa-index-k-dtype: bf16-fp4sim\ncupy-dsa-index-q: bf16\n")
+            assert os.environ.get(ENV) == "bf16-fp4sim" and core.index_query() == "bf16"
         with mode_env(None), query_env(None):
             try:
                 prepare_server_args(["--model-path", "dummy", "--cupy-dsa-index-q", "fp16"])
@@ -233,12 +226,9 @@ def scenario_query():
 
     @check
     def check_command_names_the_query():
-        from cupy_dsa.sglang import check as check_cmd
-
-        mode, lines = check_cmd._mode_lines()
-        text = " ".join(t for _, t in lines)
+        mode, text = check_command_text()
         assert mode == "bf16" and f"query: the rotated q rounded to bf16 once (the head weights without a q scale) " \
             f"({Q}=bf16)" in text, text
         with query_env(None):
-            mode, lines = check_cmd._mode_lines()
-            assert "query: SGLang's fused fp8 q" in " ".join(t for _, t in lines), lines
+            mode, text = check_command_text()
+            assert "query: SGLang's fused fp8 q" in text, text

@@ -30,7 +30,8 @@ from checks_indexer import _indexer_setup, hisparse_decode, one_attention_cp_ran
 from checks_store import (call_site_case, decode_case, prefill_case, store_through_binding,
                           store_through_sglang_call_site)
 from checks_strictness import Spy, _store_call, assert_hook_refuses, assert_stores_refused
-from harness import ENV, INFO, check, every_hook_in_place, load, make_index_pool, mode_env
+from harness import (ENV, INFO, check, check_command_text, every_hook_in_place, load, make_index_pool, mode_env,
+                     server_args_from_yaml)
 from scenario_fp8cupy import assert_sglang_fp8_pages
 
 MODE = "fp8-rescore"
@@ -823,8 +824,6 @@ def scenario_rescore():
 
     @check
     def flags_and_yaml_keys_take_rescore():
-        import tempfile
-
         from sglang.srt.server_args import prepare_server_args
 
         from cupy_dsa.sglang.core import StartupRefused
@@ -837,17 +836,12 @@ def scenario_rescore():
             assert os.environ.get(STAGE2_Q) == "bf16"
             assert core.index_k_mode() == MODE and core.rescore_settings() == ("cupy", 3, None)
             assert core.index_query() == "bf16"
-        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-            f.write("model-path: dummy\ncupy-dsa-index-k-dtype: fp8-rescore\ncupy-dsa-rescore-kprime: 2048\n"
-                    "cupy-dsa-index-q: fp8\n")
-        try:
-            with mode_env(None), settings_env():
-                prepare_server_args(["--config", f.name])
-                assert os.environ.get(ENV) == MODE and os.environ.get(KPRIME) == "2048", os.environ.get(KPRIME)
-                assert os.environ.get(STAGE2_Q) == "fp8" and core.index_query() == "fp8"
-                assert STAGE1 not in os.environ
-        finally:
-            os.unlink(f.name)
+        with mode_env(None), settings_env():
+            server_args_from_yaml("model-path: dummy\ncupy-dsa-index-k-dtype: fp8-rescore\ncupy-dsa-rescore-kprime: "
+                                  "2048\ncupy-dsa-index-q: fp8\n")
+            assert os.environ.get(ENV) == MODE and os.environ.get(KPRIME) == "2048", os.environ.get(KPRIME)
+            assert os.environ.get(STAGE2_Q) == "fp8" and core.index_query() == "fp8"
+            assert STAGE1 not in os.environ
         with mode_env(None), settings_env():
             for bad in (["--cupy-dsa-rescore-kprime", "4y"], ["--cupy-dsa-rescore-stage1", "deepgemm"],
                         ["--cupy-dsa-index-q", "fp16"], ["--cupy-dsa-rescore-q", "bf16"]):
@@ -871,9 +865,8 @@ def scenario_rescore():
     def check_command_describes_rescore():
         from cupy_dsa.sglang import check as check_cmd
 
-        mode, lines = check_cmd._mode_lines()
-        assert mode == MODE
-        text = " ".join(t for _, t in lines)
+        mode, text = check_command_text()
+        assert mode == MODE, text
         assert "int8 residual pages) and a rescored top-k (264 B per entry)" in text, text
         assert "stage 1 = SGLang's own fp8 logits call" in text, text
         assert "K' = 4x index_topk" in text and ",c4idx:fp8-rescore" in text, text
