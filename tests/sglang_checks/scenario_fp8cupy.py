@@ -22,12 +22,12 @@ import types
 import torch
 
 from cupy_dsa import rotate_index_k_reference
-from cupy_dsa.sglang import core, hooks
+from cupy_dsa.sglang import core
 
 from checks_indexer import _indexer_setup, one_attention_cp_rank, spied_logits_routes
 from checks_store import (call_site_case, decode_case, index_cache, key_f64, prefill_case, store_through_binding,
                           store_through_sglang_call_site)
-from checks_strictness import Spy, _store_call, assert_hook_refuses, assert_stores_refused
+from checks_strictness import assert_fp8_keyed_store_strictness
 from harness import (ENV, INFO, check, check_command_text, every_hook_in_place, load, make_index_pool, mode_env,
                      server_args_from_yaml)
 
@@ -188,36 +188,13 @@ def scenario_fp8cupy():
     @check
     def store_fp8_via_sglang_call_site():
         case, cache = call_site_case(), index_cache()
-        stores = []
-        real = core.store_index_k_bf16
-
-        def spy(*a, **k):
-            stores.append(k["kvcache"])
-            return real(*a, **k)
-
-        core.store_index_k_bf16 = spy
-        try:
-            store_through_sglang_call_site(case, cache)
-        finally:
-            core.store_index_k_bf16 = real
-        assert len(stores) == 1 and stores[0] is cache, "the fp8 index cache did not go to cupy_dsa's store"
+        stores = store_through_sglang_call_site(case, cache)
+        assert len(stores) == 1 and stores[0]["kvcache"] is cache, "the fp8 index cache did not go to cupy_dsa's store"
         assert_sglang_fp8_pages(cache, case)
 
     @check
     def store_fp8cupy_strictness():
-        cache = index_cache()
-        assert_stores_refused(cache, ((dict(use_fp4=True), "use_fp4=True"), (dict(page_size=256), "page_size=256"),
-                                      (dict(new_option=1), "unknown keyword new_option")),
-                              ("fp8 index cache",), "an fp8-cupy store")
-        assert not cache.any(), "a refused call wrote the cache"
-        bf16_cache = torch.zeros(44, 16384, dtype=torch.uint8)  # a bf16 cache cannot be this mode's
-        kv, plan, kw = _store_call(bf16_cache)
-        assert_hook_refuses(kv, plan, kw, f"{ENV}={MODE} in this process", "fp8-cupy wrote a bf16 cache")
-        assert not bf16_cache.any()
-        main_kv = torch.zeros(4, 64 * 584, dtype=torch.uint8)  # SGLang's other caches: its own store
-        kv, plan, kw = _store_call(main_kv)
-        spy = Spy()
-        assert hooks._store_hook(spy, kv, plan, **kw) == "original" and len(spy.calls) == 1
+        assert_fp8_keyed_store_strictness(MODE, (index_cache(),), ("fp8 index cache",))
 
     @check
     def indexer_topk_matches_sglang_fp8_decode():
