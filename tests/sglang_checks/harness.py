@@ -61,12 +61,14 @@ def server_args_from_yaml(text):
         os.unlink(f.name)
 
 
-def check_command_text():
-    """``cupy-dsa check``'s mode section for this process's settings: (the mode it found, its lines as one text)."""
+def assert_check_command_says(mode, fragments):
+    """``cupy-dsa check``'s mode section for this process's settings finds ``mode`` and names every fragment."""
     from cupy_dsa.sglang import check as check_cmd
 
-    mode, lines = check_cmd._mode_lines()
-    return mode, " ".join(t for _, t in lines)
+    found, lines = check_cmd._mode_lines()
+    text = " ".join(t for _, t in lines)
+    missing = [f for f in fragments if f not in text]
+    assert found == mode and not missing, (found, missing, text)
 
 
 def load():

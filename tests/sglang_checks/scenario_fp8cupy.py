@@ -28,8 +28,8 @@ from checks_indexer import _indexer_setup, one_attention_cp_rank, spied_logits_r
 from checks_store import (call_site_case, decode_case, index_cache, key_f64, prefill_case, store_through_binding,
                           store_through_sglang_call_site)
 from checks_strictness import assert_fp8_keyed_store_strictness
-from harness import (ENV, INFO, check, check_command_text, every_hook_in_place, load, make_index_pool, mode_env,
-                     server_args_from_yaml)
+from harness import (ENV, INFO, assert_check_command_says, check, every_hook_in_place, load, make_index_pool,
+                     mode_env, server_args_from_yaml)
 
 MODE = "fp8-cupy"
 FP8_PAGE = 8448
@@ -306,7 +306,5 @@ def scenario_fp8cupy():
 
     @check
     def check_command_describes_fp8cupy():
-        mode, text = check_command_text()
-        assert mode == MODE, text
-        assert "SGLang's fp8 C4 index keys on cupy_dsa's store and kernels (132 B per entry)" in text, text
-        assert "query: SGLang's fused fp8 q" in text, text
+        assert_check_command_says(MODE, ("SGLang's fp8 C4 index keys on cupy_dsa's store and kernels (132 B per entry)",
+                                         "query: SGLang's fused fp8 q"))

@@ -21,7 +21,8 @@ import torch
 from cupy_dsa.sglang import core, hooks
 
 from checks_indexer import _indexer_setup, one_attention_cp_rank, spied_logits_routes
-from harness import ENV, INFO, check, check_command_text, every_hook_in_place, load, mode_env, server_args_from_yaml
+from harness import (ENV, INFO, assert_check_command_says, check, every_hook_in_place, load, mode_env,
+                     server_args_from_yaml)
 from scenario_rescore import sglang_fused_q_on_cpu
 
 Q = core.QUERY_ENV
@@ -226,9 +227,7 @@ def scenario_query():
 
     @check
     def check_command_names_the_query():
-        mode, text = check_command_text()
-        assert mode == "bf16" and f"query: the rotated q rounded to bf16 once (the head weights without a q scale) " \
-            f"({Q}=bf16)" in text, text
+        assert_check_command_says("bf16", (f"query: the rotated q rounded to bf16 once (the head weights without a q "
+                                           f"scale) ({Q}=bf16)",))
         with query_env(None):
-            mode, text = check_command_text()
-            assert "query: SGLang's fused fp8 q" in text, text
+            assert_check_command_says("bf16", ("query: SGLang's fused fp8 q",))

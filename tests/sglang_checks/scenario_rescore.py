@@ -30,8 +30,8 @@ from checks_indexer import _indexer_setup, hisparse_decode, one_attention_cp_ran
 from checks_store import (call_site_case, decode_case, prefill_case, store_through_binding,
                           store_through_sglang_call_site)
 from checks_strictness import _store_call, assert_fp8_keyed_store_strictness, assert_hook_refuses
-from harness import (ENV, INFO, check, check_command_text, every_hook_in_place, load, make_index_pool, mode_env,
-                     server_args_from_yaml)
+from harness import (ENV, INFO, assert_check_command_says, check, every_hook_in_place, load, make_index_pool,
+                     mode_env, server_args_from_yaml)
 from scenario_fp8cupy import assert_sglang_fp8_pages
 
 MODE = "fp8-rescore"
@@ -844,13 +844,11 @@ def scenario_rescore():
     def check_command_describes_rescore():
         from cupy_dsa.sglang import check as check_cmd
 
-        mode, text = check_command_text()
-        assert mode == MODE, text
-        assert "int8 residual pages) and a rescored top-k (264 B per entry)" in text, text
-        assert "stage 1 = SGLang's own fp8 logits call" in text, text
-        assert "K' = 4x index_topk" in text and ",c4idx:fp8-rescore" in text, text
-        assert f"stage 2 with the rotated q rounded to bf16 once (the head weights without a q scale) ({STAGE2_Q} " \
-               "unset: the mode's default)" in text, text
+        assert_check_command_says(MODE, ("int8 residual pages) and a rescored top-k (264 B per entry)",
+                                         "stage 1 = SGLang's own fp8 logits call", "K' = 4x index_topk",
+                                         ",c4idx:fp8-rescore",
+                                         f"stage 2 with the rotated q rounded to bf16 once (the head weights without a "
+                                         f"q scale) ({STAGE2_Q} unset: the mode's default)"))
         with settings_env(kprime="4y"):
             mode, lines = check_cmd._mode_lines()
             assert mode is None and lines[0][0] == check_cmd.PROBLEM and f"{KPRIME}='4y'" in lines[0][1], lines
