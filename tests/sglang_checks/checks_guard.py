@@ -6,7 +6,8 @@ import types
 
 from cupy_dsa.sglang import guard
 
-from harness import check, ENV, INFO, make_index_pool, mode_env
+from harness import (check, ENV, INFO, assert_resolution_leaves_environment, make_index_pool, mode_env,
+                     resolution_refusal, run_resolution)
 
 
 def pd_decode_handshake(local_layout: str, prefill_layout: str):
@@ -92,34 +93,14 @@ def guard_checks():
         with mode_env("fp8"):
             assert HiCacheStorageConfig(**kw).model_name == "deepseek-ai/DeepSeek-V4"
 
-    def run_resolution(**fields):
-        from sglang.srt.arg_groups.resolution_hooks import run_hook
-        from sglang.srt.server_args import ServerArgs
-
-        def handle_model_specific_adjustments(server_args):
-            server_args._builtin_ran = True
-
-        sa = ServerArgs(model_path="dummy", **fields)
-        run_hook(handle_model_specific_adjustments, sa)
-        assert sa._builtin_ran, "SGLang's own step must run first"
-        return sa
-
     def refused(fragment, **fields):
-        try:
-            run_resolution(**fields)
-        except ValueError as e:
-            msg = str(e)
-            assert fragment in msg and ENV in msg, msg
-            INFO.setdefault("refusals", []).append(msg)
-            return
-        raise AssertionError(f"configuration {fields} was not refused")
+        msg = resolution_refusal("the resolution step", **fields)
+        assert fragment in msg and ENV in msg, msg
+        INFO.setdefault("refusals", []).append(msg)
 
     @check
     def resolution_accepts_without_env_writes():
-        before = dict(os.environ)
-        run_resolution()
-        changed = {k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}
-        assert not changed, f"the resolution hook wrote the environment: {changed}"
+        assert_resolution_leaves_environment()
 
     @check
     def resolution_refuses_fp4_indexer():

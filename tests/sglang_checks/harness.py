@@ -9,6 +9,7 @@ import os
 import sys
 import tempfile
 import traceback
+import types
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "scripts"))
@@ -59,6 +60,45 @@ def server_args_from_yaml(text):
         return prepare_server_args(["--config", f.name])
     finally:
         os.unlink(f.name)
+
+
+def run_resolution(index_topk=None, **fields):
+    """SGLang's resolution step (``handle_model_specific_adjustments``, by name) on a ServerArgs of ``fields``, with
+    the plugin's hook around it; index_topk: the model config SGLang's step builds (model_config_of's memo). Returns
+    the ServerArgs."""
+    from sglang.srt.arg_groups.resolution_hooks import run_hook
+    from sglang.srt.server_args import ServerArgs
+
+    def handle_model_specific_adjustments(server_args):  # SGLang's step, by name
+        server_args._builtin_ran = True
+        if index_topk is not None:
+            server_args._model_config = types.SimpleNamespace(hf_config=types.SimpleNamespace(
+                architectures=["DeepseekV4ForCausalLM"], index_topk=index_topk))
+
+    sa = ServerArgs(model_path="dummy", **fields)
+    run_hook(handle_model_specific_adjustments, sa)
+    assert sa._builtin_ran, "SGLang's own step must run first"
+    return sa
+
+
+def assert_resolution_leaves_environment(**fields):
+    """The resolution step on ``fields`` is accepted and writes no environment variable."""
+    before = dict(os.environ)
+    run_resolution(**fields)
+    changed = {k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}
+    assert not changed, f"the resolution hook wrote the environment: {changed}"
+
+
+def resolution_refusal(what, **fields):
+    """The message of the ValueError the resolution step raises on ``fields`` (``what`` names who accepted them
+    otherwise)."""
+    try:
+        run_resolution(**fields)
+    except ValueError as e:
+        return str(e)
+    except (TypeError, AssertionError) as e:  # a field this SGLang validates before the hook
+        raise AssertionError(f"{fields}: {e}") from e
+    raise AssertionError(f"{what} accepted {fields}")
 
 
 def assert_check_command_says(mode, fragments):

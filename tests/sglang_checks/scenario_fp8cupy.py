@@ -28,8 +28,8 @@ from checks_indexer import _indexer_setup, one_attention_cp_rank, spied_logits_r
 from checks_store import (call_site_case, decode_case, index_cache, key_f64, prefill_case, store_through_binding,
                           store_through_sglang_call_site)
 from checks_strictness import assert_fp8_keyed_store_strictness
-from harness import (ENV, INFO, assert_check_command_says, check, every_hook_in_place, load, make_index_pool,
-                     mode_env, server_args_from_yaml)
+from harness import (ENV, INFO, assert_check_command_says, assert_resolution_leaves_environment, check,
+                     every_hook_in_place, load, make_index_pool, mode_env, resolution_refusal, server_args_from_yaml)
 
 MODE = "fp8-cupy"
 FP8_PAGE = 8448
@@ -266,32 +266,12 @@ def scenario_fp8cupy():
 
     @check
     def resolution_fp8cupy():
-        from sglang.srt.arg_groups.resolution_hooks import run_hook
-        from sglang.srt.server_args import ServerArgs
-
-        def handle_model_specific_adjustments(server_args):  # SGLang's step, by name
-            server_args._builtin_ran = True
-
-        def resolve(**fields):
-            sa = ServerArgs(model_path="dummy", **fields)
-            run_hook(handle_model_specific_adjustments, sa)
-            assert sa._builtin_ran, "SGLang's own step must run first"
-            return sa
-
-        before = dict(os.environ)
-        resolve()
-        changed = {k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}
-        assert not changed, f"the resolution hook wrote the environment: {changed}"
+        assert_resolution_leaves_environment()
         for fields, fragment in ((dict(enable_deepseek_v4_fp4_indexer=True), "--enable-deepseek-v4-fp4-indexer"),
                                  (dict(enable_nvidia_megakernel=True), "--enable-nvidia-megakernel"),
                                  (dict(device="npu"), "NPU")):
-            try:
-                resolve(**fields)
-            except ValueError as e:
-                msg = str(e)
-                assert fragment in msg and f"{ENV}={MODE}" in msg and "fp8 C4 index keys on cupy_dsa" in msg, msg
-            else:
-                raise AssertionError(f"fp8-cupy accepted {fields}")
+            msg = resolution_refusal(MODE, **fields)
+            assert fragment in msg and f"{ENV}={MODE}" in msg and "fp8 C4 index keys on cupy_dsa" in msg, msg
 
     @check
     def flag_and_yaml_key_take_fp8cupy():

@@ -30,8 +30,9 @@ from checks_indexer import _indexer_setup, hisparse_decode, one_attention_cp_ran
 from checks_store import (call_site_case, decode_case, prefill_case, store_through_binding,
                           store_through_sglang_call_site)
 from checks_strictness import _store_call, assert_fp8_keyed_store_strictness, assert_hook_refuses
-from harness import (ENV, INFO, assert_check_command_says, check, every_hook_in_place, load, make_index_pool,
-                     mode_env, server_args_from_yaml)
+from harness import (ENV, INFO, assert_check_command_says, assert_resolution_leaves_environment, check,
+                     every_hook_in_place, load, make_index_pool, mode_env, resolution_refusal, run_resolution,
+                     server_args_from_yaml)
 from scenario_fp8cupy import assert_sglang_fp8_pages
 
 MODE = "fp8-rescore"
@@ -699,42 +700,17 @@ def scenario_rescore():
         assert len(calls) == 6 and len(lo_calls) == 3, [(len(a), len(b)) for a, b, _, _ in calls]
         assert mph.__dict__.get("transfer_kv_direct", None) is unbound, "the stand-in was left in SGLang"
 
-    def resolve(index_topk=None, **fields):
-        from sglang.srt.arg_groups.resolution_hooks import run_hook
-        from sglang.srt.server_args import ServerArgs
-
-        def handle_model_specific_adjustments(server_args):  # SGLang's step, by name
-            server_args._builtin_ran = True
-            if index_topk is not None:  # the model config SGLang's step builds (model_config_of's memo)
-                server_args._model_config = types.SimpleNamespace(hf_config=types.SimpleNamespace(
-                    architectures=["DeepseekV4ForCausalLM"], index_topk=index_topk))
-
-        sa = ServerArgs(model_path="dummy", **fields)
-        run_hook(handle_model_specific_adjustments, sa)
-        assert sa._builtin_ran, "SGLang's own step must run first"
-        return sa
-
     @check
     def resolution_rescore_refusals():
-        before = dict(os.environ)
-        resolve()
-        changed = {k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}
-        assert not changed, f"the resolution hook wrote the environment: {changed}"
+        assert_resolution_leaves_environment()
         for fields, fragments in ((dict(attn_cp_size=2), ("--attn-cp-size 2", "context parallel")),
                                   (dict(enable_two_batch_overlap=True), ("--enable-two-batch-overlap",)),
                                   (dict(enable_deepseek_v4_fp4_indexer=True), ("--enable-deepseek-v4-fp4-indexer",)),
                                   (dict(enable_nvidia_megakernel=True), ("--enable-nvidia-megakernel",)),
                                   (dict(device="npu"), ("NPU",))):
-            try:
-                resolve(**fields)
-            except ValueError as e:
-                msg = str(e)
-                assert all(f in msg for f in fragments) and f"{ENV}={MODE}" in msg and "two-level" in msg, msg
-                INFO.setdefault("rescore_refusals", []).append(msg)
-            except (TypeError, AssertionError) as e:  # a field this SGLang validates before the hook
-                raise AssertionError(f"{fields}: {e}") from e
-            else:
-                raise AssertionError(f"fp8-rescore accepted {fields}")
+            msg = resolution_refusal(MODE, **fields)
+            assert all(f in msg for f in fragments) and f"{ENV}={MODE}" in msg and "two-level" in msg, msg
+            INFO.setdefault("rescore_refusals", []).append(msg)
 
     @check
     def settings_refused_before_anything_is_patched():
@@ -752,7 +728,7 @@ def scenario_rescore():
                 else:
                     raise AssertionError(f"{stage1}, {kprime}, {stage2_q} accepted")
                 try:
-                    resolve()
+                    run_resolution()
                 except StartupRefused as e:
                     assert fragment in str(e), str(e)
                 else:
@@ -781,7 +757,7 @@ def scenario_rescore():
             with mode_env("fp8"), settings_env(**kw):
                 assert hooks._resolve_switch() == "fp8"
                 try:
-                    resolve()
+                    run_resolution()
                 except StartupRefused as e:
                     assert fragment in str(e) and "Refusing to start" in str(e), str(e)
                 else:
@@ -792,14 +768,14 @@ def scenario_rescore():
                                       ("1024", 2048, True), ("2x", 512, False)):
             with settings_env(kprime=kprime):
                 try:
-                    resolve(index_topk=topk)
+                    run_resolution(index_topk=topk)
                 except ValueError as e:
                     assert refused and f"{KPRIME}={kprime}: K' must be at least index_topk ({topk})" in str(e), str(e)
                     assert "the model's index_topk is" in str(e), str(e)
                 else:
                     assert not refused, f"K'={kprime} accepted with index_topk {topk}"
         with settings_env(kprime="100"):
-            resolve()  # no model config: nothing to check against (the forward refuses it)
+            run_resolution()  # no model config: nothing to check against (the forward refuses it)
 
     @check
     def flags_and_yaml_keys_take_rescore():
