@@ -6,7 +6,7 @@ import types
 
 from cupy_dsa.sglang import guard
 
-from harness import (check, ENV, INFO, assert_resolution_leaves_environment, make_index_pool, mode_env,
+from harness import (check, ENV, INFO, assert_refused, assert_resolution_leaves_environment, make_index_pool, mode_env,
                      resolution_refusal, run_resolution)
 
 
@@ -153,10 +153,7 @@ def guard_checks():
         orig = guard.sglang_version
         guard.sglang_version = lambda: "0.5.22"
         try:
-            run_resolution()
-        except StartupRefused as e:
-            assert "found SGLang 0.5.22" in str(e), str(e)
-        else:
-            raise AssertionError("the launcher accepted bf16 on SGLang 0.5.22")
+            assert_refused(run_resolution, ("found SGLang 0.5.22",), "the launcher accepted bf16 on SGLang 0.5.22",
+                           error=StartupRefused)
         finally:
             guard.sglang_version = orig

@@ -35,11 +35,11 @@ def check(fn):
     return fn
 
 
-def assert_refused(call, fragments, accepted):
-    """call() raises RuntimeError with every fragment in its message; ``accepted``: the failure if it returns."""
+def assert_refused(call, fragments, accepted, error=RuntimeError):
+    """call() raises ``error`` with every fragment in its message; ``accepted``: the failure if it returns."""
     try:
         call()
-    except RuntimeError as e:
+    except error as e:
         assert all(f in str(e) for f in fragments), str(e)
     else:
         raise AssertionError(accepted)

@@ -30,7 +30,7 @@ from checks_indexer import _indexer_setup, hisparse_decode, one_attention_cp_ran
 from checks_store import (call_site_case, decode_case, prefill_case, store_through_binding,
                           store_through_sglang_call_site)
 from checks_strictness import _store_call, assert_fp8_keyed_store_strictness, assert_hook_refuses
-from harness import (ENV, INFO, assert_check_command_says, assert_resolution_leaves_environment, check,
+from harness import (ENV, INFO, assert_check_command_says, assert_refused, assert_resolution_leaves_environment, check,
                      every_hook_in_place, load, make_index_pool, mode_env, resolution_refusal, run_resolution,
                      server_args_from_yaml)
 from scenario_fp8cupy import assert_sglang_fp8_pages
@@ -566,11 +566,8 @@ def scenario_rescore():
 
         forward.forward_c4_indexer_bf16 = as_micro_batch
         try:
-            _run(ForwardMode.DECODE, 2, "cupy", ns=ns)
-        except RuntimeError as e:
-            assert "two-batch-overlap micro-batch" in str(e), str(e)
-        else:
-            raise AssertionError("fp8-rescore ran a two-batch-overlap micro-batch")
+            assert_refused(lambda: _run(ForwardMode.DECODE, 2, "cupy", ns=ns), ("two-batch-overlap micro-batch",),
+                           "fp8-rescore ran a two-batch-overlap micro-batch")
         finally:
             forward.forward_c4_indexer_bf16 = orig
 
