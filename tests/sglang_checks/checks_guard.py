@@ -6,8 +6,8 @@ import types
 
 from cupy_dsa.sglang import guard
 
-from harness import (check, ENV, INFO, assert_refused, assert_resolution_leaves_environment, make_index_pool, mode_env,
-                     resolution_refusal, run_resolution)
+from harness import (ENV, INFO, assert_refused, assert_resolution_leaves_environment, check, hicache_model_name,
+                     make_index_pool, mode_env, resolution_refusal, run_resolution)
 
 
 def pd_decode_handshake(local_layout: str, prefill_layout: str):
@@ -77,7 +77,6 @@ def guard_checks():
 
     @check
     def hicache_guards():
-        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
         from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _dsv4_indexer_regions
 
         bf16_pool = make_index_pool()
@@ -87,11 +86,9 @@ def guard_checks():
             fp8_pool = make_index_pool()
             (region,) = _dsv4_indexer_regions(types.SimpleNamespace(c4_indexer_kv_pool=fp8_pool), 256)
         assert region.item_bytes == 8448 and region.page_aligned_only is False, region
-        kw = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=True,
-                  enable_storage_metrics=False, is_page_first_layout=False, model_name="deepseek-ai/DeepSeek-V4")
-        assert HiCacheStorageConfig(**kw).model_name == "deepseek-ai/DeepSeek-V4_c4idx-bf16"
+        assert hicache_model_name() == "deepseek-ai/DeepSeek-V4_c4idx-bf16"
         with mode_env("fp8"):
-            assert HiCacheStorageConfig(**kw).model_name == "deepseek-ai/DeepSeek-V4"
+            assert hicache_model_name() == "deepseek-ai/DeepSeek-V4"
 
     def refused(fragment, **fields):
         msg = resolution_refusal("the resolution step", **fields)

@@ -62,6 +62,18 @@ def server_args_from_yaml(text):
         os.unlink(f.name)
 
 
+def assert_argparse_rejects(args):
+    """SGLang's argument parser itself rejects ``args`` (a choice or a value type), not a plugin refusal."""
+    from sglang.srt.server_args import prepare_server_args
+
+    try:
+        prepare_server_args(["--model-path", "dummy"] + list(args))
+    except SystemExit as e:
+        assert not isinstance(e, core.StartupRefused), str(e)
+    else:
+        raise AssertionError(f"argparse accepted {args}")
+
+
 def run_resolution(index_topk=None, **fields):
     """SGLang's resolution step (``handle_model_specific_adjustments``, by name) on a ServerArgs of ``fields``, with
     the plugin's hook around it; index_topk: the model config SGLang's step builds (model_config_of's memo). Returns
@@ -99,6 +111,27 @@ def resolution_refusal(what, **fields):
     except (TypeError, AssertionError) as e:  # a field this SGLang validates before the hook
         raise AssertionError(f"{fields}: {e}") from e
     raise AssertionError(f"{what} accepted {fields}")
+
+
+def hicache_model_name():
+    """The model name SGLang's HiCache storage keys DeepSeek-V4's pages by (one rank, MLA): the plugin tags it with
+    the index-key layout."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=False,
+                                model_name="deepseek-ai/DeepSeek-V4").model_name
+
+
+def forward_cases(decode_route, extend_route, verify_route):
+    """The three forwards the scenarios run through SGLang's: (what, ForwardMode, batch, page setup, the logits
+    route expected)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    return (("decode", ForwardMode.DECODE, 4, dict(lens=(2560, 2400, 2100, 1800)), decode_route),
+            ("extend", ForwardMode.EXTEND, 2, dict(lens=(2000, 2001, 2002, 2560), groups=(3, 1)), extend_route),
+            ("verify n=2", ForwardMode.TARGET_VERIFY, 2, dict(lens=(2300, 2301, 2500, 2501), groups=(2, 2)),
+             verify_route))
 
 
 def assert_check_command_says(mode, fragments):

@@ -29,7 +29,8 @@ from checks_store import (call_site_case, decode_case, index_cache, key_f64, pre
                           store_through_sglang_call_site)
 from checks_strictness import assert_fp8_keyed_store_strictness
 from harness import (ENV, INFO, assert_check_command_says, assert_resolution_leaves_environment, check,
-                     every_hook_in_place, load, make_index_pool, mode_env, resolution_refusal, server_args_from_yaml)
+                     every_hook_in_place, hicache_model_name, load, make_index_pool, mode_env, resolution_refusal,
+                     server_args_from_yaml)
 
 MODE = "fp8-cupy"
 FP8_PAGE = 8448
@@ -250,7 +251,6 @@ def scenario_fp8cupy():
         from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout
         from sglang.srt.disaggregation.utils import get_pd_kv_layout
         from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
-        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
         from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _dsv4_indexer_regions
 
         pool = object.__new__(DeepSeekV4TokenToKVPool)
@@ -260,9 +260,7 @@ def scenario_fp8cupy():
             assert get_pd_kv_layout(pool) == KVLayout.UNIFORM_FP8.value
         (region,) = _dsv4_indexer_regions(types.SimpleNamespace(c4_indexer_kv_pool=make_index_pool()), 256)
         assert region.item_bytes == FP8_PAGE and region.page_aligned_only is False, region  # SGLang's, unchanged
-        kw = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=True,
-                  enable_storage_metrics=False, is_page_first_layout=False, model_name="deepseek-ai/DeepSeek-V4")
-        assert HiCacheStorageConfig(**kw).model_name == "deepseek-ai/DeepSeek-V4_c4idx-fp8-cupy"
+        assert hicache_model_name() == "deepseek-ai/DeepSeek-V4_c4idx-fp8-cupy"
 
     @check
     def resolution_fp8cupy():

@@ -21,8 +21,8 @@ import torch
 from cupy_dsa.sglang import core, hooks
 
 from checks_indexer import _indexer_setup, one_attention_cp_rank, spied_logits_routes
-from harness import (ENV, INFO, assert_check_command_says, check, every_hook_in_place, load, mode_env,
-                     server_args_from_yaml)
+from harness import (ENV, INFO, assert_argparse_rejects, assert_check_command_says, assert_refused, check,
+                     every_hook_in_place, forward_cases, hicache_model_name, load, mode_env, server_args_from_yaml)
 from scenario_rescore import sglang_fused_q_on_cpu
 
 Q = core.QUERY_ENV
@@ -103,28 +103,17 @@ def scenario_query():
 
     @check
     def registered_with_the_bf16_query():
-        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-
         every_hook_in_place()
         assert core.index_k_mode() == "bf16" and core.index_query() == "bf16", (core.index_k_mode(), core.index_query())
         # the query does not change the pages: the tag and the namespace are bf16's, with either query
         for value in ("bf16", "fp8"):
             with query_env(value):
                 assert hooks._pd_kv_layout_hook("v4") == "v4,c4idx:bf16"
-                kw = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                          is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=False,
-                          model_name="deepseek-ai/DeepSeek-V4")
-                assert HiCacheStorageConfig(**kw).model_name == "deepseek-ai/DeepSeek-V4_c4idx-bf16"
+                assert hicache_model_name() == "deepseek-ai/DeepSeek-V4_c4idx-bf16"
 
     @check
     def every_mode_and_query_through_sglang_forward():
-        from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
-        cases = (("decode", ForwardMode.DECODE, 4, dict(lens=(2560, 2400, 2100, 1800)), "paged_logits"),
-                 ("extend", ForwardMode.EXTEND, 2, dict(lens=(2000, 2001, 2002, 2560), groups=(3, 1)),
-                  "extend_logits"),
-                 ("verify n=2", ForwardMode.TARGET_VERIFY, 2, dict(lens=(2300, 2301, 2500, 2501), groups=(2, 2)),
-                  "verify_logits"))
+        cases = forward_cases("paged_logits", "extend_logits", "verify_logits")
         ran = []
         for mode in core.MODES[1:]:
             rec = core.record(mode)
@@ -187,19 +176,11 @@ def scenario_query():
             server_args_from_yaml("model-path: dummy\ncupy-dsa-index-k-dtype: bf16-fp4sim\ncupy-dsa-index-q: bf16\n")
             assert os.environ.get(ENV) == "bf16-fp4sim" and core.index_query() == "bf16"
         with mode_env(None), query_env(None):
-            try:
-                prepare_server_args(["--model-path", "dummy", "--cupy-dsa-index-q", "fp16"])
-            except SystemExit as e:
-                assert not isinstance(e, StartupRefused), str(e)  # argparse's choices
-            else:
-                raise AssertionError("argparse accepted --cupy-dsa-index-q fp16")
+            assert_argparse_rejects(["--cupy-dsa-index-q", "fp16"])  # argparse's choices
         with mode_env("bf16"), query_env("fp8"):
-            try:
-                prepare_server_args(["--model-path", "dummy", "--cupy-dsa-index-q", "bf16"])
-            except StartupRefused as e:
-                assert "--cupy-dsa-index-q bf16" in str(e) and f"{Q}='fp8'" in str(e), str(e)
-            else:
-                raise AssertionError("the flag silently overrode the variable")
+            assert_refused(lambda: prepare_server_args(["--model-path", "dummy", "--cupy-dsa-index-q", "bf16"]),
+                           ("--cupy-dsa-index-q bf16", f"{Q}='fp8'"), "the flag silently overrode the variable",
+                           error=StartupRefused)
 
         def resolve():
             def handle_model_specific_adjustments(server_args):

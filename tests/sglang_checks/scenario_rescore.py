@@ -30,8 +30,9 @@ from checks_indexer import _indexer_setup, hisparse_decode, one_attention_cp_ran
 from checks_store import (call_site_case, decode_case, prefill_case, store_through_binding,
                           store_through_sglang_call_site)
 from checks_strictness import _store_call, assert_fp8_keyed_store_strictness, assert_hook_refuses
-from harness import (ENV, INFO, assert_check_command_says, assert_refused, assert_resolution_leaves_environment, check,
-                     every_hook_in_place, load, make_index_pool, mode_env, resolution_refusal, run_resolution,
+from harness import (ENV, INFO, assert_argparse_rejects, assert_check_command_says, assert_refused,
+                     assert_resolution_leaves_environment, check, every_hook_in_place, forward_cases,
+                     hicache_model_name, load, make_index_pool, mode_env, resolution_refusal, run_resolution,
                      server_args_from_yaml)
 from scenario_fp8cupy import assert_sglang_fp8_pages
 
@@ -424,11 +425,7 @@ def scenario_rescore():
         # from stage 2 with the fp8 q on these rows
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-        cases = (("decode", ForwardMode.DECODE, 4, dict(lens=(2560, 2400, 2100, 1800)), "rescore_rows"),
-                 ("extend", ForwardMode.EXTEND, 2, dict(lens=(2000, 2001, 2002, 2560), groups=(3, 1)),
-                  "rescore_extend"),
-                 ("verify n=2", ForwardMode.TARGET_VERIFY, 2, dict(lens=(2300, 2301, 2500, 2501), groups=(2, 2)),
-                  "rescore_verify"))
+        cases = forward_cases("rescore_rows", "rescore_extend", "rescore_verify")
         for what, mode_, batch, setup, route in cases:
             ns = _bf16q_setup(**setup)
             for stage1 in ("cupy", "sglang"):
@@ -612,7 +609,7 @@ def scenario_rescore():
 
     @check
     def hicache_carries_lo_pages_in_its_namespace():
-        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
+        from sglang.srt.mem_cache.hicache_storage import PoolName
         from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _dsv4_indexer_regions
 
         pool = make_index_pool(layers=2)
@@ -631,9 +628,7 @@ def scenario_rescore():
             assert "residual (lo) buffers" in str(e) and "Refusing to build HiCache" in str(e), str(e)
         else:
             raise AssertionError("HiCache was built without the lo pages")
-        kw = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=True,
-                  enable_storage_metrics=False, is_page_first_layout=False, model_name="deepseek-ai/DeepSeek-V4")
-        assert HiCacheStorageConfig(**kw).model_name == "deepseek-ai/DeepSeek-V4_c4idx-fp8-rescore"
+        assert hicache_model_name() == "deepseek-ai/DeepSeek-V4_c4idx-fp8-rescore"
 
     @check
     def hicache_backup_and_load_carry_lo_pages():
@@ -797,19 +792,11 @@ def scenario_rescore():
         with mode_env(None), settings_env():
             for bad in (["--cupy-dsa-rescore-kprime", "4y"], ["--cupy-dsa-rescore-stage1", "deepgemm"],
                         ["--cupy-dsa-index-q", "fp16"], ["--cupy-dsa-rescore-q", "bf16"]):
-                try:
-                    prepare_server_args(["--model-path", "dummy"] + bad)
-                except SystemExit:
-                    pass
-                else:
-                    raise AssertionError(f"argparse accepted {bad}")
+                assert_argparse_rejects(bad)
         with mode_env(MODE), settings_env(kprime="4x"):
-            try:
-                prepare_server_args(["--model-path", "dummy", "--cupy-dsa-rescore-kprime", "2x"])
-            except StartupRefused as e:
-                assert "--cupy-dsa-rescore-kprime 2x" in str(e) and f"{KPRIME}='4x'" in str(e), str(e)
-            else:
-                raise AssertionError("the flag silently overrode the variable")
+            assert_refused(lambda: prepare_server_args(["--model-path", "dummy", "--cupy-dsa-rescore-kprime", "2x"]),
+                           ("--cupy-dsa-rescore-kprime 2x", f"{KPRIME}='4x'"),
+                           "the flag silently overrode the variable", error=StartupRefused)
             assert os.environ[KPRIME] == "4x"
             prepare_server_args(["--model-path", "dummy", "--cupy-dsa-rescore-kprime", "4X"])  # the same value
 
