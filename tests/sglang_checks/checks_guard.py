@@ -1,7 +1,6 @@
 """Scenario "on", part: guards (PD layout, HiCache, configuration refusals)."""
 from __future__ import annotations
 
-import os
 import types
 
 from cupy_dsa.sglang import guard
