@@ -442,6 +442,12 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg, query: s
                    logits=lambda: layer_logits(0), topk_rows=topk_rows)
 
 
+def _add_error(row: dict, case: str, exc: Exception) -> None:
+    """Note a case that failed in the row's error (one case failing must not end the run)."""
+    failed = f"{case}: {type(exc).__name__}: {str(exc)[:200]}"
+    row["error"] = f"{row['error']}; {failed}" if row["error"] else failed
+
+
 def measure(case: Case, model: ServeModel, device, dg, seed: int, reps: int, layouts=None, topks=None) -> dict:
     """ms of one forward for each layout of :data:`TIMED` (``layouts``: only those; the DeepGEMM ones only with
     ``dg``), for one case; the fp8 row says its route and, on the non-paged route, what gathered the keys and the
@@ -484,8 +490,7 @@ def measure(case: Case, model: ServeModel, device, dg, seed: int, reps: int, lay
                 row["fp8_gather_ms"] = time_calls([fwd.gathers], device, reps=reps).seconds * 1e3
             del fwd
         except Exception as exc:  # one case failing must not end the run
-            failed = f"{layout}: {type(exc).__name__}: {str(exc)[:200]}"
-            row["error"] = f"{row['error']}; {failed}" if row["error"] else failed
+            _add_error(row, layout, exc)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if sample is not None:
@@ -533,8 +538,7 @@ def _time_topk_alone(row: dict, sample, topks, model: ServeModel, device, reps: 
 
             row["topk_alone_ms"][key] = time_calls([forward], device, reps=reps).seconds * 1e3
         except Exception as exc:  # one top-k failing must not end the run
-            failed = f"top-k {key}: {type(exc).__name__}: {str(exc)[:200]}"
-            row["error"] = f"{row['error']}; {failed}" if row["error"] else failed
+            _add_error(row, f"top-k {key}", exc)
 
 
 def plot(doc: dict, path: str) -> None:
@@ -604,7 +608,6 @@ def markdown(doc: dict, with_rescore: bool = True) -> str:
     for r in doc["timings"]:
         ms = [f"{r[k]:.2f} ms" if r.get(k) is not None else "—" for k in ("bf16_ms", "fp8_ms", "added_ms", "fp8_cupy_ms")]
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else "—"
-        ctx = f"{r['batch']} x {_tokens(r['context'])}" if r["phase"] != "prefill" else f"after {_tokens(r['context'])}"
         extra = ""
         if cupy8:
             r8 = f"{r['fp8_cupy_ratio']:.2f}x" if r.get("fp8_cupy_ratio") is not None else "—"
@@ -613,10 +616,9 @@ def markdown(doc: dict, with_rescore: bool = True) -> str:
             gather = f" (its gathers: {r['fp8_gather_ms']:.2f} ms)" if r.get("fp8_gather_ms") is not None else ""
             extra += f" {r['fp8_route'] + gather if r.get('fp8_ms') is not None else '—'} |"
         if targets:
-            verdict = {"pass": "pass", "miss": "**miss**"}.get(r.get("verdict"), "not evaluated")
-            target = f"<= {r['target_ratio']:.2f}x: {verdict}" if r.get("target_ratio") else "—"
+            target = f"<= {r['target_ratio']:.2f}x: {_verdict(r.get('verdict'))}" if r.get("target_ratio") else "—"
             extra += f" {target} |"
-        lines.append(f"| {step_label(r)} | {ctx} | {ms[0]} | {ms[1]} | {ms[2]} | {ratio} |{extra}")
+        lines.append(f"| {step_label(r)} | {_context(r)} | {ms[0]} | {ms[1]} | {ms[2]} | {ratio} |{extra}")
     gather_ops = sorted({r["fp8_gather"] for r in doc["timings"] if r.get("fp8_gather")})
     if gather_ops:
         lines += ["", f"The non-paged route's key gather: {'; '.join(gather_ops)}."]
@@ -640,6 +642,29 @@ def markdown(doc: dict, with_rescore: bool = True) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _context(r) -> str:
+    """A step's batch x context, or the context a prefill chunk comes after (the tables' second column)."""
+    return f"{r['batch']} x {_tokens(r['context'])}" if r["phase"] != "prefill" else f"after {_tokens(r['context'])}"
+
+
+def _ms(r, k) -> str:
+    return f"{r[k]:.2f} ms" if r.get(k) is not None else "—"
+
+
+def _times(r, k) -> str:
+    return f"{r[k]:.2f}x" if r.get(k) is not None else "—"
+
+
+def _verdict(v) -> str:
+    return {"pass": "pass", "miss": "**miss**"}.get(v, "not evaluated")
+
+
+def _step_table(head: str, rows: list, cells) -> list[str]:
+    """``head``, its separator, then a row a step: its label, :func:`_context` and ``cells(r)``."""
+    return [head, "|" + "---|" * (head.count("|") - 1)] + [
+        "| " + " | ".join([step_label(r), _context(r)] + cells(r)) + " |" for r in rows]
+
+
 def rescore_markdown(doc: dict) -> list[str]:
     """fp8-rescore's table (lines to append), for runs that timed it; none for older runs. Runs that record their
     stock top-k (issue 31) get its table (:func:`topk_markdown`); the earlier ones (torch.topk) theirs."""
@@ -649,16 +674,6 @@ def rescore_markdown(doc: dict) -> list[str]:
     if doc.get("topk"):
         return topk_markdown(doc, rows)
     dg = any(r.get("fp8_rescore_dg_ms") is not None for r in rows)
-
-    def ms(r, k):
-        return f"{r[k]:.2f} ms" if r.get(k) is not None else "—"
-
-    def x(r, k):
-        return f"{r[k]:.2f}x" if r.get(k) is not None else "—"
-
-    def verdict(v):
-        return {"pass": "pass", "miss": "**miss**"}.get(v, "not evaluated")
-
     lines = ["", f"fp8-rescore (issue 26), {doc.get('device') or 'no GPU'}, commit "
              f"`{(doc.get('git_commit') or 'not recorded')[:12]}`, top-k included, ms per forward over every C4 layer: **fp8 + top-k** = the fp8 "
              "step above + `torch.topk(index_topk)` of each layer's logits (a stand-in for SGLang's sgl-kernel "
@@ -673,23 +688,18 @@ def rescore_markdown(doc: dict) -> list[str]:
     if dg:
         head += " fp8-rescore, DeepGEMM stage 1 | / (fp8 + top-k) | / fp8 |"
     head += " target |"
-    lines += [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        ctx = f"{r['batch']} x {_tokens(r['context'])}" if r["phase"] != "prefill" else f"after {_tokens(r['context'])}"
-        cells = [step_label(r), ctx, ms(r, "fp8_ms"), ms(r, "fp8_topk_ms"), ms(r, "fp8_rescore_ms"),
-                 x(r, "rescore_vs_fp8_topk"), x(r, "rescore_vs_fp8")]
+
+    def cells(r):
+        got = [_ms(r, "fp8_ms"), _ms(r, "fp8_topk_ms"), _ms(r, "fp8_rescore_ms"), _times(r, "rescore_vs_fp8_topk"),
+               _times(r, "rescore_vs_fp8")]
         if dg:
-            cells += [ms(r, "fp8_rescore_dg_ms"), x(r, "rescore_dg_vs_fp8_topk"), x(r, "rescore_dg_vs_fp8")]
+            got += [_ms(r, "fp8_rescore_dg_ms"), _times(r, "rescore_dg_vs_fp8_topk"), _times(r, "rescore_dg_vs_fp8")]
         t = r.get("rescore_target_ratio")
-        if t:
-            got = f"ours {verdict(r.get('rescore_verdict'))}"
-            if dg:
-                got += f", DeepGEMM stage 1 {verdict(r.get('rescore_dg_verdict'))}"
-            cells.append(f"<= {t:.2f}x: {got}")
-        else:
-            cells.append("—")
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        verdicts = f"ours {_verdict(r.get('rescore_verdict'))}" + (
+            f", DeepGEMM stage 1 {_verdict(r.get('rescore_dg_verdict'))}" if dg else "")
+        return got + [f"<= {t:.2f}x: {verdicts}" if t else "—"]
+
+    return lines + _step_table(head, rows, cells)
 
 
 def stock_topk_name(topk: dict) -> str:
@@ -708,13 +718,6 @@ def topk_markdown(doc: dict, rows: list) -> list[str]:
     """fp8-rescore's table of a run with the stock top-k (issue 31): each step with and without it, fp8-rescore's
     ratios to fp8 + top-k and bf16 + top-k, issue 31's targets; then each top-k alone per forward."""
     dg = any(r.get("fp8_rescore_dg_ms") is not None for r in rows)
-
-    def ms(r, k):
-        return f"{r[k]:.2f} ms" if r.get(k) is not None else "—"
-
-    def x(r, k):
-        return f"{r[k]:.2f}x" if r.get(k) is not None else "—"
-
     topk = doc["topk"]
     lines = ["", f"fp8-rescore, {doc.get('device') or 'no GPU'}, commit "
              f"`{(doc.get('git_commit') or 'not recorded')[:12]}`, top-k included, ms per forward over every C4 layer. "
@@ -733,18 +736,18 @@ def topk_markdown(doc: dict, rows: list) -> list[str]:
     if dg:
         head += " fp8-rescore, DG stage 1 | / (fp8 + top-k) | / (bf16 + top-k) |"
     head += " targets (DG stage 1) |"
-    lines += [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        ctx = f"{r['batch']} x {_tokens(r['context'])}" if r["phase"] != "prefill" else f"after {_tokens(r['context'])}"
-        cells = [step_label(r), ctx, ms(r, "fp8_ms"), ms(r, "fp8_topk_ms"), ms(r, "bf16_topk_ms"),
-                 ms(r, "fp8_rescore_ms"), x(r, "rescore_vs_fp8_topk"), x(r, "rescore_vs_bf16_topk")]
+
+    def cells(r):
+        got = [_ms(r, "fp8_ms"), _ms(r, "fp8_topk_ms"), _ms(r, "bf16_topk_ms"), _ms(r, "fp8_rescore_ms"),
+               _times(r, "rescore_vs_fp8_topk"), _times(r, "rescore_vs_bf16_topk")]
         if dg:
-            cells += [ms(r, "fp8_rescore_dg_ms"), x(r, "rescore_dg_vs_fp8_topk"), x(r, "rescore_dg_vs_bf16_topk")]
-        got = [f"<= {t['target']:.2f}x {t['basis'].replace('+topk', ' + top-k')}: "
-               + {"pass": "pass", "miss": "**miss**"}.get(t.get("verdict"), "not evaluated")
-               for t in r.get("targets_31") or []]
-        cells.append("; ".join(got) or "—")
-        lines.append("| " + " | ".join(cells) + " |")
+            got += [_ms(r, "fp8_rescore_dg_ms"), _times(r, "rescore_dg_vs_fp8_topk"),
+                    _times(r, "rescore_dg_vs_bf16_topk")]
+        targets = [f"<= {t['target']:.2f}x {t['basis'].replace('+topk', ' + top-k')}: {_verdict(t.get('verdict'))}"
+                   for t in r.get("targets_31") or []]
+        return got + ["; ".join(targets) or "—"]
+
+    lines += _step_table(head, rows, cells)
     alone = [r for r in rows if r.get("topk_alone_ms")]
     have = [(k, name) for k, name in TOPK_ALONE_COLUMNS if any(k in r["topk_alone_ms"] for r in alone)]
     if have:
@@ -752,14 +755,10 @@ def topk_markdown(doc: dict, rows: list) -> list[str]:
         on = {r.get("topk_alone_on") for r in alone}
         whose = "the fp8 step's" if on == {"fp8+topk"} else "the fp8 step's, else the bf16 step's"
         lines += ["", f"Each top-k alone, ms per forward ({n_c4} C4 layers over one layer's logits, {whose}; its "
-                      "plan once):", "", "| step | batch x context (tokens) | " + " | ".join(n for _, n in have) + " |",
-                  "|---|---|" + "---|" * len(have)]
-        for r in alone:
-            ctx = (f"{r['batch']} x {_tokens(r['context'])}" if r["phase"] != "prefill"
-                   else f"after {_tokens(r['context'])}")
-            lines.append(f"| {step_label(r)} | {ctx} | " + " | ".join(
-                f"{r['topk_alone_ms'][k]:.3f} ms" if r["topk_alone_ms"].get(k) is not None else "—" for k, _ in have)
-                + " |")
+                      "plan once):", ""]
+        lines += _step_table("| step | batch x context (tokens) | " + " | ".join(n for _, n in have) + " |", alone,
+                             lambda r: [f"{r['topk_alone_ms'][k]:.3f} ms" if r["topk_alone_ms"].get(k) is not None
+                                        else "—" for k, _ in have])
     missing = [f"{name}: {why}" for k, name in TOPK_ALONE_COLUMNS
                if (why := (topk.get("status") or {}).get(k)) not in (None, "live")]
     if missing:
@@ -834,8 +833,7 @@ def measure_queries(case: Case, model: ServeModel, device, seed: int, reps: int,
                 row["timing"] = t.method
                 del fwd
             except Exception as exc:  # one case failing must not end the run
-                failed = f"{layout} with the {query} query: {type(exc).__name__}: {str(exc)[:200]}"
-                row["error"] = f"{row['error']}; {failed}" if row["error"] else failed
+                _add_error(row, f"{layout} with the {query} query", exc)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         got = row["ms"].get(layout, {})
@@ -858,16 +856,11 @@ def query_markdown(doc: dict) -> list[str]:
     head = "| step | batch x context (tokens) |" + "".join(
         f" {layout}, {q} q |" for layout in layouts for q in queries) + "".join(
         f" {layout}: bf16 q / fp8 q |" for layout in layouts)
-    lines += [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        ctx = f"{r['batch']} x {_tokens(r['context'])}" if r["phase"] != "prefill" else f"after {_tokens(r['context'])}"
-        cells = [step_label(r), ctx]
-        for layout in layouts:
-            for q in queries:
-                v = r["ms"].get(layout, {}).get(q)
-                cells.append(f"{v:.2f} ms" if v is not None else "—")
-        for layout in layouts:
-            v = r["bf16_q_vs_fp8_q"].get(layout)
-            cells.append(f"{v:.3f}x" if v is not None else "—")
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+
+    def cells(r):
+        times = [r["ms"].get(layout, {}).get(q) for layout in layouts for q in queries]
+        ratios = [r["bf16_q_vs_fp8_q"].get(layout) for layout in layouts]
+        return ([f"{v:.2f} ms" if v is not None else "—" for v in times]
+                + [f"{v:.3f}x" if v is not None else "—" for v in ratios])
+
+    return lines + _step_table(head, rows, cells)

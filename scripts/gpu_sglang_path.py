@@ -515,14 +515,8 @@ def indexer_phase(name, sg, worlds, batch, tokens, mode, batch_size, g, expect_k
             world = worlds[0]
             b = world.indexer_backend(world.to(q), world.to(w), world.to(lens), world.to(pt), mode, batch_size,
                                       extend_lens=extend_lens, draft=draft)
-            saved = os.environ[core.ENV_NAME]
-            os.environ[core.ENV_NAME] = "fp8"  # the hook hands the call to SGLang's own body
-            core.reset_mode()
-            try:
+            with core.env_vars({core.ENV_NAME: "fp8"}):  # the hook hands the call to SGLang's own body
                 theirs = world.run_indexer(b)
-            finally:
-                os.environ[core.ENV_NAME] = saved
-                core.reset_mode()
             oracle = fp8_oracle(world.cache.cpu(), q, w, pt)  # the keys both forwards read
             compare_with_sglang_fp8(f"{name} vs SGLang's fp8", mds[0], theirs, oracle, lens)
     finally:
@@ -690,10 +684,15 @@ def run(device, seed, only=None):
     # from here on a call into a stubbed kernel package raises, naming it (imports and pool set-up are done)
     _sglang_env.strict_kernel_stubs()
     batch = Batch(g)
-    if device != "cpu":
-        t = time.time()
-        core.ensure_warm(torch.device(device))
-        log(f"  kernels warmed in {time.time() - t:.1f} s")
+
+    def warm(what):
+        # compile and load the mode's kernels up front, so no phase below pays for it
+        if device != "cpu":
+            t = time.time()
+            core.ensure_warm(torch.device(device))
+            log(f"  {what} warmed in {time.time() - t:.1f} s")
+
+    warm("kernels")
     phases = []
 
     def phase(name, fn):
@@ -765,49 +764,37 @@ def run(device, seed, only=None):
 
     def reference_mode():
         # bf16-reference: the hook builds DeepSeek-V4's reference query (prepare_index_q) on each route
-        os.environ[core.ENV_NAME] = "bf16-reference"
-        core.reset_mode()
-        try:
+        with core.env_vars({core.ENV_NAME: "bf16-reference"}):
             projected_query_routes("bf16-reference")
-        finally:
-            os.environ[core.ENV_NAME] = "bf16"
-            core.reset_mode()
 
     def bf16_query():
         # SGLANG_CUPY_DSA_INDEX_Q=bf16: the hook prepares the query from the layer's projections (prepare_index_q,
         # bf16 numerics) on each route, over the bf16 keys of the prompt store
-        os.environ[core.QUERY_ENV] = "bf16"
-        core.reset_mode()
-        try:
+        with core.env_vars({core.QUERY_ENV: "bf16"}):
             if device != "cpu":
                 core.ensure_warm(torch.device(device))
             projected_query_routes("bf16 query")
-        finally:
-            os.environ.pop(core.QUERY_ENV, None)
-            core.reset_mode()
 
     def fp8_cupy():
         # SGLang's fp8 index keys (SGLang's pool, 8448-byte rows) on cupy_dsa's store and kernels: every step above
         # again, in new pools, with SGLang's own fp8 forward on the device as the top-k baseline
-        os.environ[core.ENV_NAME] = "fp8-cupy"
-        core.reset_mode()
-        try:
+        with core.env_vars({core.ENV_NAME: "fp8-cupy"}):
             worlds8 = [World(sg, device, norm_w, freq_cis), World(sg, "cpu", norm_w, freq_cis)]
             batch8 = Batch(g)
-            if device != "cpu":
-                t = time.time()
-                core.ensure_warm(torch.device(device))
-                log(f"  fp8-cupy kernels warmed in {time.time() - t:.1f} s")
+            warm("fp8-cupy kernels")
             prompt_store(worlds8, batch8)
-            extend_batch(worlds8, batch8, sglang_baseline=True)
-            extend_one(worlds8, batch8, sglang_baseline=True)
-            decode(worlds8, batch8, sglang_baseline=True)
-            verify(worlds8, batch8, sglang_baseline=True)
-            graph_phase(sg, worlds8, batch8, g, capture=device != "cpu")
-            graph_verify_phase(sg, worlds8, batch8, g, capture=device != "cpu")
-        finally:
-            os.environ[core.ENV_NAME] = "bf16"
-            core.reset_mode()
+            every_step_again(worlds8, batch8, sglang_baseline=True)
+
+    def every_step_again(worlds_, batch_, rows_only=False, **checks):
+        # extend (batch, one request), decode, verify and both graph steps on a mode's own pools; rows_only: the
+        # routes that run one row per token (SGLang's stage 1) are expected where the plugin's would be grouped
+        rows = {"expect_kind": "rows"} if rows_only else {}
+        extend_batch(worlds_, batch_, **checks, **rows)
+        extend_one(worlds_, batch_, **checks, **rows)
+        decode(worlds_, batch_, **checks)
+        verify(worlds_, batch_, **checks, **rows)
+        graph_phase(sg, worlds_, batch_, g, capture=device != "cpu")
+        graph_verify_phase(sg, worlds_, batch_, g, capture=device != "cpu")
 
     phase("prompt store", prompt_store)
     phase("extend batch", extend_batch)
@@ -824,33 +811,16 @@ def run(device, seed, only=None):
         # two-level keys: SGLang's fp8 pool plus its residual pages, both written by one store launch; every step
         # above with stage 1 from cupy_dsa's kernels (the plugin's routes) and from SGLang's own fp8 logits call
         # (its torch fp8 logits here: no DeepGEMM on this machine; one row per token), top-k against the CPU path
-        os.environ[core.ENV_NAME] = "fp8-rescore"
-        core.reset_mode()
-        try:
+        with core.env_vars({core.ENV_NAME: "fp8-rescore"}):
             worlds2 = [World(sg, device, norm_w, freq_cis), World(sg, "cpu", norm_w, freq_cis)]
             batch2 = Batch(g)
             prompt_store(worlds2, batch2)
-            os.environ[core.QUERY_ENV] = "fp8"  # the layer stand-in has no projections to build a bf16 q from
             for stage1 in ("cupy", "sglang"):
-                os.environ[core.RESCORE_STAGE1_ENV] = stage1
-                core.reset_mode()
-                if device != "cpu":
-                    t = time.time()
-                    core.ensure_warm(torch.device(device))
-                    log(f"  fp8-rescore (stage1={stage1}) kernels warmed in {time.time() - t:.1f} s")
-                rows_only = stage1 == "sglang"
-                log(f"  stage 1: {core.rescore_settings().describe()}")
-                extend_batch(worlds2, batch2, rescored=True, **({"expect_kind": "rows"} if rows_only else {}))
-                extend_one(worlds2, batch2, rescored=True, **({"expect_kind": "rows"} if rows_only else {}))
-                decode(worlds2, batch2, rescored=True)
-                verify(worlds2, batch2, rescored=True, **({"expect_kind": "rows"} if rows_only else {}))
-                graph_phase(sg, worlds2, batch2, g, capture=device != "cpu")
-                graph_verify_phase(sg, worlds2, batch2, g, capture=device != "cpu")
-        finally:
-            os.environ[core.ENV_NAME] = "bf16"
-            os.environ.pop(core.RESCORE_STAGE1_ENV, None)
-            os.environ.pop(core.QUERY_ENV, None)
-            core.reset_mode()
+                # the layer stand-in has no projections to build a bf16 q from: the fp8 query
+                with core.env_vars({core.QUERY_ENV: "fp8", core.RESCORE_STAGE1_ENV: stage1}):
+                    warm(f"fp8-rescore (stage1={stage1}) kernels")
+                    log(f"  stage 1: {core.rescore_settings().describe()}")
+                    every_step_again(worlds2, batch2, rows_only=stage1 == "sglang", rescored=True)
 
     phase("fp8-cupy", fp8_cupy)
     phase("fp8-rescore", fp8_rescore)

@@ -34,6 +34,12 @@ def test_product_instantiations_are_product_configs():
                    "mqa_logits_sm90_prefill_kernel<1, 1, 4, 1, 2, 2>"]
 
 
+def assert_bitwise_equal(outs):
+    """Every (what, logits) of ``outs`` equals the first, bit for bit."""
+    for what, o in outs[1:]:
+        assert torch.equal(o, outs[0][1]), f"{what} differs from {outs[0][0]}: {int((o != outs[0][1]).sum())} entries"
+
+
 @gpu
 def test_gpu_variants_bitwise_equal(seed):
     """Variants of one kernel that change scheduling (Prefetch, L2Hint, MinBlocks, CTAs per SM, keys per CTA; the
@@ -49,38 +55,35 @@ def test_gpu_variants_bitwise_equal(seed):
                     continue
                 with L.DECODE.forced(cfg, ARCH):
                     outs.append((cfg, paged_mqa_logits(q, cache, w, ctx, bt, 50 * PS, clean_logits=True)))
-            for cfg, o in outs[1:]:
-                assert torch.equal(o, outs[0][1]), \
-                    f"{cfg} differs from {outs[0][0]}: {int((o != outs[0][1]).sum())} entries"
+            assert_bitwise_equal(outs)
     T = 77
     q2 = make_q((T, H, D), FP8, "cuda")
     w2 = torch.randn(T, H, device="cuda")
     kv = torch.randn(3000, D, device="cuda").to(torch.bfloat16)
     ke = torch.randint(0, 3000, (T,), dtype=torch.int32, device="cuda")
     ks = (ke - 900).clamp_min(0)
-    outs = []
-    for cfg in configs(L.PREFILL, ("contiguous", 1, 0), Mma8=0):
-        for keys_per_cta in (cfg.keys_per_cta, 64):
-            with L.PREFILL.forced(cfg.replace(keys_per_cta=keys_per_cta), ARCH):
-                outs.append((f"{cfg} keys_per_cta={keys_per_cta}", mqa_logits(q2, kv, w2, ks, ke)))
+
+    def forced_prefill(cfgs, field, values):
+        """The prefill logits of each config with each value of ``field`` forced: (what, logits)."""
+        outs = []
+        for cfg in cfgs:
+            for value in values(cfg):
+                with L.PREFILL.forced(cfg.replace(**{field: value}), ARCH):
+                    outs.append((f"prefill {cfg} {field}={value}", mqa_logits(q2, kv, w2, ks, ke)))
+        return outs
+
+    contiguous = ("contiguous", 1, 0)
+    outs = forced_prefill(configs(L.PREFILL, contiguous, Mma8=0), "keys_per_cta", lambda c: (c.keys_per_cta, 64))
     assert len(outs) > 2
-    for what, o in outs[1:]:
-        assert torch.equal(o, outs[0][1]), f"prefill {what} differs: {int((o != outs[0][1]).sum())} entries"
-    outs = []
-    for cfg in configs(L.PREFILL, ("contiguous", 1, 0), L.QREG_PREFILL_KERNEL):  # q in registers: ring depth,
-        for keys_per_item in (cfg.keys_per_item, 64, 192):                   # n-tiles per pass, item size
-            with L.PREFILL.forced(cfg.replace(keys_per_item=keys_per_item), ARCH):
-                outs.append((f"{cfg} keys_per_item={keys_per_item}", mqa_logits(q2, kv, w2, ks, ke)))
+    assert_bitwise_equal(outs)
+    # q in registers: ring depth, n-tiles per pass, item size
+    outs = forced_prefill(configs(L.PREFILL, contiguous, L.QREG_PREFILL_KERNEL), "keys_per_item",
+                          lambda c: (c.keys_per_item, 64, 192))
     assert len(outs) > 3
-    for what, o in outs[1:]:
-        assert torch.equal(o, outs[0][1]), f"prefill {what} differs: {int((o != outs[0][1]).sum())} entries"
-    outs = []
-    for cfg in configs(L.PREFILL, ("contiguous", 1, 0), L.SM90_PREFILL_KERNEL)[:1]:  # sm_90: the product wgmma one
-        for parts in (0, 1, 3, 40):       # other cuts of a tile's key blocks over CTAs
-            with L.PREFILL.forced(cfg.replace(parts=parts), ARCH):
-                outs.append((f"{cfg} parts={parts}", mqa_logits(q2, kv, w2, ks, ke)))
-    for what, o in outs[1:]:
-        assert torch.equal(o, outs[0][1]), f"prefill {what} differs: {int((o != outs[0][1]).sum())} entries"
+    assert_bitwise_equal(outs)
+    # sm_90: the product wgmma one, with other cuts of a tile's key blocks over CTAs
+    assert_bitwise_equal(forced_prefill(configs(L.PREFILL, contiguous, L.SM90_PREFILL_KERNEL)[:1], "parts",
+                                        lambda c: (0, 1, 3, 40)))
 
 
 def test_forcing_an_undeclared_config_fails():

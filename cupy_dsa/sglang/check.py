@@ -156,21 +156,12 @@ def _device_self_test(idx: int, mode: str, query: str) -> list[tuple[str, str]]:
     """Warm the mode's kernels for its query on ``cuda:idx``, then store 128 keys and score 2 rows against the CPU
     path."""
     device = torch.device("cuda", idx)
-    saved = {n: os.environ.get(n) for n in (ENV_NAME, core.QUERY_ENV)}
     try:
-        core.set_mode(mode)
-        if core.record(mode).query_settable:
-            os.environ[core.QUERY_ENV] = query
-        core.ensure_warm(device)
+        query_setting = query if core.record(mode).query_settable else os.environ.get(core.QUERY_ENV)
+        with core.env_vars({ENV_NAME: core.parse_mode(mode), core.QUERY_ENV: query_setting}):
+            core.ensure_warm(device)
     except Exception as e:  # noqa: BLE001 - a compile or load failure is the finding
         return [(PROBLEM, f"cuda:{idx}: compiling the {mode} kernels ({query} query) failed ({type(e).__name__}: {e})")]
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        core.reset_mode()
     lines = [(OK, f"cuda:{idx}: the {mode} store and logits kernels ({query} query) compile and load")]
     try:
         worst = self_test(device, mode, query)
@@ -245,27 +236,13 @@ def run(flag: str | None = None, query: str | None = None) -> tuple[int, list[tu
                                f"agree."))
         mode, mode_lines = None, []
     else:
-        if query is not None:
-            os.environ[core.QUERY_ENV] = query  # what the flag sets in the launcher before the schedulers start
-        try:
+        # what the flag sets in the launcher before the schedulers start
+        with core.env_vars({core.QUERY_ENV: raw_query if query is None else query}):
             mode, mode_lines = _mode_lines(flag)
-        finally:
-            if raw_query is None:
-                os.environ.pop(core.QUERY_ENV, None)
-            else:
-                os.environ[core.QUERY_ENV] = raw_query
-            core.reset_mode()
     lines += mode_lines
     lines += _sglang_lines(mode)
-    if query is not None and mode is not None:
-        os.environ[core.QUERY_ENV] = query
-    try:
+    with core.env_vars({core.QUERY_ENV: query if query is not None and mode is not None else raw_query}):
         lines += _gpu_lines(mode)
-    finally:
-        if raw_query is None:
-            os.environ.pop(core.QUERY_ENV, None)
-        else:
-            os.environ[core.QUERY_ENV] = raw_query
     return (1 if any(status == PROBLEM for status, _ in lines) else 0), lines
 
 

@@ -10,6 +10,7 @@ sync, no allocation outside torch, kernels compiled and loaded before capture (:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -206,6 +207,26 @@ def reset_mode() -> None:
     one process)."""
     global _MODE, _QUERY, _RESCORE
     _MODE = _QUERY = _RESCORE = None
+
+
+@contextlib.contextmanager
+def env_vars(values: dict[str, str | None]):
+    """Set these variables for a block (None: unset), then put back what was there. The switch, query and
+    fp8-rescore settings are read once per process: the cache is reset on entry and exit."""
+    def apply(settings):
+        for name, value in settings.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        reset_mode()
+
+    old = {name: os.environ.get(name) for name in values}
+    apply(values)
+    try:
+        yield
+    finally:
+        apply(old)
 
 
 def enabled() -> bool:

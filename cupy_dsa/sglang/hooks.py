@@ -410,33 +410,35 @@ def _k_prime_arg(value: str) -> str:
     return value.strip().lower()
 
 
-# (flag, variable, parser of a value, argparse keywords) of every flag the plugin adds
+def _flag(flag, variable, parse, help_text, **argparse_kw):
+    """(flag, variable, parser of a value, argparse keywords) of one flag the plugin adds; its help ends naming the
+    variable it sets."""
+    return flag, variable, parse, dict(argparse_kw, help=f"{help_text} Same as {variable}.")
+
+
+# every flag the plugin adds
 def _flags():
     return (
-        (CLI_FLAG, ENV_NAME, core.parse_mode, dict(
-            type=str.lower, choices=MODES,
-            help=(f"[cupy_dsa plugin] DeepSeek-V4 C4 index-key format: fp8 (SGLang's, default), bf16, bf16-fp4sim or "
-                  f"bf16-reference (256-byte bf16 keys, cupy_dsa kernels), fp8-cupy (SGLang's 132-byte fp8 keys on "
-                  f"cupy_dsa's store and kernels), fp8-rescore (SGLang's fp8 keys plus a 132-byte int8 residual "
-                  f"page, 264 B per entry; each row's top-k rescored among its K' best fp8 logits). Same as "
-                  f"{ENV_NAME}."))),
-        (core.RESCORE_STAGE1_FLAG, core.RESCORE_STAGE1_ENV, core.parse_stage1, dict(
-            type=str.lower, choices=core.STAGE1_CHOICES,
-            help=(f"[cupy_dsa plugin, fp8-rescore] stage 1 (the fp8 logits that choose each row's K' candidates): "
-                  f"sglang (default: SGLang's own fp8 logits call) or cupy (cupy_dsa's fp8-key kernels). Same as "
-                  f"{core.RESCORE_STAGE1_ENV}."))),
-        (core.RESCORE_KPRIME_FLAG, core.RESCORE_KPRIME_ENV, core.parse_k_prime, dict(
-            type=_k_prime_arg, metavar="{Nx,N}",
-            help=(f"[cupy_dsa plugin, fp8-rescore] K', the fp8 candidates per row that stage 2 rescores: a multiple "
-                  f"of index_topk (default {core.DEFAULT_KPRIME}) or a count (>= index_topk). Same as "
-                  f"{core.RESCORE_KPRIME_ENV}."))),
-        (core.QUERY_FLAG, core.QUERY_ENV, core.parse_query, dict(
-            type=str.lower, choices=core.QUERY_CHOICES,
-            help=(f"[cupy_dsa plugin] the indexer query: fp8 (SGLang's fused fp8 q, one scale per token and head) or "
-                  f"bf16 (the rotated q rounded to bf16 once); for "
-                  + ", ".join(f"{m.name} (default {m.query})" for m in core.MODE_RECORDS.values() if m.query_settable)
-                  + f"; fp8-rescore's is its stage-2 query. Refused with the other modes. Same as "
-                  f"{core.QUERY_ENV}."))),
+        _flag(CLI_FLAG, ENV_NAME, core.parse_mode,
+              "[cupy_dsa plugin] DeepSeek-V4 C4 index-key format: fp8 (SGLang's, default), bf16, bf16-fp4sim or "
+              "bf16-reference (256-byte bf16 keys, cupy_dsa kernels), fp8-cupy (SGLang's 132-byte fp8 keys on "
+              "cupy_dsa's store and kernels), fp8-rescore (SGLang's fp8 keys plus a 132-byte int8 residual page, "
+              "264 B per entry; each row's top-k rescored among its K' best fp8 logits).",
+              type=str.lower, choices=MODES),
+        _flag(core.RESCORE_STAGE1_FLAG, core.RESCORE_STAGE1_ENV, core.parse_stage1,
+              "[cupy_dsa plugin, fp8-rescore] stage 1 (the fp8 logits that choose each row's K' candidates): sglang "
+              "(default: SGLang's own fp8 logits call) or cupy (cupy_dsa's fp8-key kernels).",
+              type=str.lower, choices=core.STAGE1_CHOICES),
+        _flag(core.RESCORE_KPRIME_FLAG, core.RESCORE_KPRIME_ENV, core.parse_k_prime,
+              f"[cupy_dsa plugin, fp8-rescore] K', the fp8 candidates per row that stage 2 rescores: a multiple of "
+              f"index_topk (default {core.DEFAULT_KPRIME}) or a count (>= index_topk).",
+              type=_k_prime_arg, metavar="{Nx,N}"),
+        _flag(core.QUERY_FLAG, core.QUERY_ENV, core.parse_query,
+              "[cupy_dsa plugin] the indexer query: fp8 (SGLang's fused fp8 q, one scale per token and head) or bf16 "
+              "(the rotated q rounded to bf16 once); for "
+              + ", ".join(f"{m.name} (default {m.query})" for m in core.MODE_RECORDS.values() if m.query_settable)
+              + "; fp8-rescore's is its stage-2 query. Refused with the other modes.",
+              type=str.lower, choices=core.QUERY_CHOICES),
     )
 
 

@@ -1,12 +1,12 @@
 """Scenario "on", part: guards (PD layout, HiCache, configuration refusals)."""
 from __future__ import annotations
 
-import os
 import types
 
 from cupy_dsa.sglang import guard
 
-from harness import check, ENV, INFO, make_index_pool, mode_env
+from harness import (ENV, INFO, assert_refused, assert_resolution_leaves_environment, check, hicache_model_name,
+                     make_index_pool, mode_env, resolution_refusal, run_resolution)
 
 
 def pd_decode_handshake(local_layout: str, prefill_layout: str):
@@ -76,7 +76,6 @@ def guard_checks():
 
     @check
     def hicache_guards():
-        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
         from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _dsv4_indexer_regions
 
         bf16_pool = make_index_pool()
@@ -86,40 +85,18 @@ def guard_checks():
             fp8_pool = make_index_pool()
             (region,) = _dsv4_indexer_regions(types.SimpleNamespace(c4_indexer_kv_pool=fp8_pool), 256)
         assert region.item_bytes == 8448 and region.page_aligned_only is False, region
-        kw = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=True,
-                  enable_storage_metrics=False, is_page_first_layout=False, model_name="deepseek-ai/DeepSeek-V4")
-        assert HiCacheStorageConfig(**kw).model_name == "deepseek-ai/DeepSeek-V4_c4idx-bf16"
+        assert hicache_model_name() == "deepseek-ai/DeepSeek-V4_c4idx-bf16"
         with mode_env("fp8"):
-            assert HiCacheStorageConfig(**kw).model_name == "deepseek-ai/DeepSeek-V4"
-
-    def run_resolution(**fields):
-        from sglang.srt.arg_groups.resolution_hooks import run_hook
-        from sglang.srt.server_args import ServerArgs
-
-        def handle_model_specific_adjustments(server_args):
-            server_args._builtin_ran = True
-
-        sa = ServerArgs(model_path="dummy", **fields)
-        run_hook(handle_model_specific_adjustments, sa)
-        assert sa._builtin_ran, "SGLang's own step must run first"
-        return sa
+            assert hicache_model_name() == "deepseek-ai/DeepSeek-V4"
 
     def refused(fragment, **fields):
-        try:
-            run_resolution(**fields)
-        except ValueError as e:
-            msg = str(e)
-            assert fragment in msg and ENV in msg, msg
-            INFO.setdefault("refusals", []).append(msg)
-            return
-        raise AssertionError(f"configuration {fields} was not refused")
+        msg = resolution_refusal("the resolution step", **fields)
+        assert fragment in msg and ENV in msg, msg
+        INFO.setdefault("refusals", []).append(msg)
 
     @check
     def resolution_accepts_without_env_writes():
-        before = dict(os.environ)
-        run_resolution()
-        changed = {k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}
-        assert not changed, f"the resolution hook wrote the environment: {changed}"
+        assert_resolution_leaves_environment()
 
     @check
     def resolution_refuses_fp4_indexer():
@@ -172,10 +149,7 @@ def guard_checks():
         orig = guard.sglang_version
         guard.sglang_version = lambda: "0.5.22"
         try:
-            run_resolution()
-        except StartupRefused as e:
-            assert "found SGLang 0.5.22" in str(e), str(e)
-        else:
-            raise AssertionError("the launcher accepted bf16 on SGLang 0.5.22")
+            assert_refused(run_resolution, ("found SGLang 0.5.22",), "the launcher accepted bf16 on SGLang 0.5.22",
+                           error=StartupRefused)
         finally:
             guard.sglang_version = orig

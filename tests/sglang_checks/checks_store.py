@@ -115,8 +115,11 @@ def store_through_binding(case):
 def store_through_sglang_call_site(case, cache):
     """SGLang's own CompressorBackendMixin._forward_compress_all_in_one (indexer branch) with its CUDA-JIT
     compress_forward replaced by a stand-in that returns the compressed rows: the hooked store must accept
-    exactly the keywords SGLang passes and write the planned slots of ``cache``."""
+    exactly the keywords SGLang passes and write the planned slots of ``cache``. Returns the keywords of each call
+    that reached cupy_dsa's store (``core.store_index_k_bf16``)."""
     from sglang.srt.layers.attention.dsv4 import compressor_v2
+
+    from cupy_dsa.sglang import core
 
     class Backend(compressor_v2.CompressorBackendMixin):
         forward_metadata = types.SimpleNamespace(c4_compress_metadata=case.plan)
@@ -127,8 +130,16 @@ def store_through_sglang_call_site(case, cache):
         seen["plan"] = kw["plan"]
         return case.kv
 
+    stores = []
+    real_store = core.store_index_k_bf16
+
+    def spied_store(*a, **k):
+        stores.append(k)
+        return real_store(*a, **k)
+
     orig = compressor_v2.compress_forward
     compressor_v2.compress_forward = fake_compress_forward
+    core.store_index_k_bf16 = spied_store
     try:
         rows = case.kv.shape[0]
         Backend()._forward_compress_all_in_one(
@@ -137,7 +148,9 @@ def store_through_sglang_call_site(case, cache):
             kv_cache=cache, is_indexer=True, rotate=True, compress_ratio=4, page_size=64, out_loc=case.out_loc)
     finally:
         compressor_v2.compress_forward = orig
+        core.store_index_k_bf16 = real_store
     assert seen["plan"] is case.plan
+    return stores
 
 
 def assert_bf16_keys(cache, case):

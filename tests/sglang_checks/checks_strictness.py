@@ -48,6 +48,24 @@ def assert_hook_refuses(kv, plan, kw, fragment, accepted):
     assert not spy.calls, "a refused store went to SGLang's store"
 
 
+def assert_fp8_keyed_store_strictness(mode, caches, fragments):
+    """The store of a mode on SGLang's fp8 index cache (``caches[0]``, with its residual pages after it if any): a call
+    with keywords it does not recognise is refused naming ``fragments`` and writes none of ``caches``; a bf16 cache
+    (not this mode's) is refused and left unwritten; SGLang's other caches go to SGLang's own store."""
+    assert_stores_refused(caches[0], ((dict(use_fp4=True), "use_fp4=True"), (dict(page_size=256), "page_size=256"),
+                                      (dict(new_option=1), "unknown keyword new_option")),
+                          fragments, f"an {mode} store")
+    assert not any(c.any() for c in caches), "a refused call wrote a page"
+    bf16_cache = torch.zeros(44, 16384, dtype=torch.uint8)  # a bf16 cache cannot be this mode's
+    kv, plan, kw = _store_call(bf16_cache)
+    assert_hook_refuses(kv, plan, kw, f"{ENV}={mode} in this process", f"{mode} wrote a bf16 cache")
+    assert not bf16_cache.any()
+    main_kv = torch.zeros(4, 64 * 584, dtype=torch.uint8)  # SGLang's other caches: its own store
+    kv, plan, kw = _store_call(main_kv)
+    spy = Spy()
+    assert hooks._store_hook(spy, kv, plan, **kw) == "original" and len(spy.calls) == 1
+
+
 def strictness_checks():
     @check
     def fingerprint_matches_installed():

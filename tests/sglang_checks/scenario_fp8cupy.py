@@ -22,13 +22,15 @@ import types
 import torch
 
 from cupy_dsa import rotate_index_k_reference
-from cupy_dsa.sglang import core, hooks
+from cupy_dsa.sglang import core
 
 from checks_indexer import _indexer_setup, one_attention_cp_rank, spied_logits_routes
 from checks_store import (call_site_case, decode_case, index_cache, key_f64, prefill_case, store_through_binding,
                           store_through_sglang_call_site)
-from checks_strictness import Spy, _store_call, assert_hook_refuses, assert_stores_refused
-from harness import ENV, INFO, check, every_hook_in_place, load, make_index_pool, mode_env
+from checks_strictness import assert_fp8_keyed_store_strictness
+from harness import (ENV, INFO, assert_check_command_says, assert_resolution_leaves_environment, check,
+                     every_hook_in_place, hicache_model_name, load, make_index_pool, mode_env, resolution_refusal,
+                     server_args_from_yaml)
 
 MODE = "fp8-cupy"
 FP8_PAGE = 8448
@@ -187,36 +189,13 @@ def scenario_fp8cupy():
     @check
     def store_fp8_via_sglang_call_site():
         case, cache = call_site_case(), index_cache()
-        stores = []
-        real = core.store_index_k_bf16
-
-        def spy(*a, **k):
-            stores.append(k["kvcache"])
-            return real(*a, **k)
-
-        core.store_index_k_bf16 = spy
-        try:
-            store_through_sglang_call_site(case, cache)
-        finally:
-            core.store_index_k_bf16 = real
-        assert len(stores) == 1 and stores[0] is cache, "the fp8 index cache did not go to cupy_dsa's store"
+        stores = store_through_sglang_call_site(case, cache)
+        assert len(stores) == 1 and stores[0]["kvcache"] is cache, "the fp8 index cache did not go to cupy_dsa's store"
         assert_sglang_fp8_pages(cache, case)
 
     @check
     def store_fp8cupy_strictness():
-        cache = index_cache()
-        assert_stores_refused(cache, ((dict(use_fp4=True), "use_fp4=True"), (dict(page_size=256), "page_size=256"),
-                                      (dict(new_option=1), "unknown keyword new_option")),
-                              ("fp8 index cache",), "an fp8-cupy store")
-        assert not cache.any(), "a refused call wrote the cache"
-        bf16_cache = torch.zeros(44, 16384, dtype=torch.uint8)  # a bf16 cache cannot be this mode's
-        kv, plan, kw = _store_call(bf16_cache)
-        assert_hook_refuses(kv, plan, kw, f"{ENV}={MODE} in this process", "fp8-cupy wrote a bf16 cache")
-        assert not bf16_cache.any()
-        main_kv = torch.zeros(4, 64 * 584, dtype=torch.uint8)  # SGLang's other caches: its own store
-        kv, plan, kw = _store_call(main_kv)
-        spy = Spy()
-        assert hooks._store_hook(spy, kv, plan, **kw) == "original" and len(spy.calls) == 1
+        assert_fp8_keyed_store_strictness(MODE, (index_cache(),), ("fp8 index cache",))
 
     @check
     def indexer_topk_matches_sglang_fp8_decode():
@@ -272,7 +251,6 @@ def scenario_fp8cupy():
         from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout
         from sglang.srt.disaggregation.utils import get_pd_kv_layout
         from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
-        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
         from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _dsv4_indexer_regions
 
         pool = object.__new__(DeepSeekV4TokenToKVPool)
@@ -282,63 +260,29 @@ def scenario_fp8cupy():
             assert get_pd_kv_layout(pool) == KVLayout.UNIFORM_FP8.value
         (region,) = _dsv4_indexer_regions(types.SimpleNamespace(c4_indexer_kv_pool=make_index_pool()), 256)
         assert region.item_bytes == FP8_PAGE and region.page_aligned_only is False, region  # SGLang's, unchanged
-        kw = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=True,
-                  enable_storage_metrics=False, is_page_first_layout=False, model_name="deepseek-ai/DeepSeek-V4")
-        assert HiCacheStorageConfig(**kw).model_name == "deepseek-ai/DeepSeek-V4_c4idx-fp8-cupy"
+        assert hicache_model_name() == "deepseek-ai/DeepSeek-V4_c4idx-fp8-cupy"
 
     @check
     def resolution_fp8cupy():
-        from sglang.srt.arg_groups.resolution_hooks import run_hook
-        from sglang.srt.server_args import ServerArgs
-
-        def handle_model_specific_adjustments(server_args):  # SGLang's step, by name
-            server_args._builtin_ran = True
-
-        def resolve(**fields):
-            sa = ServerArgs(model_path="dummy", **fields)
-            run_hook(handle_model_specific_adjustments, sa)
-            assert sa._builtin_ran, "SGLang's own step must run first"
-            return sa
-
-        before = dict(os.environ)
-        resolve()
-        changed = {k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}
-        assert not changed, f"the resolution hook wrote the environment: {changed}"
+        assert_resolution_leaves_environment()
         for fields, fragment in ((dict(enable_deepseek_v4_fp4_indexer=True), "--enable-deepseek-v4-fp4-indexer"),
                                  (dict(enable_nvidia_megakernel=True), "--enable-nvidia-megakernel"),
                                  (dict(device="npu"), "NPU")):
-            try:
-                resolve(**fields)
-            except ValueError as e:
-                msg = str(e)
-                assert fragment in msg and f"{ENV}={MODE}" in msg and "fp8 C4 index keys on cupy_dsa" in msg, msg
-            else:
-                raise AssertionError(f"fp8-cupy accepted {fields}")
+            msg = resolution_refusal(MODE, **fields)
+            assert fragment in msg and f"{ENV}={MODE}" in msg and "fp8 C4 index keys on cupy_dsa" in msg, msg
 
     @check
     def flag_and_yaml_key_take_fp8cupy():
-        import tempfile
-
         from sglang.srt.server_args import prepare_server_args
 
         with mode_env(None):
             prepare_server_args(["--model-path", "dummy", "--cupy-dsa-index-k-dtype", "FP8-Cupy"])
             assert os.environ.get(ENV) == MODE and core.index_k_mode() == MODE, os.environ.get(ENV)
-        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-            f.write("model-path: dummy\ncupy-dsa-index-k-dtype: fp8-cupy\n")
-        try:
-            with mode_env(None):
-                prepare_server_args(["--config", f.name])
-                assert os.environ.get(ENV) == MODE, os.environ.get(ENV)
-        finally:
-            os.unlink(f.name)
+        with mode_env(None):
+            server_args_from_yaml("model-path: dummy\ncupy-dsa-index-k-dtype: fp8-cupy\n")
+            assert os.environ.get(ENV) == MODE, os.environ.get(ENV)
 
     @check
     def check_command_describes_fp8cupy():
-        from cupy_dsa.sglang import check as check_cmd
-
-        mode, lines = check_cmd._mode_lines()
-        assert mode == MODE
-        text = " ".join(t for _, t in lines)
-        assert "SGLang's fp8 C4 index keys on cupy_dsa's store and kernels (132 B per entry)" in text, text
-        assert "query: SGLang's fused fp8 q" in text, text
+        assert_check_command_says(MODE, ("SGLang's fp8 C4 index keys on cupy_dsa's store and kernels (132 B per entry)",
+                                         "query: SGLang's fused fp8 q"))

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import os
-import tempfile
 
 from cupy_dsa.sglang import guard, hooks
 
-from harness import check, ENV, load, make_index_pool, mode_env, patched
+from harness import check, ENV, load, make_index_pool, mode_env, patched, server_args_from_yaml
 
 
 def scenario_off():
@@ -117,16 +116,9 @@ def scenario_off():
 
     @check
     def yaml_config_sets_switch():
-        from sglang.srt.server_args import prepare_server_args
-
-        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-            f.write("model-path: dummy\ncupy-dsa-index-k-dtype: bf16-fp4sim\n")
-        try:
-            with mode_env(None):
-                prepare_server_args(["--config", f.name])
-                assert os.environ.get(ENV) == "bf16-fp4sim", os.environ.get(ENV)
-        finally:
-            os.unlink(f.name)
+        with mode_env(None):
+            server_args_from_yaml("model-path: dummy\ncupy-dsa-index-k-dtype: bf16-fp4sim\n")
+            assert os.environ.get(ENV) == "bf16-fp4sim", os.environ.get(ENV)
 
 
 def scenario_excluded():

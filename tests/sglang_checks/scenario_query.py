@@ -21,29 +21,16 @@ import torch
 from cupy_dsa.sglang import core, hooks
 
 from checks_indexer import _indexer_setup, one_attention_cp_rank, spied_logits_routes
-from harness import ENV, INFO, check, every_hook_in_place, load, mode_env
+from harness import (ENV, INFO, assert_argparse_rejects, assert_check_command_says, assert_refused, check,
+                     every_hook_in_place, forward_cases, hicache_model_name, load, mode_env, server_args_from_yaml)
 from scenario_rescore import sglang_fused_q_on_cpu
 
 Q = core.QUERY_ENV
 
 
-@contextlib.contextmanager
 def query_env(value):
-    """The query setting for a block (read once per process: the cache is reset on entry and exit)."""
-    old = os.environ.get(Q)
-    if value is None:
-        os.environ.pop(Q, None)
-    else:
-        os.environ[Q] = value
-    core.reset_mode()
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(Q, None)
-        else:
-            os.environ[Q] = old
-        core.reset_mode()
+    """The query setting for a block (None: unset; read once per process: the cache is reset on entry and exit)."""
+    return core.env_vars({Q: value})
 
 
 def query_setup(mode, lens, groups=None, seed=7, max_pos=4096):
@@ -116,28 +103,17 @@ def scenario_query():
 
     @check
     def registered_with_the_bf16_query():
-        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-
         every_hook_in_place()
         assert core.index_k_mode() == "bf16" and core.index_query() == "bf16", (core.index_k_mode(), core.index_query())
         # the query does not change the pages: the tag and the namespace are bf16's, with either query
         for value in ("bf16", "fp8"):
             with query_env(value):
                 assert hooks._pd_kv_layout_hook("v4") == "v4,c4idx:bf16"
-                kw = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                          is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=False,
-                          model_name="deepseek-ai/DeepSeek-V4")
-                assert HiCacheStorageConfig(**kw).model_name == "deepseek-ai/DeepSeek-V4_c4idx-bf16"
+                assert hicache_model_name() == "deepseek-ai/DeepSeek-V4_c4idx-bf16"
 
     @check
     def every_mode_and_query_through_sglang_forward():
-        from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
-        cases = (("decode", ForwardMode.DECODE, 4, dict(lens=(2560, 2400, 2100, 1800)), "paged_logits"),
-                 ("extend", ForwardMode.EXTEND, 2, dict(lens=(2000, 2001, 2002, 2560), groups=(3, 1)),
-                  "extend_logits"),
-                 ("verify n=2", ForwardMode.TARGET_VERIFY, 2, dict(lens=(2300, 2301, 2500, 2501), groups=(2, 2)),
-                  "verify_logits"))
+        cases = forward_cases("paged_logits", "extend_logits", "verify_logits")
         ran = []
         for mode in core.MODES[1:]:
             rec = core.record(mode)
@@ -148,9 +124,7 @@ def scenario_query():
                     with mode_env(mode), query_env(query if rec.query_settable else None), \
                             contextlib.ExitStack() as stack:
                         if rec.two_level:
-                            os.environ[core.RESCORE_STAGE1_ENV] = "cupy"
-                            stack.callback(os.environ.pop, core.RESCORE_STAGE1_ENV, None)
-                            core.reset_mode()
+                            stack.enter_context(core.env_vars({core.RESCORE_STAGE1_ENV: "cupy"}))
                             from scenario_rescore import spied_rescore
                             spies = stack.enter_context(spied_rescore(f"in {mode}"))
                         else:
@@ -189,8 +163,6 @@ def scenario_query():
 
     @check
     def query_flag_yaml_key_and_refusals():
-        import tempfile
-
         from sglang.srt.arg_groups.resolution_hooks import run_hook
         from sglang.srt.server_args import ServerArgs, prepare_server_args
 
@@ -200,28 +172,15 @@ def scenario_query():
             prepare_server_args(["--model-path", "dummy", "--cupy-dsa-index-k-dtype", "fp8-cupy",
                                  "--cupy-dsa-index-q", "BF16"])
             assert os.environ.get(ENV) == "fp8-cupy" and os.environ.get(Q) == "bf16" and core.index_query() == "bf16"
-        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-            f.write("model-path: dummy\ncupy-dsa-index-k-dtype: bf16-fp4sim\ncupy-dsa-index-q: bf16\n")
-        try:
-            with mode_env(None), query_env(None):
-                prepare_server_args(["--config", f.name])
-                assert os.environ.get(ENV) == "bf16-fp4sim" and core.index_query() == "bf16"
-        finally:
-            os.unlink(f.name)
         with mode_env(None), query_env(None):
-            try:
-                prepare_server_args(["--model-path", "dummy", "--cupy-dsa-index-q", "fp16"])
-            except SystemExit as e:
-                assert not isinstance(e, StartupRefused), str(e)  # argparse's choices
-            else:
-                raise AssertionError("argparse accepted --cupy-dsa-index-q fp16")
+            server_args_from_yaml("model-path: dummy\ncupy-dsa-index-k-dtype: bf16-fp4sim\ncupy-dsa-index-q: bf16\n")
+            assert os.environ.get(ENV) == "bf16-fp4sim" and core.index_query() == "bf16"
+        with mode_env(None), query_env(None):
+            assert_argparse_rejects(["--cupy-dsa-index-q", "fp16"])  # argparse's choices
         with mode_env("bf16"), query_env("fp8"):
-            try:
-                prepare_server_args(["--model-path", "dummy", "--cupy-dsa-index-q", "bf16"])
-            except StartupRefused as e:
-                assert "--cupy-dsa-index-q bf16" in str(e) and f"{Q}='fp8'" in str(e), str(e)
-            else:
-                raise AssertionError("the flag silently overrode the variable")
+            assert_refused(lambda: prepare_server_args(["--model-path", "dummy", "--cupy-dsa-index-q", "bf16"]),
+                           ("--cupy-dsa-index-q bf16", f"{Q}='fp8'"), "the flag silently overrode the variable",
+                           error=StartupRefused)
 
         def resolve():
             def handle_model_specific_adjustments(server_args):
@@ -249,12 +208,7 @@ def scenario_query():
 
     @check
     def check_command_names_the_query():
-        from cupy_dsa.sglang import check as check_cmd
-
-        mode, lines = check_cmd._mode_lines()
-        text = " ".join(t for _, t in lines)
-        assert mode == "bf16" and f"query: the rotated q rounded to bf16 once (the head weights without a q scale) " \
-            f"({Q}=bf16)" in text, text
+        assert_check_command_says("bf16", (f"query: the rotated q rounded to bf16 once (the head weights without a q "
+                                           f"scale) ({Q}=bf16)",))
         with query_env(None):
-            mode, lines = check_cmd._mode_lines()
-            assert "query: SGLang's fused fp8 q" in " ".join(t for _, t in lines), lines
+            assert_check_command_says("bf16", ("query: SGLang's fused fp8 q",))

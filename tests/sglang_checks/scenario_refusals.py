@@ -166,13 +166,8 @@ def scenario_refusals():
                                                "its query (fp4sim) is part of the mode")),
                 ("bf16-reference", Q, "fp8", (f"{Q}='fp8' set with {ENV}=bf16-reference",)),
                 ("bf16", K, "2x", (f"{K} set with {ENV}=bf16", "fp8-rescore only"))):
-            os.environ[name] = value
-            try:
-                with mode_env(mode):
-                    _load_expect_refusal(*fragments, "Refusing to start")
-            finally:
-                os.environ.pop(name, None)
-                core.reset_mode()
+            with core.env_vars({name: value}), mode_env(mode):
+                _load_expect_refusal(*fragments, "Refusing to start")
             nothing_patched()
 
     @check

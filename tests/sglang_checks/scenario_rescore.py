@@ -29,8 +29,11 @@ from checks_guard import assert_pd_layout_accepted, pd_decode_handshake
 from checks_indexer import _indexer_setup, hisparse_decode, one_attention_cp_rank, spied_logits_routes
 from checks_store import (call_site_case, decode_case, prefill_case, store_through_binding,
                           store_through_sglang_call_site)
-from checks_strictness import Spy, _store_call, assert_hook_refuses, assert_stores_refused
-from harness import ENV, INFO, check, every_hook_in_place, load, make_index_pool, mode_env
+from checks_strictness import _store_call, assert_fp8_keyed_store_strictness, assert_hook_refuses
+from harness import (ENV, INFO, assert_argparse_rejects, assert_check_command_says, assert_refused,
+                     assert_resolution_leaves_environment, check, every_hook_in_place, forward_cases,
+                     hicache_model_name, load, make_index_pool, mode_env, resolution_refusal, run_resolution,
+                     server_args_from_yaml)
 from scenario_fp8cupy import assert_sglang_fp8_pages
 
 MODE = "fp8-rescore"
@@ -38,26 +41,10 @@ FP8_PAGE = 8448
 STAGE1, KPRIME, STAGE2_Q = core.RESCORE_STAGE1_ENV, core.RESCORE_KPRIME_ENV, core.QUERY_ENV
 
 
-@contextlib.contextmanager
 def settings_env(stage1=None, kprime=None, stage2_q=None):
-    """fp8-rescore's settings and the query setting (its stage-2 query) for a block (read once per process: the cache
-    is reset on entry and exit)."""
-    old = {n: os.environ.get(n) for n in (STAGE1, KPRIME, STAGE2_Q)}
-    for name, value in ((STAGE1, stage1), (KPRIME, kprime), (STAGE2_Q, stage2_q)):
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    core.reset_mode()
-    try:
-        yield
-    finally:
-        for name, value in old.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        core.reset_mode()
+    """fp8-rescore's settings and the query setting (its stage-2 query) for a block (None: unset; read once per
+    process: the cache is reset on entry and exit)."""
+    return core.env_vars({STAGE1: stage1, KPRIME: kprime, STAGE2_Q: stage2_q})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -358,40 +345,19 @@ def scenario_rescore():
     @check
     def store_two_level_one_launch_via_sglang_call_site():
         case, (hi, lo) = call_site_case(), rescore_cache()
-        stores = []
-        real = core.store_index_k_bf16
-
-        def spy(*a, **k):
-            stores.append((k["kvcache"], k["lo_cache"]))
-            return real(*a, **k)
-
-        core.store_index_k_bf16 = spy
-        try:
-            store_through_sglang_call_site(case, hi)
-        finally:
-            core.store_index_k_bf16 = real
-        assert len(stores) == 1 and stores[0][0] is hi and stores[0][1] is lo, "not one store of both pages"
+        stores = store_through_sglang_call_site(case, hi)
+        assert len(stores) == 1 and stores[0]["kvcache"] is hi and stores[0]["lo_cache"] is lo, \
+            "not one store of both pages"
         assert_two_level_pages(hi, lo, case)
 
     @check
     def store_rescore_strictness():
-        hi, lo = rescore_cache()
-        assert_stores_refused(hi, ((dict(use_fp4=True), "use_fp4=True"), (dict(page_size=256), "page_size=256"),
-                                   (dict(new_option=1), "unknown keyword new_option")),
-                              ("fp8 index cache", "its residual page in one launch"), "an fp8-rescore store")
-        assert not hi.any() and not lo.any(), "a refused call wrote a page"
+        assert_fp8_keyed_store_strictness(MODE, rescore_cache(), ("fp8 index cache", "its residual page in one launch"))
         with mode_env("fp8-cupy"):
             orphan = make_index_pool(size=256).index_k_with_scale_buffer[0]  # fp8 rows without lo pages
         kv, plan, kw = _store_call(orphan)
         assert_hook_refuses(kv, plan, kw, "has no residual (lo) pages", "stored fp8 keys without their residuals")
         assert not orphan.any()
-        bf16_cache = torch.zeros(44, 16384, dtype=torch.uint8)
-        kv, plan, kw = _store_call(bf16_cache)
-        assert_hook_refuses(kv, plan, kw, f"{ENV}={MODE} in this process", "fp8-rescore wrote a bf16 cache")
-        main_kv = torch.zeros(4, 64 * 584, dtype=torch.uint8)  # SGLang's other caches: its own store
-        kv, plan, kw = _store_call(main_kv)
-        spy = Spy()
-        assert hooks._store_hook(spy, kv, plan, **kw) == "original" and len(spy.calls) == 1
 
     @check
     def indexer_decode_matches_reference_both_stage1():
@@ -459,11 +425,7 @@ def scenario_rescore():
         # from stage 2 with the fp8 q on these rows
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-        cases = (("decode", ForwardMode.DECODE, 4, dict(lens=(2560, 2400, 2100, 1800)), "rescore_rows"),
-                 ("extend", ForwardMode.EXTEND, 2, dict(lens=(2000, 2001, 2002, 2560), groups=(3, 1)),
-                  "rescore_extend"),
-                 ("verify n=2", ForwardMode.TARGET_VERIFY, 2, dict(lens=(2300, 2301, 2500, 2501), groups=(2, 2)),
-                  "rescore_verify"))
+        cases = forward_cases("rescore_rows", "rescore_extend", "rescore_verify")
         for what, mode_, batch, setup, route in cases:
             ns = _bf16q_setup(**setup)
             for stage1 in ("cupy", "sglang"):
@@ -601,11 +563,8 @@ def scenario_rescore():
 
         forward.forward_c4_indexer_bf16 = as_micro_batch
         try:
-            _run(ForwardMode.DECODE, 2, "cupy", ns=ns)
-        except RuntimeError as e:
-            assert "two-batch-overlap micro-batch" in str(e), str(e)
-        else:
-            raise AssertionError("fp8-rescore ran a two-batch-overlap micro-batch")
+            assert_refused(lambda: _run(ForwardMode.DECODE, 2, "cupy", ns=ns), ("two-batch-overlap micro-batch",),
+                           "fp8-rescore ran a two-batch-overlap micro-batch")
         finally:
             forward.forward_c4_indexer_bf16 = orig
 
@@ -650,7 +609,7 @@ def scenario_rescore():
 
     @check
     def hicache_carries_lo_pages_in_its_namespace():
-        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
+        from sglang.srt.mem_cache.hicache_storage import PoolName
         from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _dsv4_indexer_regions
 
         pool = make_index_pool(layers=2)
@@ -669,9 +628,7 @@ def scenario_rescore():
             assert "residual (lo) buffers" in str(e) and "Refusing to build HiCache" in str(e), str(e)
         else:
             raise AssertionError("HiCache was built without the lo pages")
-        kw = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=True,
-                  enable_storage_metrics=False, is_page_first_layout=False, model_name="deepseek-ai/DeepSeek-V4")
-        assert HiCacheStorageConfig(**kw).model_name == "deepseek-ai/DeepSeek-V4_c4idx-fp8-rescore"
+        assert hicache_model_name() == "deepseek-ai/DeepSeek-V4_c4idx-fp8-rescore"
 
     @check
     def hicache_backup_and_load_carry_lo_pages():
@@ -735,42 +692,17 @@ def scenario_rescore():
         assert len(calls) == 6 and len(lo_calls) == 3, [(len(a), len(b)) for a, b, _, _ in calls]
         assert mph.__dict__.get("transfer_kv_direct", None) is unbound, "the stand-in was left in SGLang"
 
-    def resolve(index_topk=None, **fields):
-        from sglang.srt.arg_groups.resolution_hooks import run_hook
-        from sglang.srt.server_args import ServerArgs
-
-        def handle_model_specific_adjustments(server_args):  # SGLang's step, by name
-            server_args._builtin_ran = True
-            if index_topk is not None:  # the model config SGLang's step builds (model_config_of's memo)
-                server_args._model_config = types.SimpleNamespace(hf_config=types.SimpleNamespace(
-                    architectures=["DeepseekV4ForCausalLM"], index_topk=index_topk))
-
-        sa = ServerArgs(model_path="dummy", **fields)
-        run_hook(handle_model_specific_adjustments, sa)
-        assert sa._builtin_ran, "SGLang's own step must run first"
-        return sa
-
     @check
     def resolution_rescore_refusals():
-        before = dict(os.environ)
-        resolve()
-        changed = {k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}
-        assert not changed, f"the resolution hook wrote the environment: {changed}"
+        assert_resolution_leaves_environment()
         for fields, fragments in ((dict(attn_cp_size=2), ("--attn-cp-size 2", "context parallel")),
                                   (dict(enable_two_batch_overlap=True), ("--enable-two-batch-overlap",)),
                                   (dict(enable_deepseek_v4_fp4_indexer=True), ("--enable-deepseek-v4-fp4-indexer",)),
                                   (dict(enable_nvidia_megakernel=True), ("--enable-nvidia-megakernel",)),
                                   (dict(device="npu"), ("NPU",))):
-            try:
-                resolve(**fields)
-            except ValueError as e:
-                msg = str(e)
-                assert all(f in msg for f in fragments) and f"{ENV}={MODE}" in msg and "two-level" in msg, msg
-                INFO.setdefault("rescore_refusals", []).append(msg)
-            except (TypeError, AssertionError) as e:  # a field this SGLang validates before the hook
-                raise AssertionError(f"{fields}: {e}") from e
-            else:
-                raise AssertionError(f"fp8-rescore accepted {fields}")
+            msg = resolution_refusal(MODE, **fields)
+            assert all(f in msg for f in fragments) and f"{ENV}={MODE}" in msg and "two-level" in msg, msg
+            INFO.setdefault("rescore_refusals", []).append(msg)
 
     @check
     def settings_refused_before_anything_is_patched():
@@ -788,7 +720,7 @@ def scenario_rescore():
                 else:
                     raise AssertionError(f"{stage1}, {kprime}, {stage2_q} accepted")
                 try:
-                    resolve()
+                    run_resolution()
                 except StartupRefused as e:
                     assert fragment in str(e), str(e)
                 else:
@@ -817,7 +749,7 @@ def scenario_rescore():
             with mode_env("fp8"), settings_env(**kw):
                 assert hooks._resolve_switch() == "fp8"
                 try:
-                    resolve()
+                    run_resolution()
                 except StartupRefused as e:
                     assert fragment in str(e) and "Refusing to start" in str(e), str(e)
                 else:
@@ -828,19 +760,17 @@ def scenario_rescore():
                                       ("1024", 2048, True), ("2x", 512, False)):
             with settings_env(kprime=kprime):
                 try:
-                    resolve(index_topk=topk)
+                    run_resolution(index_topk=topk)
                 except ValueError as e:
                     assert refused and f"{KPRIME}={kprime}: K' must be at least index_topk ({topk})" in str(e), str(e)
                     assert "the model's index_topk is" in str(e), str(e)
                 else:
                     assert not refused, f"K'={kprime} accepted with index_topk {topk}"
         with settings_env(kprime="100"):
-            resolve()  # no model config: nothing to check against (the forward refuses it)
+            run_resolution()  # no model config: nothing to check against (the forward refuses it)
 
     @check
     def flags_and_yaml_keys_take_rescore():
-        import tempfile
-
         from sglang.srt.server_args import prepare_server_args
 
         from cupy_dsa.sglang.core import StartupRefused
@@ -853,33 +783,20 @@ def scenario_rescore():
             assert os.environ.get(STAGE2_Q) == "bf16"
             assert core.index_k_mode() == MODE and core.rescore_settings() == ("cupy", 3, None)
             assert core.index_query() == "bf16"
-        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-            f.write("model-path: dummy\ncupy-dsa-index-k-dtype: fp8-rescore\ncupy-dsa-rescore-kprime: 2048\n"
-                    "cupy-dsa-index-q: fp8\n")
-        try:
-            with mode_env(None), settings_env():
-                prepare_server_args(["--config", f.name])
-                assert os.environ.get(ENV) == MODE and os.environ.get(KPRIME) == "2048", os.environ.get(KPRIME)
-                assert os.environ.get(STAGE2_Q) == "fp8" and core.index_query() == "fp8"
-                assert STAGE1 not in os.environ
-        finally:
-            os.unlink(f.name)
+        with mode_env(None), settings_env():
+            server_args_from_yaml("model-path: dummy\ncupy-dsa-index-k-dtype: fp8-rescore\ncupy-dsa-rescore-kprime: "
+                                  "2048\ncupy-dsa-index-q: fp8\n")
+            assert os.environ.get(ENV) == MODE and os.environ.get(KPRIME) == "2048", os.environ.get(KPRIME)
+            assert os.environ.get(STAGE2_Q) == "fp8" and core.index_query() == "fp8"
+            assert STAGE1 not in os.environ
         with mode_env(None), settings_env():
             for bad in (["--cupy-dsa-rescore-kprime", "4y"], ["--cupy-dsa-rescore-stage1", "deepgemm"],
                         ["--cupy-dsa-index-q", "fp16"], ["--cupy-dsa-rescore-q", "bf16"]):
-                try:
-                    prepare_server_args(["--model-path", "dummy"] + bad)
-                except SystemExit:
-                    pass
-                else:
-                    raise AssertionError(f"argparse accepted {bad}")
+                assert_argparse_rejects(bad)
         with mode_env(MODE), settings_env(kprime="4x"):
-            try:
-                prepare_server_args(["--model-path", "dummy", "--cupy-dsa-rescore-kprime", "2x"])
-            except StartupRefused as e:
-                assert "--cupy-dsa-rescore-kprime 2x" in str(e) and f"{KPRIME}='4x'" in str(e), str(e)
-            else:
-                raise AssertionError("the flag silently overrode the variable")
+            assert_refused(lambda: prepare_server_args(["--model-path", "dummy", "--cupy-dsa-rescore-kprime", "2x"]),
+                           ("--cupy-dsa-rescore-kprime 2x", f"{KPRIME}='4x'"),
+                           "the flag silently overrode the variable", error=StartupRefused)
             assert os.environ[KPRIME] == "4x"
             prepare_server_args(["--model-path", "dummy", "--cupy-dsa-rescore-kprime", "4X"])  # the same value
 
@@ -887,14 +804,11 @@ def scenario_rescore():
     def check_command_describes_rescore():
         from cupy_dsa.sglang import check as check_cmd
 
-        mode, lines = check_cmd._mode_lines()
-        assert mode == MODE
-        text = " ".join(t for _, t in lines)
-        assert "int8 residual pages) and a rescored top-k (264 B per entry)" in text, text
-        assert "stage 1 = SGLang's own fp8 logits call" in text, text
-        assert "K' = 4x index_topk" in text and ",c4idx:fp8-rescore" in text, text
-        assert f"stage 2 with the rotated q rounded to bf16 once (the head weights without a q scale) ({STAGE2_Q} " \
-               "unset: the mode's default)" in text, text
+        assert_check_command_says(MODE, ("int8 residual pages) and a rescored top-k (264 B per entry)",
+                                         "stage 1 = SGLang's own fp8 logits call", "K' = 4x index_topk",
+                                         ",c4idx:fp8-rescore",
+                                         f"stage 2 with the rotated q rounded to bf16 once (the head weights without a "
+                                         f"q scale) ({STAGE2_Q} unset: the mode's default)"))
         with settings_env(kprime="4y"):
             mode, lines = check_cmd._mode_lines()
             assert mode is None and lines[0][0] == check_cmd.PROBLEM and f"{KPRIME}='4y'" in lines[0][1], lines
