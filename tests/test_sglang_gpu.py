@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cupy_dsa import layouts
+from cupy_dsa.bench.timing import capture_graph
 from cupy_dsa.sglang import core
 from sglang_plugin_env import ENV
 
@@ -150,14 +151,7 @@ def test_gpu_plugin_path_eager_and_graph(seed):
         out_raw.copy_(r)
 
     core.ensure_warm(dev)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture_graph(step, warmups=1)   # one warm-up run on a side stream, then the capture
     # new inputs in place, then replay
     new_kv = torch.randn(B, 128)
     new_q = torch.randn(R, 64, 128).to(torch.float8_e4m3fn)
@@ -392,14 +386,7 @@ def test_gpu_rescore_path_eager_and_graph(seed):
             out_raw.copy_(res.raw_indices)
 
     core.ensure_warm(dev)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture_graph(step, warmups=1)   # one warm-up run on a side stream, then the capture
     for replay in range(2):
         new_lens = torch.randint(1, width + 1, (R,), dtype=torch.int32)
         new_q = torch.randn(R, 64, 128).to(torch.float8_e4m3fn)

@@ -133,7 +133,7 @@ def test_gpu_offset_rows_and_unaligned_strides(seed):
 
 @pytest.mark.gpu
 def test_gpu_cuda_graph_capture_and_replay(seed):
-    from bench.timing import capture_graph
+    from cupy_dsa.bench.timing import capture_graph
 
     R, width, k = 48, 6144, 512
     logits, lens, table = _case(R, width, seed % 100000)
