@@ -9,9 +9,9 @@ row's top ``k_prime`` candidates; stage 2 rescores only those from ``hi + lo`` (
 
 Ops: :func:`rescore_topk` (decode / MTP verify, the contract of ``paged_mqa_logits``) and
 :func:`rescore_topk_prefill` (prefill / varlen extend, the paged contract of ``mqa_logits``): stage 1 from
-cupy_dsa's fp8 logits (or logits the caller computed), then the candidates (a radix select over column
-chunks), stage 2 and the selection by ``kernels/rescore_topk.cu``; no host sync, no data-dependent shape (CUDA-graph safe), bitwise
-reruns; CPU tensors run the torch references (:func:`rescore_topk_reference`, :func:`rescore_topk_prefill_reference`,
+cupy_dsa's fp8 logits (or logits the caller computed), then the candidates (a radix select, one CTA per row or
+over column chunks), stage 2 and the selection by ``kernels/rescore_topk.cu``; no host sync, no data-dependent
+shape (CUDA-graph safe), bitwise reruns; CPU tensors run the torch references (:func:`rescore_topk_reference`, :func:`rescore_topk_prefill_reference`,
 the test oracle and the design's measurement). :func:`rescore_candidate_scores` is stage 2 alone. The fused store
 writes both pages in one launch (``store_index_k(..., lo_cache=)``).
 
@@ -541,9 +541,9 @@ def rescore_topk(q, weights, hi_cache, lo_cache, context_lens, block_table, inde
     Stage 1: fp8 logits of every visible key from ``hi_cache`` (:func:`cupy_dsa.paged_mqa_logits`, with ``plan``
     when given), or ``stage1_logits`` the caller computed (e.g. DeepGEMM's; ``[B * next_n, >= width]``, width =
     ``block_table.shape[1] * 64``; only the columns a row sees are read). Each row's ``k_prime`` (default ``4 *
-    index_topk``, at most the width) best logits are its candidates (a radix select over column chunks). Stage 2
-    scores them from the hi and lo pages with ``q_rescore`` / ``weights_rescore`` (default q / weights) and
-    selects ``index_topk`` (at most 2048 on the GPU). ``fp8_rank=True`` also returns each selected key's stage-1
+    index_topk``, at most the width) best logits are its candidates (a radix select: one CTA per row, or column
+    chunks for few long rows). Stage 2 scores them from the hi and lo pages with ``q_rescore`` /
+    ``weights_rescore`` (default q / weights) and selects ``index_topk`` (at most 2048 on the GPU). ``fp8_rank=True`` also returns each selected key's stage-1
     rank (a measurement: it costs index_topk x K' comparisons per row). No host sync and no data-dependent shape:
     capturable in a CUDA graph (after :func:`cupy_dsa.warm_up`), deterministic. Returns :class:`RescoreTopK`.
     CPU tensors run the reference."""
