@@ -82,7 +82,7 @@ from .layouts import (FP8_PAGE_BYTES, FP8_SCALE_OFFSET, HEAD_DIM, N_HEADS, PAGE_
                       fp8_quantize_reference, fp8_views, layout_of)
 from .logits import (_check_paged, _check_prefill, _device_info, _REF_ROW_CHUNK, mqa_logits, mqa_logits_reference,
                      paged_mqa_logits, paged_mqa_logits_reference)
-from .topk import ROW_CACHE_ENTRIES, ROW_CACHE_KEYS, SELECT_THREADS
+from .topk import ROW_CACHE_KEYS, SELECT_THREADS, row_cache_entries
 
 LO_MAX = 127
 LO_BYTES_PER_TOKEN = HEAD_DIM + 4                    # 132: int8 codes + fp32 scale
@@ -264,7 +264,7 @@ def _select_config(problem, arch):
     if problem[0] == "stage2":
         return STAGE2_KERNEL.config(QFp8=problem[1])
     if problem[0] == "candidates":
-        return CANDIDATES_KERNEL.config(CacheEntries=ROW_CACHE_ENTRIES if problem[1] else 0)
+        return CANDIDATES_KERNEL.config(CacheEntries=row_cache_entries(problem[1]))
     if problem[0] == "finish":
         return FINISH_KERNEL.config(CachedKeys=FINISH_CACHED_KEYS if problem[1] else 0)
     return _PARTS[problem[0]].config()

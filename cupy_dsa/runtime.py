@@ -161,6 +161,14 @@ class _StreamRef:
         return (0, self.ptr)
 
 
+def _opt_in_shared_mem(fn, key, shared_mem: int) -> None:
+    """Let ``fn`` take ``shared_mem`` bytes of dynamic shared memory (once per function and size): the default
+    allows 48 KiB of static + dynamic shared memory, a kernel's static part included."""
+    if shared_mem > 0 and _SMEM_OPT_IN.get(key, 0) < shared_mem:
+        fn.max_dynamic_shared_size_bytes = shared_mem
+        _SMEM_OPT_IN[key] = shared_mem
+
+
 def launch(filename: str, name_expression: str, device: torch.device, grid, block, args,
            shared_mem: int = 0) -> None:
     """Launch one instantiation on torch's current stream of ``device``.
@@ -170,11 +178,7 @@ def launch(filename: str, name_expression: str, device: torch.device, grid, bloc
     """
     idx = device.index if device.index is not None else torch.cuda.current_device()
     fn = get_function(filename, name_expression, idx)
-    key = (idx, filename, name_expression)
-    if shared_mem > 0 and _SMEM_OPT_IN.get(key, 0) < shared_mem:
-        # opt in: the default allows 48 KiB of static + dynamic shared memory, a kernel's static part included
-        fn.max_dynamic_shared_size_bytes = shared_mem
-        _SMEM_OPT_IN[key] = shared_mem
+    _opt_in_shared_mem(fn, (idx, filename, name_expression), shared_mem)
     stream = _stream_for(device)
     cp = cupy_module()
     if cp.cuda.runtime.getDevice() != idx:
@@ -192,9 +196,7 @@ def resident_ctas_per_sm(filename: str, name_expression: str, device_index: int,
     n = _OCCUPANCY.get(key)
     if n is None:
         fn = get_function(filename, name_expression, device_index)
-        if shared_mem > 0 and _SMEM_OPT_IN.get(key[:3], 0) < shared_mem:
-            fn.max_dynamic_shared_size_bytes = shared_mem
-            _SMEM_OPT_IN[key[:3]] = shared_mem
+        _opt_in_shared_mem(fn, key[:3], shared_mem)
         cp = cupy_module()
         with cp.cuda.Device(device_index):
             n = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, shared_mem)

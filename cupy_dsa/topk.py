@@ -30,9 +30,10 @@ ROW_CACHE_ENTRIES = ROW_CACHE_KEYS + 4   # u32 entries: the 16-byte alignment pa
 _SRC = "topk.cu"
 
 
-def row_cache_entries(width: int) -> int:
-    """The ``CacheEntries`` template value for rows of at most ``width`` visible keys: the cache, or none."""
-    return ROW_CACHE_ENTRIES if width <= ROW_CACHE_KEYS else 0
+def row_cache_entries(fits: bool) -> int:
+    """The ``CacheEntries`` template value of the per-row select kernels (here and in cupy_dsa.rescore): the
+    shared-memory cache when the rows fit in it (``width <= ROW_CACHE_KEYS``), else none."""
+    return ROW_CACHE_ENTRIES if fits else 0
 
 
 TOPK_KERNEL = launch.Kernel(
@@ -44,8 +45,8 @@ TOPK_KERNEL = launch.Kernel(
 # A problem: whether the rows fit in the shared-memory cache.
 TOPK = launch.register(launch.Family(
     "paged_topk", problems=[(True,), (False,)],
-    select=lambda p, arch: TOPK_KERNEL.config(CacheEntries=ROW_CACHE_ENTRIES if p[0] else 0),
-    serves=lambda cfg, p: cfg.CacheEntries == (ROW_CACHE_ENTRIES if p[0] else 0)))
+    select=lambda p, arch: TOPK_KERNEL.config(CacheEntries=row_cache_entries(p[0])),
+    serves=lambda cfg, p: cfg.CacheEntries == row_cache_entries(p[0])))
 
 
 class TopK(NamedTuple):
