@@ -82,7 +82,7 @@ from .layouts import (FP8_PAGE_BYTES, FP8_SCALE_OFFSET, HEAD_DIM, N_HEADS, PAGE_
                       fp8_quantize_reference, fp8_views, layout_of)
 from .logits import (_check_paged, _check_prefill, _device_info, _REF_ROW_CHUNK, mqa_logits, mqa_logits_reference,
                      paged_mqa_logits, paged_mqa_logits_reference)
-from .topk import ROW_CACHE_KEYS, SELECT_THREADS, row_cache_entries
+from .topk import SELECT_THREADS, row_cache_class, row_cache_entries, row_cache_keys
 
 LO_MAX = 127
 LO_BYTES_PER_TOKEN = HEAD_DIM + 4                    # 132: int8 codes + fp32 scale
@@ -211,7 +211,9 @@ K_PRIME_MULTIPLE = 4                 # default K' = 4 x index_topk
 INVALID_KEY = -(2 ** 63)             # a stage-2 key that no selection takes before a scored candidate
 STAGE2_WARPS = 4
 _CTA_CANDS = 16 * STAGE2_WARPS       # candidates per CTA are a multiple of the 4 warps' 16-candidate tiles
-STAGE2_CTAS_PER_SM = 4               # stage 2 splits a row's candidates until the grid has this many CTAs per SM
+STAGE2_MAX_CHUNK = 2048             # candidates of one CTA (kMaxChunk: their cache slots in shared memory)
+STAGE2_STAGES = 2                    # tiles of a warp in its cp.async ring: one in flight while one is scored
+_RING_STAGE_BYTES = 8 * 512 + 4 * 128 + 2 * 128   # RingStage: 8 row chunks, 4 scales, 2 slots per lane
 RADIX_BINS = 4096                    # their 12-bit digits (kRadixBins)
 MAX_DEVICE_TOPK = 2048               # rescore_finish holds a row's selection in shared memory (kMaxTopK)
 _BOUNDARY_MIN = 16384                # keys of the K'-th key's 12-bit bin collected per row (at least 8 x K')
@@ -241,11 +243,11 @@ BOUNDARY_KERNEL = launch.Kernel(
                          ("boundary", PTR), ("cap", I32)),
     threads=_select_threads)
 STAGE2_KERNEL = launch.Kernel(
-    _SRC, "rescore_topk_kernel", params=("QFp8",),
+    _SRC, "rescore_topk_kernel", params=("QFp8", "Stages"),
     args=(("q", PTR), ("weights", PTR), ("hi_cache", PTR), ("lo_cache", PTR), ("num_pages", I64), ("block_table", PTR),
           ("bt_stride", I64), ("bt_width", I32)) + _ROW_ARGS
     + (("candidates", PTR), ("k_prime", I32), ("cands_per_cta", I32), ("index_topk", I32), ("keys", PTR)),
-    threads=lambda cfg: 32 * STAGE2_WARPS)
+    threads=lambda cfg: 32 * STAGE2_WARPS, smem=lambda cfg: STAGE2_WARPS * cfg.Stages * _RING_STAGE_BYTES)
 CANDIDATES_KERNEL = launch.Kernel(
     _SRC, "rescore_candidates", params=("CacheEntries",),
     args=_LOGITS_ARGS + (("index_topk", I32), ("k_prime", I32), ("candidates", PTR)),
@@ -262,26 +264,37 @@ _PARTS = {"histogram": HISTOGRAM_KERNEL, "gather": GATHER_KERNEL, "boundary": BO
 
 def _select_config(problem, arch):
     if problem[0] == "stage2":
-        return STAGE2_KERNEL.config(QFp8=problem[1])
+        return STAGE2_KERNEL.config(QFp8=problem[1], Stages=STAGE2_STAGES)
     if problem[0] == "candidates":
-        return CANDIDATES_KERNEL.config(CacheEntries=row_cache_entries(problem[1]))
+        return CANDIDATES_KERNEL.config(CacheEntries=row_cache_entries(problem[1], arch))
     if problem[0] == "finish":
         return FINISH_KERNEL.config(CachedKeys=FINISH_CACHED_KEYS if problem[1] else 0)
     return _PARTS[problem[0]].config()
 
 
+def _serves(cfg, problem) -> bool:
+    """Any row cache computes any row (a row longer than its cache is read from L2), any ring depth any stage 2;
+    otherwise the product config."""
+    if problem[0] == "candidates":
+        return cfg.kernel is CANDIDATES_KERNEL
+    if problem[0] == "stage2":
+        return cfg.kernel is STAGE2_KERNEL and cfg.QFp8 == problem[1]
+    return cfg == _select_config(problem, None)
+
+
 # A problem: the op's step (a selection kernel), ("candidates", whether the rows fit in shared memory), ("stage2", 1
 # for an fp8 stage-2 q / 0 for bf16) or ("finish", whether K' keys fit in shared memory).
 RESCORE = launch.register(launch.Family(
-    "rescore_topk", problems=[("histogram",), ("gather",), ("boundary",), ("candidates", True),
-                              ("candidates", False), ("stage2", 0), ("stage2", 1), ("finish", True),
+    "rescore_topk", problems=[("histogram",), ("gather",), ("boundary",), ("candidates", "small"),
+                              ("candidates", "large"), ("candidates", "none"), ("stage2", 0), ("stage2", 1),
+                              ("finish", True),
                               ("finish", False)],
-    select=_select_config, serves=lambda cfg, p: cfg == _select_config(p, None)))
+    select=_select_config, serves=_serves))
 
 
-def product_instantiations() -> list[str]:
-    """Name expressions of the rescoring kernels (all of them: both stage-2 q types)."""
-    return [RESCORE.select(p, None).expr for p in RESCORE.problems]
+def product_instantiations(arch: str | None = None) -> list[str]:
+    """Name expressions of the rescoring kernels on ``arch`` (all of them: both stage-2 q types)."""
+    return list(dict.fromkeys(RESCORE.select(p, arch).expr for p in RESCORE.problems))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -659,25 +672,29 @@ def _launch(problem, device, grid, **args):
 
 
 def _stage2(q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, rows, candidates, kp, index_topk, keys):
-    """rescore_topk_kernel over [R, kp] candidates: CTAs of up to 512 candidates, fewer when the rows are few
-    (at least 4 CTAs per SM where the work allows)."""
+    """rescore_topk_kernel over [R, kp] candidates: each row's candidates in as many chunks as make one wave of
+    resident CTAs (a CTA stages q once and keeps its ring full over several tiles per warp), chunks a multiple
+    of the CTA's 64-candidate step."""
     R, dev = q2.shape[0], q2.device
     n_sms, _ = _device_info(dev.index)
-    chunk = 512
-    while chunk > _CTA_CANDS and R * -(-kp // chunk) < STAGE2_CTAS_PER_SM * n_sms:
-        chunk //= 2
-    while -(-kp // chunk) > _MAX_GRID_Y:
-        chunk *= 2
-    _launch(("stage2", int(q2.dtype == _FP8)), dev, (R, -(-kp // chunk), 1), q=q2, weights=w2, hi_cache=hi_cache,
+    problem = ("stage2", int(q2.dtype == _FP8))
+    wave = n_sms * RESCORE.select(problem, runtime.device_arch(dev.index)).resident_ctas_per_sm(dev.index)
+    chunks = max(1, min(-(-kp // _CTA_CANDS), wave // max(R, 1)))
+    chunk = -(-kp // chunks)
+    chunk = min(-(-chunk // _CTA_CANDS) * _CTA_CANDS, STAGE2_MAX_CHUNK)
+    if -(-kp // chunk) > _MAX_GRID_Y:
+        raise ValueError(f"k_prime: expected at most {_MAX_GRID_Y * STAGE2_MAX_CHUNK} candidates per row on the GPU, "
+                         f"got {kp}")
+    _launch(problem, dev, (R, -(-kp // chunk), 1), q=q2, weights=w2, hi_cache=hi_cache,
             lo_cache=lo_cache, num_pages=hi_cache.shape[0], block_table=block_table, bt_stride=bt_stride,
             bt_width=bt_width, **rows, candidates=candidates, k_prime=kp, cands_per_cta=chunk, index_topk=index_topk,
             keys=keys)
 
 
-def one_cta_per_row(width: int, rows: int, n_sms: int) -> bool:
+def one_cta_per_row(width: int, rows: int, n_sms: int, arch: str | None) -> bool:
     """Whether the candidates take one CTA per row (one read of the row) rather than column chunks (two reads and
-    a merge, for few long rows): the rows fit in shared memory, or they fill half the GPU."""
-    return width <= ROW_CACHE_KEYS or 2 * rows >= n_sms
+    a merge, for few long rows): the rows fit in the arch's shared-memory cache, or they fill half the GPU."""
+    return width <= row_cache_keys(arch) or 2 * rows >= n_sms
 
 
 def _select(logits, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, index_topk, k_prime,
@@ -701,8 +718,9 @@ def _select(logits, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt
     logit_args = dict(logits=logits if width > 0 else None, logits_stride=logits.stride(0) if width > 0 else 0,
                       **rows)
     candidates = torch.empty(R, kp, dtype=torch.int64, device=dev)
-    if width > index_topk and one_cta_per_row(width, R, n_sms):
-        _launch(("candidates", width <= ROW_CACHE_KEYS), dev, (R, 1, 1), **logit_args, index_topk=index_topk,
+    arch = runtime.device_arch(dev.index)
+    if width > index_topk and one_cta_per_row(width, R, n_sms, arch):
+        _launch(("candidates", row_cache_class(width, arch)), dev, (R, 1, 1), **logit_args, index_topk=index_topk,
                 k_prime=kp, candidates=candidates)
     elif width > index_topk:
         # few long rows: column chunks, about four CTAs per SM over the rows, at least four tiles of the block each

@@ -8,7 +8,8 @@ unspecified). Outputs int32 ``[rows, index_topk]``, -1 padded: ``page_indices`` 
 position order (SGLang's are unordered), so reruns are bitwise identical.
 
 One CTA per row: a radix select with 12-bit digits whose first digit is counted while the row is read, once, into
-shared memory (rows of up to 16,384 visible keys; longer ones are read again from L2 by each radix pass). The
+shared memory (rows of up to 16,384 visible keys, 49,152 on sm_90 / sm_100: :func:`row_cache_keys`; longer ones
+are read again from L2 by each radix pass). The
 benches time the stock step as the fp8 logits plus this op, standing in for SGLang's own top-k where SGLang
 cannot run; ``cupy-dsa bench rescore`` times it beside SGLang's v1 and v2 kernels where they can.
 """
@@ -19,21 +20,40 @@ from typing import NamedTuple
 
 import torch
 
+from . import arch as arch_limits
 from . import launch, runtime
 from .contracts import check_bool, check_contiguous, check_device, check_dtype, check_int
 from .launch import I32, I64, PTR
 from .layouts import PAGE_SLOTS
 
 SELECT_THREADS = 512                 # the radix kernels' block (kSelectThreads in kernels/radix_select.cuh)
-ROW_CACHE_KEYS = 16384               # visible keys a row may have to be read into shared memory once
-ROW_CACHE_ENTRIES = ROW_CACHE_KEYS + 4   # u32 entries: the 16-byte alignment pad of the body (kSelectCache) rounded
+ROW_CACHE_KEYS = 16384               # visible keys a row may have to be read into shared memory once, on every arch
+_SELECT_STATIC_SMEM = 33 * 1024      # the select kernels' own shared memory (RowSelectShared and a few words)
 _SRC = "topk.cu"
 
 
-def row_cache_entries(fits: bool) -> int:
-    """The ``CacheEntries`` template value of the per-row select kernels (here and in cupy_dsa.rescore): the
-    shared-memory cache when the rows fit in it (``width <= ROW_CACHE_KEYS``), else none."""
-    return ROW_CACHE_ENTRIES if fits else 0
+def row_cache_keys(arch: str | None) -> int:
+    """The longest row (visible keys) the per-row select kernels of ``arch`` read into shared memory once: 16,384
+    everywhere, more where a block may take more shared memory (in 16K steps: 48K keys on sm_90 / sm_100, 32K on
+    sm_80). Longer rows are read again from L2 by each radix pass."""
+    if arch is None:
+        return ROW_CACHE_KEYS
+    room = arch_limits.limits(arch).smem_per_block - _SELECT_STATIC_SMEM
+    return max(ROW_CACHE_KEYS, (room // 4 - 4) // ROW_CACHE_KEYS * ROW_CACHE_KEYS)
+
+
+def row_cache_class(width: int, arch: str | None) -> str:
+    """Which cache a per-row select launch of rows up to ``width`` keys takes: "small" (16,384 keys, the one that
+    leaves room for two CTAs per SM), "large" (:func:`row_cache_keys`), or "none"."""
+    if width <= ROW_CACHE_KEYS:
+        return "small"
+    return "large" if width <= row_cache_keys(arch) else "none"
+
+
+def row_cache_entries(cache: str, arch: str | None) -> int:
+    """The ``CacheEntries`` template value of the per-row select kernels (here and in cupy_dsa.rescore) for a cache
+    class: u32 entries, the keys plus the 16-byte alignment pad of the row's body (kSelectCache) rounded up."""
+    return {"none": 0, "small": ROW_CACHE_KEYS + 4, "large": row_cache_keys(arch) + 4}[cache]
 
 
 TOPK_KERNEL = launch.Kernel(
@@ -42,11 +62,12 @@ TOPK_KERNEL = launch.Kernel(
           ("pt_stride", I64), ("index_topk", I32), ("page_indices", PTR), ("raw_indices", PTR)),
     threads=lambda cfg: SELECT_THREADS, smem=lambda cfg: 4 * cfg.CacheEntries)
 
-# A problem: whether the rows fit in the shared-memory cache.
+# A problem: the row cache class (row_cache_class). Every config computes every row (a row longer than its cache is
+# read from L2), so any of them serves any problem.
 TOPK = launch.register(launch.Family(
-    "paged_topk", problems=[(True,), (False,)],
-    select=lambda p, arch: TOPK_KERNEL.config(CacheEntries=row_cache_entries(p[0])),
-    serves=lambda cfg, p: cfg.CacheEntries == row_cache_entries(p[0])))
+    "paged_topk", problems=[("small",), ("large",), ("none",)],
+    select=lambda p, arch: TOPK_KERNEL.config(CacheEntries=row_cache_entries(p[0], arch)),
+    serves=lambda cfg, p: cfg.kernel is TOPK_KERNEL))
 
 
 class TopK(NamedTuple):
@@ -130,7 +151,8 @@ def paged_topk(logits, lens, page_table, index_topk, *, raw_indices=False) -> To
     if R == 0:
         return TopK(page_out, raw_out)
     width = min(logits.shape[1], page_table.shape[1] * PAGE_SLOTS)
-    cfg = TOPK.select((width <= ROW_CACHE_KEYS,), runtime.device_arch(dev.index))
+    arch = runtime.device_arch(dev.index)
+    cfg = TOPK.select((row_cache_class(width, arch),), arch)
     cfg.launch(dev, (R, 1, 1), logits=logits if width > 0 else None, logits_stride=logits.stride(0), width=width,
                lens=lens, page_table=page_table if page_table.shape[1] > 0 else None,
                pt_stride=page_table.stride(0), index_topk=index_topk, page_indices=page_out, raw_indices=raw_out)

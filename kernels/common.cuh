@@ -327,6 +327,21 @@ __device__ __forceinline__ uint4 ldg_stream_v4(const void* p) {
   return r;
 }
 
+// ---- cp.async (sm_80+): global -> shared without registers ------------------------------------------
+__device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
+
+// 16 bytes global -> shared, bypassing L1; src_bytes 0 writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+// 4 bytes global -> shared (through L1, the only path for fewer than 16 bytes).
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
 // fp8 mma.sync (m16n8k32 .e4m3 x .e4m3, fp32 accumulate) is valid PTX on sm_89 and later, but only sm_89
 // (Ada) and sm_120+ (consumer Blackwell) run it natively (SASS QMMA). On sm_90 / sm_100 ptxas emulates it
 // (checked with cuobjdump, CUDA 13): F2FP to f16, two HMMA.16816 per mma, ~4 FADD per mma, slower than

@@ -127,11 +127,21 @@ __device__ __forceinline__ BinFound find_bin(const int* hist, int need, int* scr
   for (int w = warp + 1; w < kSelectWarps; ++w) warps_above += scratch[w];
   int above = warps_above + incl - sum;
   if (above < need && above + sum >= need) {
-    int i = kBinsPerThread - 1;
-    while (above + mine[i] < need) above += mine[i--];
-    scratch[kSelectWarps] = tid * kBinsPerThread + i;
+    int bin = -1, count = 0;
+#pragma unroll
+    for (int i = kBinsPerThread - 1; i >= 0; --i) {  // static indices: mine[] stays in registers
+      if (bin < 0) {
+        if (above + mine[i] >= need) {
+          bin = i;
+          count = mine[i];
+        } else {
+          above += mine[i];
+        }
+      }
+    }
+    scratch[kSelectWarps] = tid * kBinsPerThread + bin;
     scratch[kSelectWarps + 1] = above;
-    scratch[kSelectWarps + 2] = mine[i];
+    scratch[kSelectWarps + 2] = count;
   }
   __syncthreads();
   const BinFound f = {scratch[kSelectWarps], scratch[kSelectWarps + 1], scratch[kSelectWarps + 2]};

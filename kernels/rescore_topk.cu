@@ -42,35 +42,51 @@ constexpr int kMaxTopK = 2048;                        // rescore_finish holds a 
 using namespace dsa::radix;                           // rows, order keys, the block-wide radix select
 constexpr long long kInvalidKey = static_cast<long long>(0x8000000000000000ull);  // below every valid key
 
-// Four int8 codes x = [c0 c1 c2 c3] (c0 lowest) -> even = bf16x2 (c0, c2), odd = (c1, c3) (exact).
-__device__ __forceinline__ void int8x4_to_bf16x2(u32 x, u32& even, u32& odd) {
-  float c[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) c[i] = static_cast<float>(static_cast<signed char>((x >> (8 * i)) & 0xFFu));
-  even = pack_bf16x2(c[0], c[2]);
-  odd = pack_bf16x2(c[1], c[3]);
+// Stage 2 multiplies on f16 tensor cores, where every operand is exact and costs a few integer instructions:
+// hi codes are e4m3 bits moved into f16 (the value times 2^-8, subnormals included), lo codes are int8 (|c| <= 127),
+// and q is the row's q times 2^qs (a power of two that puts max |q| in [2^13, 2^14)). A bf16 or e4m3 q element
+// is exact in f16 there unless it is below max |q| * 2^-30 (an f16 subnormal keeps fewer bits; its error, at most
+// max |q| * 2^-39, is far below the fp32 sum's rounding). The epilogue takes the powers of two back through the
+// scales: hi_scale * 2^(8 - qs), lo_scale * 2^-qs.
+
+// Four int8 codes x = [c0 c1 c2 c3] (c0 lowest) -> even = f16x2 (c0, c2), odd = (c1, c3) (exact): offset binary
+// c + 128 in the low mantissa bits of 1024.0 (0x6400), then 1152 taken off.
+__device__ __forceinline__ void int8x4_to_f16x2(u32 x, u32& even, u32& odd) {
+  const u32 biased = x ^ 0x80808080u;
+  const __half2 offset = __floats2half2_rn(1152.0f, 1152.0f);
+  u32 e = __byte_perm(biased, 0x64646464u, 0x4240), o = __byte_perm(biased, 0x64646464u, 0x4341);
+  const __half2 he = __hsub2(*reinterpret_cast<const __half2*>(&e), offset);
+  const __half2 ho = __hsub2(*reinterpret_cast<const __half2*>(&o), offset);
+  even = *reinterpret_cast<const u32*>(&he);
+  odd = *reinterpret_cast<const u32*>(&ho);
 }
 
-// 8 consecutive q elements of one head (bytes of `q` at element offset `elem`) as the mma words of the fp8
-// key order: (0,2) (1,3) (4,6) (5,7), bf16 (an fp8 q is exact in bf16).
+// 8 consecutive q elements of one head (bytes of `q` at element offset `elem`) as floats.
 template <int QFp8>
-__device__ __forceinline__ uint4 q_words(const unsigned char* __restrict__ q, i64 elem) {
-  uint4 v;
+__device__ __forceinline__ void q_floats(const unsigned char* __restrict__ q, i64 elem, float (&v)[8]) {
   if (QFp8) {
     const uint2 x = *reinterpret_cast<const uint2*>(q + elem);
     const unsigned char* b = reinterpret_cast<const unsigned char*>(&x);
-    v.x = pack_bf16x2(e4m3_to_float(b[0]), e4m3_to_float(b[2]));
-    v.y = pack_bf16x2(e4m3_to_float(b[1]), e4m3_to_float(b[3]));
-    v.z = pack_bf16x2(e4m3_to_float(b[4]), e4m3_to_float(b[6]));
-    v.w = pack_bf16x2(e4m3_to_float(b[5]), e4m3_to_float(b[7]));
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = e4m3_to_float(b[i]);
   } else {
     const uint4 x = *reinterpret_cast<const uint4*>(q + 2 * elem);
-    v.x = __byte_perm(x.x, x.y, 0x5410);
-    v.y = __byte_perm(x.x, x.y, 0x7632);
-    v.z = __byte_perm(x.z, x.w, 0x5410);
-    v.w = __byte_perm(x.z, x.w, 0x7632);
+    const u32 w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = __uint_as_float(w[i] << 16);
+      v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    }
   }
-  return v;
+}
+
+// Those 8 elements times `scale` as the mma words of the fp8 key order: f16x2 (0,2) (1,3) (4,6) (5,7).
+__device__ __forceinline__ uint4 q_words(const float (&v)[8], float scale) {
+  auto pack = [&](int lo, int hi) {
+    const __half2 h = __floats2half2_rn(v[lo] * scale, v[hi] * scale);
+    return *reinterpret_cast<const u32*>(&h);
+  };
+  return make_uint4(pack(0, 2), pack(1, 3), pack(4, 6), pack(5, 7));
 }
 
 // B words of a tile from the raw chunks: W[j][s][w] (candidate 8j + gid, pair s, word w).
@@ -82,14 +98,9 @@ __device__ __forceinline__ void hi_words(const uint4 (&raw)[2][2], u32 (&W)[2][4
       const u32 x[4] = {raw[j][g].x, raw[j][g].y, raw[j][g].z, raw[j][g].w};
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        u32 e0, o0, e1, o1;
-        e4m3x4_to_f16x2_scaled(x[2 * half], e0, o0);
-        e4m3x4_to_f16x2_scaled(x[2 * half + 1], e1, o1);
         u32* w = W[j][2 * g + half];
-        w[0] = f16x2_scaled_to_bf16x2(e0);
-        w[1] = f16x2_scaled_to_bf16x2(o0);
-        w[2] = f16x2_scaled_to_bf16x2(e1);
-        w[3] = f16x2_scaled_to_bf16x2(o1);
+        e4m3x4_to_f16x2_scaled(x[2 * half], w[0], w[1]);
+        e4m3x4_to_f16x2_scaled(x[2 * half + 1], w[2], w[3]);
       }
     }
 }
@@ -103,11 +114,14 @@ __device__ __forceinline__ void lo_words(const uint4 (&raw)[2][2], u32 (&W)[2][4
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         u32* w = W[j][2 * g + half];
-        int8x4_to_bf16x2(x[2 * half], w[0], w[1]);
-        int8x4_to_bf16x2(x[2 * half + 1], w[2], w[3]);
+        int8x4_to_f16x2(x[2 * half], w[0], w[1]);
+        int8x4_to_f16x2(x[2 * half + 1], w[2], w[3]);
       }
     }
 }
+
+// 2^e as a float, e in [-126, 127].
+__device__ __forceinline__ float pow2(int e) { return __int_as_float((127 + e) << 23); }
 
 }  // namespace rescore
 }  // namespace dsa
@@ -340,21 +354,43 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_candidat
              [&](int slot, int, u64 key) { cand[slot] = signed_key(key); });
 }
 
+namespace dsa {
+namespace rescore {
+
+// Stage 2's ring: one warp's tile in flight, as each lane's own chunks. Lane (gid, t) copies, for candidates
+// 8j + gid, the 16-byte chunks 16t + 64g of the hi and lo rows, the two scales and the tile's cache slots, and
+// later reads back exactly what it copied: no barrier, only the lane's own cp.async.wait_group.
+struct RingStage {
+  uint4 rows[8][32];   // [4 * kind + 2 * j + g][lane], kind 0 = hi, 1 = lo
+  float scales[4][32]; // [2 * kind + j][lane]
+  u32 slots[2][32];    // [j][lane]: block-table entry * 64 + slot, or kNoSlot
+};
+constexpr u32 kNoSlot = 0xFFFFFFFFu;
+constexpr int kMaxChunk = 2048;  // candidates of one stage-2 CTA (their cache slots are kept in shared memory)
+__host__ __device__ constexpr int ring_bytes(int stages) { return kWarps * stages * static_cast<int>(sizeof(RingStage)); }
+
+}  // namespace rescore
+}  // namespace dsa
+
 // Stage 2. q: [rows, 64, 128] fp8 e4m3 (QFp8) or bf16; weights: fp32 [rows, 64]; hi_cache / lo_cache: fp8-geometry
 // page rows (8448 B), num_pages each; block_table: int32, row b at block_table + b * bt_stride, bt_width entries;
 // candidates: int64 [rows, k_prime], row r's candidates (any order), each naming its position
 // (tie_index); keys (out): int64 [rows, k_prime], order_key(score, 0xFFFFFFFF - its position), or
 // kInvalidKey where the row does not see the position, its page is not in the caches, or the row sees at most
 // index_topk keys (selected without scores). Grid (rows, ceil(k_prime / cands_per_cta)), 128 threads;
-// cands_per_cta a multiple of 64.
-template <int QFp8>
-__global__ void __launch_bounds__(128, 3) rescore_topk_kernel(
+// cands_per_cta a multiple of 64, at most kMaxChunk; dynamic shared memory ring_bytes(Stages).
+// The CTA first finds its chunk's cache slots (kMaxChunk at most), then each warp walks its tiles (16 candidates,
+// every kWarps-th tile of the chunk) through a Stages-deep cp.async ring: the rows of tile i + Stages - 1 are in
+// flight while tile i is scored. The first tiles are issued before q is staged, so their loads overlap q's.
+template <int QFp8, int Stages>
+__global__ void __launch_bounds__(128, Stages <= 2 ? 3 : 2) rescore_topk_kernel(
     const unsigned char* __restrict__ q, const float* __restrict__ weights, const unsigned char* __restrict__ hi_cache,
     const unsigned char* __restrict__ lo_cache, long long num_pages, const int* __restrict__ block_table,
     long long bt_stride, int bt_width, DSA_ROW_SPEC_ARGS, const long long* __restrict__ candidates, int k_prime,
     int cands_per_cta, int index_topk, long long* __restrict__ keys) {
   using namespace dsa;
   using namespace dsa::rescore;
+  static_assert(Stages >= 2, "stage 2: at least one tile in flight while one is scored");
   const int r = blockIdx.x;
   const int c_begin = blockIdx.y * cands_per_cta;
   const int c_end = min(k_prime, c_begin + cands_per_cta);
@@ -366,61 +402,136 @@ __global__ void __launch_bounds__(128, 3) rescore_topk_kernel(
     for (int c = c_begin + tid; c < c_end; c += blockDim.x) out[c] = kInvalidKey;
     return;
   }
-
+  extern __shared__ __align__(16) unsigned char stage2_ring[];
+  RingStage* ring = reinterpret_cast<RingStage*>(stage2_ring) + warp * Stages;
   __shared__ uint4 qs[kQWords];                      // A quads [m-tile][k-step][lane]
   __shared__ float2 ws[kNumHeads / 2];               // [m-tile][gid]: (w[16i + gid], w[16i + gid + 8])
-  for (int i = tid; i < kQWords / 2; i += blockDim.x) {  // both k-steps of a pair at once
+  __shared__ u32 chunk_slots[kMaxChunk];
+  __shared__ float qmax_warp[kWarps];
+
+  const int* __restrict__ bt = block_table + static_cast<i64>(rk.table_row) * bt_stride;
+  const long long* __restrict__ cand = candidates + static_cast<i64>(r) * k_prime;
+  const int gid = lane >> 2, t = lane & 3;
+  const int b4 = (lane >> 4) & 1, b3 = (lane >> 3) & 1;
+  // The cache slot (block-table entry * 64 + slot) of every candidate of the CTA's chunk, found up front: all of
+  // a thread's candidate loads in flight at once, then all of their block-table loads (two latencies per CTA,
+  // not two per tile); kNoSlot where the row does not see the position or its page is not in the caches.
+  constexpr int kLocateBatch = kMaxChunk / 128;
+  for (int c0 = c_begin; c0 < c_end; c0 += kLocateBatch * 128) {
+    u32 pos[kLocateBatch];
+#pragma unroll
+    for (int u = 0; u < kLocateBatch; ++u) {
+      const int c = c0 + u * 128 + tid;
+      pos[u] = c < c_end ? tie_index(cand[c]) : 0xFFFFFFFFu;
+    }
+#pragma unroll
+    for (int u = 0; u < kLocateBatch; ++u) {
+      const int c = c0 + u * 128 + tid;
+      u32 loc = kNoSlot;
+      if (pos[u] >= static_cast<u32>(rk.lo) && pos[u] < static_cast<u32>(rk.hi) &&
+          static_cast<int>(pos[u] >> kPageBits) < bt_width) {
+        const int e = bt[pos[u] >> kPageBits];
+        if (e >= 0 && static_cast<i64>(e) < num_pages && e < (1 << (32 - kPageBits)) - 1)
+          loc = (static_cast<u32>(e) << kPageBits) | (pos[u] & (kPageSlots - 1));
+      }
+      if (c < c_end) chunk_slots[c - c_begin] = loc;
+    }
+  }
+  __syncthreads();
+  auto locate = [&](int tile0, u32 (&loc)[2]) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int c = tile0 + 8 * j + gid;
+      loc[j] = c < c_end ? chunk_slots[c - c_begin] : kNoSlot;
+    }
+  };
+  // copy this lane's share of a located tile into a ring stage and commit it as one group (an empty group for
+  // a tile without slots, so that group i is always tile i); a candidate without a slot gets zeros
+  auto issue = [&](const u32 (&loc)[2], RingStage& st) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      st.slots[j][lane] = loc[j];
+      if (loc[j] != kNoSlot) {
+        const i64 base = static_cast<i64>(loc[j] >> kPageBits) * kFp8PageBytes;
+        const int slot = static_cast<int>(loc[j] & (kPageSlots - 1));
+        const i64 row_off = base + static_cast<i64>(slot) * kHeadDim + 16 * t;
+#pragma unroll
+        for (int g = 0; g < 2; ++g) {
+          cp_async16(smem_u32(&st.rows[2 * j + g][lane]), hi_cache + row_off + 64 * g, 16);
+          cp_async16(smem_u32(&st.rows[4 + 2 * j + g][lane]), lo_cache + row_off + 64 * g, 16);
+        }
+        cp_async4(smem_u32(&st.scales[j][lane]), hi_cache + base + kFp8ScaleOffset + 4 * slot);
+        cp_async4(smem_u32(&st.scales[2 + j][lane]), lo_cache + base + kFp8ScaleOffset + 4 * slot);
+      } else {
+#pragma unroll
+        for (int g = 0; g < 2; ++g) st.rows[2 * j + g][lane] = st.rows[4 + 2 * j + g][lane] = make_uint4(0u, 0u, 0u, 0u);
+        st.scales[j][lane] = st.scales[2 + j][lane] = 0.0f;
+      }
+    }
+    cp_async_commit();
+  };
+  const int first = c_begin + warp * kTileCands, step = kWarps * kTileCands;
+#pragma unroll
+  for (int s = 0; s < Stages - 1; ++s) {
+    u32 loc[2];
+    locate(first + s * step, loc);
+    issue(loc, ring[s]);
+  }
+
+  // the row's q, scaled into f16 (see q_words): the block's max |q| first, then the A quads
+  constexpr int kQItems = kQWords / 2 / (32 * kWarps);  // items (both k-steps of a pair) per thread
+  float qv[kQItems][2][8];
+  float qmax = 0.0f;
+#pragma unroll
+  for (int u = 0; u < kQItems; ++u) {
+    const int i = u * 32 * kWarps + tid;
     const int m = i >> 7, s = (i >> 5) & 3, ln = i & 31;
-    const int head = 16 * m + (ln >> 2), t = ln & 3;
-    const i64 elem = (static_cast<i64>(r) * kNumHeads + head) * kHeadDim + 64 * (s >> 1) + 16 * t + 8 * (s & 1);
-    const uint4 v0 = q_words<QFp8>(q, elem), v1 = q_words<QFp8>(q, elem + 8 * kHeadDim);
+    const int head = 16 * m + (ln >> 2), tq = ln & 3;
+    const i64 elem = (static_cast<i64>(r) * kNumHeads + head) * kHeadDim + 64 * (s >> 1) + 16 * tq + 8 * (s & 1);
+    q_floats<QFp8>(q, elem, qv[u][0]);
+    q_floats<QFp8>(q, elem + 8 * kHeadDim, qv[u][1]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) qmax = fmaxf(qmax, fabsf(qv[u][h][e]));
+  }
+  qmax = warp_max(qmax);
+  if (lane == 0) qmax_warp[warp] = qmax;
+  __syncthreads();
+  qmax = fmaxf(fmaxf(qmax_warp[0], qmax_warp[1]), fmaxf(qmax_warp[2], qmax_warp[3]));
+  int qmax_exp = 0;
+  frexpf(qmax, &qmax_exp);                        // qmax in [2^(e-1), 2^e)
+  const int qs_exp = qmax > 0.0f && qmax <= 3.0e38f ? min(max(14 - qmax_exp, -100), 100) : 0;
+  const float q_scale = pow2(qs_exp);
+#pragma unroll
+  for (int u = 0; u < kQItems; ++u) {
+    const int i = u * 32 * kWarps + tid;
+    const int m = i >> 7, s = (i >> 5) & 3, ln = i & 31;
+    const uint4 v0 = q_words(qv[u][0], q_scale), v1 = q_words(qv[u][1], q_scale);
     uint4* dst = qs + (m * 8 + 2 * s) * 32 + ln;
     dst[0] = make_uint4(v0.x, v1.x, v0.y, v1.y);   // k-step 2s
     dst[32] = make_uint4(v0.z, v1.z, v0.w, v1.w);  // k-step 2s + 1
   }
+  const float hi_unscale = pow2(8 - qs_exp), lo_unscale = pow2(-qs_exp);
   if (tid < kNumHeads / 2) {
     const float* wr = weights + static_cast<i64>(r) * kNumHeads;
     ws[tid] = make_float2(wr[16 * (tid >> 3) + (tid & 7)], wr[16 * (tid >> 3) + (tid & 7) + 8]);
   }
   __syncthreads();
 
-  const int* __restrict__ bt = block_table + static_cast<i64>(rk.table_row) * bt_stride;
-  const long long* __restrict__ cand = candidates + static_cast<i64>(r) * k_prime;
-  const int gid = lane >> 2, t = lane & 3;
-  const int b4 = (lane >> 4) & 1, b3 = (lane >> 3) & 1;
-  // this lane's load candidates 8j + gid of a tile: their cache slots (block-table entry * 64 + slot; kNoSlot where
-  // the row does not see the position or its page is not in the caches), a chain of two dependent loads (the
-  // candidate, its block-table entry) run one tile ahead of the tile being scored
-  constexpr u32 kNoSlot = 0xFFFFFFFFu;
-  auto locate = [&](int tile0, u32 (&loc)[2]) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      loc[j] = kNoSlot;
-      const int c = tile0 + 8 * j + gid;
-      if (c < c_end) {
-        const u32 pos = tie_index(cand[c]);
-        if (pos >= static_cast<u32>(rk.lo) && pos < static_cast<u32>(rk.hi) &&
-            static_cast<int>(pos >> kPageBits) < bt_width) {
-          const int e = bt[pos >> kPageBits];
-          if (e >= 0 && static_cast<i64>(e) < num_pages && e < (1 << (32 - kPageBits)) - 1)
-            loc[j] = (static_cast<u32>(e) << kPageBits) | (pos & (kPageSlots - 1));
-        }
-      }
+  int stage = 0;
+  for (int tile0 = first; tile0 < c_end; tile0 += step) {
+    {  // tile + Stages - 1 into the stage the previous tile freed
+      u32 loc[2];
+      locate(tile0 + (Stages - 1) * step, loc);
+      issue(loc, ring[stage == 0 ? Stages - 1 : stage - 1]);
     }
-  };
-  u32 next_loc[2];
-  locate(c_begin + warp * kTileCands, next_loc);
-  for (int tile0 = c_begin + warp * kTileCands; tile0 < c_end; tile0 += kWarps * kTileCands) {
-    const u32 loc[2] = {next_loc[0], next_loc[1]};
-    if (tile0 + kWarps * kTileCands < c_end) locate(tile0 + kWarps * kTileCands, next_loc);
-    i64 base[2];
-    int slot[2], ok[2];
+    cp_async_wait<Stages - 1>();  // this tile's group has landed
+    const RingStage& st = ring[stage];
+    stage = stage + 1 == Stages ? 0 : stage + 1;
+    int ok[2];
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      ok[j] = loc[j] != kNoSlot;
-      base[j] = ok[j] ? static_cast<i64>(loc[j] >> kPageBits) * kFp8PageBytes : 0;
-      slot[j] = ok[j] ? static_cast<int>(loc[j] & (kPageSlots - 1)) : 0;
-    }
+    for (int j = 0; j < 2; ++j) ok[j] = st.slots[j][lane] != kNoSlot;
     const int c_out = tile0 + 8 * b4 + 2 * t + b3;  // the candidate this lane holds after the reduction
     const bool writer = (lane & 4) == 0 && c_out < c_end;
     if (!__any_sync(0xffffffffu, ok[0] | ok[1])) {  // warp-uniform: nothing to score in this tile
@@ -431,15 +542,13 @@ __global__ void __launch_bounds__(128, 3) rescore_topk_kernel(
     float hsc[2], lsc[2];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const i64 row_off = base[j] + static_cast<i64>(slot[j]) * kHeadDim + 16 * t;
-      const i64 scale_off = base[j] + kFp8ScaleOffset + 4 * slot[j];
 #pragma unroll
       for (int g = 0; g < 2; ++g) {
-        hraw[j][g] = ok[j] ? ldg_stream_v4<1>(hi_cache + row_off + 64 * g) : make_uint4(0u, 0u, 0u, 0u);
-        lraw[j][g] = ok[j] ? ldg_stream_v4<1>(lo_cache + row_off + 64 * g) : make_uint4(0u, 0u, 0u, 0u);
+        hraw[j][g] = st.rows[2 * j + g][lane];
+        lraw[j][g] = st.rows[4 + 2 * j + g][lane];
       }
-      hsc[j] = ok[j] ? __ldg(reinterpret_cast<const float*>(hi_cache + scale_off)) : 0.0f;
-      lsc[j] = ok[j] ? __ldg(reinterpret_cast<const float*>(lo_cache + scale_off)) : 0.0f;
+      hsc[j] = st.scales[j][lane];
+      lsc[j] = st.scales[2 + j][lane];
     }
     // scales and validity of the epilogue's candidates 8j + 2t + e, held by lane 4 (2t + e)
     float ehs[2][2], els[2][2];
@@ -449,8 +558,8 @@ __global__ void __launch_bounds__(128, 3) rescore_topk_kernel(
       const int src = 4 * (2 * t + e);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        ehs[j][e] = __shfl_sync(0xffffffffu, hsc[j], src);
-        els[j][e] = __shfl_sync(0xffffffffu, lsc[j], src);
+        ehs[j][e] = __shfl_sync(0xffffffffu, hsc[j], src) * hi_unscale;  // exact: powers of two
+        els[j][e] = __shfl_sync(0xffffffffu, lsc[j], src) * lo_unscale;
         eok[j][e] = __shfl_sync(0xffffffffu, ok[j], src);
       }
     }
@@ -472,8 +581,8 @@ __global__ void __launch_bounds__(128, 3) rescore_topk_kernel(
         const int s = ks >> 1, w0 = 2 * (ks & 1);
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          mma_16816<false>(ah[j], a.x, a.y, a.z, a.w, Wh[j][s][w0], Wh[j][s][w0 + 1]);
-          mma_16816<false>(al[j], a.x, a.y, a.z, a.w, Wl[j][s][w0], Wl[j][s][w0 + 1]);
+          mma_16816<true>(ah[j], a.x, a.y, a.z, a.w, Wh[j][s][w0], Wh[j][s][w0 + 1]);
+          mma_16816<true>(al[j], a.x, a.y, a.z, a.w, Wl[j][s][w0], Wl[j][s][w0 + 1]);
         }
       }
       const float2 w = ws[i * 8 + gid];
@@ -560,12 +669,22 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_finish(
   if (tid == 0) n_chosen = n_scored = 0;
   __syncthreads();
   int scored = 0;
-  for (int i = tid; i < k_prime; i += kSelectThreads) {
-    const long long k = row_keys_g[i];
-    if (in_smem) cached_keys[i] = k;
-    if (k != kInvalidKey) {
-      ++scored;
-      atomicAdd(&counts[unsigned_key(k) >> (64 - kDigitBits)], 1);
+  constexpr int kInFlight = 4;  // loads of a thread issued together
+  for (int i0 = tid; i0 < k_prime; i0 += kInFlight * kSelectThreads) {
+    long long k[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int i = i0 + u * kSelectThreads;
+      k[u] = i < k_prime ? row_keys_g[i] : kInvalidKey;
+    }
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int i = i0 + u * kSelectThreads;
+      if (in_smem && i < k_prime) cached_keys[i] = k[u];
+      if (k[u] != kInvalidKey) {
+        ++scored;
+        atomicAdd(&counts[unsigned_key(k[u]) >> (64 - kDigitBits)], 1);
+      }
     }
   }
   atomicAdd(&n_scored, scored);
@@ -600,23 +719,59 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_finish(
       if (src.get(i, key) && key >= t) chosen[atomicAdd(&n_chosen, 1)] = signed_key(key);
     }
   }
-  // descending order: a bitonic sort of the m distinct keys, padded to a power of two with keys below them all
-  int m2 = 1;
-  while (m2 < m) m2 <<= 1;
-  for (int i = m + tid; i < m2; i += kSelectThreads) chosen[i] = kInvalidKey;
+  // descending order: a bitonic sort of the m distinct keys, padded with keys below them all to n2 (a power of
+  // two, at least the block). Thread tid holds elements u * kSelectThreads + tid: strides below 32 pair lanes of
+  // one warp (shuffles, no barrier), larger strides pair elements through shared memory.
+  int n2 = kSelectThreads;
+  while (n2 < m) n2 <<= 1;
+  constexpr int kMaxPerThread = kMaxTopK / kSelectThreads;
+  const int per_thread = n2 / kSelectThreads;
   __syncthreads();
-  for (int size = 2; size <= m2; size <<= 1)
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      for (int i = tid; i < (m2 >> 1); i += kSelectThreads) {
-        const int a = 2 * i - (i & (stride - 1)), b = a + stride;  // a has bit `stride` clear
-        const long long x = chosen[a], y = chosen[b];
-        if (((a & size) == 0) == (x < y)) {  // descending runs where bit `size` of a is clear
-          chosen[a] = y;
-          chosen[b] = x;
-        }
-      }
+  long long x[kMaxPerThread];
+#pragma unroll
+  for (int u = 0; u < kMaxPerThread; ++u) {
+    const int e = u * kSelectThreads + tid;
+    x[u] = u < per_thread && e < m ? chosen[e] : kInvalidKey;
+  }
+  for (int size = 2; size <= n2; size <<= 1) {
+    int stride = size >> 1;
+    if (stride >= 32) {
+      __syncthreads();  // the previous shared-memory stages' reads are done
+#pragma unroll
+      for (int u = 0; u < kMaxPerThread; ++u)
+        if (u < per_thread) chosen[u * kSelectThreads + tid] = x[u];
       __syncthreads();
+      for (; stride >= 32; stride >>= 1) {
+        for (int i = tid; i < (n2 >> 1); i += kSelectThreads) {
+          const int a = 2 * i - (i & (stride - 1)), b = a + stride;  // a has bit `stride` clear
+          const long long p = chosen[a], q = chosen[b];
+          if (((a & size) == 0) == (p < q)) {  // descending runs where bit `size` of a is clear
+            chosen[a] = q;
+            chosen[b] = p;
+          }
+        }
+        __syncthreads();
+      }
+#pragma unroll
+      for (int u = 0; u < kMaxPerThread; ++u)
+        if (u < per_thread) x[u] = chosen[u * kSelectThreads + tid];
     }
+    for (; stride >= 1; stride >>= 1) {
+      const bool lower = (tid & stride) == 0;
+#pragma unroll
+      for (int u = 0; u < kMaxPerThread; ++u)
+        if (u < per_thread) {  // block-uniform
+          const long long y = __shfl_xor_sync(0xffffffffu, x[u], stride);
+          const bool descending = ((u * kSelectThreads + tid) & size) == 0;
+          x[u] = (lower == descending) ? max(x[u], y) : min(x[u], y);  // the pair's lower element: the greater
+        }
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int u = 0; u < kMaxPerThread; ++u)
+    if (u < per_thread) chosen[u * kSelectThreads + tid] = x[u];
+  __syncthreads();
   const long long* __restrict__ cand = candidates + static_cast<i64>(r) * k_prime;
   for (int i = tid; i < index_topk; i += kSelectThreads) {
     if (i >= m) {

@@ -711,7 +711,7 @@ def test_gpu_long_rows_select_over_column_chunks(seed, stage1_arch, per_row, mon
     pass reading the row again): with the op's own logits, with logits of many exact ties (rounded to 1/8, so
     bins and ties straddle the chunks), and with a flat row (every key tied: the boundary bin is past what is
     collected and is read from the row); K' = 2048, index_topk = 512, against the reference on the same logits."""
-    monkeypatch.setattr(rescore, "one_cta_per_row", lambda width, rows, n_sms: per_row)
+    monkeypatch.setattr(rescore, "one_cta_per_row", lambda width, rows, n_sms, arch: per_row)
     B, n, K, KP = 2, 24576, 512, 2048
     _, hi, lo, table = _case(B, n, seed=seed % 100000)
     q8, w8, _, _ = _query_pair(B, 1, seed)

@@ -150,8 +150,9 @@ def test_warm_expressions_fp8_rescore():
             layouts=("two-level",), numerics=("exact",), in_dtypes=(torch.bfloat16,), sources=("decode", "prefill"))
         assert exprs[core.LOGITS_SOURCE] == logits.product_instantiations(arch, q_fp8=(1,), next_ns=(1, 2),
                                                                           layouts=("fp8",))
-        assert exprs[core.RESCORE_SOURCE] == [e for e in rescore.product_instantiations()
-                                              if e != "rescore_topk_kernel<0>"]
+        stage2 = {q: rescore.RESCORE.select(("stage2", q), arch).expr for q in (0, 1)}
+        assert exprs[core.RESCORE_SOURCE] == [e for e in rescore.product_instantiations(arch) if e != stage2[0]]
+        assert stage2[1] in exprs[core.RESCORE_SOURCE]
         assert set(exprs[core.RESCORE_SOURCE]) <= set(launch.product_expressions(arch)[core.RESCORE_SOURCE])
         sg = core.warm_expressions(arch, mode="fp8-rescore", next_ns=(1, 2), stage1="sglang", query="fp8")
         assert core.LOGITS_SOURCE not in sg and sg[core.RESCORE_SOURCE] == exprs[core.RESCORE_SOURCE]
@@ -159,7 +160,7 @@ def test_warm_expressions_fp8_rescore():
         # a bf16 stage-2 q: stage 2's bf16-q instantiation instead of the fp8-q one, and the query prep that makes
         # that q (bf16 numerics, bf16 weights_proj output); the rest unchanged
         bq = core.warm_expressions(arch, mode="fp8-rescore", next_ns=(1, 2), stage1="cupy")  # default: bf16
-        assert bq[core.RESCORE_SOURCE] == [e for e in rescore.product_instantiations() if e != "rescore_topk_kernel<1>"]
+        assert bq[core.RESCORE_SOURCE] == [e for e in rescore.product_instantiations(arch) if e != stage2[1]]
         assert bq[core.QUERY_SOURCE] == query.product_instantiations(numerics=("bf16",))
         assert {f: e for f, e in bq.items() if f not in (core.RESCORE_SOURCE, core.QUERY_SOURCE)} == \
             {f: e for f, e in exprs.items() if f != core.RESCORE_SOURCE}
