@@ -65,8 +65,9 @@ with equal hi bytes have equal fp8 logits, so this is their stage-1 order too). 
 index_topk`` keys selects ``0..len-1`` without reading scores, as SGLang's top-k does (its fp8 ranks are counted
 over the row's visible keys). The kernels select exactly the reference's candidates (the radix select works on
 the same keys: logit bits, then position) and sum ``q . k_hat`` as ``hi_scale * (q . hi) + lo_scale * (q .
-lo)`` (exact products, fp32 accumulation on bf16 tensor cores): on the same stage-1 logits the device selection
-is the reference's except where two candidates' scores lie within fp32 rounding of each other.
+lo)`` (exact products, fp32 accumulation on f16 tensor cores, q scaled per row by a power of two): on the same
+stage-1 logits the device selection is the reference's except where two candidates' scores lie within fp32
+rounding of each other.
 """
 
 from __future__ import annotations

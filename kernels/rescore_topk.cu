@@ -1,19 +1,18 @@
 // Two-level index keys (cupy_dsa.rescore): stage 2 of the fp8-rescore top-k and its small helpers.
 //
-// Stage 1 (cupy_dsa's fp8 logits, or the caller's) gives each query row its logits; rescore_histogram,
-// rescore_gather and rescore_boundary select the row's K' best as stage-1 keys (logit descending, ties: lower
-// position; a radix select whose first 12-bit digit is counted over column chunks by many CTAs per row).
+// Stage 1 (cupy_dsa's fp8 logits, or the caller's) gives each query row its logits; rescore_candidates (one CTA
+// per row, radix_select.cuh) or, for few long rows, rescore_histogram, rescore_gather and rescore_boundary (column
+// chunks) select the row's K' best as stage-1 keys (logit descending, ties: lower position).
 // rescore_topk_kernel scores every candidate from its fp8 "hi" and int8 "lo" pages,
 //   score = sum_h relu(q_h . k_hat) * w_h,   k_hat = e4m3(hi) * hi_scale + lo * lo_scale,
-// as q_h . k_hat = hi_scale * (q_h . e4m3(hi)) + lo_scale * (q_h . lo): both dot products run on bf16 tensor
-// cores (e4m3 and int8 codes and an fp8 or bf16 q are exact in bf16, every product is exact) with fp32
-// accumulation, then fp32 epilogue. It writes one int64 key per candidate (the score, ties: lower position),
-// and rescore_finish radix-selects the row's index_topk greatest into SGLang's outputs. Candidates are
-// written in arrival order (atomics); nothing downstream depends on their order, so every rerun selects the
-// same keys in the same output order.
+// as q_h . k_hat = hi_scale * (q_h . e4m3(hi)) + lo_scale * (q_h . lo): both dot products run on f16 tensor
+// cores (see "Stage 2 multiplies" below: every operand exact, every product exact) with fp32 accumulation, then
+// an fp32 epilogue. It writes one int64 key per candidate (the score, ties: lower position), and rescore_finish
+// radix-selects the row's index_topk greatest into SGLang's outputs in descending order (a bitonic sort).
+// Nothing downstream depends on the candidates' order, so every rerun selects the same keys in the same order.
 //
-// Stage-2 work split: one CTA per (query row, chunk of candidates); 4 warps, each scoring 16-candidate
-// tiles (two mma n-tiles of 8). q is staged once per CTA in shared memory as ready A quads (heads = M, 4
+// Stage-2 work split: one CTA per (query row, chunk of candidates), one wave of them; 4 warps, each scoring
+// 16-candidate tiles (two mma n-tiles of 8) fed by its cp.async ring. q is staged once per CTA in shared memory as ready A quads (heads = M, 4
 // m-tiles of 16 heads), in the element order of fp8 key rows that cupy_dsa's logits kernel uses for fp8 keys
 // (kernels/mqa_logits.cu): thread (gid = lane / 4, t = lane % 4) loads, for candidate 8j + gid of its tile,
 // the 16-byte chunks at bytes 64g + 16t (g = 0, 1) of the candidate's hi row and of its lo row; the half
@@ -395,9 +394,23 @@ __global__ void __launch_bounds__(128, Stages <= 2 ? 3 : 2) rescore_topk_kernel(
   const int c_begin = blockIdx.y * cands_per_cta;
   const int c_end = min(k_prime, c_begin + cands_per_cta);
   if (c_begin >= c_end) return;  // CTA-uniform
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // the row's q, read first (nothing it depends on), then scaled into f16 (see q_words) once the block's max |q|
+  // is known
+  constexpr int kQItems = kQWords / 2 / (32 * kWarps);  // items (both k-steps of a pair) per thread
+  float qv[kQItems][2][8];
+  float qmax = 0.0f;
+#pragma unroll
+  for (int u = 0; u < kQItems; ++u) {
+    const int i = u * 32 * kWarps + tid;
+    const int m = i >> 7, s = (i >> 5) & 3, ln = i & 31;
+    const int head = 16 * m + (ln >> 2), tq = ln & 3;
+    const i64 elem = (static_cast<i64>(r) * kNumHeads + head) * kHeadDim + 64 * (s >> 1) + 16 * tq + 8 * (s & 1);
+    q_floats<QFp8>(q, elem, qv[u][0]);
+    q_floats<QFp8>(q, elem + 8 * kHeadDim, qv[u][1]);
+  }
   const RowKeys rk = row_keys(DSA_ROW_SPEC, r);
   long long* __restrict__ out = keys + static_cast<i64>(r) * k_prime;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (rk.hi - rk.lo <= index_topk) {  // CTA-uniform: a row selected without scores
     for (int c = c_begin + tid; c < c_end; c += blockDim.x) out[c] = kInvalidKey;
     return;
@@ -437,7 +450,16 @@ __global__ void __launch_bounds__(128, Stages <= 2 ? 3 : 2) rescore_topk_kernel(
       if (c < c_end) chunk_slots[c - c_begin] = loc;
     }
   }
-  __syncthreads();
+  // the warps' max |q| (their q loads have been in flight since the start)
+#pragma unroll
+  for (int u = 0; u < kQItems; ++u)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) qmax = fmaxf(qmax, fabsf(qv[u][h][e]));
+  qmax = warp_max(qmax);
+  if (lane == 0) qmax_warp[warp] = qmax;
+  __syncthreads();  // the chunk's slots and the warps' max |q|
   auto locate = [&](int tile0, u32 (&loc)[2]) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -477,27 +499,6 @@ __global__ void __launch_bounds__(128, Stages <= 2 ? 3 : 2) rescore_topk_kernel(
     locate(first + s * step, loc);
     issue(loc, ring[s]);
   }
-
-  // the row's q, scaled into f16 (see q_words): the block's max |q| first, then the A quads
-  constexpr int kQItems = kQWords / 2 / (32 * kWarps);  // items (both k-steps of a pair) per thread
-  float qv[kQItems][2][8];
-  float qmax = 0.0f;
-#pragma unroll
-  for (int u = 0; u < kQItems; ++u) {
-    const int i = u * 32 * kWarps + tid;
-    const int m = i >> 7, s = (i >> 5) & 3, ln = i & 31;
-    const int head = 16 * m + (ln >> 2), tq = ln & 3;
-    const i64 elem = (static_cast<i64>(r) * kNumHeads + head) * kHeadDim + 64 * (s >> 1) + 16 * tq + 8 * (s & 1);
-    q_floats<QFp8>(q, elem, qv[u][0]);
-    q_floats<QFp8>(q, elem + 8 * kHeadDim, qv[u][1]);
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) qmax = fmaxf(qmax, fabsf(qv[u][h][e]));
-  }
-  qmax = warp_max(qmax);
-  if (lane == 0) qmax_warp[warp] = qmax;
-  __syncthreads();
   qmax = fmaxf(fmaxf(qmax_warp[0], qmax_warp[1]), fmaxf(qmax_warp[2], qmax_warp[3]));
   int qmax_exp = 0;
   frexpf(qmax, &qmax_exp);                        // qmax in [2^(e-1), 2^e)
@@ -512,6 +513,7 @@ __global__ void __launch_bounds__(128, Stages <= 2 ? 3 : 2) rescore_topk_kernel(
     dst[0] = make_uint4(v0.x, v1.x, v0.y, v1.y);   // k-step 2s
     dst[32] = make_uint4(v0.z, v1.z, v0.w, v1.w);  // k-step 2s + 1
   }
+
   const float hi_unscale = pow2(8 - qs_exp), lo_unscale = pow2(-qs_exp);
   if (tid < kNumHeads / 2) {
     const float* wr = weights + static_cast<i64>(r) * kNumHeads;
