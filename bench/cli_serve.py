@@ -103,6 +103,10 @@ def _refuse_replacing_a_measured_run(json_path: str) -> None:
 @click.option("--query", "queries", multiple=True, callback=_serve_queries_option,
               help="also time the layouts whose query the plugin's SGLANG_CUPY_DSA_INDEX_Q sets (bf16, fp8-cupy) with "
                    "each of these queries (comma list of fp8, bf16), the query's preparation included. [default: none]")
+@click.option("--arch-configs", "configs_of", default=None, metavar="ARCH",
+              type=click.Choice(["sm_120"]),   # the archs every arch declares the product configs of
+              help="cupy_dsa's logits launch ARCH's product configs, forced on this GPU at its own residency "
+                   "(`bench variants --emulate` also holds ARCH's CTAs per SM). [default: this GPU's own]")
 @click.option("--device", default=None, metavar="DEV", help="CUDA device, e.g. cuda:1. [default: the current one]")
 @click.option("--seed", type=common.SEED, default=0, show_default=True, help="random seed, 0 to 2^32 - 1.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True), default=None,
@@ -110,8 +114,8 @@ def _refuse_replacing_a_measured_run(json_path: str) -> None:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
               callback=common.png_output, help="PNG: ms per step over context, bf16 vs fp8, and the added ms (a row per "
                                           "kind of step).")
-def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, queries, memory_gib, device, seed, json_path,
-              plot_path):
+def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, queries, configs_of, memory_gib, device, seed,
+              json_path, plot_path):
     """Indexer cost of one forward of a DeepSeek-V4 server with bf16 index keys vs SGLang's fp8 (DeepGEMM on the
     route SGLang 0.5.23 takes for the step), and of the fp8-cupy mode (SGLang's fp8 keys on cupy_dsa's kernels): ms
     per decode (verify) step and per prefill chunk over every C4 layer, KV bytes per token and tokens that fit.
@@ -144,6 +148,9 @@ def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, queries, memory_
     if queries:
         doc["queries"], doc["query_timings"] = list(queries), []
         doc["notes"].append(serve.QUERY_COUNTED)
+    if configs_of:
+        doc["arch_configs"] = configs_of
+        doc["notes"].append(serve.arch_configs_note(configs_of))
     if model.assumed:
         err.print(f"[yellow]{model.name}: {model.assumed}[/]")
     mem = Table(title=f"{model.name}: index cache, {model.n_c4} C4 layers of {model.n_layers} (per raw token: "
@@ -179,7 +186,7 @@ def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, queries, memory_
             task = progress.add_task("serve", total=len(case_list))
             for c in case_list:
                 doc["timings"].append(serve.measure(c, model, dev, dg, seed, reps=10, layouts=layouts or None,
-                                                    topks=topks))
+                                                    topks=topks, configs_of=configs_of))
                 progress.advance(task)
         doc["measured"] = True
         t = Table(title=f"indexer ms per forward (all {model.n_c4} C4 layers), {doc['device']}; top-k excluded; "
@@ -201,7 +208,8 @@ def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, queries, memory_
             with common.progress(err) as progress:
                 task = progress.add_task("serve --query", total=len(case_list))
                 for c in case_list:
-                    doc["query_timings"].append(serve.measure_queries(c, model, dev, seed, reps=10, queries=queries))
+                    doc["query_timings"].append(serve.measure_queries(c, model, dev, seed, reps=10, queries=queries,
+                                                                      configs_of=configs_of))
                     progress.advance(task)
             out.print("\n".join(serve.query_markdown(doc)), markup=False, highlight=False, soft_wrap=True)
         rescored = [r for r in doc["timings"] if r["fp8_rescore_ms"] is not None or r["fp8_rescore_dg_ms"] is not None]

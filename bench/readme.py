@@ -281,9 +281,9 @@ RESCORE_README_BLOCKS = {
 
 # blocks rendered from a `bench recall --suite diverse` JSON (a `bench` JSON with recall_diverse rows)
 def _recall_diverse_block(doc) -> str:
-    from .recall_diverse import markdown
+    from .recall_diverse import readme_markdown
 
-    return markdown(doc.get("recall_diverse") or [])
+    return readme_markdown(doc)
 
 
 RECALL_DIVERSE_README_BLOCKS = {
@@ -312,15 +312,36 @@ def _serve_rescore_block(doc) -> str:
     return "\n".join(rescore_markdown(doc)).strip("\n")
 
 
-def _serve_missing(doc, key, what):
-    if not (doc.get("measured") and doc.get("timings")):
+def _serve_missing(doc, key, what, against=None, rows="timings", configs_of=None):
+    """Why ``doc`` holds no data for a serve block: unmeasured, another arch's configs than ``configs_of`` (None:
+    this GPU's own), or no row of ``rows`` with ``key`` (and ``against``, when given)."""
+    if not (doc.get("measured") and (doc.get("timings") or doc.get(rows))):
         return f"no timings ({doc.get('not_measured') or 'nothing measured'})"
-    return _none_if([r for r in doc["timings"] if r.get(key) is not None], f"no {what} timings")
+    if doc.get("arch_configs") != configs_of:
+        return (f"a run with {doc['arch_configs']}'s configs forced" if doc.get("arch_configs")
+                else "a run with this GPU's own configs")
+    return _none_if([r for r in doc.get(rows) or [] if r.get(key) is not None and (against is None or any(
+        r.get(k) is not None for k in against))], f"no {what} timings")
+
+
+def _serve_query_block(doc) -> str:
+    from .serve import query_markdown
+
+    return "\n".join(query_markdown(doc)).strip("\n")
+
+
+def _query_missing(doc, configs_of=None):
+    return _serve_missing(doc, "bf16_q_vs_fp8_q", "bf16 query / fp8 query (`bench serve --query fp8,bf16`)",
+                          rows="query_timings", configs_of=configs_of) or _none_if(
+        [r for r in doc["query_timings"] if r["bf16_q_vs_fp8_q"]], "no step timed with both queries")
 
 
 SERVE_README_BLOCKS = {
-    "serve": Block(_serve_block, lambda d: _serve_missing(d, "bf16_ms", "bf16")),
+    # bf16 keys against fp8 (DeepGEMM or fp8-cupy): a run of the bf16 layout alone (--query's) has no ratio to show
+    "serve": Block(_serve_block, lambda d: _serve_missing(d, "bf16_ms", "bf16 and fp8", against=("fp8_ms", "fp8_cupy_ms"))),
     "serve-rescore": Block(_serve_rescore_block, lambda d: _serve_missing(d, "fp8_rescore_ms", "fp8-rescore")),
+    "serve-query": Block(_serve_query_block, _query_missing),
+    "serve-query-sm120": Block(_serve_query_block, lambda d: _query_missing(d, "sm_120")),
 }
 
 

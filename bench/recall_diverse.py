@@ -361,4 +361,69 @@ def markdown(rows: list[dict]) -> str:
                              f"{_pct(r['ref_overlap_mean'])} | {_pct(r['missed_key_only'])} | "
                              f"{_pct(r['missed_query_only'])} | {_pct(r['missed_both'])} |")
             lines.append("")
+    lines.append(target_line(ok))
     return "\n".join(lines).rstrip("\n")
+
+
+# issue 32's target: bf16 keys with the bf16 query keep >= 99.5% of the exact top-k at >= 16K keys, k 512 and 2048
+TARGET_FORMAT, TARGET_RECALL, TARGET_MIN_KEYS = "bf16+q-bf16", 0.995, 16384
+# the formats the query setting switches between: (fp8 query, bf16 query) on the same keys
+QUERY_PAIRS = (("fp8", "fp8+q-bf16"), ("bf16", "bf16+q-bf16"), ("bf16-fp4sim", "bf16-fp4sim+q-bf16"),
+               ("fp8-rescore-4x", "fp8-rescore-4x-bf16q"))
+
+
+def _span(values, digits=2):
+    lo, hi = min(values), max(values)
+    return _pct(lo, digits) if f"{lo:.{digits + 2}f}" == f"{hi:.{digits + 2}f}" else f"{_pct(lo, digits)[:-1]}-{_pct(hi, digits)}"
+
+
+def readme_markdown(doc: dict) -> str:
+    """The README's block: one row a format, the share of the exact top-k it misses in each case (keys x k), its
+    error budget over the cases (missed with only the key rounded / only the query rounded), the target's verdict
+    and what the bf16 query changes on each key format."""
+    ok = [r for r in doc.get("recall_diverse") or [] if not r.get("error") and not r["trivial"]
+          and r["format"] not in ORACLES]
+    if not ok:
+        return "No diverse recall rows."
+    cases = sorted({(r["index_entries"], r["k"]) for r in ok})
+    by = {(r["format"], r["index_entries"], r["k"]): r for r in ok}
+    queries = sorted({r["queries"] for r in ok})
+    lines = [f"{doc.get('device') or 'no GPU'}, commit `{(doc.get('git_commit') or 'not recorded')[:12]}`, "
+             f"{(doc.get('date') or '')[:10]}: share of the exact top-k missed ({'/'.join(map(str, queries))} queries "
+             "per context, half with a preferred token set; synthetic keys), and its error budget over these cases "
+             "(missed with only the key rounded, with only the query rounded).", "",
+             "| format | keys | query | " + " | ".join(f"{n // 1024}K keys, k {k}" for n, k in cases)
+             + " | key rounded only | query rounded only |",
+             "|---|---|---|" + "---|" * len(cases) + "---|---|"]
+    for fmt in FORMATS:
+        rows = [by.get((fmt, n, k)) for n, k in cases]
+        have = [r for r in rows if r is not None]
+        if not have:
+            continue
+        budget = [_span([r[f] for r in have]) if all(r[f] is not None for r in have) else "—"
+                  for f in ("missed_key_only", "missed_query_only")]
+        lines.append(f"| {fmt} | {have[0]['key']} | {have[0]['query']} | "
+                     + " | ".join(_pct(r["missed_share"]) if r else "—" for r in rows) + f" | {' | '.join(budget)} |")
+    lines += ["", target_line(ok)]
+    gains = []
+    for fp8_q, bf16_q in QUERY_PAIRS:
+        pairs = [(by[(fp8_q, n, k)], by[(bf16_q, n, k)]) for n, k in cases if (fp8_q, n, k) in by and (bf16_q, n, k) in by]
+        if pairs:
+            gains.append(f"{pairs[0][0]['key']} keys, {fp8_q} {_span([a['missed_share'] for a, _ in pairs])} -> "
+                         f"{bf16_q} {_span([b['missed_share'] for _, b in pairs])}")
+    if gains:
+        lines += ["", "Missed with the fp8 query -> with the bf16 query, by key format: " + "; ".join(gains) + "."]
+    return "\n".join(lines)
+
+
+def target_line(rows: list[dict]) -> str:
+    """Issue 32's recall target over ``rows`` (valid, non-trivial): its verdict and the recall it rests on."""
+    cases = [r for r in rows if r["format"] == TARGET_FORMAT and r["index_entries"] >= TARGET_MIN_KEYS
+             and r["k"] in TOPKS]
+    what = (f"Target (issue 32): {TARGET_FORMAT} (bf16 keys, bf16 query) keeps >= {100 * TARGET_RECALL:.1f}% of the "
+            f"exact top-k at >= {TARGET_MIN_KEYS // 1024}K keys, k {' and '.join(map(str, TOPKS))}")
+    if not cases or {r["k"] for r in cases} != set(TOPKS):
+        return f"{what}: not evaluated (no case with >= {TARGET_MIN_KEYS // 1024}K keys at each k in this run)."
+    recall = [r["recall_mean"] for r in cases]
+    verdict = "pass" if min(recall) >= TARGET_RECALL else "**miss**"
+    return f"{what}: recall {_span(recall)} over {len(cases)} cases: {verdict}."

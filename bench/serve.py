@@ -22,6 +22,7 @@ DeepGEMM's paged fp8 logits (one row per token) and ``rescore_topk`` given them 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass
@@ -448,12 +449,14 @@ def _add_error(row: dict, case: str, exc: Exception) -> None:
     row["error"] = f"{row['error']}; {failed}" if row["error"] else failed
 
 
-def measure(case: Case, model: ServeModel, device, dg, seed: int, reps: int, layouts=None, topks=None) -> dict:
+def measure(case: Case, model: ServeModel, device, dg, seed: int, reps: int, layouts=None, topks=None,
+            configs_of: str | None = None) -> dict:
     """ms of one forward for each layout of :data:`TIMED` (``layouts``: only those; the DeepGEMM ones only with
     ``dg``), for one case; the fp8 row says its route and, on the non-paged route, what gathered the keys and the
     ms the gathers take of the step; fp8-rescore's ratios to fp8 + top-k, bf16 + top-k and fp8, and its targets'
     verdicts. ``topks`` (:class:`peers.TopKs`; default cupy_dsa's standing in): the stock top-k of the ``+topk``
-    layouts, and each of its top-ks alone over one layer's stock logits, once per C4 layer."""
+    layouts, and each of its top-ks alone over one layer's stock logits, once per C4 layer. ``configs_of``: the
+    logits launch that arch's product configs (:func:`arch_configs`)."""
     from . import peers
     from .sweeps import _gen, _verdict
     from .timing import time_calls
@@ -477,18 +480,19 @@ def measure(case: Case, model: ServeModel, device, dg, seed: int, reps: int, lay
         if (layout in NEEDS_DEEPGEMM and dg is None) or (layouts is not None and layout not in layouts):
             continue
         try:
-            fwd = _forward(case, layout, model, device, _gen(device, seed), dg, topk=topks.stock)
-            t = time_calls([fwd.run], device, reps=reps)
-            row[MS_KEY[layout]] = t.seconds * 1e3
-            if layout in WITH_TOPK and (sample is None or layout == "fp8+topk"):  # the stock logits first
-                sample = (fwd.logits(), fwd.topk_rows)
-                row["topk_alone_on"] = layout
-            row["layer_caches"][layout] = fwd.layer_caches
-            row["timing"] = t.method
-            if fwd.gathers is not None:
-                row["fp8_gather"] = fwd.gather_op
-                row["fp8_gather_ms"] = time_calls([fwd.gathers], device, reps=reps).seconds * 1e3
-            del fwd
+            with arch_configs(configs_of):
+                fwd = _forward(case, layout, model, device, _gen(device, seed), dg, topk=topks.stock)
+                t = time_calls([fwd.run], device, reps=reps)
+                row[MS_KEY[layout]] = t.seconds * 1e3
+                if layout in WITH_TOPK and (sample is None or layout == "fp8+topk"):  # the stock logits first
+                    sample = (fwd.logits(), fwd.topk_rows)
+                    row["topk_alone_on"] = layout
+                row["layer_caches"][layout] = fwd.layer_caches
+                row["timing"] = t.method
+                if fwd.gathers is not None:
+                    row["fp8_gather"] = fwd.gather_op
+                    row["fp8_gather_ms"] = time_calls([fwd.gathers], device, reps=reps).seconds * 1e3
+                del fwd
         except Exception as exc:  # one case failing must not end the run
             _add_error(row, layout, exc)
         if device.type == "cuda":
@@ -597,7 +601,7 @@ def markdown(doc: dict, with_rescore: bool = True) -> str:
     targets = any(r.get("target_ratio") for r in doc["timings"])
     fp8 = ("DeepGEMM on the route SGLang 0.5.23 takes for the step (fp8 route)" if routes
            else "DeepGEMM as SGLang calls it")
-    head = (f"{m['name']} ({m['index_layers']} C4 layers), {doc.get('device') or 'no GPU'}, torch "
+    head = (f"{m['name']} ({m['index_layers']} C4 layers), {doc.get('device') or 'no GPU'}{_forced_configs(doc)}, torch "
             f"{doc.get('torch_version') or 'not recorded'}, commit "
             f"`{(doc.get('git_commit') or 'not recorded')[:12]}`: indexer ms per forward over every C4 layer "
             f"(store + logits + the schedule; top-k excluded); fp8 = {fp8}.")
@@ -793,6 +797,29 @@ QUERY_COUNTED = (
     "numerics 'bf16', what the plugin runs with SGLANG_CUPY_DSA_INDEX_Q=bf16. Ratio: bf16 query over fp8 query.")
 
 
+def arch_configs(target: str | None):
+    """Within the block the logits' families (decode, prefill) launch ``target``'s product configs on this GPU, at
+    its own residency (``bench serve --arch-configs``; None: this GPU's own configs)."""
+    from cupy_dsa import heuristics
+
+    stack = contextlib.ExitStack()
+    if target is not None:
+        for family in (heuristics.DECODE, heuristics.PREFILL):
+            stack.enter_context(family.selecting_for(target))
+    return stack
+
+
+def arch_configs_note(target: str) -> str:
+    return (f"--arch-configs {target}: cupy_dsa's logits (decode, verify, prefill) launch {target}'s product "
+            f"configs, forced on this GPU at its own CTAs per SM (`bench variants --emulate {target}` also holds "
+            f"{target}'s residency); the store, the query preparation and DeepGEMM as on this GPU.")
+
+
+def _forced_configs(doc: dict) -> str:
+    """The tables' mention of --arch-configs ('' for a run with this GPU's own configs)."""
+    return f", {doc['arch_configs']}'s product configs forced" if doc.get("arch_configs") else ""
+
+
 def _query_prep(query: str, q_shape, device, g):
     """A callable giving one layer's ``(q, weights)`` of the query ``query`` in the logits' q shape ``q_shape``:
     prepare_index_q over rows drawn like wq_b's and weights_proj's bf16 outputs, positions 0..rows-1."""
@@ -816,9 +843,10 @@ def _query_prep(query: str, q_shape, device, g):
 
 
 def measure_queries(case: Case, model: ServeModel, device, seed: int, reps: int, queries=("fp8", "bf16"),
-                    layouts=QUERY_LAYOUTS) -> dict:
+                    layouts=QUERY_LAYOUTS, configs_of: str | None = None) -> dict:
     """ms of one forward of each layout of ``layouts`` (of :data:`QUERY_LAYOUTS`) with each query, and each layout's
-    bf16-query step over its fp8-query step."""
+    bf16-query step over its fp8-query step; ``configs_of``: the logits launch that arch's product configs
+    (:func:`arch_configs`)."""
     from .sweeps import _gen
     from .timing import time_calls
 
@@ -827,8 +855,9 @@ def measure_queries(case: Case, model: ServeModel, device, seed: int, reps: int,
     for layout in layouts:
         for query in queries:
             try:
-                fwd = _forward(case, layout, model, device, _gen(device, seed), None, query=query)
-                t = time_calls([fwd.run], device, reps=reps)
+                with arch_configs(configs_of):
+                    fwd = _forward(case, layout, model, device, _gen(device, seed), None, query=query)
+                    t = time_calls([fwd.run], device, reps=reps)
                 row["ms"].setdefault(layout, {})[query] = t.seconds * 1e3
                 row["timing"] = t.method
                 del fwd
@@ -849,7 +878,8 @@ def query_markdown(doc: dict) -> list[str]:
         return []
     layouts = [name for name in QUERY_LAYOUTS if any(name in r["ms"] for r in rows)]
     queries = list(dict.fromkeys(q for r in rows for per in r["ms"].values() for q in per))
-    lines = ["", f"The query ({doc.get('device') or 'no GPU'}, commit `{(doc.get('git_commit') or 'not recorded')[:12]}`): "
+    lines = ["", f"The query ({doc.get('device') or 'no GPU'}{_forced_configs(doc)}, commit "
+             f"`{(doc.get('git_commit') or 'not recorded')[:12]}`): "
              "ms per forward over every C4 layer with each query, its preparation included (per layer "
              "`prepare_index_q` of the forward's rows, then the logits; the fp8 query's preparation is the math of "
              "SGLang's fused fp8 q kernel, standing in for it).", ""]
@@ -863,4 +893,24 @@ def query_markdown(doc: dict) -> list[str]:
         return ([f"{v:.2f} ms" if v is not None else "—" for v in times]
                 + [f"{v:.3f}x" if v is not None else "—" for v in ratios])
 
-    return lines + _step_table(head, rows, cells)
+    return lines + _step_table(head, rows, cells) + ["", query_target_line(rows, layouts)]
+
+
+QUERY_TARGET = 1.05   # issue 32: the bf16 query costs <= 1.05x the fp8 query on every step kind
+
+
+def query_target_line(rows: list, layouts) -> str:
+    """Issue 32's cost target over the query rows: per layout the bf16 q / fp8 q span, its verdict and the steps
+    over the target."""
+    parts = []
+    for layout in layouts:
+        got = [(r, r["bf16_q_vs_fp8_q"][layout]) for r in rows if r["bf16_q_vs_fp8_q"].get(layout) is not None]
+        if not got:
+            continue
+        ratios = [v for _, v in got]
+        over = [f"{step_label(r)}{' at' if r['phase'] != 'prefill' else ''} {_context(r)}: {v:.3f}x"
+                for r, v in got if v > QUERY_TARGET]
+        span = f"{min(ratios):.3f}-{max(ratios):.3f}x" if len(ratios) > 1 else f"{ratios[0]:.3f}x"
+        parts.append(f"{layout} {span}: " + (f"**miss** ({', '.join(over)})" if over else "pass"))
+    what = f"Target (issue 32): bf16 q <= {QUERY_TARGET:.2f}x fp8 q on every step kind"
+    return f"{what}: {'; '.join(parts)}." if parts else f"{what}: not evaluated (no step timed with both queries)."

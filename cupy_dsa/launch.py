@@ -194,19 +194,25 @@ class Family:
         self._select, self._serves, self._experimental = select, serves, experimental
         self._chosen: dict[tuple, Config] = {}
         self._forced: Config | None = None
+        self._selects_for: str | None = None   # :meth:`selecting_for`'s target arch
         self._lock = threading.Lock()
 
     def select(self, problem, arch: str) -> Config:
-        """The config a call with this problem launches on ``arch`` (cached; :meth:`forced` wins)."""
+        """The config a call with this problem launches on ``arch`` (cached; :meth:`forced` wins, then
+        :meth:`selecting_for`)."""
         forced = self._forced
         if forced is not None:
             if not self._serves(forced, problem):
                 raise ValueError(f"{self.name}: the forced config {forced} does not serve problem {problem}")
             return forced
-        key = (problem, arch)
+        target = self._selects_for
+        key = (problem, arch) if target is None else (problem, arch, target)
         cfg = self._chosen.get(key)
         if cfg is None:
-            cfg = self._chosen[key] = self._select(problem, arch)
+            cfg = self._select(problem, arch if target is None else target)
+            if target is not None and arch is not None and not self._is_declared(cfg, arch):
+                raise ValueError(f"{self.name}: {target}'s config {cfg} for problem {problem} is not declared on {arch}")
+            self._chosen[key] = cfg
         return cfg
 
     def product(self, arch: str) -> list[Config]:
@@ -231,8 +237,7 @@ class Family:
         """Within the block every call of this family launches ``config`` (bench variants and tests). Its
         instantiation must be declared for ``arch`` (when given; host parameters are free, they need no other
         instantiation) and it must serve each call's problem; one forced config at a time."""
-        if arch is not None and not any(c.kernel is config.kernel and c.template == config.template
-                                        for c in self.declared(arch)):
+        if arch is not None and not self._is_declared(config, arch):
             raise ValueError(f"{self.name}: {config} is not a declared config on {arch}")
         with self._lock:
             if self._forced is not None:
@@ -242,6 +247,24 @@ class Family:
             yield config
         finally:
             self._forced = None
+
+    @contextlib.contextmanager
+    def selecting_for(self, target: str):
+        """Within the block every call of this family launches the config ``target``'s selection gives its problem
+        (``cupy-dsa bench serve --arch-configs``: another arch's product configs timed here, at this GPU's
+        residency). Each must be declared on the arch the call runs on (heuristics.EMULATED_ARCHS' are, on every
+        arch); one target at a time, and not while a config is forced."""
+        with self._lock:
+            if self._forced is not None or self._selects_for is not None:
+                raise RuntimeError(f"{self.name}: a config is already forced ({self._forced or self._selects_for})")
+            self._selects_for = target
+        try:
+            yield target
+        finally:
+            self._selects_for = None
+
+    def _is_declared(self, config: Config, arch: str) -> bool:
+        return any(c.kernel is config.kernel and c.template == config.template for c in self.declared(arch))
 
     def __repr__(self):
         return f"Family({self.name})"

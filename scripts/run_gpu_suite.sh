@@ -13,6 +13,8 @@
 #   `bench serve` at issue 31's shapes (SERVE_ARGS) and the full `bench rescore` (RESCORE_ARGS), each under its own
 #   timeout (TOPK_S 150, SERVE_S 150, RESCORE_S 180 seconds), their JSONs in $OUT (for bench/results/); the rest
 #   left out.
+#   QUERY_BENCH=1: issue 32's runs alone: `bench recall --suite diverse`, `bench serve --query fp8,bf16` with this GPU's
+#   configs and with sm_120's forced, and the query setting's GPU tests (their JSONs in $OUT, for bench/results/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -163,11 +165,15 @@ if [ -n "${QUERY_BENCH:-}" ]; then
       --layouts bf16 --query fp8,bf16 --json "$OUT/h200-serve-query.json" >"$OUT/serve-query.log" 2>&1; QSERVE_RC=$?
   [ -f "$OUT/h200-serve-query.json" ] && python3 -m cupy_dsa bench report "$OUT/h200-serve-query.json" \
       --markdown "$OUT/serve-query.md" >/dev/null 2>&1
+  # the same with sm_120's product configs forced on this GPU (issue 32's target holds there too)
+  timeout ${SERVE_S:-180} python3 -m cupy_dsa bench serve --batch 48 --context 24K,96K --next-n 1,3 --chunk 8192 \
+      --layouts bf16 --query fp8,bf16 --arch-configs sm_120 --json "$OUT/h200-serve-query-sm120.json" \
+      >"$OUT/serve-query-sm120.log" 2>&1; QSERVE120_RC=$?
   timeout ${PYTEST_S:-150} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE \
       "tests/test_sglang_gpu.py::test_gpu_bf16_query_path_graph" "tests/test_sglang_check.py::test_gpu_check_self_test" \
       "tests/test_cli.py::test_recall_suite_diverse_on_gpu" >"$OUT/pytest_gpu_query.log" 2>&1
-  QUERY_LINE="bench recall --suite diverse rc=$RECALL_RC, bench serve --query rc=$QSERVE_RC (124: timed out), \
-pytest: $(tail -1 "$OUT/pytest_gpu_query.log")"
+  QUERY_LINE="bench recall --suite diverse rc=$RECALL_RC, bench serve --query rc=$QSERVE_RC, with sm_120's configs \
+rc=$QSERVE120_RC (124: timed out), pytest: $(tail -1 "$OUT/pytest_gpu_query.log")"
 fi
 echo "================ SUMMARY ($(($(date +%s) - T0)) s) ================"
 echo "device: $(cat "$OUT/device.txt")"
@@ -186,6 +192,7 @@ echo "issue-32 runs: $QUERY_LINE"
 if [ -n "${QUERY_BENCH:-}" ]; then
   grep -vE "^\s*$" "$OUT/recall-diverse.md" 2>/dev/null | head -40 | cut -c1-300
   awk '/bf16 q \/ fp8 q/{on=1} on && /^\| (decode|verify|prefill)/' "$OUT/serve-query.md" 2>/dev/null | head -12
+  grep -h "^Target (issue 32)" "$OUT/recall-diverse.md" "$OUT/serve-query.md" "$OUT/serve-query-sm120.log" 2>/dev/null | cut -c1-400
   grep -E "^(FAILED|ERROR) " "$OUT/pytest_gpu_query.log" | head -10
 fi
 if [ -n "${RESCORE_BENCH:-}" ]; then

@@ -506,6 +506,63 @@ def test_serve_query_axis_times_both_queries_with_their_preparation(monkeypatch)
     assert res.exit_code == 2 and "--query" in res.output and "'fp16'" in res.output
 
 
+def test_serve_arch_configs_launch_the_targets_product_configs(monkeypatch):
+    """`bench serve --arch-configs sm_120` (issue 32's cost target "with sm_120's configs forced"): within
+    Family.selecting_for every decode / prefill problem gets sm_120's product config on the H200's arch and the
+    H200's own outside; a target whose config is not declared on the running arch is refused, nesting too; both
+    measures time inside it; the CLI takes only the archs every arch declares, records the target and its note,
+    and the tables say so."""
+    from cupy_dsa import heuristics as H
+
+    for family in (H.DECODE, H.PREFILL):
+        own = {p: family.select(p, "sm_90") for p in family.problems}
+        target = {p: family.select(p, "sm_120") for p in family.problems}
+        assert own != target
+        with family.selecting_for("sm_120"):
+            assert {p: family.select(p, "sm_90") for p in family.problems} == target
+            with pytest.raises(RuntimeError, match="already forced"):
+                with family.selecting_for("sm_120"):
+                    pass
+        assert {p: family.select(p, "sm_90") for p in family.problems} == own
+    with H.DECODE.selecting_for("sm_90"):   # the wgmma kernel is declared on sm_90 only
+        with pytest.raises(ValueError, match="not declared on sm_120"):
+            H.DECODE.select(("bf16", 1, 1), "sm_120")
+    entered = []
+    real = serve.arch_configs
+    monkeypatch.setattr(serve, "arch_configs", lambda target: entered.append(target) or real(target))
+    model = serve.ServeModel("tiny", 5, 2, 66, "test", None)
+    case = serve.Case("verify", 2, 256, 2, 0)
+    row = serve.measure_queries(case, model, CPU, 0, reps=1, configs_of="sm_120")
+    assert row["error"] is None and entered == ["sm_120"] * 4, (row, entered)
+    entered.clear()
+    row = serve.measure(case, model, CPU, None, 0, reps=1, layouts=("bf16",), configs_of="sm_120")
+    assert row["error"] is None and row["bf16_ms"] is not None and entered == ["sm_120"], (row, entered)
+    md = "\n".join(serve.query_markdown({"query_timings": [row | {"ms": {}, "bf16_q_vs_fp8_q": {}}], "device": "gpu",
+                                         "git_commit": "abc", "arch_configs": "sm_120"}))
+    assert "The query (gpu, sm_120's product configs forced, commit `abc`)" in md, md
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    res = CliRunner().invoke(main, ["bench", "serve", "--arch-configs", "sm_120", "--json", "-"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout[res.stdout.index("{"):])
+    assert doc["arch_configs"] == "sm_120" and serve.arch_configs_note("sm_120") in doc["notes"]
+    res = CliRunner().invoke(main, ["bench", "serve", "--arch-configs", "sm_90"])
+    assert res.exit_code == 2 and "--arch-configs" in res.output and "'sm_90'" in res.output, res.output
+
+
+def test_serve_query_target_line():
+    """Issue 32's cost target per layout: the span of bf16 q / fp8 q, pass at <= 1.05x, else the steps over it."""
+    def row(phase, context, **ratios):
+        return {"phase": phase, "batch": 8, "context": context, "next_n": 3 if phase == "verify" else 1,
+                "chunk": 4096 if phase == "prefill" else 0, "bf16_q_vs_fp8_q": ratios}
+
+    rows = [row("decode", 32768, bf16=0.98, **{"fp8-cupy": 1.02}), row("verify", 32768, bf16=1.05, **{"fp8-cupy": 1.2}),
+            row("prefill", 32768, bf16=1.01)]
+    line = serve.query_target_line(rows, serve.QUERY_LAYOUTS)
+    assert line == ("Target (issue 32): bf16 q <= 1.05x fp8 q on every step kind: bf16 0.980-1.050x: pass; fp8-cupy "
+                    "1.020-1.200x: **miss** (verify, next_n 3 at 8 x 32K: 1.200x)."), line
+    assert "not evaluated" in serve.query_target_line([row("decode", 32768)], serve.QUERY_LAYOUTS)
+
+
 # --------------------------------------------------------------------------------------------------
 # the stock top-k (issue 31): SGLang's own kernels where they run, else cupy_dsa's standing in
 # --------------------------------------------------------------------------------------------------

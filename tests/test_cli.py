@@ -781,11 +781,11 @@ def test_readme_results_blocks_are_generated_from_the_committed_json():
         for m in readme_mod.README_BLOCK.finditer(text):
             assert m["name"] not in bodies, f"results:{m['name']} stands twice"
             bodies[m["name"]] = (name, m["body"])
-    diverse = RESULTS_JSON.parent / "h200-recall-diverse.json"  # `bench recall --suite diverse`, once committed
+    diverse = RESULTS_JSON.parent / "h200-recall-diverse.json"  # `bench recall --suite diverse`
     assert set(bodies) == (set(readme_mod.README_BLOCKS) | set(readme_mod.SERVE_README_BLOCKS)
                            | set(readme_mod.RESCORE_README_BLOCKS) | set(readme_mod.EMULATE_README_BLOCKS)
-                           | (set(readme_mod.RECALL_DIVERSE_README_BLOCKS) if diverse.exists() else set()))
-    serve = {n: b for n, b in readme_mod.SERVE_README_BLOCKS.items() if n != "serve-rescore"}
+                           | set(readme_mod.RECALL_DIVERSE_README_BLOCKS))
+    serve = {"serve": readme_mod.SERVE_README_BLOCKS["serve"]}
     bench_blocks = {n: b for n, b in readme_mod.README_BLOCKS.items() if n != "recall"}
     docs = {"h200.json": (json.loads(RESULTS_JSON.read_text()), bench_blocks),
             "h200-recall.json": (json.loads((RESULTS_JSON.parent / "h200-recall.json").read_text()),
@@ -793,12 +793,15 @@ def test_readme_results_blocks_are_generated_from_the_committed_json():
             "h200-serve.json": (json.loads((RESULTS_JSON.parent / "h200-serve.json").read_text()), serve),
             "h200-serve-rescore.json": (json.loads((RESULTS_JSON.parent / "h200-serve-rescore.json").read_text()),
                                         {"serve-rescore": readme_mod.SERVE_README_BLOCKS["serve-rescore"]}),
+            "h200-serve-query.json": (json.loads((RESULTS_JSON.parent / "h200-serve-query.json").read_text()),
+                                      {"serve-query": readme_mod.SERVE_README_BLOCKS["serve-query"]}),
+            "h200-serve-query-sm120.json": (json.loads((RESULTS_JSON.parent / "h200-serve-query-sm120.json").read_text()),
+                                            {"serve-query-sm120": readme_mod.SERVE_README_BLOCKS["serve-query-sm120"]}),
             "h200-rescore.json": (json.loads((RESULTS_JSON.parent / "h200-rescore.json").read_text()),
                                   readme_mod.RESCORE_README_BLOCKS),
             "h200-emulate-sm120.json": (json.loads((RESULTS_JSON.parent / "h200-emulate-sm120.json").read_text()),
                                         readme_mod.EMULATE_README_BLOCKS)}
-    if diverse.exists():
-        docs[diverse.name] = (json.loads(diverse.read_text()), readme_mod.RECALL_DIVERSE_README_BLOCKS)
+    docs[diverse.name] = (json.loads(diverse.read_text()), readme_mod.RECALL_DIVERSE_README_BLOCKS)
     for what, (doc, blocks) in docs.items():
         note = readme_mod.stale_note(doc)
         for name, block in blocks.items():
