@@ -67,7 +67,7 @@ def test_markdown_table():
 
 
 def test_cli_emulate_needs_a_gpu_and_a_known_arch():
-    from cupy_dsa.bench.cli import variants_cmd
+    from cupy_dsa.bench.cli_kernels import variants_cmd
 
     emulate = next(p for p in variants_cmd.params if p.name == "emulate_arch")
     assert tuple(emulate.type.choices) == heuristics.EMULATED_ARCHS   # only archs whose configs are declared here

@@ -14,7 +14,7 @@ import torch
 from click.testing import CliRunner
 
 import cupy_dsa
-from cupy_dsa.bench import peers, readme, serve, sweeps
+from cupy_dsa.bench import peers, readme, serve, sweeps, verify_extend
 from cupy_dsa.bench.cli import main
 from cupy_dsa.layouts import fp8_views
 
@@ -117,13 +117,13 @@ def _torch_gather(monkeypatch):
 def stand_in_gpu(monkeypatch):
     """A command's GPU branch on this CPU: torch says a CUDA device is there, DeepGEMM is the stand-in above, the
     gather is torch's (the command's measurement is pointed at the CPU by the caller)."""
-    from cupy_dsa.bench import cli, provenance
+    from cupy_dsa.bench import cli_common, provenance
 
     _torch_gather(monkeypatch)
     for name, value in (("is_available", lambda: True), ("current_device", lambda: 0), ("device_count", lambda: 1),
                         ("set_device", lambda dev: None)):
         monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(cli, "_device_name", lambda dev: "stand-in GPU")
+    monkeypatch.setattr(cli_common, "device_name", lambda dev: "stand-in GPU")
     monkeypatch.setattr(provenance, "driver_version", lambda: None)
     monkeypatch.setattr(peers, "deepgemm", lambda: (FakeDeepGEMM(), None))
 
@@ -134,16 +134,16 @@ def stand_in_gpu(monkeypatch):
 
 def test_verify_batches_are_the_issue_shapes_at_next_n_2_3_4():
     gpu = torch.device("cuda")  # only its type is read: the GPU batches, built without a GPU
-    full = sweeps.verify_batches(gpu, False, 0)
+    full = verify_extend.verify_batches(gpu, False, 0)
     names = list(dict.fromkeys(b.name for b in full))
     assert names == ["64 x 32K", "128 x 8K", "48 long-tail", "16 x 128K", "256 x 2K"]
     assert [(b.name, b.next_n) for b in full] == [(n, k) for n in names for k in (2, 3, 4)]
     entries = {b.name: b.entries for b in full}
     assert entries["64 x 32K"] == entries["16 x 128K"] == 2 * 2**20 and entries["128 x 8K"] == 2**20
     assert entries["256 x 2K"] == 2**19 and len(next(b for b in full if b.name == "48 long-tail").lens) == 48
-    quick = sweeps.verify_batches(gpu, True, 0)
+    quick = verify_extend.verify_batches(gpu, True, 0)
     assert {("64 x 32K", n) for n in (2, 3, 4)} <= {(b.name, b.next_n) for b in quick}
-    assert {b.next_n for b in sweeps.verify_batches(CPU, False, 0)} == {2, 3, 4}
+    assert {b.next_n for b in verify_extend.verify_batches(CPU, False, 0)} == {2, 3, 4}
 
 
 @pytest.mark.parametrize("n, shares, vs_dg, verdict", [
@@ -159,13 +159,13 @@ def test_verify_batches_are_the_issue_shapes_at_next_n_2_3_4():
 ])
 def test_verify_targets(n, shares, vs_dg, verdict):
     row = {"route": "grouped", "entries": 2**20, "next_n": n, "vs_deepgemm_rows": vs_dg, **shares}
-    out = sweeps._verify_targets(dict(row), on_gpu=True)
+    out = verify_extend._verify_targets(dict(row), on_gpu=True)
     assert out["verdict"] == verdict, out
     assert out["target_vs_deepgemm_rows"] == {2: 1.4, 3: 0.9, 4: 1.1}[n]
     assert (out["target_pct_read"], out["target_pct_roofline"]) == ((0.85, None) if n == 2 else (None, 0.80))
     for other in (dict(row, route="rows"), dict(row, entries=2**20 - 1)):
-        assert sweeps._verify_targets(other, on_gpu=True)["verdict"] is None
-    assert sweeps._verify_targets(dict(row), on_gpu=False)["verdict"] is None
+        assert verify_extend._verify_targets(other, on_gpu=True)["verdict"] is None
+    assert verify_extend._verify_targets(dict(row), on_gpu=False)["verdict"] is None
 
 
 # --------------------------------------------------------------------------------------------------

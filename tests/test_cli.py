@@ -202,10 +202,10 @@ def test_recall_quick_is_honoured_on_cpu():
 
 
 def test_all_is_the_default(monkeypatch, tmp_path):
-    from cupy_dsa.bench import cli
+    from cupy_dsa.bench import cli, cli_sections
 
     seen = []
-    monkeypatch.setattr(cli, "_run", lambda ctx, sections, o: seen.append((sections, o)))
+    monkeypatch.setattr(cli_sections, "run", lambda ctx, sections, o: seen.append((sections, o)))
     for args in (["bench", "--quick", "--backend", "cpu"], ["bench", "all", "--quick", "--backend", "cpu"]):
         assert _invoke(args).exit_code == 0
     assert [s for s, _ in seen] == [cli.SECTIONS_ALL] * 2
@@ -348,10 +348,10 @@ def _bench_piped(args, columns=None):
 def test_tables_fit_the_width(columns):
     """Piped output honours COLUMNS (else the pipe width); the decode table is split, keeping the row's
     identity in every part, and every column is either shown or named as empty in every row."""
-    from cupy_dsa.bench import cli, provenance, report
+    from cupy_dsa.bench import cli_common, provenance, report
 
     r = _bench_piped(["bench", "logits", "--backend", "cpu"], columns)
-    width = columns or cli.PIPE_WIDTH
+    width = columns or cli_common.PIPE_WIDTH
     assert max(len(ln) for ln in r.stdout.splitlines()) <= width, r.stdout
     text = " ".join(r.stdout.split())
     headers = [str(c.header) for c in report.decode_table(provenance.new_document(
@@ -447,10 +447,10 @@ def test_bad_options_are_usage_errors(args, message):
 def test_unwritable_outputs_are_refused_before_the_work(option, name, sub, tmp_path, monkeypatch, runs):
     """An output path that cannot be written is a usage error naming the option, before anything runs (the
     bench used to run to its end, then fail with a traceback)."""
-    from cupy_dsa.bench import cli, report
+    from cupy_dsa.bench import cli_sections, report
 
     ran = []
-    monkeypatch.setattr(cli, "_run", lambda *a: ran.append(a))
+    monkeypatch.setattr(cli_sections, "run", lambda *a: ran.append(a))
     monkeypatch.setattr(report, "print_all", lambda *a: ran.append(a))
     (tmp_path / "b.json").write_text(json.dumps(runs["bytes"][1]))
     not_a_dir = tmp_path / "file"
@@ -892,9 +892,9 @@ def test_recall_suite_diverse_on_cpu(tmp_path):
 
 
 def test_recall_suite_default_is_needle():
-    from cupy_dsa.bench import cli
+    from cupy_dsa.bench import cli, cli_sections
 
-    assert cli.DEFAULTS["suite"] == "needle"
+    assert cli_sections.DEFAULTS["suite"] == "needle"
     opt = [p for p in cli.bench.commands["recall"].params if p.name == "suite"]
     assert opt and list(opt[0].type.choices) == ["needle", "diverse"]
     assert not [p for p in cli.bench.commands["all"].params if p.name == "suite"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from cupy_dsa.bench import cli
+from cupy_dsa.bench import cli, cli_sections
 from cupy_dsa.bench.cli import main
 
 
@@ -19,7 +19,7 @@ def _no_work(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("work started before the option error")
 
-    monkeypatch.setattr(cli, "_run", boom)
+    monkeypatch.setattr(cli_sections, "run", boom)
     from cupy_dsa.bench import resources, serve
 
     monkeypatch.setattr(serve, "memory_rows", boom)
@@ -76,7 +76,7 @@ def test_group_options_before_a_command_that_ignores_them_are_refused(args, give
 
 def test_group_options_still_reach_the_sections(monkeypatch):
     seen = []
-    monkeypatch.setattr(cli, "_run", lambda ctx, sections, o: seen.append(o))
+    monkeypatch.setattr(cli_sections, "run", lambda ctx, sections, o: seen.append(o))
     assert _run(["bench", "--seed", "5", "--gpu-mem-gb", "40", "bytes"]).exit_code == 0
     assert seen[0]["seed"] == 5 and seen[0]["gpu_mem_gb"] == 40.0
 

@@ -4,7 +4,7 @@ import sys
 import click
 
 from . import check as self_check
-from .core import CLI_FLAG, ENV_NAME, MODES, QUERY_CHOICES, QUERY_ENV, QUERY_FLAG
+from .modes import CLI_FLAG, ENV_NAME, MODES, QUERY_CHOICES, QUERY_ENV, QUERY_FLAG
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -20,7 +20,7 @@ import torch
 
 from .. import layouts
 from . import core
-from .core import CLI_FLAG, ENV_NAME, MODES
+from .modes import CLI_FLAG, ENV_NAME, MODES
 
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 ENTRY_POINT = "cupy_dsa.sglang.plugin:register"

@@ -9,7 +9,7 @@ import torch
 
 from .. import layouts
 from . import core
-from .core import ENV_NAME, index_k_mode
+from .modes import ENV_NAME, index_k_mode
 
 
 def _match_rows(t: torch.Tensor, rows: int, value) -> torch.Tensor:

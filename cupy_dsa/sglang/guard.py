@@ -10,7 +10,7 @@ import hashlib
 import importlib
 import inspect
 
-from .core import CLI_FLAG, ENV_NAME
+from .modes import CLI_FLAG, ENV_NAME
 
 # The functions the hooks are applied to (hooks.py installs them; the fingerprint below covers each).
 T_BYTES = "sglang.srt.mem_cache.deepseek_v4_memory_pool.get_dsv4_indexer_bytes_per_token"
