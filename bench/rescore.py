@@ -696,7 +696,7 @@ def _floor_table(doc: dict) -> list[str]:
         rates = "this run measured no ceilings (it predates them): no floor in time, no share, no verdict"
     big = FLOOR_TARGET["min_entry_rows"]
     lines = ["", f"Floor of stage 2 + selection (issue 31): max(bytes / the read-only stream, stage 2's flops / the "
-                 f"register-operand bf16 mma.sync ceiling); {rates}. Bytes: each row's candidates (K' of the entries "
+                 f"register-operand bf16 mma.sync ceiling, the rate of stage 2's f16 mma.sync too); {rates}. Bytes: each row's candidates (K' of the entries "
                  f"it sees) x 264 B (hi + lo) + its visible logits once x 4 B; flops: candidates x 64 heads x 128 x 2 "
                  f"(fma) x 2 (hi, lo). Target: >= {FLOOR_TARGET['large']:.0%} of the floor where rows x index entries "
                  f">= {big // 2**20}M, >= {FLOOR_TARGET['small']:.0%} below.", "",
