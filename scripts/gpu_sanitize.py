@@ -182,26 +182,35 @@ def run_rescore():
     cu = torch.tensor([0, 9, 9, 10, 37], dtype=torch.int32, device=dev)
     rescore.rescore_topk_prefill(q, w, hi, lo, ks, ke, bt2, K, KP, cu_rows=cu)
     n += 2
-    # long rows: the candidates' first digit counted over several column chunks, the K'-th key's bin collected
-    # and, for flat logits, past what is collected (read from the row); with the stage-1 ranks
-    B, width = 2, 20480
+    # long rows, both ways of selecting the candidates: one CTA per row (a row in the arch's large shared-memory
+    # cache, or past every cache) and column chunks (the first digit counted by several CTAs per row, the K'-th
+    # key's bin collected and, for flat logits, past what is collected: read from the row); with the stage-1 ranks
+    B = 2
     q = torch.randn(B, 1, 64, 128, device=dev).to(torch.float8_e4m3fn)
     w = torch.rand(B, 64, device=dev)
-    lens = torch.tensor([20000, 9000], dtype=torch.int32, device=dev)
-    bt = torch.randint(-1, P + 1, (B, width // 64), dtype=torch.int32, device=dev)
-    for s1 in (torch.zeros(B, width, device=dev), torch.round(torch.randn(B, width, device=dev) * 8) / 8):
-        rescore.rescore_topk(q, w, hi, lo, lens, bt, 512, 2048, stage1_logits=s1, fp8_rank=True)
-        n += 1
+    per_row = rescore.one_cta_per_row
+    for width in (20480, 53248):
+        lens = torch.tensor([width - 480, 9000], dtype=torch.int32, device=dev)
+        bt = torch.randint(-1, P + 1, (B, width // 64), dtype=torch.int32, device=dev)
+        for route in (per_row, lambda *args: False):
+            rescore.one_cta_per_row = route
+            try:
+                for s1 in (torch.zeros(B, width, device=dev), torch.round(torch.randn(B, width, device=dev) * 8) / 8):
+                    rescore.rescore_topk(q, w, hi, lo, lens, bt, 512, 2048, stage1_logits=s1, fp8_rank=True)
+                    n += 1
+            finally:
+                rescore.one_cta_per_row = per_row
     return n
 
 
 def run_topk():
-    """paged_topk: lengths 0, trivial, past the width; rows in and past the shared-memory cache; an unaligned logits
+    """paged_topk: lengths 0, trivial, past the width; rows in the small and the large shared-memory cache and past
+    both; an unaligned logits
     view (the vector loads' scalar head); flat rows (the boundary bin past what is collected) and ties."""
     from cupy_dsa import topk
 
     n = 0
-    for width, k in ((300, 16), (9001, 512), (20480, 512)):
+    for width, k in ((300, 16), (9001, 512), (20480, 512), (53248, 512)):
         R = 6
         base = torch.randn(R, width + 3, device=dev)
         lens = torch.tensor([0, k, k + 1, width // 2, width, width + 9], dtype=torch.int32, device=dev)
