@@ -76,6 +76,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import arch as arch_limits
 from . import launch, runtime
 from .contracts import check_aligned, check_bool, check_contiguous, check_device, check_dtype, check_int
 from .launch import I32, I64, PTR
@@ -210,9 +211,8 @@ def store_two_level_reference(k: torch.Tensor, hi_cache: torch.Tensor, lo_cache:
 
 K_PRIME_MULTIPLE = 4                 # default K' = 4 x index_topk
 INVALID_KEY = -(2 ** 63)             # a stage-2 key that no selection takes before a scored candidate
-STAGE2_WARPS = 4
-_CTA_CANDS = 16 * STAGE2_WARPS       # candidates per CTA are a multiple of the 4 warps' 16-candidate tiles
-STAGE2_MAX_CHUNK = 2048             # candidates of one CTA (kMaxChunk: their cache slots in shared memory)
+_TILE_CANDS = 16                     # candidates of a warp's tile (a CTA's chunk is a multiple of its warps' tiles)
+STAGE2_MAX_CHUNK = {4: 2048, 8: 1024}   # candidates of one CTA by its warps (kMaxChunk: slots in shared memory)
 STAGE2_STAGES = 2                    # tiles of a warp in its cp.async ring: one in flight while one is scored
 _RING_STAGE_BYTES = 8 * 512 + 4 * 128 + 2 * 128   # RingStage: 8 row chunks, 4 scales, 2 slots per lane
 RADIX_BINS = 4096                    # their 12-bit digits (kRadixBins)
@@ -244,11 +244,11 @@ BOUNDARY_KERNEL = launch.Kernel(
                          ("boundary", PTR), ("cap", I32)),
     threads=_select_threads)
 STAGE2_KERNEL = launch.Kernel(
-    _SRC, "rescore_topk_kernel", params=("QFp8", "Stages"),
+    _SRC, "rescore_topk_kernel", params=("QFp8", "Stages", "Warps"),
     args=(("q", PTR), ("weights", PTR), ("hi_cache", PTR), ("lo_cache", PTR), ("num_pages", I64), ("block_table", PTR),
           ("bt_stride", I64), ("bt_width", I32)) + _ROW_ARGS
     + (("candidates", PTR), ("k_prime", I32), ("cands_per_cta", I32), ("index_topk", I32), ("keys", PTR)),
-    threads=lambda cfg: 32 * STAGE2_WARPS, smem=lambda cfg: STAGE2_WARPS * cfg.Stages * _RING_STAGE_BYTES)
+    threads=lambda cfg: 32 * cfg.Warps, smem=lambda cfg: cfg.Warps * cfg.Stages * _RING_STAGE_BYTES)
 CANDIDATES_KERNEL = launch.Kernel(
     _SRC, "rescore_candidates", params=("CacheEntries",),
     args=_LOGITS_ARGS + (("index_topk", I32), ("k_prime", I32), ("candidates", PTR)),
@@ -263,9 +263,15 @@ FINISH_KERNEL = launch.Kernel(
 _PARTS = {"histogram": HISTOGRAM_KERNEL, "gather": GATHER_KERNEL, "boundary": BOUNDARY_KERNEL}
 
 
+def stage2_warps(arch: str | None) -> int:
+    """Warps of a stage-2 CTA: 4 where three CTAs fit an SM, 8 on the 100 KB archs (sm_86 / sm_89 / sm_120 /
+    sm_121), where one CTA holds the SM: at least 8 warps resident either way."""
+    return 8 if arch is not None and arch_limits.small_smem(arch) else 4
+
+
 def _select_config(problem, arch):
     if problem[0] == "stage2":
-        return STAGE2_KERNEL.config(QFp8=problem[1], Stages=STAGE2_STAGES)
+        return STAGE2_KERNEL.config(QFp8=problem[1], Stages=STAGE2_STAGES, Warps=stage2_warps(arch))
     if problem[0] == "candidates":
         return CANDIDATES_KERNEL.config(CacheEntries=row_cache_entries(problem[1], arch))
     if problem[0] == "finish":
@@ -675,16 +681,19 @@ def _launch(problem, device, grid, **args):
 def _stage2(q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, rows, candidates, kp, index_topk, keys):
     """rescore_topk_kernel over [R, kp] candidates: each row's candidates in as many chunks as make one wave of
     resident CTAs (a CTA stages q once and keeps its ring full over several tiles per warp), chunks a multiple
-    of the CTA's 64-candidate step."""
+    of the CTA's step (16 candidates per warp)."""
     R, dev = q2.shape[0], q2.device
     n_sms, _ = _device_info(dev.index)
     problem = ("stage2", int(q2.dtype == _FP8))
-    wave = n_sms * RESCORE.select(problem, runtime.device_arch(dev.index)).resident_ctas_per_sm(dev.index)
-    chunks = max(1, min(-(-kp // _CTA_CANDS), wave // max(R, 1)))
+    cfg = RESCORE.select(problem, runtime.device_arch(dev.index))
+    step = _TILE_CANDS * cfg.Warps
+    wave = n_sms * cfg.resident_ctas_per_sm(dev.index)
+    chunks = max(1, min(-(-kp // step), wave // max(R, 1)))
     chunk = -(-kp // chunks)
-    chunk = min(-(-chunk // _CTA_CANDS) * _CTA_CANDS, STAGE2_MAX_CHUNK)
+    max_chunk = STAGE2_MAX_CHUNK[cfg.Warps]
+    chunk = min(-(-chunk // step) * step, max_chunk)
     if -(-kp // chunk) > _MAX_GRID_Y:
-        raise ValueError(f"k_prime: expected at most {_MAX_GRID_Y * STAGE2_MAX_CHUNK} candidates per row on the GPU, "
+        raise ValueError(f"k_prime: expected at most {_MAX_GRID_Y * max_chunk} candidates per row on the GPU, "
                          f"got {kp}")
     _launch(problem, dev, (R, -(-kp // chunk), 1), q=q2, weights=w2, hi_cache=hi_cache,
             lo_cache=lo_cache, num_pages=hi_cache.shape[0], block_table=block_table, bt_stride=bt_stride,

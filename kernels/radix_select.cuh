@@ -90,6 +90,13 @@ __device__ __forceinline__ u32 tie_index(long long key) {
 
 // ---- block-wide radix selection (kSelectThreads threads, kRadixBins bins of shared or global counts) --------
 constexpr int kSelectThreads = 512;
+// The per-row select kernels' launch bounds: at least 2 CTAs per SM on sm_120 / sm_121, whose 1,536 threads per SM
+// make ptxas otherwise aim at three 512-thread CTAs (40 registers) and spill; elsewhere ptxas's own choice.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+#define DSA_SELECT_LAUNCH_BOUNDS __launch_bounds__(dsa::radix::kSelectThreads, 2)
+#else
+#define DSA_SELECT_LAUNCH_BOUNDS __launch_bounds__(dsa::radix::kSelectThreads)
+#endif
 constexpr int kSelectWarps = kSelectThreads / 32;
 constexpr int kDigitBits = 12;
 constexpr int kRadixBins = 1 << kDigitBits;

@@ -11,10 +11,11 @@
 // radix-selects the row's index_topk greatest into SGLang's outputs in descending order (a bitonic sort).
 // Nothing downstream depends on the candidates' order, so every rerun selects the same keys in the same order.
 //
-// Stage-2 work split: one CTA per (query row, chunk of candidates), one wave of them; 4 warps, each scoring
-// 16-candidate tiles (two mma n-tiles of 8) fed by its cp.async ring. q is staged once per CTA in shared memory as ready A quads (heads = M, 4
-// m-tiles of 16 heads), in the element order of fp8 key rows that cupy_dsa's logits kernel uses for fp8 keys
-// (kernels/mqa_logits.cu): thread (gid = lane / 4, t = lane % 4) loads, for candidate 8j + gid of its tile,
+// Stage-2 work split: one CTA per (query row, chunk of candidates), one wave of them; 4 or 8 warps, each scoring
+// 16-candidate tiles (two mma n-tiles of 8) fed by its cp.async ring. q is staged once per CTA in shared memory
+// as ready A quads (heads = M, 4 m-tiles of 16 heads), in the element order of fp8 key rows that cupy_dsa's
+// logits kernel uses for fp8 keys (kernels/mqa_logits.cu): thread (gid = lane / 4, t = lane % 4) loads, for
+// candidate 8j + gid of its tile,
 // the 16-byte chunks at bytes 64g + 16t (g = 0, 1) of the candidate's hi row and of its lo row; the half
 // `half` of chunk g is pair s = 2g + half (head_dim elements d = 64(s/2) + 16t + 8(s%2) .. +7), whose words
 // (0,2) (1,3) (4,6) (5,7) feed k-steps 2s ({w0, w1}) and 2s+1 ({w2, w3}). q is staged in the same order, so
@@ -34,7 +35,6 @@ namespace dsa {
 namespace rescore {
 
 constexpr int kNumHeads = 64;
-constexpr int kWarps = 4;
 constexpr int kTileCands = 16;                       // candidates per warp tile (two mma n-tiles)
 constexpr int kQWords = 4 * 8 * 32;                   // A quads per row: [m-tile][k-step][lane]
 constexpr int kMaxTopK = 2048;                        // rescore_finish holds a row's selection in shared memory
@@ -331,7 +331,7 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_boundary
 // kSelectThreads threads; dynamic shared memory: CacheEntries u32 (rows that do not fit are read again from L2
 // by each radix pass).
 template <int CacheEntries>
-__global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_candidates(
+__global__ void DSA_SELECT_LAUNCH_BOUNDS rescore_candidates(
     const float* __restrict__ logits, long long logits_stride, DSA_ROW_SPEC_ARGS, int index_topk, int k_prime,
     long long* __restrict__ candidates) {
   using namespace dsa;
@@ -365,8 +365,10 @@ struct RingStage {
   u32 slots[2][32];    // [j][lane]: block-table entry * 64 + slot, or kNoSlot
 };
 constexpr u32 kNoSlot = 0xFFFFFFFFu;
-constexpr int kMaxChunk = 2048;  // candidates of one stage-2 CTA (their cache slots are kept in shared memory)
-__host__ __device__ constexpr int ring_bytes(int stages) { return kWarps * stages * static_cast<int>(sizeof(RingStage)); }
+// Candidates of one stage-2 CTA (their cache slots are kept in shared memory): 16 per thread, 2,048 for 4 warps;
+// 1,024 for 8 (8 KiB of slots would not fit beside the 8-warp ring in a 100 KB arch's 99 KiB).
+template <int Warps>
+constexpr int kMaxChunk = Warps == 4 ? 2048 : 1024;
 
 }  // namespace rescore
 }  // namespace dsa
@@ -376,13 +378,17 @@ __host__ __device__ constexpr int ring_bytes(int stages) { return kWarps * stage
 // candidates: int64 [rows, k_prime], row r's candidates (any order), each naming its position
 // (tie_index); keys (out): int64 [rows, k_prime], order_key(score, 0xFFFFFFFF - its position), or
 // kInvalidKey where the row does not see the position, its page is not in the caches, or the row sees at most
-// index_topk keys (selected without scores). Grid (rows, ceil(k_prime / cands_per_cta)), 128 threads;
-// cands_per_cta a multiple of 64, at most kMaxChunk; dynamic shared memory ring_bytes(Stages).
-// The CTA first finds its chunk's cache slots (kMaxChunk at most), then each warp walks its tiles (16 candidates,
-// every kWarps-th tile of the chunk) through a Stages-deep cp.async ring: the rows of tile i + Stages - 1 are in
-// flight while tile i is scored. The first tiles are issued before q is staged, so their loads overlap q's.
-template <int QFp8, int Stages>
-__global__ void __launch_bounds__(128, Stages <= 2 ? 3 : 2) rescore_topk_kernel(
+// index_topk keys (selected without scores). Grid (rows, ceil(k_prime / cands_per_cta)), 32 * Warps threads;
+// cands_per_cta a multiple of 16 * Warps, at most kMaxChunk<Warps>; dynamic shared memory Warps * Stages RingStages.
+// Warps: 4 where three CTAs fit an SM (sm_80 / sm_90 / sm_100), 8 on the 100 KB archs, where one CTA holds the
+// SM and its 8 warps share one staged q (issue 22's rule: at least 8 warps resident per SM).
+// The CTA first finds its chunk's cache slots (kMaxChunk<Warps> at most), then each warp walks its tiles (16
+// candidates, every Warps-th tile of the chunk) through a Stages-deep cp.async ring: the rows of tile
+// i + Stages - 1 are in flight while tile i is scored. The first tiles are issued before q is staged, so their
+// loads overlap q's.
+template <int QFp8, int Stages, int Warps>
+__global__ void __launch_bounds__(32 * Warps, Warps == 4 ? (Stages <= 2 ? 3 : 2) : 1)
+    rescore_topk_kernel(
     const unsigned char* __restrict__ q, const float* __restrict__ weights, const unsigned char* __restrict__ hi_cache,
     const unsigned char* __restrict__ lo_cache, long long num_pages, const int* __restrict__ block_table,
     long long bt_stride, int bt_width, DSA_ROW_SPEC_ARGS, const long long* __restrict__ candidates, int k_prime,
@@ -397,12 +403,14 @@ __global__ void __launch_bounds__(128, Stages <= 2 ? 3 : 2) rescore_topk_kernel(
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   // the row's q, read first (nothing it depends on), then scaled into f16 (see q_words) once the block's max |q|
   // is known
-  constexpr int kQItems = kQWords / 2 / (32 * kWarps);  // items (both k-steps of a pair) per thread
+  constexpr int kThreads = 32 * Warps;
+  static_assert((kQWords / 2) % kThreads == 0 && kMaxChunk<Warps> % kThreads == 0, "stage 2: whole items per thread");
+  constexpr int kQItems = kQWords / 2 / kThreads;  // items (both k-steps of a pair) per thread
   float qv[kQItems][2][8];
   float qmax = 0.0f;
 #pragma unroll
   for (int u = 0; u < kQItems; ++u) {
-    const int i = u * 32 * kWarps + tid;
+    const int i = u * kThreads + tid;
     const int m = i >> 7, s = (i >> 5) & 3, ln = i & 31;
     const int head = 16 * m + (ln >> 2), tq = ln & 3;
     const i64 elem = (static_cast<i64>(r) * kNumHeads + head) * kHeadDim + 64 * (s >> 1) + 16 * tq + 8 * (s & 1);
@@ -419,8 +427,8 @@ __global__ void __launch_bounds__(128, Stages <= 2 ? 3 : 2) rescore_topk_kernel(
   RingStage* ring = reinterpret_cast<RingStage*>(stage2_ring) + warp * Stages;
   __shared__ uint4 qs[kQWords];                      // A quads [m-tile][k-step][lane]
   __shared__ float2 ws[kNumHeads / 2];               // [m-tile][gid]: (w[16i + gid], w[16i + gid + 8])
-  __shared__ u32 chunk_slots[kMaxChunk];
-  __shared__ float qmax_warp[kWarps];
+  __shared__ u32 chunk_slots[kMaxChunk<Warps>];
+  __shared__ float qmax_warp[Warps];
 
   const int* __restrict__ bt = block_table + static_cast<i64>(rk.table_row) * bt_stride;
   const long long* __restrict__ cand = candidates + static_cast<i64>(r) * k_prime;
@@ -429,17 +437,17 @@ __global__ void __launch_bounds__(128, Stages <= 2 ? 3 : 2) rescore_topk_kernel(
   // The cache slot (block-table entry * 64 + slot) of every candidate of the CTA's chunk, found up front: all of
   // a thread's candidate loads in flight at once, then all of their block-table loads (two latencies per CTA,
   // not two per tile); kNoSlot where the row does not see the position or its page is not in the caches.
-  constexpr int kLocateBatch = kMaxChunk / 128;
-  for (int c0 = c_begin; c0 < c_end; c0 += kLocateBatch * 128) {
+  constexpr int kLocateBatch = kMaxChunk<Warps> / kThreads;
+  for (int c0 = c_begin; c0 < c_end; c0 += kLocateBatch * kThreads) {
     u32 pos[kLocateBatch];
 #pragma unroll
     for (int u = 0; u < kLocateBatch; ++u) {
-      const int c = c0 + u * 128 + tid;
+      const int c = c0 + u * kThreads + tid;
       pos[u] = c < c_end ? tie_index(cand[c]) : 0xFFFFFFFFu;
     }
 #pragma unroll
     for (int u = 0; u < kLocateBatch; ++u) {
-      const int c = c0 + u * 128 + tid;
+      const int c = c0 + u * kThreads + tid;
       u32 loc = kNoSlot;
       if (pos[u] >= static_cast<u32>(rk.lo) && pos[u] < static_cast<u32>(rk.hi) &&
           static_cast<int>(pos[u] >> kPageBits) < bt_width) {
@@ -486,27 +494,30 @@ __global__ void __launch_bounds__(128, Stages <= 2 ? 3 : 2) rescore_topk_kernel(
         cp_async4(smem_u32(&st.scales[2 + j][lane]), lo_cache + base + kFp8ScaleOffset + 4 * slot);
       } else {
 #pragma unroll
-        for (int g = 0; g < 2; ++g) st.rows[2 * j + g][lane] = st.rows[4 + 2 * j + g][lane] = make_uint4(0u, 0u, 0u, 0u);
+        for (int g = 0; g < 2; ++g)
+          st.rows[2 * j + g][lane] = st.rows[4 + 2 * j + g][lane] = make_uint4(0u, 0u, 0u, 0u);
         st.scales[j][lane] = st.scales[2 + j][lane] = 0.0f;
       }
     }
     cp_async_commit();
   };
-  const int first = c_begin + warp * kTileCands, step = kWarps * kTileCands;
+  const int first = c_begin + warp * kTileCands, step = Warps * kTileCands;
 #pragma unroll
   for (int s = 0; s < Stages - 1; ++s) {
     u32 loc[2];
     locate(first + s * step, loc);
     issue(loc, ring[s]);
   }
-  qmax = fmaxf(fmaxf(qmax_warp[0], qmax_warp[1]), fmaxf(qmax_warp[2], qmax_warp[3]));
+  qmax = qmax_warp[0];
+#pragma unroll
+  for (int w = 1; w < Warps; ++w) qmax = fmaxf(qmax, qmax_warp[w]);
   int qmax_exp = 0;
   frexpf(qmax, &qmax_exp);                        // qmax in [2^(e-1), 2^e)
   const int qs_exp = qmax > 0.0f && qmax <= 3.0e38f ? min(max(14 - qmax_exp, -100), 100) : 0;
   const float q_scale = pow2(qs_exp);
 #pragma unroll
   for (int u = 0; u < kQItems; ++u) {
-    const int i = u * 32 * kWarps + tid;
+    const int i = u * kThreads + tid;
     const int m = i >> 7, s = (i >> 5) & 3, ln = i & 31;
     const uint4 v0 = q_words(qv[u][0], q_scale), v1 = q_words(qv[u][1], q_scale);
     uint4* dst = qs + (m * 8 + 2 * s) * 32 + ln;

@@ -11,7 +11,7 @@
 // Grid (rows), kSelectThreads threads; dynamic shared memory: CacheEntries u32 (a row that does not fit is read
 // again from L2 by each radix pass).
 template <int CacheEntries>
-__global__ void __launch_bounds__(dsa::radix::kSelectThreads) paged_topk_kernel(
+__global__ void DSA_SELECT_LAUNCH_BOUNDS paged_topk_kernel(
     const float* __restrict__ logits, long long logits_stride, int width, const int* __restrict__ lens,
     const int* __restrict__ page_table, long long pt_stride, int index_topk, int* __restrict__ page_indices,
     int* __restrict__ raw_indices) {
