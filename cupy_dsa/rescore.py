@@ -289,8 +289,8 @@ def _serves(cfg, problem) -> bool:
     return cfg == _select_config(problem, None)
 
 
-# A problem: the op's step (a selection kernel), ("candidates", whether the rows fit in shared memory), ("stage2", 1
-# for an fp8 stage-2 q / 0 for bf16) or ("finish", whether K' keys fit in shared memory).
+# A problem: the op's step (a selection kernel), ("candidates", the row cache class: topk.row_cache_class), ("stage2",
+# 1 for an fp8 stage-2 q / 0 for bf16) or ("finish", whether K' keys fit in shared memory).
 RESCORE = launch.register(launch.Family(
     "rescore_topk", problems=[("histogram",), ("gather",), ("boundary",), ("candidates", "small"),
                               ("candidates", "large"), ("candidates", "none"), ("stage2", 0), ("stage2", 1),

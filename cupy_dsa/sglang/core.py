@@ -82,9 +82,8 @@ def warm_expressions(arch: str, *, mode: str, query: str | None = None, next_ns=
         out[LOGITS_SOURCE] = logits.product_instantiations(arch, q_fp8=(q_fp8,), next_ns=tuple(sorted(set(next_ns))),
                                                            layouts=(rec.cache_layout,))
     if rec.two_level:  # the stage-2 instantiation of the one q type stage 2 gets (1: fp8, 0: bf16)
-        unused = ("stage2", 0 if query == "fp8" else 1)
-        out[RESCORE_SOURCE] = [rescore.RESCORE.select(p, arch).expr for p in rescore.RESCORE.problems if p != unused]
-        out[RESCORE_SOURCE] = list(dict.fromkeys(out[RESCORE_SOURCE]))
+        unused = rescore.RESCORE.select(("stage2", 0 if query == "fp8" else 1), arch).expr
+        out[RESCORE_SOURCE] = [e for e in rescore.product_instantiations(arch) if e != unused]
     if query != "fp8":
         out[QUERY_SOURCE] = query_prep.product_instantiations(numerics=(query,), weight_dtypes=(torch.bfloat16,))
     for filename, exprs in out.items():
