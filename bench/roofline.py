@@ -25,9 +25,11 @@ class GpuModel:
 
 RTX_PRO_6000 = GpuModel(
     "RTX PRO 6000 Blackwell (sm_120, 188 SMs)", 1.792e12, 417e12, 610e12,
-    "1,792 GB/s: the spec sheet's 512-bit GDDR7 at 28 Gbps; 417 TFLOP/s bf16 and 610 TFLOP/s fp8: ASSUMED dense "
-    "tensor-core rates reached by large GEMMs on this GPU class, figures from third-party reports that this project "
-    "did not measure and has no source on record for; the model scales with them")
+    "1,792 GB/s: the spec sheet's 512-bit GDDR7 at 28 Gbps; 417 TFLOP/s bf16: torch's bf16 matmul at 8192^3 on the "
+    "Server Edition as a third party reported it (github.com/zzc0721/torch-performance-test-data issue 162; 350 on "
+    "the Workstation Edition, issue 160); 610 TFLOP/s fp8: ASSUMED, about 1.5x that bf16 rate, as block-scaled fp8 "
+    "GEMMs on this GPU class are reported to run; this project has not run on this GPU, and the model scales with "
+    "these rates")
 
 
 def case_work(case, layout: str) -> tuple[float, float]:

@@ -196,6 +196,7 @@ def test_rtx_model_runs_the_cost_tables_batch():
     block = _model_block("rtx-pro-6000")
     assert "decode 64 x 8K" in block and "decode 32 x" not in block
     assert "measured" not in roofline.RTX_PRO_6000.source and "ASSUMED" in roofline.RTX_PRO_6000.source
+    assert "torch-performance-test-data issue 162" in roofline.RTX_PRO_6000.source   # the bf16 rate's source
 
 
 def test_a_block_says_when_kernels_changed_after_its_run(monkeypatch, tmp_path):
