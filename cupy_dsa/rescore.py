@@ -258,7 +258,8 @@ FINISH_KERNEL = launch.Kernel(
     _SRC, "rescore_finish", params=("CachedKeys",),
     args=(("keys", PTR), ("k_prime", I32), ("candidates", PTR), ("logits", PTR), ("logits_stride", I64),
           ("block_table", PTR), ("bt_stride", I64)) + _ROW_ARGS
-    + (("index_topk", I32), ("page_indices", PTR), ("raw_indices", PTR), ("fp8_rank", PTR)),
+    + (("index_topk", I32), ("page_indices", PTR), ("raw_indices", PTR), ("fp8_rank", PTR),
+       ("in_position_order", I32)),
     threads=_select_threads, smem=lambda cfg: 8 * cfg.CachedKeys)
 _PARTS = {"histogram": HISTOGRAM_KERNEL, "gather": GATHER_KERNEL, "boundary": BOUNDARY_KERNEL}
 
@@ -457,6 +458,9 @@ def _select_reference(stage1, lo, hi, bt_rows, q2, w2, hi_cache, lo_cache, index
                                           stable=True).indices[:, :min(index_topk, kp)])
         raw = cand.gather(1, sel)
         ok = pages_ok.gather(1, sel)                                                # keys of invalid pages: never
+        # position order (the kernels'), the keys of invalid pages last
+        by_position = torch.sort(torch.where(ok, raw, torch.full_like(raw, 2**62)), dim=1, stable=True).indices
+        raw, ok = raw.gather(1, by_position), ok.gather(1, by_position)
         n_r = hi_r - lo_r
         trivial = n_r[:, 0] <= index_topk
         if bool(trivial.any()):                                                     # lo .. hi - 1, in order
@@ -495,7 +499,7 @@ def rescore_topk_reference(q, weights, hi_cache, lo_cache, context_lens, block_t
     past a row's length are ignored). ``q_rescore`` (bfloat16 or fp8, ``[B, next_n, 64, 128]`` or ``[B * next_n,
     64, 128]``) and ``weights_rescore`` (float32 ``[B * next_n, 64]``): stage 2's query and head weights
     (default: q and weights; a bf16 q_rescore of the unquantized query goes with the weights without q's fp8
-    scale). Returns :class:`RescoreTopK` (row order = stage-2 score order; trivial rows ``0..len-1``); a
+    scale). Returns :class:`RescoreTopK` (each row's selection in position order, trivial rows ``0..len-1``); a
     non-trivial row never selects a key whose block-table entry is not a page of the caches."""
     B, next_n, index_topk, k_prime, q2, w2 = _check_decode(q, weights, hi_cache, lo_cache, context_lens, block_table,
                                                            index_topk, k_prime, q_rescore, weights_rescore,
@@ -729,7 +733,8 @@ def _select(logits, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt
                       **rows)
     candidates = torch.empty(R, kp, dtype=torch.int64, device=dev)
     arch = runtime.device_arch(dev.index)
-    if width > index_topk and one_cta_per_row(width, R, n_sms, arch):
+    one_cta = one_cta_per_row(width, R, n_sms, arch)   # candidates in position order (the chunks': arrival order)
+    if width > index_topk and one_cta:
         _launch(("candidates", row_cache_class(width, arch)), dev, (R, 1, 1), **logit_args, index_topk=index_topk,
                 k_prime=kp, candidates=candidates)
     elif width > index_topk:
@@ -754,7 +759,8 @@ def _select(logits, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt
     _launch(("finish", kp <= FINISH_CACHED_KEYS), dev, (R, 1, 1), keys=keys, k_prime=kp, candidates=candidates,
             logits=logit_args["logits"],
             logits_stride=logit_args["logits_stride"], block_table=block_table, bt_stride=bt_stride, **rows,
-            index_topk=index_topk, page_indices=page_out, raw_indices=raw_out, fp8_rank=rank_out)
+            index_topk=index_topk, page_indices=page_out, raw_indices=raw_out, fp8_rank=rank_out,
+            in_position_order=int(one_cta))
     return RescoreTopK(page_out, raw_out, rank_out)
 
 

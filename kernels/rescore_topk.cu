@@ -8,8 +8,9 @@
 // as q_h . k_hat = hi_scale * (q_h . e4m3(hi)) + lo_scale * (q_h . lo): both dot products run on f16 tensor
 // cores (see "Stage 2 multiplies" below: every operand exact, every product exact) with fp32 accumulation, then
 // an fp32 epilogue. It writes one int64 key per candidate (the score, ties: lower position), and rescore_finish
-// radix-selects the row's index_topk greatest into SGLang's outputs in descending order (a bitonic sort).
-// Nothing downstream depends on the candidates' order, so every rerun selects the same keys in the same order.
+// radix-selects the row's index_topk greatest into SGLang's outputs in position order.
+// rescore_candidates writes a row's candidates in position order, the column chunks in arrival order (the
+// selection is then sorted by position): every rerun selects the same keys in the same order.
 //
 // Stage-2 work split: one CTA per (query row, chunk of candidates), one wave of them; 4 or 8 warps, each scoring
 // 16-candidate tiles (two mma n-tiles of 8) fed by its cp.async ring. q is staged once per CTA in shared memory
@@ -268,6 +269,13 @@ struct RowBinKeys {
     return static_cast<int>(key >> (64 - kDigitBits)) == bin;
   }
 };
+
+// A signed key with its halves swapped, as a signed key: ordering these descending orders the keys by ascending
+// position (the tie half 0xFFFFFFFF - position first). Its own inverse; no key maps to kInvalidKey.
+__device__ __forceinline__ long long position_first(long long key) {
+  const u64 u = static_cast<u64>(key) ^ (1ull << 63);
+  return static_cast<long long>(((u << 32) | (u >> 32)) ^ (1ull << 63));
+}
 
 // Writes the `need` keys of src that are >= t to out[0 ..) (slots in arrival order).
 template <class Source>
@@ -624,18 +632,20 @@ __global__ void __launch_bounds__(32 * Warps, Warps == 4 ? (Stages <= 2 ? 3 : 2)
 // raw_indices (positions) and, when fp8_rank is not null, each key's stage-1 rank; -1 padded. A row that sees
 // n <= index_topk keys selects lo .. lo + n - 1 in order (its rank counted over its visible logits: greater, or
 // equal at a lower position); any other row selects its min(index_topk, scored) greatest stage-2 keys (a radix
-// select over keys[r, 0 .. k_prime)), written in descending order (a bitonic sort in shared memory);
-// a key's stage-1 rank is how many of the row's candidates have a greater stage-1 key (they hold every key that
-// does). The row's keys are read once, into shared memory when k_prime <= CachedKeys (every later pass runs
-// there), their first 12-bit digit counted on the way; the keys of the index_topk-th key's bin are collected and
-// radix-selected in shared memory. Grid (rows), kSelectThreads threads, dynamic shared memory: CachedKeys int64;
-// index_topk <= kMaxTopK.
+// select over keys[r, 0 .. k_prime)), written in position order: where the candidates are in position order
+// (`in_position_order`: rescore_candidates writes them so), by a compaction of the selected slots (each warp a
+// contiguous stretch, ballots for the offsets); otherwise (the column-chunk candidates, in arrival order) by a
+// bitonic sort of the selection on position in shared memory. A key's stage-1 rank is how many of the row's
+// candidates have a greater stage-1 key (they hold every key that does). The row's keys are read once, into shared
+// memory when k_prime <= CachedKeys (every later pass runs there), their first 12-bit digit counted on the way;
+// the keys of the index_topk-th key's bin are collected and radix-selected in shared memory. Grid (rows),
+// kSelectThreads threads, dynamic shared memory: CachedKeys int64; index_topk <= kMaxTopK.
 template <int CachedKeys>
 __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_finish(
     const long long* __restrict__ keys, int k_prime, const long long* __restrict__ candidates,
     const float* __restrict__ logits, long long logits_stride, const int* __restrict__ block_table,
     long long bt_stride, DSA_ROW_SPEC_ARGS, int index_topk, int* __restrict__ page_indices,
-    int* __restrict__ raw_indices, int* __restrict__ fp8_rank) {
+    int* __restrict__ raw_indices, int* __restrict__ fp8_rank, int in_position_order) {
   using namespace dsa;
   using namespace dsa::rescore;
   extern __shared__ long long cached_keys[];
@@ -724,66 +734,95 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_finish(
         t = radix_threshold(src, kDigitBits, prefix, need, counts, scratch);
       }
       __syncthreads();
-      if (tid == 0) n_chosen = 0;
-      __syncthreads();
     }
-    for (int i = tid; i < k_prime; i += kSelectThreads) {
-      u64 key;
-      if (src.get(i, key) && key >= t) chosen[atomicAdd(&n_chosen, 1)] = signed_key(key);
-    }
-  }
-  // descending order: a bitonic sort of the m distinct keys, padded with keys below them all to n2 (a power of
-  // two, at least the block). Thread tid holds elements u * kSelectThreads + tid: strides below 32 pair lanes of
-  // one warp (shuffles, no barrier), larger strides pair elements through shared memory.
-  int n2 = kSelectThreads;
-  while (n2 < m) n2 <<= 1;
-  constexpr int kMaxPerThread = kMaxTopK / kSelectThreads;
-  const int per_thread = n2 / kSelectThreads;
-  __syncthreads();
-  long long x[kMaxPerThread];
-#pragma unroll
-  for (int u = 0; u < kMaxPerThread; ++u) {
-    const int e = u * kSelectThreads + tid;
-    x[u] = u < per_thread && e < m ? chosen[e] : kInvalidKey;
-  }
-  for (int size = 2; size <= n2; size <<= 1) {
-    int stride = size >> 1;
-    if (stride >= 32) {
-      __syncthreads();  // the previous shared-memory stages' reads are done
-#pragma unroll
-      for (int u = 0; u < kMaxPerThread; ++u)
-        if (u < per_thread) chosen[u * kSelectThreads + tid] = x[u];
-      __syncthreads();
-      for (; stride >= 32; stride >>= 1) {
-        for (int i = tid; i < (n2 >> 1); i += kSelectThreads) {
-          const int a = 2 * i - (i & (stride - 1)), b = a + stride;  // a has bit `stride` clear
-          const long long p = chosen[a], q = chosen[b];
-          if (((a & size) == 0) == (p < q)) {  // descending runs where bit `size` of a is clear
-            chosen[a] = q;
-            chosen[b] = p;
-          }
-        }
-        __syncthreads();
+    if (in_position_order) {
+      // the selected slots in slot (= position) order: each warp counts its stretch, then writes from its offset
+      const int lane = tid & 31, warp = tid >> 5;
+      const int per_warp = ((k_prime + kSelectWarps - 1) / kSelectWarps + 31) & ~31;
+      const int begin = warp * per_warp, end = min(k_prime, begin + per_warp);
+      auto taken = [&](int i, u64& key) { return i < end && src.get(i, key) && key >= t; };
+      int count = 0;
+      for (int i = begin + lane; i < end; i += 32) {
+        u64 key;
+        count += taken(i, key);
       }
 #pragma unroll
-      for (int u = 0; u < kMaxPerThread; ++u)
-        if (u < per_thread) x[u] = chosen[u * kSelectThreads + tid];
-    }
-    for (; stride >= 1; stride >>= 1) {
-      const bool lower = (tid & stride) == 0;
-#pragma unroll
-      for (int u = 0; u < kMaxPerThread; ++u)
-        if (u < per_thread) {  // block-uniform
-          const long long y = __shfl_xor_sync(0xffffffffu, x[u], stride);
-          const bool descending = ((u * kSelectThreads + tid) & size) == 0;
-          x[u] = (lower == descending) ? max(x[u], y) : min(x[u], y);  // the pair's lower element: the greater
-        }
+      for (int d = 16; d > 0; d >>= 1) count += __shfl_xor_sync(0xffffffffu, count, d);
+      if (lane == 0) scratch[warp] = count;
+      __syncthreads();
+      int at = 0;
+      for (int w = 0; w < warp; ++w) at += scratch[w];
+      for (int base = begin; base < end; base += 32) {  // warp-uniform
+        u64 key;
+        const bool take = taken(base + lane, key);
+        const unsigned ballot = __ballot_sync(0xffffffffu, take);
+        if (take) chosen[at + __popc(ballot & ((1u << lane) - 1u))] = signed_key(key);
+        at += __popc(ballot);
+      }
+    } else {
+      if (tid == 0) n_chosen = 0;
+      __syncthreads();
+      for (int i = tid; i < k_prime; i += kSelectThreads) {
+        u64 key;
+        if (src.get(i, key) && key >= t) chosen[atomicAdd(&n_chosen, 1)] = position_first(signed_key(key));
+      }
     }
   }
-  __syncthreads();
+  if (!in_position_order) {
+    // position order: a bitonic sort of the m selected keys with their halves swapped (position_first: descending
+    // = ascending position), padded with keys below them all to n2 (a power of two, at least the block). Thread
+    // tid holds elements u * kSelectThreads + tid: strides below 32 pair lanes of one warp (shuffles, no barrier),
+    // larger strides pair elements through shared memory.
+    int n2 = kSelectThreads;
+    while (n2 < m) n2 <<= 1;
+    constexpr int kMaxPerThread = kMaxTopK / kSelectThreads;
+    const int per_thread = n2 / kSelectThreads;
+    __syncthreads();
+    long long x[kMaxPerThread];
 #pragma unroll
-  for (int u = 0; u < kMaxPerThread; ++u)
-    if (u < per_thread) chosen[u * kSelectThreads + tid] = x[u];
+    for (int u = 0; u < kMaxPerThread; ++u) {
+      const int e = u * kSelectThreads + tid;
+      x[u] = u < per_thread && e < m ? chosen[e] : kInvalidKey;
+    }
+    for (int size = 2; size <= n2; size <<= 1) {
+      int stride = size >> 1;
+      if (stride >= 32) {
+        __syncthreads();  // the previous shared-memory stages' reads are done
+#pragma unroll
+        for (int u = 0; u < kMaxPerThread; ++u)
+          if (u < per_thread) chosen[u * kSelectThreads + tid] = x[u];
+        __syncthreads();
+        for (; stride >= 32; stride >>= 1) {
+          for (int i = tid; i < (n2 >> 1); i += kSelectThreads) {
+            const int a = 2 * i - (i & (stride - 1)), b = a + stride;  // a has bit `stride` clear
+            const long long p = chosen[a], q = chosen[b];
+            if (((a & size) == 0) == (p < q)) {  // descending runs where bit `size` of a is clear
+              chosen[a] = q;
+              chosen[b] = p;
+            }
+          }
+          __syncthreads();
+        }
+#pragma unroll
+        for (int u = 0; u < kMaxPerThread; ++u)
+          if (u < per_thread) x[u] = chosen[u * kSelectThreads + tid];
+      }
+      for (; stride >= 1; stride >>= 1) {
+        const bool lower = (tid & stride) == 0;
+#pragma unroll
+        for (int u = 0; u < kMaxPerThread; ++u)
+          if (u < per_thread) {  // block-uniform
+            const long long y = __shfl_xor_sync(0xffffffffu, x[u], stride);
+            const bool descending = ((u * kSelectThreads + tid) & size) == 0;
+            x[u] = (lower == descending) ? max(x[u], y) : min(x[u], y);  // the pair's lower element: the greater
+          }
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int u = 0; u < kMaxPerThread; ++u)
+      if (u < per_thread) chosen[u * kSelectThreads + tid] = position_first(x[u]);  // its own inverse
+  }
   __syncthreads();
   const long long* __restrict__ cand = candidates + static_cast<i64>(r) * k_prime;
   for (int i = tid; i < index_topk; i += kSelectThreads) {
