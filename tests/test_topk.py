@@ -149,3 +149,30 @@ def test_gpu_cuda_graph_capture_and_replay(seed):
         want = topk.paged_topk_reference(logits2, lens2, table2, k, raw_indices=True)
         assert torch.equal(out.raw_indices.cpu(), want.raw_indices), f"seed {seed}: replay {trial}"
         assert torch.equal(out.page_indices.cpu(), want.page_indices), f"seed {seed}: replay {trial}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [64, 512, 2048])
+def test_gpu_special_values_as_the_reference(seed, k):
+    """NaNs of both signs and any payload (above +inf, as torch ranks them), infinities, signed zeros (equal),
+    fp32 subnormals, values past fp16's range and values in one fp16 step: the coarse fp16 digit keeps the
+    reference's selection, every element."""
+    R, width = 6, 6144
+    g = torch.Generator().manual_seed(seed % 100000)
+    kind = torch.randint(0, 8, (R, width), generator=g)
+    x = torch.randn(R, width, generator=g)
+    bits = torch.randint(0, 2**22, (R, width), generator=g, dtype=torch.int32)
+    nan = (bits | 0x7F800001 | (torch.randint(0, 2, (R, width), generator=g, dtype=torch.int32) << 31)).view(
+        torch.float32)
+    x = torch.where(kind == 0, nan, x)
+    x = torch.where(kind == 1, torch.where(x > 0, float("inf"), float("-inf")), x)
+    x = torch.where(kind == 2, torch.where(x > 0, 0.0, -0.0), x)
+    x = torch.where(kind == 3, (bits & 0x7FFFFF).view(torch.float32) * torch.sign(x), x)      # subnormals
+    x = torch.where(kind == 4, x * 1e6, x)                                                   # past fp16's range
+    x = torch.where(kind == 5, 1.0 + x * 1e-5, x)                                            # one fp16 step
+    lens = torch.tensor([width, width - 1, width // 2, k + 1, 3 * k, width], dtype=torch.int32)
+    table = torch.randperm(R * 96, generator=g).to(torch.int32).view(R, 96)
+    want = topk.paged_topk_reference(x, lens, table, k, raw_indices=True)
+    got = topk.paged_topk(x.cuda(), lens.cuda(), table.cuda(), k, raw_indices=True)
+    assert torch.equal(got.raw_indices.cpu(), want.raw_indices), f"seed {seed}"
+    assert torch.equal(got.page_indices.cpu(), want.page_indices), f"seed {seed}"
