@@ -1,0 +1,96 @@
+"""Per-kernel times of fp8-rescore's stages after stage 1 (candidates, stage 2, finish), CUDA-graph replays, at the
+shapes of issue 31 (decode / verify rows x index entries). A contributor's tool: every launch of one
+``rescore_topk(..., stage1_logits=)`` call is recorded, then each is timed alone, then the whole call.
+    usage: PYTHONPATH=. python3 scripts/prof_rescore.py [quick]        (prints a summary table last)
+``VARIANTS=1`` also times stage 2 with a 3- and a 4-deep cp.async ring."""
+import math
+import os
+import sys
+
+import torch
+
+import cupy_dsa
+from cupy_dsa import layouts, rescore
+from cupy_dsa.bench.sweeps import make_freqs
+from cupy_dsa.bench.timing import time_calls
+
+K = 1024
+# (requests, next_n, index entries per request): decode 24K / 96K tokens, verify n3, bench rescore's 64 x 64K,
+# one long request, few long requests (column chunks), a prefill-sized row count
+CASES = [(48, 1, 6 * K), (48, 1, 24 * K), (48, 3, 6 * K), (48, 3, 24 * K), (64, 1, 64 * K), (1, 1, 64 * K),
+         (8, 1, 256 * K), (2048, 1, 8 * K)]
+
+
+def build(dev, g, B, next_n, N):
+    """Caches of B requests x N entries (store_index_k of random keys, hi + lo), an fp8 q, weights, lengths, a
+    block table, and stage 1's logits from cupy_dsa's fp8 kernel."""
+    pages = math.ceil(N / 64)
+    P = B * pages
+    bt = torch.randperm(P, device=dev, generator=g).to(torch.int32).view(B, pages).contiguous()
+    slots = P * 64
+    kv = torch.randn(slots, 128, device=dev, generator=g)
+    pos = 4 * (torch.arange(slots, device=dev) % N)
+    hi, lo = layouts.empty_cache(P, "fp8", dev), rescore.empty_lo_cache(P, dev)
+    cupy_dsa.store_index_k(kv, hi, positions=pos, out_loc=torch.arange(slots, device=dev),
+                           norm_weight=torch.ones(128, device=dev), freqs_cis=make_freqs(4 * N, dev), lo_cache=lo)
+    qf = torch.randn(B, next_n, 64, 128, device=dev, generator=g)
+    s = qf.abs().amax(-1).clamp_min(1e-4) / 448.0
+    q = (qf / s[..., None]).to(torch.float8_e4m3fn)
+    w = (torch.randn(B * next_n, 64, device=dev, generator=g) / 90.5 * s.reshape(B * next_n, -1)).contiguous()
+    lens = torch.full((B,), N, dtype=torch.int32, device=dev)
+    logits = cupy_dsa.paged_mqa_logits(q, hi, w, lens, bt, pages * 64, clean_logits=False)
+    return q, w, hi, lo, lens, bt, logits
+
+
+def main():
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev)
+    g.manual_seed(0)
+    cases = CASES[:2] if sys.argv[1:] == ["quick"] else CASES
+    launch = rescore._launch
+    recorded = []
+
+    def record(problem, device, grid, **args):
+        recorded.append((problem, device, grid, args))
+        launch(problem, device, grid, **args)
+
+    def time_one(problem, device, grid, args):
+        return time_calls([lambda: launch(problem, device, grid, **args)], dev, reps=15).median * 1e6
+
+    out = []
+    for B, next_n, N in cases:
+        q, w, hi, lo, lens, bt, logits = build(dev, g, B, next_n, N)
+
+        def call():
+            return rescore.rescore_topk(q, w, hi, lo, lens, bt, 512, stage1_logits=logits)
+
+        call()
+        recorded.clear()
+        rescore._launch = record
+        try:
+            call()
+        finally:
+            rescore._launch = launch
+        parts = {}
+        for problem, device, grid, args in recorded:
+            parts[problem[0]] = parts.get(problem[0], 0.0) + time_one(problem, device, grid, args)
+        if os.environ.get("VARIANTS"):
+            for stages in (3, 4):
+                rescore.STAGE2_STAGES = stages
+                for problem, device, grid, args in recorded:
+                    if problem[0] == "stage2":
+                        parts[f"stage2@{stages}"] = time_one(problem, device, grid, args)
+            rescore.STAGE2_STAGES = 2
+        total = time_calls([call], dev, reps=15).median * 1e6
+        label = f"{B * next_n} x {N // K}K"
+        out.append((label, total, parts))
+        print(label, f"total {total:.1f} us", " ".join(f"{k} {v:.1f}" for k, v in parts.items()), flush=True)
+        del q, w, hi, lo, logits
+        torch.cuda.empty_cache()
+    print("stages after stage 1, us per call (CUDA-graph replays):")
+    for label, total, parts in out:
+        print(f"{label:>12}  total {total:7.1f} | " + " ".join(f"{k} {v:.1f}" for k, v in parts.items()))
+
+
+if __name__ == "__main__":
+    main()
