@@ -1,17 +1,17 @@
 """Per-kernel times of fp8-rescore's stages after stage 1 (candidates, stage 2, finish), CUDA-graph replays, at the
 shapes of issue 31 (decode / verify rows x index entries). A contributor's tool: every launch of one
-``rescore_topk(..., stage1_logits=)`` call is recorded, then each is timed alone, then the whole call.
-    usage: PYTHONPATH=. python3 scripts/prof_rescore.py [quick]        (prints a summary table last)
-``VARIANTS=1`` also times stage 2 with a 3- and a 4-deep cp.async ring."""
+``rescore_topk(..., stage1_logits=)`` call is recorded, then the call is timed with its first n launches for each n
+(a launch's time is the difference), then whole.
+    usage: python3 scripts/prof_rescore.py [quick]   (after pip install -e .)        (prints a summary table last)
+"""
 import math
-import os
 import sys
 
 import torch
 
 import cupy_dsa
 from cupy_dsa import layouts, rescore
-from cupy_dsa.bench.sweeps import make_freqs
+from cupy_dsa.bench.sweeps import make_freqs  # the installed package (pip install -e .)
 from cupy_dsa.bench.timing import time_calls
 
 K = 1024
@@ -54,8 +54,23 @@ def main():
         recorded.append((problem, device, grid, args))
         launch(problem, device, grid, **args)
 
-    def time_one(problem, device, grid, args):
-        return time_calls([lambda: launch(problem, device, grid, **args)], dev, reps=15).median * 1e6
+    def time_prefix(call, n):
+        """The call with only its first n launches (the rest skipped): a launch's own time is the difference of two
+        prefixes (the column-chunk launches share a work buffer that the call zeroes, so none is timed alone)."""
+        def limited(problem, device, grid, **args):
+            done[0] += 1
+            if done[0] <= n:
+                launch(problem, device, grid, **args)
+
+        def step():
+            done[0] = 0
+            rescore._launch = limited
+            try:
+                call()
+            finally:
+                rescore._launch = launch
+        done = [0]
+        return time_calls([step], dev, reps=15).seconds * 1e6
 
     out = []
     for B, next_n, N in cases:
@@ -71,17 +86,12 @@ def main():
             call()
         finally:
             rescore._launch = launch
-        parts = {}
-        for problem, device, grid, args in recorded:
-            parts[problem[0]] = parts.get(problem[0], 0.0) + time_one(problem, device, grid, args)
-        if os.environ.get("VARIANTS"):
-            for stages in (3, 4):
-                rescore.STAGE2_STAGES = stages
-                for problem, device, grid, args in recorded:
-                    if problem[0] == "stage2":
-                        parts[f"stage2@{stages}"] = time_one(problem, device, grid, args)
-            rescore.STAGE2_STAGES = 2
-        total = time_calls([call], dev, reps=15).median * 1e6
+        parts, before = {}, time_prefix(call, 0)
+        for i, (problem, _, _, _) in enumerate(recorded):
+            upto = time_prefix(call, i + 1)
+            parts[problem[0]] = parts.get(problem[0], 0.0) + upto - before
+            before = upto
+        total = time_calls([call], dev, reps=15).seconds * 1e6
         label = f"{B * next_n} x {N // K}K"
         out.append((label, total, parts))
         print(label, f"total {total:.1f} us", " ".join(f"{k} {v:.1f}" for k, v in parts.items()), flush=True)

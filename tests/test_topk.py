@@ -155,8 +155,8 @@ def test_gpu_cuda_graph_capture_and_replay(seed):
 @pytest.mark.parametrize("k", [64, 512, 2048])
 def test_gpu_special_values_as_the_reference(seed, k):
     """NaNs of both signs and any payload (above +inf, as torch ranks them), infinities, signed zeros (equal),
-    fp32 subnormals, values past fp16's range and values in one fp16 step: the coarse fp16 digit keeps the
-    reference's selection, every element."""
+    fp32 subnormals, values past fp16's range and values within one fp16 step: the radix select's order keys
+    keep the reference's selection, every element."""
     R, width = 6, 6144
     g = torch.Generator().manual_seed(seed % 100000)
     kind = torch.randint(0, 8, (R, width), generator=g)
