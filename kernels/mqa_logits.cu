@@ -28,8 +28,10 @@
 // The accumulator of (m-tile i, n-tile j) holds heads {h, h'} x keys {8j+2t, 8j+2t+1}; relu * w is summed over
 // the thread's heads, then over the 8 lanes sharing t (7 shuffles, each sum formed in one lane): lane
 // (gid, t) ends with key 8*(gid/2) + 2t + gid%2 and stores it (32 lanes: 32 consecutive columns).
-// fp8 keys with fp8 q use f16 mma on both operands scaled by 2^-8 (exact) and fold 2^16 into the epilogue;
-// every other combination uses bf16 mma (fp8 q -> bf16 exact; fp8 keys -> bf16 exact, slow path).
+// fp8 keys use f16 mma on the shift-expanded key bytes (the value times 2^-8, exact). An fp8 q is expanded the
+// same way (epilogue 2^16); a bf16 q is staged as f16 times 2^qs_r, a power of two per query row r that puts
+// max |q_r| in [2^13, 2^14) (epilogue 2^(8 - qs_r)), see logits_row_tile. bf16 keys use bf16 mma (an fp8 q
+// converted to bf16, exact).
 // fp8 keys with fp8 q, Mma8 = 1 (an experimental config): mma.sync m16n8k32 .e4m3 on the raw bytes, no conversion and
 // half the mma (4 k-steps of 32). Fragments (8-bit): A {a0..a3} = rows {g, g+8, g, g+8}, k {4t..4t+3} (a0,
 // a1) and {4t+16..4t+19} (a2, a3); B {b0, b1} = k {4t..}, {4t+16..} of column g. The thread's 16-byte key
@@ -130,8 +132,9 @@ __device__ __forceinline__ void load_tile(KeyTile<KeyFp8>& kt, int t, int entry,
     kt.scale = __ldg(reinterpret_cast<const float*>(base + kFp8ScaleOffset) + slot0 + key_of_lane(lane));
 }
 
-// The B words of a tile, W[j][s][w] (key 8j + gid, pair s, word w), in the mma input type.
-template <int KeyFp8, int QFp8>
+// The B words of a tile, W[j][s][w] (key 8j + gid, pair s, word w), in the mma input type: bf16 keys as loaded,
+// fp8 keys as f16 of the value times 2^-8.
+template <int KeyFp8>
 __device__ __forceinline__ void key_words(const KeyTile<KeyFp8>& kt, u32 (&W)[4][4][4]) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -148,16 +151,9 @@ __device__ __forceinline__ void key_words(const KeyTile<KeyFp8>& kt, u32 (&W)[4]
         const u32 x[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          u32 e0, o0, e1, o1;
-          e4m3x4_to_f16x2_scaled(x[2 * half], e0, o0);
-          e4m3x4_to_f16x2_scaled(x[2 * half + 1], e1, o1);
           u32* w = W[j][2 * g + half];
-          if (QFp8) {
-            w[0] = e0; w[1] = o0; w[2] = e1; w[3] = o1;
-          } else {
-            w[0] = f16x2_scaled_to_bf16x2(e0); w[1] = f16x2_scaled_to_bf16x2(o0);
-            w[2] = f16x2_scaled_to_bf16x2(e1); w[3] = f16x2_scaled_to_bf16x2(o1);
-          }
+          e4m3x4_to_f16x2_scaled(x[2 * half], w[0], w[1]);
+          e4m3x4_to_f16x2_scaled(x[2 * half + 1], w[2], w[3]);
         }
       }
     }
@@ -248,6 +244,33 @@ __device__ __forceinline__ float gid_reduce(const float (&p)[8], int lane) {
   return keep + __shfl_xor_sync(0xffffffffu, send, 4);
 }
 
+// ---- a bf16 q on fp8 keys: staged as f16 times 2^qs per row (logits_row_tile) ----
+// 2^e as a float, e in [-126, 127].
+__device__ __forceinline__ float pow2(int e) { return __int_as_float((127 + e) << 23); }
+
+// qs of a row whose max |q| is qmax: 2^qs puts qmax in [2^13, 2^14), clamped to [-100, 100]; 0 when qmax is 0
+// or not finite.
+__device__ __forceinline__ int q_scale_exp(float qmax) {
+  int e = 0;
+  frexpf(qmax, &e);  // qmax in [2^(e-1), 2^e)
+  return qmax > 0.0f && isfinite(qmax) ? min(max(14 - e, -100), 100) : 0;
+}
+
+// max(m, |x|) over 8 bf16 values (fmaxf: a NaN is skipped).
+__device__ __forceinline__ float bf16x8_absmax(const uint4& x, float m) {
+  const u32 w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    m = fmaxf(m, fmaxf(fabsf(__uint_as_float(w[i] << 16)), fabsf(__uint_as_float(w[i] & 0xFFFF0000u))));
+  return m;
+}
+
+// bf16x2 word -> f16x2 of its two values times `scale` (a power of two), rounded to nearest.
+__device__ __forceinline__ u32 bf16x2_to_f16x2_scaled(u32 w, float scale) {
+  const __half2 h = __floats2half2_rn(__uint_as_float(w << 16) * scale, __uint_as_float(w & 0xFFFF0000u) * scale);
+  return *reinterpret_cast<const u32*>(&h);
+}
+
 }  // namespace logits
 }  // namespace dsa
 
@@ -300,11 +323,13 @@ __device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int 
   static_assert(Paged || !KeyFp8, "contiguous keys are bf16");
   // F8: fp8 keys x fp8 q with the e4m3 mma (Mma8 = 1; sm_89+ only: native on sm_89 / sm_120+, emulated by
   // ptxas on sm_90 / sm_100, where it is a layout test / bench variant).
-  // F16: the same on f16 mma of shift-expanded bytes (2^-8 scaled operands) everywhere else.
+  // F16: fp8 keys otherwise, on f16 mma of shift-expanded key bytes (values * 2^-8); an fp8 q expanded the same
+  // way, a bf16 q (QScaled) as f16 times 2^qs_r per row r (below).
   static_assert(Mma8 == 0 || (Mma8 == 1 && KeyFp8 && QFp8 && kHasFp8Mma),
                 "Mma8 = 1 is the fp8-key x fp8-q e4m3 mma of sm_89+ targets");
   constexpr bool F8 = Mma8 == 1;
-  constexpr bool F16 = KeyFp8 && QFp8 && !F8;
+  constexpr bool F16 = KeyFp8 && !F8;
+  constexpr bool QScaled = KeyFp8 && !QFp8;
   static_assert(Warps == 4 || Warps == 8, "Warps");
   static_assert(MT == 1 || MT == 2 || MT == 4, "MT divides the 4 head m-tiles");
   // uint4 per row: A quads [m-tile][pair][k-step][lane] (16-bit), [m-tile][k-step][lane] (F8). The host
@@ -315,6 +340,7 @@ __device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int 
   uint4* qs = smem;                                                   // [Rows][kQWords]
   float2* ws = reinterpret_cast<float2*>(smem + Rows * kQWords);      // [Rows][4][8]: (w[16i+g], w[16i+g+8])
   __shared__ int s_lo[kMaxRows], s_hi[kMaxRows], s_off[kMaxRows];
+  __shared__ float s_qmax[kMaxRows], s_unscale[kMaxRows];  // QScaled: max |q_r|, epilogue 2^(8 - qs_r)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
@@ -371,8 +397,8 @@ __device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int 
     s_hi[r] = hi;
     s_off[r] = (compressed && row0 + r < row_end) ? lens0[row0 + r] : 0;
   }
-  // q chunk D(s,t) of one head as the 4 mma words of the key layout's element order.
-  auto q_words = [&](i64 row, int head, int d) -> uint4 {
+  // q chunk D(s,t) of one head as the 4 mma words of the key layout's element order (qscale: 2^qs_r, QScaled).
+  auto q_words = [&](i64 row, int head, int d, float qscale) -> uint4 {
     const i64 elem = (row * kNumHeads + head) * kHeadDim + d;
     uint4 v;
     if (QFp8) {
@@ -389,11 +415,11 @@ __device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int 
       }
     } else {
       const uint4 x = *reinterpret_cast<const uint4*>(q + 2 * elem);
-      if (KeyFp8) {  // fp8 key word order (0,2) (1,3) (4,6) (5,7)
-        v.x = __byte_perm(x.x, x.y, 0x5410);
-        v.y = __byte_perm(x.x, x.y, 0x7632);
-        v.z = __byte_perm(x.z, x.w, 0x5410);
-        v.w = __byte_perm(x.z, x.w, 0x7632);
+      if (KeyFp8) {  // fp8 key word order (0,2) (1,3) (4,6) (5,7), as f16 times 2^qs_r
+        v.x = bf16x2_to_f16x2_scaled(__byte_perm(x.x, x.y, 0x5410), qscale);
+        v.y = bf16x2_to_f16x2_scaled(__byte_perm(x.x, x.y, 0x7632), qscale);
+        v.z = bf16x2_to_f16x2_scaled(__byte_perm(x.z, x.w, 0x5410), qscale);
+        v.w = bf16x2_to_f16x2_scaled(__byte_perm(x.z, x.w, 0x7632), qscale);
       } else {
         v = x;
       }
@@ -422,13 +448,34 @@ __device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int 
         qs[static_cast<i64>(r) * kQWords + rem] = make_uint4(x.x, y.x, x.y, y.y);
       }
     } else {
+      if constexpr (QScaled) {
+        // q_r * 2^qs_r (q_scale_exp of the row's max |q|) is exact in f16 unless an element is below
+        // max |q_r| * 2^-30 (an f16 subnormal: error at most max |q_r| * 2^-38, far below the fp32 sum's
+        // rounding) or a bf16 subnormal (zero: -ftz). Non-finite q: the max skips a NaN (whose head's relu,
+        // fmaxf, gives 0 as on bf16 keys); an infinity gives qs_r = 0, the row staged unscaled (f16 overflows
+        // from 65520 up; so does a finite max |q_r| from 2^116 up, at the clamp). Epilogue: 2^(8 - qs_r).
+        if (tid < Rows) s_qmax[tid] = 0.0f;
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < Rows; ++r) {  // max |q_r| (a contiguous pass; the staging below re-reads from cache)
+          if (!((nonempty >> r) & 1u)) continue;  // CTA-uniform
+          const uint4* qr = reinterpret_cast<const uint4*>(q + static_cast<i64>(row0 + r) * kNumHeads * kHeadDim * 2);
+          float mx = 0.0f;
+          for (int i = tid; i < kNumHeads * kHeadDim / 8; i += Warps * 32) mx = bf16x8_absmax(qr[i], mx);
+          mx = warp_max(mx);
+          if (lane == 0) atomicMax(reinterpret_cast<int*>(s_qmax) + r, __float_as_int(mx));  // >= 0: int order
+        }
+        __syncthreads();
+        if (tid < Rows) s_unscale[tid] = pow2(8 - q_scale_exp(s_qmax[tid]));  // read after the barrier below
+      }
       for (int i = tid; i < Rows * kQWords / 2; i += Warps * 32) {  // both k-steps of a pair at once
         const int r = i / (kQWords / 2), rem = i % (kQWords / 2);
         if (!((nonempty >> r) & 1u)) continue;
         const int m = rem >> 7, s = (rem >> 5) & 3, ln = rem & 31;
         const int head = 16 * m + (ln >> 2), t = ln & 3;
         const int d = KeyFp8 ? 64 * (s >> 1) + 16 * t + 8 * (s & 1) : 32 * s + 8 * t;
-        const uint4 v0 = q_words(row0 + r, head, d), v1 = q_words(row0 + r, head + 8, d);
+        const float qscale = QScaled ? pow2(q_scale_exp(s_qmax[r])) : 1.0f;
+        const uint4 v0 = q_words(row0 + r, head, d, qscale), v1 = q_words(row0 + r, head + 8, d, qscale);
         uint4* dst = qs + static_cast<i64>(r) * kQWords + ((m * 4 + s) * 2) * 32 + ln;
         dst[0] = make_uint4(v0.x, v1.x, v0.y, v1.y);   // k-step 2s
         dst[32] = make_uint4(v0.z, v1.z, v0.w, v1.w);  // k-step 2s+1
@@ -443,7 +490,7 @@ __device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int 
   c.hi = s_hi;
   c.num_keys = num_keys;
   const float kNegInf = __int_as_float(0xff800000);
-  const float epi_scale = F16 ? 65536.0f : 1.0f;
+  const float epi_scale = F16 && QFp8 ? 65536.0f : 1.0f;  // QScaled: s_unscale[r] per row
   const int key_lane = key_of_lane(lane);  // this lane's output key inside a tile
 
   // Block-table entries of this warp's tiles k .. k+31, one per lane, refreshed every 32 tiles (one
@@ -469,7 +516,7 @@ __device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int 
   auto process = [&](const KeyTile<KeyFp8>& kt) {
     u32 W[4][4][4];
     if constexpr (!F8) {
-      if (kt.live) key_words<KeyFp8, QFp8>(kt, W);
+      if (kt.live) key_words<KeyFp8>(kt, W);
     }
     const int n = kt.tok0 + key_lane;
     const float scale = kt.scale * epi_scale;
@@ -484,7 +531,7 @@ __device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int 
         else
           row_partials<MT>(Mma16<F16>{W}, qs + r * kQWords, ws + r * (kNumHeads / 2), lane, p);
         const float sum = gid_reduce(p, lane);
-        if (n >= s_lo[r] && n < s_hi[r]) val = sum * scale;
+        if (n >= s_lo[r] && n < s_hi[r]) val = sum * (QScaled ? scale * s_unscale[r] : scale);
       }
       const int col = n - s_off[r];
       if (n < num_keys && col >= 0 && col < width)

@@ -125,6 +125,27 @@ def check_close(got, want, *, clean, what, tol=1e-5):
                                 f"(first at {(~vis).nonzero()[wrong.nonzero()[0, 0]].tolist()})"
 
 
+def check_rows_close(got, want, *, clean, what, tol=1e-5):
+    """check_close, and its relative L2 error row by row (a small row's error vanishes in the whole output's)."""
+    check_close(got, want, clean=clean, what=what, tol=tol)
+    g = got.detach().double().to(want.device)
+    vis = torch.isfinite(want)
+    err = torch.where(vis, g - want, 0).norm(dim=1) / torch.where(vis, want, 0).norm(dim=1).clamp_min(1e-30)
+    bad = (err > tol).nonzero()[:, 0].tolist()
+    assert not bad, f"{what}: rows {bad[:8]} off, relative L2 error up to {float(err.max()):.3g} > {tol}"
+
+
+def spread_rows(q):
+    """bf16 q [..., 64, 128] whose rows (leading dims flattened) differ in magnitude, in turn: x1e-3, x1e3, every
+    third head zero, unchanged; the last row all zero (a per-row scale must fit each)."""
+    x = q.float().reshape(-1, H, D).clone()
+    x[0::4] *= 1e-3
+    x[1::4] *= 1e3
+    x[2::4, ::3] = 0
+    x[-1] = 0
+    return x.to(torch.bfloat16).reshape(q.shape)
+
+
 def random_paged_case(*, B, next_n, max_pages, P, layout, q_dtype, lens_2d, device="cpu", shape="rows",
                       gen=None):
     cache, deq = make_cache(P, layout, device, shape)

@@ -11,9 +11,9 @@ from cupy_dsa import launch
 from cupy_dsa import logits as L
 from cupy_dsa.logits import (mqa_logits, mqa_logits_reference, paged_mqa_logits, paged_mqa_logits_plan,
                              paged_mqa_logits_plan_reference, paged_mqa_logits_reference)
-from logits_cases import (ARCH, forced_product_of, check_close, check_untouched, config_id, configs, D, decode_cases, force, FP8, gpu,
-                          gpu_paged_case, H, make_cache, make_q, NAN, oracle_paged, plan_oracle, poisoned, PS,
-                          random_paged_case, varlen_args)
+from logits_cases import (ARCH, forced_product_of, check_close, check_rows_close, check_untouched, config_id, configs,
+                          D, decode_cases, force, FP8, gpu, gpu_paged_case, H, make_cache, make_q, NAN, oracle_paged,
+                          plan_oracle, poisoned, PS, random_paged_case, spread_rows, varlen_args)
 
 
 @pytest.mark.parametrize("layout", ["bf16", "fp8"])
@@ -206,6 +206,22 @@ def test_gpu_paged(seed, cfg, problem, lens_2d):
                 what = f"paged {cfg} {problem} width={width} clean={clean} seed={seed}"
                 check_close(got, want, clean=clean, what=what, tol=2e-3 if native_fp8 else 1e-5)
                 check_untouched(buf, width, what)
+
+
+@gpu
+@pytest.mark.parametrize("next_n", [1, 4])
+def test_gpu_paged_fp8_keys_bf16_q_row_magnitudes(seed, next_n):
+    """fp8 keys x a bf16 q (staged as f16 times a power of two per row): rows of very different magnitudes
+    (spread_rows; next_n 4: in one CTA) each match the fp64 oracle, in every declared config."""
+    q, cache, deq, w, ctx, bt = gpu_paged_case(seed, B=8, next_n=next_n, max_pages=20, P=200, layout="fp8",
+                                               q_dtype=torch.bfloat16, lens_2d=True)
+    q = spread_rows(q)
+    width = 20 * PS
+    want = oracle_paged(q, deq, w, ctx, bt, width)
+    for cfg in configs(L.DECODE, ("fp8", 0, next_n)):
+        with L.DECODE.forced(cfg, ARCH):
+            got = paged_mqa_logits(q, cache, w, ctx, bt, width, clean_logits=True)
+        check_rows_close(got, want, clean=True, what=f"paged {cfg} next_n={next_n} seed={seed}")
 
 
 @gpu

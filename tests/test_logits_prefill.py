@@ -9,8 +9,9 @@ from cupy_dsa import layouts
 from cupy_dsa import launch
 from cupy_dsa import logits as L
 from cupy_dsa.logits import (mqa_logits)
-from logits_cases import (ARCH, check_close, check_untouched, config_id, D, FP8, gpu, gpu_prefill_case, H, make_q,
-                          oracle_prefill, poisoned, prefill_cases, prefill_keys)
+from logits_cases import (ARCH, check_close, check_rows_close, check_untouched, config_id, configs, D, FP8, gpu,
+                          gpu_prefill_case, H, make_q, oracle_prefill, poisoned, prefill_cases, prefill_keys,
+                          spread_rows)
 
 
 @pytest.mark.parametrize("kind", ["contiguous", "bf16", "fp8"])
@@ -94,6 +95,20 @@ def test_gpu_prefill(seed, cfg, problem):
         what = f"prefill {kind} q={q_dtype} {variant} rows={rows} max_seqlen_k={msk} clean={clean} seed={seed}"
         check_close(got, want, clean=clean, what=what, tol=2e-3 if native_fp8 else 1e-5)
         check_untouched(buf, width, what)
+
+
+@gpu
+def test_gpu_prefill_fp8_keys_bf16_q_row_magnitudes(seed):
+    """Prefill row tiles (4 or 8 rows) on fp8 keys with a bf16 q whose rows differ in magnitude (spread_rows),
+    row by row against the fp64 oracle, in every declared config."""
+    T, S_pages = 45, 12
+    q, kv, bt, keys, valid, w, ks, ke = gpu_prefill_case(seed, "fp8", torch.bfloat16, T, S_pages)
+    q = spread_rows(q)
+    want = oracle_prefill(q, keys, valid, w, ks, ke, 0, T, 0)
+    for cfg in configs(L.PREFILL, ("fp8", 0, 0)):
+        with L.PREFILL.forced(cfg, ARCH):
+            got = mqa_logits(q, kv, w, ks, ke, block_table=bt, clean_logits=True)
+        check_rows_close(got, want, clean=True, what=f"prefill {cfg} seed={seed}")
 
 
 @gpu
