@@ -2,7 +2,9 @@
 shapes of issue 31 (decode / verify rows x index entries). A contributor's tool: every launch of one
 ``rescore_topk(..., stage1_logits=)`` call is recorded, then the call is timed with its first n launches for each n
 (a launch's time is the difference), then whole.
-    usage: python3 scripts/prof_rescore.py [quick]   (after pip install -e .)        (prints a summary table last)
+    usage: python3 scripts/prof_rescore.py [quick | prefill]   (after pip install -e .)   (a summary table last)
+``prefill``: rows over ONE request's entries (one block-table row for all), its keys L2-resident as a prefill
+chunk's rows share them.
 """
 import math
 import sys
@@ -19,14 +21,15 @@ K = 1024
 # one long request, few long requests (column chunks), a prefill-sized row count
 CASES = [(48, 1, 6 * K), (48, 1, 24 * K), (48, 3, 6 * K), (48, 3, 24 * K), (64, 1, 64 * K), (1, 1, 64 * K),
          (8, 1, 256 * K), (2048, 1, 8 * K)]
+PREFILL_CASES = [(2048, 1, 8 * K), (8192, 1, 8 * K)]
 
 
-def build(dev, g, B, next_n, N):
+def build(dev, g, B, next_n, N, shared=False):
     """Caches of B requests x N entries (store_index_k of random keys, hi + lo), an fp8 q, weights, lengths, a
-    block table, and stage 1's logits from cupy_dsa's fp8 kernel."""
+    block table, and stage 1's logits from cupy_dsa's fp8 kernel. shared: the B requests are one request's pages."""
     pages = math.ceil(N / 64)
-    P = B * pages
-    bt = torch.randperm(P, device=dev, generator=g).to(torch.int32).view(B, pages).contiguous()
+    P = pages if shared else B * pages
+    bt = torch.randperm(P, device=dev, generator=g).to(torch.int32).view(-1, pages).expand(B, pages).contiguous()
     slots = P * 64
     kv = torch.randn(slots, 128, device=dev, generator=g)
     pos = 4 * (torch.arange(slots, device=dev) % N)
@@ -46,7 +49,8 @@ def main():
     dev = torch.device("cuda")
     g = torch.Generator(device=dev)
     g.manual_seed(0)
-    cases = CASES[:2] if sys.argv[1:] == ["quick"] else CASES
+    mode = sys.argv[1] if sys.argv[1:] else "all"
+    cases = {"quick": CASES[:2], "prefill": PREFILL_CASES}.get(mode, CASES)
     launch = rescore._launch
     recorded = []
 
@@ -74,7 +78,7 @@ def main():
 
     out = []
     for B, next_n, N in cases:
-        q, w, hi, lo, lens, bt, logits = build(dev, g, B, next_n, N)
+        q, w, hi, lo, lens, bt, logits = build(dev, g, B, next_n, N, shared=mode == "prefill")
 
         def call():
             return rescore.rescore_topk(q, w, hi, lo, lens, bt, 512, stage1_logits=logits)
