@@ -10,6 +10,9 @@ q1 the dequantized fp8 q, q2 the bf16 q, r = k_hat - hi, summed over heads with 
 A candidate is out when its upper bound is below the k-th greatest lower bound, in when fewer than k others'
 upper bounds exceed its lower bound; the rest must be scored. The empirical band (each row's max |s2 - s1|) is
 not a bound: it shows what an adaptive K' could reach if the fidelity contract allowed it.
+Last per seed: the share of the exact top-k (fp64, unquantized q and keys) the rescore misses when stage 2 scores
+the exact two-level key, the same key formed once and rounded to f16 relative to lo_scale (one mma per candidate
+instead of two), and the bf16 key.
     usage: python3 scripts/study_rescore_bounds.py [N keys, default 16384]      (CPU, seconds)
 """
 import sys
@@ -67,6 +70,14 @@ def main():
         for name, band in (("L1 bound", l1), ("C-S bound", cs), ("empirical (not a bound)", emp)):
             a, b = still_to_score(s1, band, TOPK, kp)
             print(f"  {name:24s} share of K' still to score per row: {a:.3f}-{b:.3f}")
+        top_exact = rd._scores64(q, w, k_exact).topk(TOPK).indices
+        cand = s1.topk(kp).indices
+        missed = []
+        for name, key in (("two-level", k_hat), ("two-level as one f16", (k_hat / lo_scale[:, None]).half().float()
+                                                  * lo_scale[:, None]), ("bf16", k_exact.to(torch.bfloat16).float())):
+            chosen = cand.gather(1, rd._scores64(q2, w, key).gather(1, cand).topk(TOPK).indices)
+            missed.append(f"{name} {1 - rd._recall(chosen, top_exact, n).mean():.4f}")
+        print("  exact top-k missed by the rescore, stage-2 key: " + ", ".join(missed))
 
 
 if __name__ == "__main__":
