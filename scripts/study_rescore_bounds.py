@@ -20,19 +20,18 @@ import sys
 import torch
 
 from cupy_dsa.bench import recall_diverse as rd
-from cupy_dsa.bench.recall import _fp8_q
 from cupy_dsa.bench.sweeps import make_freqs
-from cupy_dsa.rescore import residual_encode_reference
+from cupy_dsa.rescore import residual_encode_reference, two_level_dequant_reference
 from cupy_dsa.store import rotate_index_k_reference
 
 ROWS, TOPK = 8, 512
 
 
-def still_to_score(s1, band, k, kp):
-    """Share of each row's K' stage-1 candidates that the band proves neither in nor out of the top-k."""
+def still_to_score(s1, band, cand, k):
+    """Share of each row's stage-1 candidates `cand` [rows, K'] that the band proves neither in nor out of the
+    top-k."""
     shares = []
-    for r in range(s1.shape[0]):
-        c = s1[r].topk(kp).indices
+    for r, c in enumerate(cand):
         lo, hi = s1[r, c] - band[r, c], s1[r, c] + band[r, c]
         out = hi < lo.topk(k).values[-1]
         above = torch.searchsorted(-hi.sort(descending=True).values, -lo) - (hi > lo).long()
@@ -53,9 +52,8 @@ def main():
         q, w, _ = rd._queries(k_exact, topic, ROWS, dev, g)
         hi_codes, hi_scale, lo, lo_scale = residual_encode_reference(k_exact)
         hi = hi_codes.view(torch.float8_e4m3fn).float() * hi_scale[:, None]
-        k_hat = hi + lo.float() * lo_scale[:, None]
-        q8, w8 = _fp8_q(q, w)
-        q1, q2 = q8.float() * (w8 / w)[..., None], q.to(torch.bfloat16).float()
+        k_hat = two_level_dequant_reference(hi_codes, hi_scale, lo, lo_scale)
+        q1, q2 = rd._query_of("fp8", q, w)[2], rd._query_of("bf16", q, w)[2]   # the queries dequantized
         s1, s2 = rd._scores64(q1, w, hi), rd._scores64(q2, w, k_hat)
         wa, dq = w.abs().double(), (q2 - q1).double()
         l1 = ((wa * q2.double().abs().sum(-1)).sum(-1)[:, None] * (k_hat - hi).double().abs().amax(-1)[None]
@@ -63,15 +61,15 @@ def main():
         cs = ((wa * q2.double().norm(dim=-1)).sum(-1)[:, None] * (k_hat - hi).double().norm(dim=-1)[None]
               + (wa * dq.norm(dim=-1)).sum(-1)[:, None] * hi.double().norm(dim=-1)[None])
         emp = (s2 - s1).abs().amax(-1, keepdim=True).expand_as(s1)
-        gap = (s1.topk(TOPK).values[:, -1] - s1.topk(kp).values[:, -1]).mean()
+        cand = s1.topk(kp).indices
+        gap = (s1.topk(TOPK).values[:, -1] - s1.gather(1, cand[:, -1:])[:, 0]).mean()
         print(f"seed {seed}, {n} keys, k {TOPK}, K' {kp}: stage-1 score gap rank k..K' {gap:.2f}; "
               f"median band: L1 {l1.median(-1).values.mean():.2f}, C-S {cs.median(-1).values.mean():.2f}, "
               f"empirical max |s2 - s1| {emp[:, 0].mean():.3f}")
         for name, band in (("L1 bound", l1), ("C-S bound", cs), ("empirical (not a bound)", emp)):
-            a, b = still_to_score(s1, band, TOPK, kp)
+            a, b = still_to_score(s1, band, cand, TOPK)
             print(f"  {name:24s} share of K' still to score per row: {a:.3f}-{b:.3f}")
         top_exact = rd._scores64(q, w, k_exact).topk(TOPK).indices
-        cand = s1.topk(kp).indices
         missed = []
         for name, key in (("two-level", k_hat), ("two-level as one f16", (k_hat / lo_scale[:, None]).half().float()
                                                   * lo_scale[:, None]), ("bf16", k_exact.to(torch.bfloat16).float())):
