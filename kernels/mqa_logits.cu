@@ -29,8 +29,8 @@
 // the thread's heads, then over the 8 lanes sharing t (7 shuffles, each sum formed in one lane): lane
 // (gid, t) ends with key 8*(gid/2) + 2t + gid%2 and stores it (32 lanes: 32 consecutive columns).
 // fp8 keys use f16 mma on the shift-expanded key bytes (the value times 2^-8, exact). An fp8 q is expanded the
-// same way (epilogue 2^16); a bf16 q is staged as f16 times 2^qs_r, a power of two per query row r that puts
-// max |q_r| in [2^13, 2^14) (epilogue 2^(8 - qs_r)), see logits_row_tile. bf16 keys use bf16 mma (an fp8 q
+// same way (epilogue 2^16); a bf16 q is staged as f16 times 2^qs_h, a power of two per head h that puts
+// max |q_h| in [2^13, 2^14) (its weight times 2^(8 - qs_h)), see logits_row_tile. bf16 keys use bf16 mma (an fp8 q
 // converted to bf16, exact).
 // fp8 keys with fp8 q, Mma8 = 1 (an experimental config): mma.sync m16n8k32 .e4m3 on the raw bytes, no conversion and
 // half the mma (4 k-steps of 32). Fragments (8-bit): A {a0..a3} = rows {g, g+8, g, g+8}, k {4t..4t+3} (a0,
@@ -244,16 +244,23 @@ __device__ __forceinline__ float gid_reduce(const float (&p)[8], int lane) {
   return keep + __shfl_xor_sync(0xffffffffu, send, 4);
 }
 
-// ---- a bf16 q on fp8 keys: staged as f16 times 2^qs per row (logits_row_tile) ----
+// ---- a bf16 q on fp8 keys: staged as f16 times 2^qs per head (logits_row_tile) ----
 // 2^e as a float, e in [-126, 127].
 __device__ __forceinline__ float pow2(int e) { return __int_as_float((127 + e) << 23); }
 
-// qs of a row whose max |q| is qmax: 2^qs puts qmax in [2^13, 2^14), clamped to [-100, 100]; 0 when qmax is 0
+// qs of a head whose max |q| is qmax: 2^qs puts qmax in [2^13, 2^14), clamped to [-100, 100]; 0 when qmax is 0
 // or not finite.
 __device__ __forceinline__ int q_scale_exp(float qmax) {
   int e = 0;
   frexpf(qmax, &e);  // qmax in [2^(e-1), 2^e)
   return qmax > 0.0f && isfinite(qmax) ? min(max(14 - e, -100), 100) : 0;
+}
+
+// 16 bytes of global memory, a load the compiler cannot merge with another of the same address.
+__device__ __forceinline__ uint4 load_volatile(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
 }
 
 // max(m, |x|) over 8 bf16 values (fmaxf: a NaN is skipped).
@@ -324,7 +331,7 @@ __device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int 
   // F8: fp8 keys x fp8 q with the e4m3 mma (Mma8 = 1; sm_89+ only: native on sm_89 / sm_120+, emulated by
   // ptxas on sm_90 / sm_100, where it is a layout test / bench variant).
   // F16: fp8 keys otherwise, on f16 mma of shift-expanded key bytes (values * 2^-8); an fp8 q expanded the same
-  // way, a bf16 q (QScaled) as f16 times 2^qs_r per row r (below).
+  // way, a bf16 q (QScaled) as f16 times 2^qs_h per head h (below).
   static_assert(Mma8 == 0 || (Mma8 == 1 && KeyFp8 && QFp8 && kHasFp8Mma),
                 "Mma8 = 1 is the fp8-key x fp8-q e4m3 mma of sm_89+ targets");
   constexpr bool F8 = Mma8 == 1;
@@ -340,7 +347,6 @@ __device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int 
   uint4* qs = smem;                                                   // [Rows][kQWords]
   float2* ws = reinterpret_cast<float2*>(smem + Rows * kQWords);      // [Rows][4][8]: (w[16i+g], w[16i+g+8])
   __shared__ int s_lo[kMaxRows], s_hi[kMaxRows], s_off[kMaxRows];
-  __shared__ float s_qmax[kMaxRows], s_unscale[kMaxRows];  // QScaled: max |q_r|, epilogue 2^(8 - qs_r)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
@@ -397,8 +403,9 @@ __device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int 
     s_hi[r] = hi;
     s_off[r] = (compressed && row0 + r < row_end) ? lens0[row0 + r] : 0;
   }
-  // q chunk D(s,t) of one head as the 4 mma words of the key layout's element order (qscale: 2^qs_r, QScaled).
-  auto q_words = [&](i64 row, int head, int d, float qscale) -> uint4 {
+  // q chunk D(s,t) of one head as the 4 mma words of the key layout's element order (a bf16 q on fp8 keys is
+  // staged below, with its per-head scale).
+  auto q_words = [&](i64 row, int head, int d) -> uint4 {
     const i64 elem = (row * kNumHeads + head) * kHeadDim + d;
     uint4 v;
     if (QFp8) {
@@ -413,21 +420,13 @@ __device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int 
         v.z = pack_bf16x2(e4m3_to_float(b[4]), e4m3_to_float(b[5]));
         v.w = pack_bf16x2(e4m3_to_float(b[6]), e4m3_to_float(b[7]));
       }
-    } else {
-      const uint4 x = *reinterpret_cast<const uint4*>(q + 2 * elem);
-      if (KeyFp8) {  // fp8 key word order (0,2) (1,3) (4,6) (5,7), as f16 times 2^qs_r
-        v.x = bf16x2_to_f16x2_scaled(__byte_perm(x.x, x.y, 0x5410), qscale);
-        v.y = bf16x2_to_f16x2_scaled(__byte_perm(x.x, x.y, 0x7632), qscale);
-        v.z = bf16x2_to_f16x2_scaled(__byte_perm(x.z, x.w, 0x5410), qscale);
-        v.w = bf16x2_to_f16x2_scaled(__byte_perm(x.z, x.w, 0x7632), qscale);
-      } else {
-        v = x;
-      }
+    } else {  // bf16 q on bf16 keys: as stored
+      v = *reinterpret_cast<const uint4*>(q + 2 * elem);
     }
     return v;
   };
   if (nonempty) {
-    for (int i = tid; i < Rows * kNumHeads / 2; i += Warps * 32) {
+    for (int i = tid; i < (QScaled ? 0 : Rows * kNumHeads / 2); i += Warps * 32) {  // QScaled: with its q below
       const int r = i / (kNumHeads / 2), m = (i >> 3) & 3, g = i & 7;
       if (!((nonempty >> r) & 1u)) continue;
       const float* wr = weights + static_cast<i64>(row0 + r) * kNumHeads;
@@ -449,36 +448,64 @@ __device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int 
       }
     } else {
       if constexpr (QScaled) {
-        // q_r * 2^qs_r (q_scale_exp of the row's max |q|) is exact in f16 unless an element is below
-        // max |q_r| * 2^-30 (an f16 subnormal: error at most max |q_r| * 2^-38, far below the fp32 sum's
-        // rounding) or a bf16 subnormal (zero: -ftz). Non-finite q: the max skips a NaN (whose head's relu,
-        // fmaxf, gives 0 as on bf16 keys); an infinity gives qs_r = 0, the row staged unscaled (f16 overflows
-        // from 65520 up; so does a finite max |q_r| from 2^116 up, at the clamp). Epilogue: 2^(8 - qs_r).
-        if (tid < Rows) s_qmax[tid] = 0.0f;
-        __syncthreads();
+        // Head h of row r as f16 of q_h * 2^qs_h, qs_h = q_scale_exp(max |q_h|), and its weight as
+        // w_h * 2^(8 - qs_h): relu commutes with a positive power of two, so the products equal those of the
+        // unscaled q (exactly, barring fp32 over/underflow of the weight). One pass, no CTA-wide max: the 4 lanes
+        // t of a (m-tile, gid) hold all 128 elements of heads 16m + gid and + 8 over the 4 pairs s. Exact in f16
+        // unless an element is below max |q_h| * 2^-30 (an f16 subnormal: error at most max |q_h| * 2^-38, far
+        // below the fp32 sum's rounding) or a bf16 subnormal (zero: -ftz). Non-finite q: the max skips a NaN
+        // (whose head's relu, fmaxf, gives 0 as on bf16 keys); an infinity gives qs_h = 0, the head staged
+        // unscaled (f16 overflows from 65520 up; so does a finite max |q_h| from 2^116 up, at the clamp).
+        for (int i = tid; i < Rows * 128; i += Warps * 32) {  // i % 32 == lane: a warp is one (row, m-tile)
+          const int r = i >> 7, m = (i >> 5) & 3, ln = i & 31, g = ln >> 2, t = ln & 3;
+          if (!((nonempty >> r) & 1u)) continue;  // warp-uniform
+          const unsigned char* qh = q + 2 * ((static_cast<i64>(row0 + r) * kNumHeads + 16 * m + g) * kHeadDim);
+          auto chunk = [&](int s, int h8) {  // 8 elements of head 16m + g (+ 8 if h8) at pair s
+            return reinterpret_cast<const uint4*>(qh + 2 * (64 * (s >> 1) + 16 * t + 8 * (s & 1) + h8 * 8 * kHeadDim));
+          };
+          float mx0 = 0.0f, mx1 = 0.0f;
 #pragma unroll
-        for (int r = 0; r < Rows; ++r) {  // max |q_r| (a contiguous pass; the staging below re-reads from cache)
-          if (!((nonempty >> r) & 1u)) continue;  // CTA-uniform
-          const uint4* qr = reinterpret_cast<const uint4*>(q + static_cast<i64>(row0 + r) * kNumHeads * kHeadDim * 2);
-          float mx = 0.0f;
-          for (int i = tid; i < kNumHeads * kHeadDim / 8; i += Warps * 32) mx = bf16x8_absmax(qr[i], mx);
-          mx = warp_max(mx);
-          if (lane == 0) atomicMax(reinterpret_cast<int*>(s_qmax) + r, __float_as_int(mx));  // >= 0: int order
+          for (int s = 0; s < 4; ++s) {  // volatile loads: the 8 chunks are read again below, not held in registers
+            mx0 = bf16x8_absmax(load_volatile(chunk(s, 0)), mx0);
+            mx1 = bf16x8_absmax(load_volatile(chunk(s, 1)), mx1);
+          }
+#pragma unroll
+          for (int o = 1; o <= 2; o <<= 1) {  // over t (lane bits 0, 1)
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+          }
+          const int qs0 = q_scale_exp(mx0), qs1 = q_scale_exp(mx1);
+          const float sc0 = pow2(qs0), sc1 = pow2(qs1);
+#pragma unroll
+          for (int s = 0; s < 4; ++s) {  // fp8 key word order (0,2) (1,3) (4,6) (5,7)
+            const uint4 a = *chunk(s, 0), b = *chunk(s, 1);  // again: 128 bytes just read (L1)
+            uint4* dst = qs + static_cast<i64>(r) * kQWords + ((m * 4 + s) * 2) * 32 + ln;
+            dst[0] = make_uint4(bf16x2_to_f16x2_scaled(__byte_perm(a.x, a.y, 0x5410), sc0),
+                                bf16x2_to_f16x2_scaled(__byte_perm(b.x, b.y, 0x5410), sc1),
+                                bf16x2_to_f16x2_scaled(__byte_perm(a.x, a.y, 0x7632), sc0),
+                                bf16x2_to_f16x2_scaled(__byte_perm(b.x, b.y, 0x7632), sc1));  // k-step 2s
+            dst[32] = make_uint4(bf16x2_to_f16x2_scaled(__byte_perm(a.z, a.w, 0x5410), sc0),
+                                 bf16x2_to_f16x2_scaled(__byte_perm(b.z, b.w, 0x5410), sc1),
+                                 bf16x2_to_f16x2_scaled(__byte_perm(a.z, a.w, 0x7632), sc0),
+                                 bf16x2_to_f16x2_scaled(__byte_perm(b.z, b.w, 0x7632), sc1));  // k-step 2s+1
+          }
+          if (t == 0) {
+            const float* wr = weights + static_cast<i64>(row0 + r) * kNumHeads + 16 * m + g;
+            ws[i >> 2] = make_float2(wr[0] * pow2(8 - qs0), wr[8] * pow2(8 - qs1));  // [r][m][g]
+          }
         }
-        __syncthreads();
-        if (tid < Rows) s_unscale[tid] = pow2(8 - q_scale_exp(s_qmax[tid]));  // read after the barrier below
-      }
-      for (int i = tid; i < Rows * kQWords / 2; i += Warps * 32) {  // both k-steps of a pair at once
-        const int r = i / (kQWords / 2), rem = i % (kQWords / 2);
-        if (!((nonempty >> r) & 1u)) continue;
-        const int m = rem >> 7, s = (rem >> 5) & 3, ln = rem & 31;
-        const int head = 16 * m + (ln >> 2), t = ln & 3;
-        const int d = KeyFp8 ? 64 * (s >> 1) + 16 * t + 8 * (s & 1) : 32 * s + 8 * t;
-        const float qscale = QScaled ? pow2(q_scale_exp(s_qmax[r])) : 1.0f;
-        const uint4 v0 = q_words(row0 + r, head, d, qscale), v1 = q_words(row0 + r, head + 8, d, qscale);
-        uint4* dst = qs + static_cast<i64>(r) * kQWords + ((m * 4 + s) * 2) * 32 + ln;
-        dst[0] = make_uint4(v0.x, v1.x, v0.y, v1.y);   // k-step 2s
-        dst[32] = make_uint4(v0.z, v1.z, v0.w, v1.w);  // k-step 2s+1
+      } else {
+        for (int i = tid; i < Rows * kQWords / 2; i += Warps * 32) {  // both k-steps of a pair at once
+          const int r = i / (kQWords / 2), rem = i % (kQWords / 2);
+          if (!((nonempty >> r) & 1u)) continue;
+          const int m = rem >> 7, s = (rem >> 5) & 3, ln = rem & 31;
+          const int head = 16 * m + (ln >> 2), t = ln & 3;
+          const int d = KeyFp8 ? 64 * (s >> 1) + 16 * t + 8 * (s & 1) : 32 * s + 8 * t;
+          const uint4 v0 = q_words(row0 + r, head, d), v1 = q_words(row0 + r, head + 8, d);
+          uint4* dst = qs + static_cast<i64>(r) * kQWords + ((m * 4 + s) * 2) * 32 + ln;
+          dst[0] = make_uint4(v0.x, v1.x, v0.y, v1.y);   // k-step 2s
+          dst[32] = make_uint4(v0.z, v1.z, v0.w, v1.w);  // k-step 2s+1
+        }
       }
     }
   }
@@ -490,7 +517,7 @@ __device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int 
   c.hi = s_hi;
   c.num_keys = num_keys;
   const float kNegInf = __int_as_float(0xff800000);
-  const float epi_scale = F16 && QFp8 ? 65536.0f : 1.0f;  // QScaled: s_unscale[r] per row
+  const float epi_scale = F16 && QFp8 ? 65536.0f : 1.0f;  // QScaled: 2^(8 - qs_h) is in the head weights
   const int key_lane = key_of_lane(lane);  // this lane's output key inside a tile
 
   // Block-table entries of this warp's tiles k .. k+31, one per lane, refreshed every 32 tiles (one
@@ -531,7 +558,7 @@ __device__ __forceinline__ void logits_row_tile(const Problem& P, int tile, int 
         else
           row_partials<MT>(Mma16<F16>{W}, qs + r * kQWords, ws + r * (kNumHeads / 2), lane, p);
         const float sum = gid_reduce(p, lane);
-        if (n >= s_lo[r] && n < s_hi[r]) val = sum * (QScaled ? scale * s_unscale[r] : scale);
+        if (n >= s_lo[r] && n < s_hi[r]) val = sum * scale;
       }
       const int col = n - s_off[r];
       if (n < num_keys && col >= 0 && col < width)

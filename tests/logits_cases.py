@@ -137,11 +137,14 @@ def check_rows_close(got, want, *, clean, what, tol=1e-5):
 
 def spread_rows(q):
     """bf16 q [..., 64, 128] whose rows (leading dims flattened) differ in magnitude, in turn: x1e-3, x1e3, every
-    third head zero, unchanged; the last row all zero (a per-row scale must fit each)."""
+    third head zero, heads x1e-4 / x1e4 / unchanged in turn; the last row all zero (a per-head power-of-two
+    scale must fit each head)."""
     x = q.float().reshape(-1, H, D).clone()
     x[0::4] *= 1e-3
     x[1::4] *= 1e3
     x[2::4, ::3] = 0
+    x[3::4, 0::3] *= 1e-4
+    x[3::4, 1::3] *= 1e4
     x[-1] = 0
     return x.to(torch.bfloat16).reshape(q.shape)
 

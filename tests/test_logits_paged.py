@@ -211,8 +211,9 @@ def test_gpu_paged(seed, cfg, problem, lens_2d):
 @gpu
 @pytest.mark.parametrize("next_n", [1, 4])
 def test_gpu_paged_fp8_keys_bf16_q_row_magnitudes(seed, next_n):
-    """fp8 keys x a bf16 q (staged as f16 times a power of two per row): rows of very different magnitudes
-    (spread_rows; next_n 4: in one CTA) each match the fp64 oracle, in every declared config."""
+    """fp8 keys x a bf16 q (staged as f16 times a power of two per head, folded into its weight): rows and heads
+    of very different magnitudes (spread_rows; next_n 4: in one CTA) each match the fp64 oracle, in every
+    declared config."""
     q, cache, deq, w, ctx, bt = gpu_paged_case(seed, B=8, next_n=next_n, max_pages=20, P=200, layout="fp8",
                                                q_dtype=torch.bfloat16, lens_2d=True)
     q = spread_rows(q)
