@@ -4,7 +4,8 @@ Every kernel is a C++ template in one ``.cu`` file under ``kernels/``; a variant
 such as ``store_index_k<0, 1, 0, true, float, 0>``. This module:
 
 * compiles a (file, name expression) pair once per (device, arch, options) with ``cupy.RawModule``
-  (NVRTC; CuPy keeps its own disk cache, keyed on source, options and name expressions);
+  (NVRTC; CuPy keeps its own disk cache, keyed on source, options and name expressions, so the source it is
+  given carries a digest of the headers it includes: :func:`module_source`);
 * launches on **torch's current stream** of the tensors' device with raw ``data_ptr()`` arguments, so a
   launch needs no DLPack conversion, no CuPy allocation and no host sync and can be captured by
   ``torch.cuda.graph`` once the kernel was warmed up outside the capture;
@@ -17,6 +18,7 @@ Which instantiations exist, and which of them ship, is declared by the ops throu
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.metadata
 import os
 import re
@@ -52,6 +54,31 @@ def kernel_dir() -> Path:
 @functools.lru_cache(maxsize=None)
 def read_source(filename: str) -> str:
     return (kernel_dir() / filename).read_text()
+
+
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.M)
+
+
+def included_headers(filename: str) -> list[str]:
+    """The ``kernels/`` headers ``filename`` includes, directly or through another header (sorted)."""
+    seen, todo = set(), [filename]
+    while todo:
+        for name in _INCLUDE.findall(read_source(todo.pop())):
+            if name not in seen and (kernel_dir() / name).is_file():
+                seen.add(name)
+                todo.append(name)
+    return sorted(seen)
+
+
+@functools.lru_cache(maxsize=None)
+def module_source(filename: str) -> str:
+    """The source NVRTC compiles: the file, then a comment holding a digest of every header it includes. CuPy's
+    disk cache keys on the source text and the options only; a header reached through ``-I`` is not part of the
+    key, so without the digest a header changed by an upgrade would keep serving the cubin built from the old one."""
+    digest = hashlib.sha256()
+    for name in included_headers(filename):
+        digest.update(f"{name}\0{read_source(name)}\0".encode())
+    return read_source(filename) + f"\n// cupy_dsa headers: {digest.hexdigest()}\n"
 
 
 def compile_options(arch: str | None = None) -> tuple[str, ...]:
@@ -246,7 +273,7 @@ def warm_up_expressions(device_index: int, exprs: dict[str, list[str]]) -> int:
             if todo:
                 cp = cupy_module()
                 with cp.cuda.Device(device_index):
-                    module = cp.RawModule(code=read_source(filename),
+                    module = cp.RawModule(code=module_source(filename),
                                           options=compile_options(device_arch(device_index)), name_expressions=todo)
                     for expr in todo:
                         f = module.get_function(expr)
@@ -285,7 +312,7 @@ def compile_cubin(filename: str, name_expressions, arch: str, *, source: str | N
     """
     cp = cupy_module()
     nvrtc = cp.cuda.nvrtc
-    src = read_source(filename) if source is None else source
+    src = module_source(filename) if source is None else source
     # sm_90 is built as sm_90a, exactly as at run time (compile_options adds the flag)
     opts = compile_options(arch) + (f"-I{cuda_include_dir()}",) + (() if arch == "sm_90" else (f"-arch={arch}",)) \
         + ("-ftz=true", "--device-as-default-execution-space") + (("--ptxas-options=-v",) if resource_usage else ())

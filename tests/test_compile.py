@@ -332,3 +332,70 @@ def test_gpus_below_the_minimum_arch_are_refused_by_name(monkeypatch):
         runtime.device_arch(0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (8, 0))
     assert runtime.device_arch(0) == "sm_80"
+
+
+# --------------------------------------------------------------------------------------------------
+# CuPy's disk cache and the headers
+# --------------------------------------------------------------------------------------------------
+
+def _sources_in(monkeypatch, folder):
+    monkeypatch.setattr(runtime, "kernel_dir", lambda: folder)
+    for cached in (runtime.read_source, runtime.module_source):
+        cached.cache_clear()
+
+
+def test_a_changed_header_changes_the_compiled_source(tmp_path, monkeypatch):
+    """CuPy keys its disk cache on the source text and options, not on headers reached through -I: the source the
+    runtime compiles carries a digest of the headers it includes, directly (topk.cu -> radix_select.cuh) or not
+    (-> common.cuh), and of no others."""
+    import shutil
+    for f in runtime.kernel_dir().iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    try:
+        _sources_in(monkeypatch, tmp_path)
+        assert runtime.included_headers("topk.cu") == ["common.cuh", "radix_select.cuh"]
+        assert runtime.included_headers("mqa_logits.cu") == ["common.cuh", "mqa_logits_sm90.cuh"]
+        before = {f: runtime.module_source(f) for f in SOURCES}
+        assert all(text.startswith(runtime.read_source(f)) for f, text in before.items())
+        for header, changed in (("radix_select.cuh", {"topk.cu", "rescore_topk.cu"}),
+                                ("common.cuh", set(SOURCES)),
+                                ("mqa_logits_sm90.cuh", {"mqa_logits.cu"})):
+            (tmp_path / header).write_text((tmp_path / header).read_text() + "\n// edited\n")
+            _sources_in(monkeypatch, tmp_path)
+            now = {f: runtime.module_source(f) for f in SOURCES}
+            assert {f for f in SOURCES if now[f] != before[f]} == changed, header
+            before = now
+    finally:
+        monkeypatch.undo()
+        for cached in (runtime.read_source, runtime.module_source):
+            cached.cache_clear()
+
+
+def test_run_time_compiles_hand_cupy_the_digest_carrying_source(monkeypatch):
+    """warm_up_expressions gives cupy.RawModule module_source's text (what the disk cache keys on)."""
+    seen = {}
+
+    class Module:
+        def __init__(self, code, options, name_expressions):
+            seen["code"] = code
+
+        def get_function(self, expr):
+            return type("F", (), {"compile": lambda self: None})()
+
+    class Device:
+        def __init__(self, index):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    fake = type("cp", (), {"RawModule": Module, "cuda": type("cuda", (), {"Device": Device})})
+    monkeypatch.setattr(runtime, "cupy_module", lambda: fake)
+    monkeypatch.setattr(runtime, "device_arch", lambda i: "sm_90")
+    monkeypatch.setattr(runtime, "_FUNCTIONS", {})
+    assert runtime.warm_up_expressions(0, {"topk.cu": ["paged_topk_kernel<0>"]}) == 1
+    assert seen["code"] == runtime.module_source("topk.cu")
+    assert "// cupy_dsa headers: " in seen["code"]
