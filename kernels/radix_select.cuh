@@ -279,18 +279,23 @@ __device__ __forceinline__ int load_row(const float* __restrict__ row, int n, u3
   return pad;
 }
 
-// Each warp's contiguous stretch of slots, 128 (32 lanes x 4) at a time.
+// Each warp's contiguous stretch of slots, 128 (32 lanes x 4) at a time: warp w holds slots [w * stretch_slots,
+// (w + 1) * stretch_slots).
+__device__ __forceinline__ int stretch_slots(const RowLogits& r) {
+  return ((r.slots() + kSelectWarps - 1) / kSelectWarps + 127) & ~127;
+}
 __device__ __forceinline__ void warp_stretch(const RowLogits& r, int& begin, int& end) {
-  const int per_warp = ((r.slots() + kSelectWarps - 1) / kSelectWarps + 127) & ~127;
+  const int per_warp = stretch_slots(r);
   begin = (threadIdx.x >> 5) * per_warp;
   end = min(r.slots(), begin + per_warp);
 }
 
-// Hands the row's keys >= t to out(slot, position, key) in position order (slots 0, 1, ...): each warp counts
-// its stretch, then writes from its offset (a prefix over the lanes per 128 slots). `scratch`: kSelectWarps
-// shared ints.
+// Hands the row's keys >= t to out(slot, position, key) in position order (slots 0, 1, ...): each warp writes its
+// stretch from its offset (a prefix over the lanes per 128 slots). `scratch`: kSelectWarps shared ints, holding each
+// warp's count of keys >= t when `counted` (select_row counts them while it collects), else counted here first.
 template <class Out>
-__device__ __forceinline__ void write_selected(const RowLogits& r, u64 t, int* scratch, const Out& out) {
+__device__ __forceinline__ void write_selected(const RowLogits& r, u64 t, int* scratch, bool counted,
+                                               const Out& out) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int begin, end;
   warp_stretch(r, begin, end);
@@ -305,15 +310,17 @@ __device__ __forceinline__ void write_selected(const RowLogits& r, u64 t, int* s
     }
     return m;
   };
-  int count = 0;
-  for (int c0 = begin + 4 * lane; c0 < end; c0 += 128) {
-    u32 key[4];
-    bool take[4];
-    count += picks(c0, key, take);
-  }
+  if (!counted) {  // CTA-uniform
+    int count = 0;
+    for (int c0 = begin + 4 * lane; c0 < end; c0 += 128) {
+      u32 key[4];
+      bool take[4];
+      count += picks(c0, key, take);
+    }
 #pragma unroll
-  for (int d = 16; d > 0; d >>= 1) count += __shfl_xor_sync(0xffffffffu, count, d);
-  if (lane == 0) scratch[warp] = count;
+    for (int d = 16; d > 0; d >>= 1) count += __shfl_xor_sync(0xffffffffu, count, d);
+    if (lane == 0) scratch[warp] = count;
+  }
   __syncthreads();
   int at = 0;
   for (int w = 0; w < warp; ++w) at += scratch[w];
@@ -344,6 +351,7 @@ __device__ __forceinline__ void write_selected(const RowLogits& r, u64 t, int* s
 struct RowSelectShared {
   int hist[kRadixBins];
   int scratch[kSelectWarps + 3];
+  int warp_count[kSelectWarps];  // select_row: each warp stretch's keys >= T
   u64 list[kListCap];
   int list_n;
 };
@@ -351,8 +359,9 @@ struct RowSelectShared {
 // The k greatest keys of a row that sees n > k >= 1 positions [lo, lo + n) (`row`: the logit of position lo), handed
 // to out(slot, position, key) in position order, slots 0 .. k - 1. Every thread of the block calls it. Three passes
 // over the row: the read (first digits counted), the collection of the keys in the k-th key's first-digit bin
-// (radix-selected in shared memory; a bin of more than kListCap keys, ties of a flat row, is selected over the
-// row), the write. `cache`: null, or kSelectCache(n) shared u32.
+// (radix-selected in shared memory) while each warp counts its stretch's keys above that bin, the write (its
+// offsets: those counts plus the collected keys >= T of each stretch). A bin of more than kListCap keys (ties of a
+// flat row) is selected over the row, and the write counts first. `cache`: null, or kSelectCache(n) shared u32.
 template <class Out>
 __device__ void select_row(const float* __restrict__ row, int lo, int n, int k, u32* cache, RowSelectShared& sh,
                            const Out& out) {
@@ -370,25 +379,39 @@ __device__ void select_row(const float* __restrict__ row, int lo, int n, int k, 
   const int need = k - f.above;
   const u64 prefix = static_cast<u64>(f.bin) << (64 - kDigitBits);
   u64 t = prefix;  // need == f.count: the whole bin
-  if (need != f.count && f.count <= kListCap) {
-    int begin, end;
+  const bool counted = f.count <= kListCap;  // CTA-uniform
+  if (counted) {
+    const int lane = threadIdx.x & 31;
+    int begin, end, above = 0;
     warp_stretch(r, begin, end);
-    for (int c0 = begin + 4 * (threadIdx.x & 31); c0 < end; c0 += 128) {
+    for (int c0 = begin + 4 * lane; c0 < end; c0 += 128) {
       u32 key[4];
       bool valid[4];
       r.quad(c0, key, valid);
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (valid[e] && static_cast<int>(key[e] >> (32 - kDigitBits)) == f.bin)
-          list[atomicAdd(list_n, 1)] = full_key(key[e], lo + c0 + e - pad);
+      for (int e = 0; e < 4; ++e) {
+        const int digit = static_cast<int>(key[e] >> (32 - kDigitBits));
+        above += valid[e] && digit > f.bin;
+        if (valid[e] && digit == f.bin) list[atomicAdd(list_n, 1)] = full_key(key[e], lo + c0 + e - pad);
+      }
     }
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) above += __shfl_xor_sync(0xffffffffu, above, d);
+    if (lane == 0) sh.warp_count[threadIdx.x >> 5] = above;
     __syncthreads();
-    t = radix_threshold(ListKeySource{list, f.count}, kDigitBits, prefix, need, hist, scratch);
+    if (need != f.count) t = radix_threshold(ListKeySource{list, f.count}, kDigitBits, prefix, need, hist, scratch);
+    // each stretch's collected keys >= t join its count (key -> position -> slot -> the stretch holding it)
+    const int per_warp = stretch_slots(r);
+    for (int i = threadIdx.x; i < f.count; i += kSelectThreads)
+      if (list[i] >= t) {
+        const int slot = static_cast<int>(0xFFFFFFFFu - static_cast<u32>(list[i])) - lo + pad;
+        atomicAdd(&sh.warp_count[slot / per_warp], 1);
+      }
   } else if (need != f.count) {
     t = radix_threshold(RowKeySource{r}, kDigitBits, prefix, need, hist, scratch);
   }
   __syncthreads();
-  write_selected(r, t, scratch, out);
+  write_selected(r, t, counted ? sh.warp_count : scratch, counted, out);
 }
 
 // Shared u32 a row of n visible logits takes in select_row's cache: its slots, rounded up to whole 16-byte quads.
