@@ -1,6 +1,7 @@
 """NVRTC compile of every declared kernel config (product and experimental) for every target arch, without a
 GPU; ptxas's resource report of every product config (no spills); the launch specs against the CUDA source
 (argument names and types, template parameters, shared-memory formulas)."""
+import contextlib
 import functools
 import re
 
@@ -180,9 +181,8 @@ def _split_top(text: str) -> list[str]:
 def kernel_signature(source: str, name: str):
     """(template parameter names, [(argument name, C type)]) of ``__global__ ... name(...)`` in ``source``."""
     text = runtime.read_source(source)
-    for header in ("mqa_logits_sm90.cuh", "radix_select.cuh"):   # their macros expand in the source too
-        if f'#include "{header}"' in text:
-            text = runtime.read_source(header) + text
+    for header in runtime.included_headers(source):   # their macros expand in the source too
+        text = runtime.read_source(header) + text
     text = _expand_macros(text)
     m = re.search(rf"(template\s*<([^>]*)>\s*)?__global__[^;{{]*?\b{name}\s*\(([^)]*)\)", text, flags=re.S)
     assert m, f"{name} not found in {source}"
@@ -382,17 +382,8 @@ def test_run_time_compiles_hand_cupy_the_digest_carrying_source(monkeypatch):
         def get_function(self, expr):
             return type("F", (), {"compile": lambda self: None})()
 
-    class Device:
-        def __init__(self, index):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    fake = type("cp", (), {"RawModule": Module, "cuda": type("cuda", (), {"Device": Device})})
+    device = staticmethod(lambda index: contextlib.nullcontext())
+    fake = type("cp", (), {"RawModule": Module, "cuda": type("cuda", (), {"Device": device})})
     monkeypatch.setattr(runtime, "cupy_module", lambda: fake)
     monkeypatch.setattr(runtime, "device_arch", lambda i: "sm_90")
     monkeypatch.setattr(runtime, "_FUNCTIONS", {})
