@@ -49,6 +49,12 @@ def limits(arch: str) -> ArchLimits:
         raise ValueError(f"arch: expected one of {', '.join(ARCH_LIMITS)}, got {arch!r}") from None
 
 
+def has_clusters(arch: str) -> bool:
+    """Thread-block clusters and distributed shared memory (sm_90 and later)."""
+    limits(arch)  # a known arch
+    return int(arch.split("_")[1]) >= 90
+
+
 def small_smem(arch: str) -> bool:
     """The 100 KB-per-SM archs (sm_86 / sm_89 / sm_120 / sm_121), where a 66 KB CTA is alone on its SM."""
     return limits(arch).smem_per_sm <= 100 * KIB

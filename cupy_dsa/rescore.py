@@ -84,7 +84,8 @@ from .layouts import (FP8_PAGE_BYTES, FP8_SCALE_OFFSET, HEAD_DIM, N_HEADS, PAGE_
                       fp8_quantize_reference, fp8_views, layout_of)
 from .logits import (_check_paged, _check_prefill, _device_info, _REF_ROW_CHUNK, mqa_logits, mqa_logits_reference,
                      paged_mqa_logits, paged_mqa_logits_reference)
-from .topk import SELECT_THREADS, row_cache_class, row_cache_entries, row_cache_keys
+from .topk import (ROW_SELECT_PROBLEMS, SELECT_THREADS, SLICE_CACHE_KEYS, row_cache_keys, row_select_problem,
+                   row_select_smem, row_select_values)
 
 LO_MAX = 127
 LO_BYTES_PER_TOKEN = HEAD_DIM + 4                    # 132: int8 codes + fp32 scale
@@ -254,9 +255,9 @@ STAGE2_KERNEL = launch.Kernel(
     + (("candidates", PTR), ("k_prime", I32), ("cands_per_cta", I32), ("index_topk", I32), ("keys", PTR)),
     threads=lambda cfg: 32 * cfg.Warps, smem=lambda cfg: cfg.Warps * cfg.Stages * _RING_STAGE_BYTES)
 CANDIDATES_KERNEL = launch.Kernel(
-    _SRC, "rescore_candidates", params=("CacheEntries",),
+    _SRC, "rescore_candidates", params=("CacheEntries", "Cluster"),
     args=_LOGITS_ARGS + (("index_topk", I32), ("k_prime", I32), ("candidates", PTR)),
-    threads=_select_threads, smem=lambda cfg: 4 * cfg.CacheEntries)
+    threads=_select_threads, smem=row_select_smem, smem_check="dsa::radix::kSelectSmemBytes<{CacheEntries}, {Cluster}>")
 FINISH_CACHED_KEYS = 4096            # stage-2 keys of a row rescore_finish reads into shared memory (K' <= 4096)
 FINISH_KERNEL = launch.Kernel(
     _SRC, "rescore_finish", params=("CachedKeys",),
@@ -278,7 +279,7 @@ def _select_config(problem, arch):
     if problem[0] == "stage2":
         return STAGE2_KERNEL.config(QFp8=problem[1], Stages=STAGE2_STAGES, Warps=stage2_warps(arch))
     if problem[0] == "candidates":
-        return CANDIDATES_KERNEL.config(CacheEntries=row_cache_entries(problem[1], arch))
+        return CANDIDATES_KERNEL.config(**row_select_values(problem[1:], arch))
     if problem[0] == "finish":
         return FINISH_KERNEL.config(CachedKeys=FINISH_CACHED_KEYS if problem[1] else 0)
     return _PARTS[problem[0]].config()
@@ -294,11 +295,11 @@ def _serves(cfg, problem) -> bool:
     return cfg == _select_config(problem, None)
 
 
-# A problem: the op's step (a selection kernel), ("candidates", the row cache class: topk.row_cache_class), ("stage2",
+# A problem: the op's step (a selection kernel), ("candidates", *topk.row_select_problem), ("stage2",
 # 1 for an fp8 stage-2 q / 0 for bf16) or ("finish", whether K' keys fit in shared memory).
 RESCORE = launch.register(launch.Family(
-    "rescore_topk", problems=[("histogram",), ("gather",), ("boundary",), ("candidates", "small"),
-                              ("candidates", "large"), ("candidates", "none"), ("stage2", 0), ("stage2", 1),
+    "rescore_topk", problems=[("histogram",), ("gather",), ("boundary",)]
+    + [("candidates",) + p for p in ROW_SELECT_PROBLEMS] + [("stage2", 0), ("stage2", 1),
                               ("finish", True),
                               ("finish", False)],
     select=_select_config, serves=_serves))
@@ -711,10 +712,12 @@ def _stage2(q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, rows, 
             keys=keys)
 
 
-def one_cta_per_row(width: int, rows: int, n_sms: int, arch: str | None) -> bool:
-    """Whether the candidates take one CTA per row (one read of the row) rather than column chunks (two reads and
-    a merge, for few long rows): the rows fit in the arch's shared-memory cache, or they fill half the GPU."""
-    return width <= row_cache_keys(arch) or 2 * rows >= n_sms
+def select_per_row(width: int, rows: int, n_sms: int, arch: str | None) -> bool:
+    """Whether the candidates take one CTA or one cluster per row (one read of the row, written in position order)
+    rather than column chunks (two reads and a merge, for few long rows): the rows fit in the arch's shared-memory
+    cache, or their clusters' slices do, or they fill half the GPU."""
+    _, cluster = row_select_problem(width, rows, n_sms, arch)
+    return width <= max(row_cache_keys(arch), cluster * SLICE_CACHE_KEYS if cluster > 1 else 0) or 2 * rows >= n_sms
 
 
 def _select(logits, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, index_topk, k_prime,
@@ -739,10 +742,12 @@ def _select(logits, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt
                       **rows)
     candidates = torch.empty(R, kp, dtype=torch.int64, device=dev)
     arch = runtime.device_arch(dev.index)
-    one_cta = one_cta_per_row(width, R, n_sms, arch)   # candidates in position order (the chunks': arrival order)
-    if width > index_topk and one_cta:
-        _launch(("candidates", row_cache_class(width, arch)), dev, (R, 1, 1), **logit_args, index_topk=index_topk,
-                k_prime=kp, candidates=candidates)
+    per_row = select_per_row(width, R, n_sms, arch)   # candidates in position order (the chunks': arrival order)
+    if width > index_topk and per_row:
+        problem = ("candidates",) + row_select_problem(width, R, n_sms, arch)
+        ctas = RESCORE.select(problem, arch).Cluster   # per row: the config's (one where the arch has no clusters)
+        _launch(problem, dev, (R * ctas, 1, 1), **logit_args, index_topk=index_topk, k_prime=kp,
+                candidates=candidates)
     elif width > index_topk:
         # few long rows: column chunks, about four CTAs per SM over the rows, at least four tiles of the block each
         cols = max(4 * SELECT_THREADS, -(-width * R // (4 * n_sms)))
@@ -766,7 +771,7 @@ def _select(logits, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt
             logits=logit_args["logits"],
             logits_stride=logit_args["logits_stride"], block_table=block_table, bt_stride=bt_stride, **rows,
             index_topk=index_topk, page_indices=page_out, raw_indices=raw_out, fp8_rank=rank_out,
-            in_position_order=int(one_cta))
+            in_position_order=int(per_row))
     return RescoreTopK(page_out, raw_out, rank_out)
 
 

@@ -7,9 +7,10 @@ unspecified). Outputs int32 ``[rows, index_topk]``, -1 padded: ``page_indices`` 
 ``(page_table[r, i >> 6] << 6) | (i & 63)``) and optionally ``raw_indices`` (the positions ``i``). Selected keys come in
 position order (SGLang's are unordered), so reruns are bitwise identical.
 
-One CTA per row: a radix select with 12-bit digits whose first digit is counted while the row is read, once, into
-shared memory (rows of up to 16,384 visible keys, 49,152 on sm_90 / sm_100: :func:`row_cache_keys`; longer ones
-are read again from L2 by each radix pass). The
+One CTA per row, or on sm_90+ a cluster of 2-8 CTAs per row where the rows are few (:func:`select_cluster`): a radix
+select with 12-bit digits whose first digit is counted while the row (or the CTA's slice of it) is read, once, into
+shared memory (rows of up to 16,384 visible keys, 49,152 on sm_90 / sm_100: :func:`row_cache_keys`; slices of up to
+8,192; longer ones are read again from L2 by each radix pass). The
 benches time the stock step as the fp8 logits plus this op, standing in for SGLang's own top-k where SGLang
 cannot run; ``cupy-dsa bench rescore`` times it beside SGLang's v1 and v2 kernels where they can.
 """
@@ -27,6 +28,7 @@ from .launch import I32, I64, PTR
 from .layouts import PAGE_SLOTS
 
 SELECT_THREADS = 512                 # the radix kernels' block (kSelectThreads in kernels/radix_select.cuh)
+LIST_CAP = 2048                      # keys of the k-th key's first-digit bin collected in shared memory (kListCap)
 ROW_CACHE_KEYS = 16384               # visible keys a row may have to be read into shared memory once, on every arch
 _SELECT_STATIC_SMEM = 33 * 1024      # the select kernels' own shared memory (RowSelectShared and a few words)
 _SRC = "topk.cu"
@@ -53,20 +55,68 @@ def row_cache_class(width: int, arch: str | None) -> str:
 def row_cache_entries(cache: str, arch: str | None) -> int:
     """The ``CacheEntries`` template value of the per-row select kernels (here and in cupy_dsa.rescore) for a cache
     class: u32 entries, the keys plus the 16-byte alignment pad of the row's body (kSelectCache) rounded up."""
-    return {"none": 0, "small": ROW_CACHE_KEYS + 4, "large": row_cache_keys(arch) + 4}[cache]
+    return {"none": 0, "small": ROW_CACHE_KEYS + 4, "large": row_cache_keys(arch) + 4,
+            "slice": SLICE_CACHE_KEYS + 4}[cache]
 
+
+# A cluster of CTAs per row (sm_90+, kernels/radix_select.cuh's select_row): each CTA reads a slice of the row and the
+# CTAs merge their digit counts and their k-th bin's keys through distributed shared memory. One CTA per row leaves
+# most SMs idle where the rows are few (48 decode rows: 48 of 132 SMs). A CTA's select is a chain of block-wide
+# passes whose fixed cost a slice does not shorten, so a cluster pays only for long slices (H100, the select alone at
+# k = 2048, us, one CTA / clusters of 2 / 4 / 8: 48 x 6K 8.9 / 10.3 / 11.6 / 23.3; 48 x 24K 19.1 / 18.1 / 15.4 /
+# 26.4; 144 x 6K 11.0 / 19.2 / 28.3 / 61.4; 1 x 64K 54.5 / 31.6 / 20.8 / 14.3).
+CLUSTER_SIZES = (2, 4, 8)            # 8: the portable cluster size
+SLICE_CACHE_KEYS = 8192              # keys of a slice a cluster CTA reads into shared memory once (64K-key rows at 8)
+CLUSTER_MIN_SLICE = 4096             # keys a cluster CTA gets at least
+CLUSTER_CTAS_PER_SM = 2              # a row's clusters' CTAs over the SMs at most (two fit an SM on sm_90 / sm_100)
+
+
+def select_cluster(width: int, rows: int, n_sms: int, arch: str | None) -> int:
+    """CTAs per row of the per-row select kernels: 1, or on an arch with thread-block clusters the largest of
+    CLUSTER_SIZES whose CTAs stay within CLUSTER_CTAS_PER_SM per SM over the rows and leave each at least
+    CLUSTER_MIN_SLICE of the row."""
+    if arch is None or not arch_limits.has_clusters(arch):
+        return 1
+    fits = [c for c in CLUSTER_SIZES if rows * c <= CLUSTER_CTAS_PER_SM * n_sms and width >= c * CLUSTER_MIN_SLICE]
+    return max(fits, default=1)
+
+
+def row_select_problem(width: int, rows: int, n_sms: int, arch: str | None) -> tuple[str, int]:
+    """The per-row select kernels' problem for rows of up to ``width`` keys: (row cache class, CTAs per row); a
+    cluster's CTAs take the "slice" cache."""
+    cluster = select_cluster(width, rows, n_sms, arch)
+    return ("slice" if cluster > 1 else row_cache_class(width, arch)), cluster
+
+
+def row_select_values(problem: tuple[str, int], arch: str | None) -> dict:
+    """Template values (CacheEntries, Cluster) of a per-row select problem on ``arch`` (one CTA per row where the arch
+    has no clusters)."""
+    cache, cluster = problem
+    if cluster > 1 and (arch is None or arch_limits.has_clusters(arch)):
+        return dict(CacheEntries=row_cache_entries("slice", arch), Cluster=cluster)
+    return dict(CacheEntries=row_cache_entries("small" if cache == "slice" else cache, arch), Cluster=1)
+
+
+def row_select_smem(cfg) -> int:
+    """Dynamic shared memory of a per-row select config (kSelectSmemBytes): the row cache and, with clusters, the
+    merged keys of the k-th key's bin (kListCap int64)."""
+    return 4 * (cfg.CacheEntries + cfg.CacheEntries % 2) + (LIST_CAP * 8 if cfg.Cluster > 1 else 0)
+
+
+ROW_SELECT_PROBLEMS = [("small", 1), ("large", 1), ("none", 1)] + [("slice", c) for c in CLUSTER_SIZES]
 
 TOPK_KERNEL = launch.Kernel(
-    _SRC, "paged_topk_kernel", params=("CacheEntries",),
+    _SRC, "paged_topk_kernel", params=("CacheEntries", "Cluster"),
     args=(("logits", PTR), ("logits_stride", I64), ("width", I32), ("lens", PTR), ("page_table", PTR),
           ("pt_stride", I64), ("index_topk", I32), ("page_indices", PTR), ("raw_indices", PTR)),
-    threads=lambda cfg: SELECT_THREADS, smem=lambda cfg: 4 * cfg.CacheEntries)
+    threads=lambda cfg: SELECT_THREADS, smem=lambda cfg: row_select_smem(cfg),
+    smem_check="dsa::radix::kSelectSmemBytes<{CacheEntries}, {Cluster}>")
 
-# A problem: the row cache class (row_cache_class). Every config computes every row (a row longer than its cache is
-# read from L2), so any of them serves any problem.
+# A problem: row_select_problem's. Every config computes every row (a row or slice longer than its cache is read from
+# L2; the grid is rows x the config's Cluster), so any of them serves any problem.
 TOPK = launch.register(launch.Family(
-    "paged_topk", problems=[("small",), ("large",), ("none",)],
-    select=lambda p, arch: TOPK_KERNEL.config(CacheEntries=row_cache_entries(p[0], arch)),
+    "paged_topk", problems=ROW_SELECT_PROBLEMS,
+    select=lambda p, arch: TOPK_KERNEL.config(**row_select_values(p, arch)),
     serves=lambda cfg, p: cfg.kernel is TOPK_KERNEL))
 
 
@@ -152,8 +202,9 @@ def paged_topk(logits, lens, page_table, index_topk, *, raw_indices=False) -> To
         return TopK(page_out, raw_out)
     width = min(logits.shape[1], page_table.shape[1] * PAGE_SLOTS)
     arch = runtime.device_arch(dev.index)
-    cfg = TOPK.select((row_cache_class(width, arch),), arch)
-    cfg.launch(dev, (R, 1, 1), logits=logits if width > 0 else None, logits_stride=logits.stride(0), width=width,
+    n_sms = torch.cuda.get_device_properties(dev.index).multi_processor_count
+    cfg = TOPK.select(row_select_problem(width, R, n_sms, arch), arch)
+    cfg.launch(dev, (R * cfg.Cluster, 1, 1), logits=logits if width > 0 else None, logits_stride=logits.stride(0), width=width,
                lens=lens, page_table=page_table if page_table.shape[1] > 0 else None,
                pt_stride=page_table.stride(0), index_topk=index_topk, page_indices=page_out, raw_indices=raw_out)
     return TopK(page_out, raw_out)

@@ -342,6 +342,72 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// ---- thread-block clusters (sm_90+): a CTA's rank, the cluster-wide barrier, reads of another CTA's shared memory
+// (distributed shared memory). DSA_CLUSTER_DIMS(n) gives a kernel a compile-time cluster of n CTAs along x, so a
+// plain launch (CuPy's cuLaunchKernel) starts the grid in clusters; below sm_90 it is empty, and the kernels that use
+// clusters are only instantiated with n = 1 there. Every helper below is called only where kHasClusters holds.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+constexpr bool kHasClusters = true;
+#define DSA_CLUSTER_DIMS(n) __cluster_dims__(n, 1, 1)
+#else
+constexpr bool kHasClusters = false;
+#define DSA_CLUSTER_DIMS(n)
+#endif
+
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+#endif
+  return r;
+}
+// Every thread of every CTA of the cluster arrives (release: its shared-memory writes become visible to the
+// cluster) and waits for all of them (acquire). arrive / wait split: work between them overlaps the barrier.
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_sync() {
+  cluster_arrive();
+  cluster_wait();
+}
+// The shared::cluster address of CTA `rank`'s copy of this CTA's shared variable at p.
+__device__ __forceinline__ u32 cluster_map(const void* p, u32 rank) {
+  u32 a = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(a) : "r"(smem_u32(p)), "r"(rank));
+#endif
+  return a;
+}
+__device__ __forceinline__ int cluster_ld_s32(u32 addr) {
+  int v = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.s32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+#endif
+  return v;
+}
+__device__ __forceinline__ int4 cluster_ld_v4(u32 addr) {  // 16-byte aligned
+  int4 v = make_int4(0, 0, 0, 0);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.v4.s32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+#endif
+  return v;
+}
+__device__ __forceinline__ u64 cluster_ld_u64(u32 addr) {
+  u64 v = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.u64 %0, [%1];\n" : "=l"(v) : "r"(addr) : "memory");
+#endif
+  return v;
+}
+
 // fp8 mma.sync (m16n8k32 .e4m3 x .e4m3, fp32 accumulate) is valid PTX on sm_89 and later, but only sm_89
 // (Ada) and sm_120+ (consumer Blackwell) run it natively (SASS QMMA). On sm_90 / sm_100 ptxas emulates it
 // (checked with cuobjdump, CUDA 13): F2FP to f16, two HMMA.16816 per mma, ~4 FADD per mma, slower than

@@ -90,12 +90,14 @@ __device__ __forceinline__ u32 tie_index(long long key) {
 
 // ---- block-wide radix selection (kSelectThreads threads, kRadixBins bins of shared or global counts) --------
 constexpr int kSelectThreads = 512;
-// The per-row select kernels' launch bounds: at least 2 CTAs per SM on sm_120 / sm_121, whose 1,536 threads per SM
-// make ptxas otherwise aim at three 512-thread CTAs (40 registers) and spill; elsewhere ptxas's own choice.
+// The per-row select kernels' launch bounds (Cluster: CTAs per row): at least 2 CTAs per SM on sm_120 / sm_121, whose
+// 1,536 threads per SM make ptxas otherwise aim at three 512-thread CTAs (40 registers) and spill, and for a cluster
+// per row (two CTAs per SM is what cupy_dsa.topk.select_cluster counts on; sm_100's ptxas otherwise aims at four and
+// spills); elsewhere ptxas's own choice (a minimum of 0 CTAs).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
-#define DSA_SELECT_LAUNCH_BOUNDS __launch_bounds__(dsa::radix::kSelectThreads, 2)
+#define DSA_SELECT_LAUNCH_BOUNDS(Cluster) __launch_bounds__(dsa::radix::kSelectThreads, 2)
 #else
-#define DSA_SELECT_LAUNCH_BOUNDS __launch_bounds__(dsa::radix::kSelectThreads)
+#define DSA_SELECT_LAUNCH_BOUNDS(Cluster) __launch_bounds__(dsa::radix::kSelectThreads, (Cluster) > 1 ? 2 : 0)
 #endif
 constexpr int kSelectWarps = kSelectThreads / 32;
 constexpr int kDigitBits = 12;
@@ -191,6 +193,7 @@ __device__ __forceinline__ u64 full_key(u32 logit, int pos) {
 }
 
 constexpr int kListCap = 2048;  // keys of the k-th key's first-digit bin that select_row collects in shared memory
+constexpr int kRunBins = 64;    // a cluster finds the k-th key's bin in two steps of 64: its run of bins, then the bin
 
 // A row's visible logits [lo, lo + n) as logit keys, addressed by "slot" c = pad + i (i = c - pad the row's element):
 // slot 0 of the row (row - pad) is 16-byte aligned, so four slots from a multiple of 4 are one 16-byte load, from
@@ -290,45 +293,50 @@ __device__ __forceinline__ void warp_stretch(const RowLogits& r, int& begin, int
   end = min(r.slots(), begin + per_warp);
 }
 
-// Hands the row's keys >= t to out(slot, position, key) in position order (slots 0, 1, ...): each warp writes its
-// stretch from its offset (a prefix over the lanes per 128 slots). `scratch`: kSelectWarps shared ints, holding each
-// warp's count of keys >= t when `counted` (select_row counts them while it collects), else counted here first.
+// The keys of slots c0 .. c0 + 3 (c0 a multiple of 4), which of them are >= t, and how many.
+__device__ __forceinline__ int pick_quad(const RowLogits& r, u64 t, int c0, u32 (&key)[4], bool (&take)[4]) {
+  bool valid[4];
+  r.quad(c0, key, valid);
+  int m = 0;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    take[e] = valid[e] && full_key(key[e], r.lo + c0 + e - r.pad) >= t;
+    m += take[e];
+  }
+  return m;
+}
+
+// Each warp stretch's count of the row's keys >= t, into counts[warp] (kSelectWarps shared ints).
+__device__ __forceinline__ void count_selected(const RowLogits& r, u64 t, int* counts) {
+  const int lane = threadIdx.x & 31;
+  int begin, end, count = 0;
+  warp_stretch(r, begin, end);
+  for (int c0 = begin + 4 * lane; c0 < end; c0 += 128) {
+    u32 key[4];
+    bool take[4];
+    count += pick_quad(r, t, c0, key, take);
+  }
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) count += __shfl_xor_sync(0xffffffffu, count, d);
+  if (lane == 0) counts[threadIdx.x >> 5] = count;
+}
+
+// Hands the row's keys >= t to out(slot, position, key) in position order (slots base, base + 1, ...): each warp
+// writes its stretch from its offset (a prefix over the lanes per 128 slots). `counts`: each warp stretch's count of
+// keys >= t (count_selected, or select_row's counts made while it collects), in shared memory, complete.
 template <class Out>
-__device__ __forceinline__ void write_selected(const RowLogits& r, u64 t, int* scratch, bool counted,
+__device__ __forceinline__ void write_selected(const RowLogits& r, u64 t, const int* counts, int base,
                                                const Out& out) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int begin, end;
   warp_stretch(r, begin, end);
-  auto picks = [&](int c0, u32 (&key)[4], bool (&take)[4]) {
-    bool valid[4];
-    r.quad(c0, key, valid);
-    int m = 0;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      take[e] = valid[e] && full_key(key[e], r.lo + c0 + e - r.pad) >= t;
-      m += take[e];
-    }
-    return m;
-  };
-  if (!counted) {  // CTA-uniform
-    int count = 0;
-    for (int c0 = begin + 4 * lane; c0 < end; c0 += 128) {
-      u32 key[4];
-      bool take[4];
-      count += picks(c0, key, take);
-    }
-#pragma unroll
-    for (int d = 16; d > 0; d >>= 1) count += __shfl_xor_sync(0xffffffffu, count, d);
-    if (lane == 0) scratch[warp] = count;
-  }
-  __syncthreads();
-  int at = 0;
-  for (int w = 0; w < warp; ++w) at += scratch[w];
-  for (int base = begin; base < end; base += 128) {  // warp-uniform
-    const int c0 = base + 4 * lane;
+  int at = base;
+  for (int w = 0; w < warp; ++w) at += counts[w];
+  for (int b = begin; b < end; b += 128) {  // warp-uniform
+    const int c0 = b + 4 * lane;
     u32 key[4];
     bool take[4] = {false, false, false, false};
-    const int m = c0 < end ? picks(c0, key, take) : 0;
+    const int m = c0 < end ? pick_quad(r, t, c0, key, take) : 0;
     int incl = m;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
@@ -344,42 +352,130 @@ __device__ __forceinline__ void write_selected(const RowLogits& r, u64 t, int* s
       }
     at += __shfl_sync(0xffffffffu, incl, 31);
   }
-  __syncthreads();  // scratch is reused
 }
 
 // select_row's shared memory besides the row's cache: the digit counts, the block scans' scratch, the collected bin.
-struct RowSelectShared {
+struct alignas(16) RowSelectShared {
   int hist[kRadixBins];
   int scratch[kSelectWarps + 3];
   int warp_count[kSelectWarps];  // select_row: each warp stretch's keys >= T
   u64 list[kListCap];
   int list_n;
+  // select_row with Cluster > 1: this CTA's first-digit counts summed over runs of kRunBins bins, the found bin
+  // (index, above, count), and this CTA's count of keys >= T
+  int runs[kRadixBins / kRunBins];
+  int found[3];
+  int total;
 };
+
+// Dynamic shared memory of a per-row select kernel: its row cache (CacheEntries u32) and, with a cluster per row,
+// the cluster's collected keys of the k-th key's bin, merged (kListCap u64, 8-byte aligned), after it.
+template <int CacheEntries, int Cluster>
+constexpr int kSelectSmemBytes = ((CacheEntries + 1) & ~1) * 4 + (Cluster > 1 ? kListCap * 8 : 0);
+__device__ __forceinline__ u64* select_merged(u32* dynamic_smem, int cache_entries) {
+  return reinterpret_cast<u64*>(dynamic_smem + ((cache_entries + 1) & ~1));
+}
+
+// One warp finds, among 64 counts (index = digit, greater = greater key; count(i) from `count`) holding at least
+// `need` >= 1 keys, the index where they reach `need` from the top: {index, keys above it, its count} -> out[0..2]
+// (shared), written by the one lane that holds it.
+template <class Count>
+__device__ __forceinline__ void warp_find_64(const Count& count, int need, int* out) {
+  const int lane = threadIdx.x & 31;
+  const int c0 = count(2 * lane), c1 = count(2 * lane + 1);
+  const int sum = c0 + c1;
+  int incl = sum;  // keys in this lane's pair and every pair above it
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_down_sync(0xffffffffu, incl, d);
+    if (lane + d < 32) incl += v;
+  }
+  const int above = incl - sum;
+  if (above < need && above + sum >= need) {
+    const bool upper = above + c1 >= need;
+    out[0] = upper ? 2 * lane + 1 : 2 * lane;
+    out[1] = upper ? above : above + c1;
+    out[2] = upper ? c1 : c0;
+  }
+}
+
+// The keys of each CTA's slice of a row of n (the last may hold fewer): whole quads.
+template <int Cluster>
+__host__ __device__ constexpr int select_slice(int n) {
+  return Cluster > 1 ? ((n + Cluster - 1) / Cluster + 3) & ~3 : n;
+}
 
 // The k greatest keys of a row that sees n > k >= 1 positions [lo, lo + n) (`row`: the logit of position lo), handed
 // to out(slot, position, key) in position order, slots 0 .. k - 1. Every thread of the block calls it. Three passes
 // over the row: the read (first digits counted), the collection of the keys in the k-th key's first-digit bin
 // (radix-selected in shared memory) while each warp counts its stretch's keys above that bin, the write (its
 // offsets: those counts plus the collected keys >= T of each stretch). A bin of more than kListCap keys (ties of a
-// flat row) is selected over the row, and the write counts first. `cache`: null, or kSelectCache(n) shared u32.
-template <class Out>
-__device__ void select_row(const float* __restrict__ row, int lo, int n, int k, u32* cache, RowSelectShared& sh,
-                           const Out& out) {
+// flat row) is selected over the row, and the write counts first. `cache`: null, or kSelectCache(slice) shared u32;
+// `merged` (Cluster > 1): kListCap shared u64.
+//
+// Cluster > 1 (sm_90+, a cluster of that many CTAs per row): CTA rank j reads only its slice of the row (the j-th
+// of Cluster stretches of whole quads) and counts its first digits; each CTA sums the cluster's counts from the
+// CTAs' shared memory and finds the same bin; each collects its slice's keys of that bin and counts its stretches'
+// keys above it; each merges the cluster's collected keys (at most kListCap) and radix-selects T among them, so every
+// CTA finds the same T; each writes its slice's keys >= T from the slot that the counts of the CTAs before it give.
+// Position order and the slots are those of one CTA per row: the result does not depend on Cluster. A bin past
+// kListCap is selected by each CTA over the whole row (from L2: ties of a flat row, the slow path).
+template <int Cluster, class Out>
+__device__ void select_row(const float* __restrict__ row, int lo, int n, int k, u32* cache, u64* merged,
+                           RowSelectShared& sh, const Out& out) {
+  static_assert(Cluster == 1 || (kHasClusters && Cluster <= 8), "select_row: clusters of 2-8 CTAs on sm_90+ only");
   int* hist = sh.hist;
   int* scratch = sh.scratch;
   u64* list = sh.list;
   int* list_n = &sh.list_n;
+  const u32 rank = Cluster > 1 ? cluster_rank() : 0u;
+  // this CTA's slice [s, s + ns) of the row, whole quads
+  const int per = select_slice<Cluster>(n);
+  const int s = min(n, static_cast<int>(rank) * per), ns = min(n, s + per) - s;
   for (int i = threadIdx.x; i < kRadixBins; i += kSelectThreads) hist[i] = 0;
   if (threadIdx.x == 0) *list_n = 0;
   __syncthreads();
-  const int pad = load_row(row, n, cache, hist);
-  __syncthreads();
-  const RowLogits r{row, cache, pad, lo, n};
-  const BinFound f = find_bin(hist, k, scratch);
+  const int pad = load_row(row + s, ns, cache, hist);
+  BinFound f;
+  if constexpr (Cluster > 1) {
+    // The cluster's counts are the sum of its CTAs'. Reading all 4096 of every CTA's (16 KB x Cluster per CTA) would
+    // cost more than the select (distributed shared memory is far slower than a CTA's own): each CTA sums its bins
+    // over runs of kRunBins, then finds the run holding the k-th key from the CTAs' run sums and the bin from that
+    // run's counts, 2 x 64 counts per CTA of the cluster.
+    __syncthreads();
+    static_assert(kBinsPerThread * 8 == kRunBins, "select_row: a run's bins are eight threads'");
+    int run = 0;
+#pragma unroll
+    for (int i = 0; i < kBinsPerThread; ++i) run += hist[threadIdx.x * kBinsPerThread + i];
+    run += __shfl_xor_sync(0xffffffffu, run, 1);
+    run += __shfl_xor_sync(0xffffffffu, run, 2);
+    run += __shfl_xor_sync(0xffffffffu, run, 4);
+    if ((threadIdx.x & 7) == 0) sh.runs[threadIdx.x >> 3] = run;
+    cluster_sync();  // every CTA's counts and run sums are complete
+    auto summed = [&](const int* counts) {
+      return [=](int i) {
+        int sum = 0;
+#pragma unroll
+        for (int j = 0; j < Cluster; ++j) sum += cluster_ld_s32(cluster_map(counts + i, static_cast<u32>(j)));
+        return sum;
+      };
+    };
+    if (threadIdx.x < 32) warp_find_64(summed(sh.runs), k, sh.found);
+    __syncthreads();
+    const int run_index = sh.found[0], run_above = sh.found[1];
+    __syncthreads();  // found is written again
+    if (threadIdx.x < 32) warp_find_64(summed(hist + run_index * kRunBins), k - run_above, sh.found);
+    __syncthreads();
+    f = BinFound{run_index * kRunBins + sh.found[0], run_above + sh.found[1], sh.found[2]};
+  } else {
+    __syncthreads();
+    f = find_bin(hist, k, scratch);
+  }
+  const RowLogits r{row + s, cache, pad, lo + s, ns};
   const int need = k - f.above;
   const u64 prefix = static_cast<u64>(f.bin) << (64 - kDigitBits);
   u64 t = prefix;  // need == f.count: the whole bin
-  const bool counted = f.count <= kListCap;  // CTA-uniform
+  const bool counted = f.count <= kListCap;  // uniform over the cluster
   if (counted) {
     const int lane = threadIdx.x & 31;
     int begin, end, above = 0;
@@ -392,26 +488,59 @@ __device__ void select_row(const float* __restrict__ row, int lo, int n, int k, 
       for (int e = 0; e < 4; ++e) {
         const int digit = static_cast<int>(key[e] >> (32 - kDigitBits));
         above += valid[e] && digit > f.bin;
-        if (valid[e] && digit == f.bin) list[atomicAdd(list_n, 1)] = full_key(key[e], lo + c0 + e - pad);
+        if (valid[e] && digit == f.bin) list[atomicAdd(list_n, 1)] = full_key(key[e], r.lo + c0 + e - pad);
       }
     }
 #pragma unroll
     for (int d = 16; d > 0; d >>= 1) above += __shfl_xor_sync(0xffffffffu, above, d);
     if (lane == 0) sh.warp_count[threadIdx.x >> 5] = above;
-    __syncthreads();
-    if (need != f.count) t = radix_threshold(ListKeySource{list, f.count}, kDigitBits, prefix, need, hist, scratch);
+    const u64* keys = list;
+    if constexpr (Cluster > 1) {
+      // every CTA's list is complete, and no CTA reads another's counts any more (hist is free again)
+      cluster_sync();
+      if (need != f.count) {
+        int at = 0;
+        for (int j = 0; j < Cluster; ++j) {
+          const int m = cluster_ld_s32(cluster_map(list_n, static_cast<u32>(j)));
+          const u32 from = cluster_map(list, static_cast<u32>(j));
+          for (int i = threadIdx.x; i < m; i += kSelectThreads) merged[at + i] = cluster_ld_u64(from + 8 * i);
+          at += m;
+        }
+        keys = merged;
+        __syncthreads();
+      }
+    } else {
+      __syncthreads();
+    }
+    if (need != f.count) t = radix_threshold(ListKeySource{keys, f.count}, kDigitBits, prefix, need, hist, scratch);
     // each stretch's collected keys >= t join its count (key -> position -> slot -> the stretch holding it)
-    const int per_warp = stretch_slots(r);
-    for (int i = threadIdx.x; i < f.count; i += kSelectThreads)
+    const int per_warp = stretch_slots(r), mine = *list_n;
+    for (int i = threadIdx.x; i < mine; i += kSelectThreads)
       if (list[i] >= t) {
-        const int slot = static_cast<int>(0xFFFFFFFFu - static_cast<u32>(list[i])) - lo + pad;
+        const int slot = static_cast<int>(0xFFFFFFFFu - static_cast<u32>(list[i])) - r.lo + pad;
         atomicAdd(&sh.warp_count[slot / per_warp], 1);
       }
-  } else if (need != f.count) {
-    t = radix_threshold(RowKeySource{r}, kDigitBits, prefix, need, hist, scratch);
+  } else {
+    if constexpr (Cluster > 1) cluster_sync();  // no CTA reads another's counts any more
+    if (need != f.count)  // over the whole row: every CTA finds the same T
+      t = radix_threshold(RowKeySource{RowLogits{row, nullptr, 0, lo, n}}, kDigitBits, prefix, need, hist, scratch);
+    __syncthreads();
+    count_selected(r, t, sh.warp_count);
   }
   __syncthreads();
-  write_selected(r, t, counted ? sh.warp_count : scratch, counted, out);
+  int base = 0;  // the slot of this CTA's first key: the keys >= T of the CTAs before it
+  if constexpr (Cluster > 1) {
+    if (threadIdx.x == 0) {
+      int total = 0;
+      for (int w = 0; w < kSelectWarps; ++w) total += sh.warp_count[w];
+      sh.total = total;
+    }
+    cluster_sync();  // every CTA's total is known, and every merge of the lists is done
+    for (int j = 0; j < static_cast<int>(rank); ++j) base += cluster_ld_s32(cluster_map(&sh.total, static_cast<u32>(j)));
+    cluster_arrive();  // this CTA reads no other CTA's shared memory from here on
+  }
+  write_selected(r, t, sh.warp_count, base, out);
+  if constexpr (Cluster > 1) cluster_wait();  // no CTA exits while another may still read its shared memory
 }
 
 // Shared u32 a row of n visible logits takes in select_row's cache: its slots, rounded up to whole 16-byte quads.

@@ -334,31 +334,34 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_boundary
 #undef DSA_SELECT_ROW
 
 // The same K' candidates with one CTA per row (select_row; the heuristic in cupy_dsa.rescore picks it where the
-// rows fill the GPU or fit in shared memory): one read of the row instead of two plus a work buffer, written in
-// position order. A row that sees at most k_prime keys writes them all, then kInvalidKey. Grid (rows),
-// kSelectThreads threads; dynamic shared memory: CacheEntries u32 (rows that do not fit are read again from L2
-// by each radix pass).
-template <int CacheEntries>
-__global__ void DSA_SELECT_LAUNCH_BOUNDS rescore_candidates(
+// rows fill the GPU or fit in shared memory), or a cluster of Cluster CTAs per row on sm_90+ (each reads a slice:
+// cupy_dsa.topk.select_cluster picks it where the rows alone would leave SMs idle): one read of the row instead of
+// two plus a work buffer, written in position order. A row that sees at most k_prime keys writes them all, then
+// kInvalidKey. Grid (rows * Cluster), kSelectThreads threads; dynamic shared memory: CacheEntries u32 and, with
+// clusters, kListCap u64 (a row or slice that does not fit is read again from L2 by each radix pass).
+template <int CacheEntries, int Cluster>
+__global__ void DSA_SELECT_LAUNCH_BOUNDS(Cluster) DSA_CLUSTER_DIMS(Cluster) rescore_candidates(
     const float* __restrict__ logits, long long logits_stride, DSA_ROW_SPEC_ARGS, int index_topk, int k_prime,
     long long* __restrict__ candidates) {
   using namespace dsa;
   using namespace dsa::rescore;
   extern __shared__ u32 row_cache[];
   __shared__ RowSelectShared shared;
-  const int r = blockIdx.x;
+  const int r = blockIdx.x / Cluster;
   const RowKeys rk = row_keys(DSA_ROW_SPEC, r);
   const int n = rk.hi - rk.lo;
-  if (n <= index_topk) return;  // CTA-uniform: selected without scores
+  if (n <= index_topk) return;  // uniform over the cluster: selected without scores
   const float* __restrict__ row = logits + static_cast<i64>(r) * logits_stride + rk.lo;
   long long* __restrict__ cand = candidates + static_cast<i64>(r) * k_prime;
   if (n <= k_prime) {
-    for (int i = threadIdx.x; i < k_prime; i += kSelectThreads)
+    for (int i = (blockIdx.x % Cluster) * kSelectThreads + threadIdx.x; i < k_prime; i += Cluster * kSelectThreads)
       cand[i] = i < n ? signed_key(full_key(logit_key(row[i]), rk.lo + i)) : kInvalidKey;
     return;
   }
-  select_row(row, rk.lo, n, k_prime, CacheEntries >= kSelectCache(n) ? row_cache : nullptr, shared,
-             [&](int slot, int, u64 key) { cand[slot] = signed_key(key); });
+  const int slice = select_slice<Cluster>(n);
+  select_row<Cluster>(row, rk.lo, n, k_prime, CacheEntries >= kSelectCache(slice) ? row_cache : nullptr,
+                      select_merged(row_cache, CacheEntries), shared,
+                      [&](int slot, int, u64 key) { cand[slot] = signed_key(key); });
 }
 
 namespace dsa {

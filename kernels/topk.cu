@@ -8,10 +8,11 @@
 // raw_indices (the positions i). Nothing is read past a row's n logits or its page-table entries of them.
 #include "radix_select.cuh"
 
-// Grid (rows), kSelectThreads threads; dynamic shared memory: CacheEntries u32 (a row that does not fit is read
-// again from L2 by each radix pass).
-template <int CacheEntries>
-__global__ void DSA_SELECT_LAUNCH_BOUNDS paged_topk_kernel(
+// Grid (rows * Cluster): one CTA per row, or on sm_90+ a cluster of Cluster CTAs per row, each reading a slice
+// (select_row); kSelectThreads threads; dynamic shared memory: CacheEntries u32 and, with clusters, kListCap u64
+// (a row or slice that does not fit is read again from L2 by each radix pass).
+template <int CacheEntries, int Cluster>
+__global__ void DSA_SELECT_LAUNCH_BOUNDS(Cluster) DSA_CLUSTER_DIMS(Cluster) paged_topk_kernel(
     const float* __restrict__ logits, long long logits_stride, int width, const int* __restrict__ lens,
     const int* __restrict__ page_table, long long pt_stride, int index_topk, int* __restrict__ page_indices,
     int* __restrict__ raw_indices) {
@@ -19,7 +20,7 @@ __global__ void DSA_SELECT_LAUNCH_BOUNDS paged_topk_kernel(
   using namespace dsa::radix;
   extern __shared__ u32 row_cache[];
   __shared__ RowSelectShared shared;
-  const int r = blockIdx.x;
+  const int r = blockIdx.x / Cluster;
   const int n = max(0, min(lens[r], width));
   const int* __restrict__ pt = page_table + static_cast<i64>(r) * pt_stride;
   int* __restrict__ out = page_indices + static_cast<i64>(r) * index_topk;
@@ -28,16 +29,19 @@ __global__ void DSA_SELECT_LAUNCH_BOUNDS paged_topk_kernel(
     return static_cast<int>((static_cast<u32>(pt[pos >> kPageBits]) << kPageBits) |
                             static_cast<u32>(pos & (kPageSlots - 1)));
   };
-  if (n <= index_topk) {  // CTA-uniform
-    for (int i = threadIdx.x; i < index_topk; i += kSelectThreads) {
+  if (n <= index_topk) {  // uniform over the cluster
+    for (int i = (blockIdx.x % Cluster) * kSelectThreads + threadIdx.x; i < index_topk; i += Cluster * kSelectThreads) {
       out[i] = i < n ? slot_of(i) : -1;
       if (raw != nullptr) raw[i] = i < n ? i : -1;
     }
     return;
   }
-  select_row(logits + static_cast<i64>(r) * logits_stride, 0, n, index_topk,
-             CacheEntries >= kSelectCache(n) ? row_cache : nullptr, shared, [&](int slot, int pos, u64) {
-               out[slot] = slot_of(pos);
-               if (raw != nullptr) raw[slot] = pos;
-             });
+  const int slice = select_slice<Cluster>(n);
+  select_row<Cluster>(logits + static_cast<i64>(r) * logits_stride, 0, n, index_topk,
+                      CacheEntries >= kSelectCache(slice) ? row_cache : nullptr,
+                      select_merged(row_cache, CacheEntries), shared,
+                      [&](int slot, int pos, u64) {
+                        out[slot] = slot_of(pos);
+                        if (raw != nullptr) raw[slot] = pos;
+                      });
 }

@@ -182,34 +182,37 @@ def run_rescore():
     cu = torch.tensor([0, 9, 9, 10, 37], dtype=torch.int32, device=dev)
     rescore.rescore_topk_prefill(q, w, hi, lo, ks, ke, bt2, K, KP, cu_rows=cu)
     n += 2
-    # long rows, both ways of selecting the candidates: one CTA per row (a row in the arch's large shared-memory
-    # cache, or past every cache) and column chunks (the first digit counted by several CTAs per row, the K'-th
-    # key's bin collected and, for flat logits, past what is collected: read from the row); with the stage-1 ranks
+    # long rows, every way of selecting the candidates: per row, by a cluster of CTAs (sm_90+, few rows: the
+    # default here) or by one CTA (a row in the arch's large shared-memory cache, or past every cache), and column
+    # chunks (the first digit counted by several CTAs per row, the K'-th key's bin collected and, for flat logits, past
+    # what is collected: read from the row); with the stage-1 ranks
+    from cupy_dsa import topk
     B = 2
     q = torch.randn(B, 1, 64, 128, device=dev).to(torch.float8_e4m3fn)
     w = torch.rand(B, 64, device=dev)
-    per_row = rescore.one_cta_per_row
+    per_row, cluster = rescore.select_per_row, topk.select_cluster
+    routes = ((per_row, cluster), (per_row, lambda *args: 1), (lambda *args: False, cluster))
     for width in (20480, 53248):
         lens = torch.tensor([width - 480, 9000], dtype=torch.int32, device=dev)
         bt = torch.randint(-1, P + 1, (B, width // 64), dtype=torch.int32, device=dev)
-        for route in (per_row, lambda *args: False):
-            rescore.one_cta_per_row = route
+        for route, ctas in routes:
+            rescore.select_per_row, topk.select_cluster = route, ctas
             try:
                 for s1 in (torch.zeros(B, width, device=dev), torch.round(torch.randn(B, width, device=dev) * 8) / 8):
                     rescore.rescore_topk(q, w, hi, lo, lens, bt, 512, 2048, stage1_logits=s1, fp8_rank=True)
                     n += 1
             finally:
-                rescore.one_cta_per_row = per_row
+                rescore.select_per_row, topk.select_cluster = per_row, cluster
     return n
 
 
 def run_topk():
     """paged_topk: lengths 0, trivial, past the width; rows in the small and the large shared-memory cache and past
-    both; an unaligned logits
+    both, by one CTA and (sm_90+) by a cluster of CTAs per row; an unaligned logits
     view (the vector loads' scalar head); flat rows (the boundary bin past what is collected) and ties."""
     from cupy_dsa import topk
 
-    n = 0
+    n, cluster = 0, topk.select_cluster
     for width, k in ((300, 16), (9001, 512), (20480, 512), (53248, 512)):
         R = 6
         base = torch.randn(R, width + 3, device=dev)
@@ -217,8 +220,13 @@ def run_topk():
         table = torch.randint(0, 1 << 20, (R, -(-width // 64)), dtype=torch.int32, device=dev)
         for logits_in in (base[:, 1:width + 1], torch.zeros(R, width, device=dev),
                           torch.round(base[:, :width] * 4) / 4):
-            topk.paged_topk(logits_in, lens, table, k, raw_indices=True)
-            n += 1
+            for ctas in (cluster, lambda *args: 1):   # a cluster per row (sm_90+, these few rows) and one CTA
+                topk.select_cluster = ctas
+                try:
+                    topk.paged_topk(logits_in, lens, table, k, raw_indices=True)
+                finally:
+                    topk.select_cluster = cluster
+                n += 1
     return n
 
 

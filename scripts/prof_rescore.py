@@ -2,9 +2,11 @@
 shapes of issue 31 (decode / verify rows x index entries). A contributor's tool: every launch of one
 ``rescore_topk(..., stage1_logits=)`` call is recorded, then the call is timed with its first n launches for each n
 (a launch's time is the difference), then whole.
-    usage: python3 scripts/prof_rescore.py [quick | prefill]   (after pip install -e .)   (a summary table last)
+    usage: python3 scripts/prof_rescore.py [quick | prefill | select] [--ctas N]   (after pip install -e .)
 ``prefill``: rows over ONE request's entries (one block-table row for all), its keys L2-resident as a prefill
-chunk's rows share them.
+chunk's rows share them. ``select``: the per-row select alone (``paged_topk`` at k = 512 and at k = K' = 2048, the
+candidates' select) with one CTA per row and with clusters of 2, 4 and 8 CTAs forced, and the heuristic's choice.
+``--ctas N``: the select's CTAs per row forced to N (topk.select_cluster). A summary table last.
 """
 import math
 import sys
@@ -12,7 +14,7 @@ import sys
 import torch
 
 import cupy_dsa
-from cupy_dsa import layouts, rescore
+from cupy_dsa import layouts, rescore, topk
 from cupy_dsa.bench.sweeps import make_freqs  # the installed package (pip install -e .)
 from cupy_dsa.bench.timing import time_calls
 
@@ -45,11 +47,50 @@ def build(dev, g, B, next_n, N, shared=False):
     return q, w, hi, lo, lens, bt, logits
 
 
+def select_only(dev, g):
+    """paged_topk over stage-1-like logits at each case's rows and width, us per call, by CTAs per row."""
+    heuristic = topk.select_cluster
+    n_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    arch = cupy_dsa.runtime.device_arch(dev.index or 0)
+    rows_out = []
+    for B, next_n, N in CASES:
+        R = B * next_n
+        logits = torch.randn(R, N, device=dev, generator=g)
+        lens = torch.full((R,), N, dtype=torch.int32, device=dev)
+        table = torch.arange(R * (N // 64), device=dev, dtype=torch.int32).view(R, -1)
+        chosen = heuristic(N, R, n_sms, arch)
+        cells = []
+        for k in (512, 2048):
+            for ctas in (1, 2, 4, 8):
+                topk.select_cluster = lambda *a, c=ctas: c
+                try:
+                    us = time_calls([lambda: topk.paged_topk(logits, lens, table, k)], dev, reps=15).seconds * 1e6
+                finally:
+                    topk.select_cluster = heuristic
+                cells.append(f"k{k}/c{ctas} {us:.1f}")
+        line = f"{R} x {N // K}K (heuristic: {chosen} CTAs per row): " + " ".join(cells)
+        print(line, flush=True)
+        rows_out.append(line)
+        del logits
+        torch.cuda.empty_cache()
+    print("per-row select alone, us per call (CUDA-graph replays):")
+    for line in rows_out:
+        print(line)
+
+
 def main():
     dev = torch.device("cuda")
     g = torch.Generator(device=dev)
     g.manual_seed(0)
-    mode = sys.argv[1] if sys.argv[1:] else "all"
+    args = sys.argv[1:]
+    if "--ctas" in args:
+        i = args.index("--ctas")
+        forced = int(args[i + 1])
+        topk.select_cluster = lambda *a: forced
+        del args[i:i + 2]
+    mode = args[0] if args else "all"
+    if mode == "select":
+        return select_only(dev, g)
     cases = {"quick": CASES[:2], "prefill": PREFILL_CASES}.get(mode, CASES)
     launch = rescore._launch
     recorded = []

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import cupy_dsa
-from cupy_dsa import layouts, rescore, store
+from cupy_dsa import layouts, rescore, store, topk
 from cupy_dsa.layouts import PAGE_SLOTS
 
 
@@ -705,14 +705,19 @@ def test_gpu_given_logits_with_junk_past_the_lengths(seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("per_row", [False, True], ids=["column chunks", "one CTA per row"])
-def test_gpu_long_rows_select_over_column_chunks(seed, stage1_arch, per_row, monkeypatch):
+@pytest.mark.parametrize("per_row,ctas", [(False, None), (True, 1), (True, 4), (True, 8)],
+                         ids=["column chunks", "one CTA per row", "4-CTA clusters", "8-CTA clusters"])
+def test_gpu_long_rows_select_over_column_chunks(seed, stage1_arch, per_row, ctas, monkeypatch):
     """Rows of thousands of keys, past the shared-memory cache: by column chunks (the candidates' first digit
-    counted by several CTAs per row, the boundary bin collected by atomics) and by one CTA per row (every radix
-    pass reading the row again): with the op's own logits, with logits of many exact ties (rounded to 1/8, so
-    bins and ties straddle the chunks), and with a flat row (every key tied: the boundary bin is past what is
-    collected and is read from the row); K' = 2048, index_topk = 512, against the reference on the same logits."""
-    monkeypatch.setattr(rescore, "one_cta_per_row", lambda width, rows, n_sms, arch: per_row)
+    counted by several CTAs per row, the boundary bin collected by atomics), by one CTA per row (every radix
+    pass reading the row again) and by a cluster of CTAs per row (sm_90+; one CTA elsewhere: each CTA a slice, the
+    digit counts and the bin's keys merged across the cluster): with the op's own logits, with logits of many exact
+    ties (rounded to 1/8, so bins and ties straddle the chunks and slices), and with a flat row (every key tied: the
+    boundary bin is past what is collected and is read from the row); K' = 2048, index_topk = 512, against the
+    reference on the same logits."""
+    monkeypatch.setattr(rescore, "select_per_row", lambda width, rows, n_sms, arch: per_row)
+    if ctas is not None:
+        monkeypatch.setattr(topk, "select_cluster", lambda width, rows, n_sms, arch: ctas)
     B, n, K, KP = 2, 24576, 512, 2048
     _, hi, lo, table = _case(B, n, seed=seed % 100000)
     q8, w8, _, _ = _query_pair(B, 1, seed)

@@ -95,13 +95,24 @@ def test_bad_input_names_the_argument(call, match):
 # GPU
 # --------------------------------------------------------------------------------------------------
 
+def _force_cluster(monkeypatch, ctas):
+    """CTAs per row of the select (topk.select_cluster): None keeps the heuristic's (a cluster for these few rows on
+    sm_90+); 1 one CTA per row; 2 / 8 a cluster of that many (one CTA where the GPU has no clusters)."""
+    if ctas is not None:
+        monkeypatch.setattr(topk, "select_cluster", lambda width, rows, n_sms, arch: ctas)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("width,k", [(300, 16), (6144, 512), (16384, 512), (24576, 1024), (65536, 512),
                                      (20000, 2048)])
 @pytest.mark.parametrize("ties", [False, True])
-def test_gpu_equals_the_reference(seed, width, k, ties):
-    """Mixed lengths (0, below, at and above k, past the width), rows in the shared-memory cache and past it,
-    junk past each row's length, outputs poisoned first: every element equals the reference's."""
+@pytest.mark.parametrize("ctas", [None, 1, 2, 8])
+def test_gpu_equals_the_reference(seed, width, k, ties, ctas, monkeypatch):
+    """Mixed lengths (0, below, at and above k, past the width), rows in the shared-memory cache and past it, by
+    one CTA and by clusters of CTAs per row (slices of 16 keys to past the slice cache), junk past each row's
+    length: every element equals the reference's (ties: the k-th key's bin past what is collected, read from the
+    row by every CTA of a cluster)."""
+    _force_cluster(monkeypatch, ctas)
     R = 7
     logits, _, table = _case(R, width, seed % 100000, ties=ties)
     lens = torch.tensor([0, k - 1, k, k + 1, width // 3 + 1, width, width + 50], dtype=torch.int32)
@@ -153,10 +164,12 @@ def test_gpu_cuda_graph_capture_and_replay(seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [64, 512, 2048])
-def test_gpu_special_values_as_the_reference(seed, k):
+@pytest.mark.parametrize("ctas", [None, 1])
+def test_gpu_special_values_as_the_reference(seed, k, ctas, monkeypatch):
     """NaNs of both signs and any payload (above +inf, as torch ranks them), infinities, signed zeros (equal),
     fp32 subnormals, values past fp16's range and values within one fp16 step: the radix select's order keys
     keep the reference's selection, every element."""
+    _force_cluster(monkeypatch, ctas)
     R, width = 6, 6144
     g = torch.Generator().manual_seed(seed % 100000)
     kind = torch.randint(0, 8, (R, width), generator=g)
