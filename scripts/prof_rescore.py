@@ -6,7 +6,8 @@ shapes of issue 31 (decode / verify rows x index entries). A contributor's tool:
 ``prefill``: rows over ONE request's entries (one block-table row for all), its keys L2-resident as a prefill
 chunk's rows share them. ``select``: the per-row select alone (``paged_topk`` at k = 512 and at k = K' = 2048, the
 candidates' select) with one CTA per row and with clusters of 2, 4 and 8 CTAs forced, and the heuristic's choice.
-``--ctas N``: the select's CTAs per row forced to N (topk.select_cluster). A summary table last.
+``--ctas N``: the select's CTAs per row forced to N (topk.select_cluster; ``select`` times only N). A summary table
+last.
 """
 import math
 import sys
@@ -47,7 +48,7 @@ def build(dev, g, B, next_n, N, shared=False):
     return q, w, hi, lo, lens, bt, logits
 
 
-def select_only(dev, g):
+def select_only(dev, g, ctas_list=(1, 2, 4, 8)):
     """paged_topk over stage-1-like logits at each case's rows and width, us per call, by CTAs per row."""
     heuristic = topk.select_cluster
     n_sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -61,7 +62,7 @@ def select_only(dev, g):
         chosen = heuristic(N, R, n_sms, arch)
         cells = []
         for k in (512, 2048):
-            for ctas in (1, 2, 4, 8):
+            for ctas in ctas_list:
                 topk.select_cluster = lambda *a, c=ctas: c
                 try:
                     us = time_calls([lambda: topk.paged_topk(logits, lens, table, k)], dev, reps=15).seconds * 1e6
@@ -83,6 +84,7 @@ def main():
     g = torch.Generator(device=dev)
     g.manual_seed(0)
     args = sys.argv[1:]
+    forced = None
     if "--ctas" in args:
         i = args.index("--ctas")
         forced = int(args[i + 1])
@@ -90,7 +92,7 @@ def main():
         del args[i:i + 2]
     mode = args[0] if args else "all"
     if mode == "select":
-        return select_only(dev, g)
+        return select_only(dev, g, (forced,) if forced else (1, 2, 4, 8))
     cases = {"quick": CASES[:2], "prefill": PREFILL_CASES}.get(mode, CASES)
     launch = rescore._launch
     recorded = []
