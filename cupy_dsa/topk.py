@@ -68,16 +68,24 @@ def row_cache_entries(cache: str, arch: str | None) -> int:
 CLUSTER_SIZES = (2, 4, 8)            # 8: the portable cluster size
 SLICE_CACHE_KEYS = 8192              # keys of a slice a cluster CTA reads into shared memory once (64K-key rows at 8)
 CLUSTER_MIN_SLICE = 4096             # keys a cluster CTA gets at least
-CLUSTER_CTAS_PER_SM = 2              # a row's clusters' CTAs over the SMs at most (two fit an SM on sm_90 / sm_100)
+CLUSTER_CTAS_PER_SM = 2              # cluster CTAs per SM counted on at most (what sm_90 / sm_100 hold; timed on an H100)
+
+
+def cluster_ctas_per_sm(arch: str) -> int:
+    """Cluster CTAs one SM of ``arch`` holds at once, by their shared memory (slice cache, merged list, the select's
+    own), at most CLUSTER_CTAS_PER_SM: two on sm_90 / sm_100, one on the 100 KB archs (sm_120)."""
+    smem = _select_smem(row_cache_entries("slice", arch), CLUSTER_SIZES[0]) + _SELECT_STATIC_SMEM
+    return max(1, min(CLUSTER_CTAS_PER_SM, arch_limits.ctas_by_smem(arch, smem)))
 
 
 def select_cluster(width: int, rows: int, n_sms: int, arch: str | None) -> int:
     """CTAs per row of the per-row select kernels: 1, or on an arch with thread-block clusters the largest of
-    CLUSTER_SIZES whose CTAs stay within CLUSTER_CTAS_PER_SM per SM over the rows and leave each at least
-    CLUSTER_MIN_SLICE of the row."""
+    CLUSTER_SIZES whose CTAs all stay resident at once over the rows (:func:`cluster_ctas_per_sm` per SM) and leave
+    each at least CLUSTER_MIN_SLICE of the row."""
     if arch is None or not arch_limits.has_clusters(arch):
         return 1
-    fits = [c for c in CLUSTER_SIZES if rows * c <= CLUSTER_CTAS_PER_SM * n_sms and width >= c * CLUSTER_MIN_SLICE]
+    per_sm = cluster_ctas_per_sm(arch)
+    fits = [c for c in CLUSTER_SIZES if rows * c <= per_sm * n_sms and width >= c * CLUSTER_MIN_SLICE]
     return max(fits, default=1)
 
 
@@ -97,10 +105,14 @@ def row_select_values(problem: tuple[str, int], arch: str | None) -> dict:
     return dict(CacheEntries=row_cache_entries("small" if cache == "slice" else cache, arch), Cluster=1)
 
 
+def _select_smem(cache_entries: int, cluster: int) -> int:
+    return 4 * (cache_entries + cache_entries % 2) + (LIST_CAP * 8 if cluster > 1 else 0)
+
+
 def row_select_smem(cfg) -> int:
     """Dynamic shared memory of a per-row select config (kSelectSmemBytes): the row cache and, with clusters, the
     merged keys of the k-th key's bin (kListCap int64)."""
-    return 4 * (cfg.CacheEntries + cfg.CacheEntries % 2) + (LIST_CAP * 8 if cfg.Cluster > 1 else 0)
+    return _select_smem(cfg.CacheEntries, cfg.Cluster)
 
 
 ROW_SELECT_PROBLEMS = [("small", 1), ("large", 1), ("none", 1)] + [("slice", c) for c in CLUSTER_SIZES]

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import cupy_dsa
+from cupy_dsa import arch as arch_limits
 from cupy_dsa import topk
 from cupy_dsa.layouts import PAGE_SLOTS
 
@@ -71,6 +72,33 @@ def test_ties_go_to_the_lower_position_and_positions_past_the_table_are_never_se
 def test_raw_indices_only_when_asked():
     logits, lens, table = _case(2, 100, seed=1)
     assert topk.paged_topk(logits, lens, table, 8).raw_indices is None
+
+
+@pytest.mark.parametrize("arch", sorted(arch_limits.ARCH_LIMITS))
+def test_select_cluster_keeps_its_ctas_resident_and_their_slices_long(arch):
+    """A cluster per row only where the arch has clusters, only of a portable size, with every CTA of the launch
+    resident at once (by the slice config's shared memory on that arch) and at least CLUSTER_MIN_SLICE keys each."""
+    static = topk._SELECT_STATIC_SMEM
+    for n_sms in (20, 132, 188):
+        for rows in (1, 8, 48, 64, 144, 2048):
+            for width in (2048, 6144, 24576, 65536, 262144):
+                c = topk.select_cluster(width, rows, n_sms, arch)
+                if c == 1:
+                    continue
+                assert arch_limits.has_clusters(arch) and c in topk.CLUSTER_SIZES
+                assert width >= c * topk.CLUSTER_MIN_SLICE
+                cfg = topk.TOPK.select(topk.row_select_problem(width, rows, n_sms, arch), arch)
+                per_sm = arch_limits.ctas_by_smem(arch, topk.row_select_smem(cfg) + static)
+                assert cfg.Cluster == c and rows * c <= per_sm * n_sms, (arch, n_sms, rows, width, c, per_sm)
+
+
+def test_select_cluster_takes_the_h100_measured_choices():
+    """The picks the H100 timings in cupy_dsa/topk.py support: one CTA for 6K-key rows (a cluster costs more there),
+    4 CTAs at 48 x 24K, 8 for one 64K row; on sm_120 (one cluster CTA per SM) half as many at 48 x 24K."""
+    pick = lambda width, rows, n_sms=132, arch="sm_90": topk.select_cluster(width, rows, n_sms, arch)
+    assert (pick(6144, 48), pick(6144, 144), pick(24576, 48), pick(65536, 1)) == (1, 1, 4, 8)
+    assert (topk.cluster_ctas_per_sm("sm_90"), topk.cluster_ctas_per_sm("sm_120")) == (2, 1)
+    assert pick(24576, 48, 188, "sm_120") == 2 and pick(65536, 1, arch="sm_80") == 1
 
 
 @pytest.mark.parametrize("call,match", [
