@@ -392,14 +392,6 @@ __device__ __forceinline__ int cluster_ld_s32(u32 addr) {
 #endif
   return v;
 }
-__device__ __forceinline__ int4 cluster_ld_v4(u32 addr) {  // 16-byte aligned
-  int4 v = make_int4(0, 0, 0, 0);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("ld.shared::cluster.v4.s32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
-#endif
-  return v;
-}
 __device__ __forceinline__ u64 cluster_ld_u64(u32 addr) {
   u64 v = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
