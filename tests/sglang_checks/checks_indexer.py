@@ -154,7 +154,13 @@ def _reference_layer(c4, rows, g, max_pos=4096):
     bits = i[:, None] & i[None, :]
     parity = sum(((bits >> b) & 1) for b in range(7)) % 2
     had = (1 - 2 * parity).double() / 128 ** 0.5
-    return _fp4_box(z @ had), w_raw.double() * weight_scale, layer
+    from cupy_dsa import fp4sim_reference
+
+    x = z @ had
+    lo, hi = _fp4_box(x)
+    once = fp4sim_reference(x.float()).double()  # the box holds the fp64 value's own rounding
+    assert bool(((lo <= once) & (once <= hi)).all()), "the oracle's FP4 box misses the value's rounding"
+    return (lo, hi), w_raw.double() * weight_scale, layer
 
 
 def _fp4_box(x: torch.Tensor, rel: float = 1e-5):
