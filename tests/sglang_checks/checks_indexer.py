@@ -81,10 +81,9 @@ def _indexer_setup(lens=(2000, 1500, 2560), topk=512, seed=None, one_request=Fal
         centre = torch.einsum("rhd,rnd->rhn", q, kr)
         score_bounds = [(torch.relu(centre + sign * radius) * w[:, :, None]).sum(1) for sign in (-1, 1)]
         INFO["reference_q_elements_at_a_rounding_boundary"] = int((q_hi != q_lo).sum())
-    ref_logits = (torch.relu(torch.einsum("rhd,rnd->rhn", q.to(kr.dtype), kr)) * w[:, :, None].to(kr.dtype)).sum(1)
-    ref_sets = []
-    for r in range(rows):
-        ref_sets.append(set(ref_logits[r, :lens[r]].topk(min(topk, lens[r])).indices.tolist()))
+    else:
+        ref_logits = (torch.relu(torch.einsum("rhd,rnd->rhn", q.to(kr.dtype), kr)) * w[:, :, None].to(kr.dtype)).sum(1)
+        ref_sets = [set(ref_logits[r, :lens[r]].topk(min(topk, lens[r])).indices.tolist()) for r in range(rows)]
 
     class Pool:
         def __init__(self, inner):
@@ -138,6 +137,8 @@ def _reference_layer(c4, rows, g, max_pos=4096):
     reference query: (q_box, w_ref [rows, 64] fp64, layer). q_box = (lo, hi) fp64 [rows, 64, 128]: every FP4 value
     the query may round to, since an element (or a block's amax) within fp32 error of a rounding boundary rounds
     either way (an element at 0.87500002 in fp64 came out 0.875 - ulp in fp32 and rounded down a code)."""
+    from cupy_dsa import fp4sim_reference
+
     q_raw = torch.randn(rows, 64, 128, generator=g).bfloat16()          # wq_b's output
     w_raw = torch.rand(rows, 64, generator=g).bfloat16()                # weights_proj's output
     angles = torch.outer(torch.arange(max_pos, dtype=torch.float64), 1.6e5 ** (-torch.arange(32) / 32.0))
@@ -154,8 +155,6 @@ def _reference_layer(c4, rows, g, max_pos=4096):
     bits = i[:, None] & i[None, :]
     parity = sum(((bits >> b) & 1) for b in range(7)) % 2
     had = (1 - 2 * parity).double() / 128 ** 0.5
-    from cupy_dsa import fp4sim_reference
-
     x = z @ had
     lo, hi = _fp4_box(x)
     once = fp4sim_reference(x.float()).double()  # the box holds the fp64 value's own rounding
@@ -179,10 +178,8 @@ def _fp4_box(x: torch.Tensor, rel: float = 1e-5):
     def scale_of(a):
         return torch.exp2(torch.ceil(torch.log2(a.clamp_min(1e-30) / 6.0)))
 
-    ends = [rounded(blocks + d, scale_of(amax + e)) for d in (-slack, slack) for e in (-slack, slack)]
-    lo = torch.minimum(torch.minimum(ends[0], ends[1]), torch.minimum(ends[2], ends[3]))
-    hi = torch.maximum(torch.maximum(ends[0], ends[1]), torch.maximum(ends[2], ends[3]))
-    return lo.reshape(x.shape), hi.reshape(x.shape)
+    ends = torch.stack([rounded(blocks + d, scale_of(amax + e)) for d in (-slack, slack) for e in (-slack, slack)])
+    return ends.amin(0).reshape(x.shape), ends.amax(0).reshape(x.shape)
 
 
 @contextlib.contextmanager
