@@ -98,8 +98,7 @@ def prefill_rows(device, quick: bool, seed: int, ceilings: dict | None = None) -
 
 
 def _target_resources(configs, target: str) -> dict:
-    """ptxas's resources of these configs compiled for ``target`` (NVRTC, one compile per source; a config
-    whose report is not found in the shared log is compiled alone)."""
+    """ptxas's resources of these configs compiled for ``target`` (NVRTC, one compile per source)."""
     out = {}
     by_source: dict[str, list[str]] = {}
     for cfg in configs:
@@ -108,12 +107,9 @@ def _target_resources(configs, target: str) -> dict:
         exprs = list(dict.fromkeys(exprs))
         _, lowered, log = runtime.compile_cubin(source, exprs, target, resource_usage=True)
         out.update(runtime.ptxas_resources(log, lowered))
-        for expr in (e for e in exprs if e not in out):
-            _, lowered, log = runtime.compile_cubin(source, [expr], target, resource_usage=True)
-            found = runtime.ptxas_resources(log, lowered)
-            if expr not in found:
-                raise RuntimeError(f"ptxas reported no resources for {expr} on {target}; its log ends:\n{log[-1500:]}")
-            out.update(found)
+        missing = [e for e in exprs if e not in out]
+        if missing:
+            raise RuntimeError(f"ptxas reported no resources for {missing} on {target}; its log ends:\n{log[-1500:]}")
     return out
 
 

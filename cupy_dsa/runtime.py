@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import itertools
 import os
 import re
 import threading
@@ -310,9 +311,34 @@ def compile_cubin(filename: str, name_expressions, arch: str, *, source: str | N
     every expression, and with ``resource_usage`` also ptxas's report (``-v``: registers, spills, shared
     memory per kernel; see :func:`ptxas_resources`); raises ``RuntimeError`` with NVRTC's log on failure.
     """
+    src = module_source(filename) if source is None else source
+    if not resource_usage:
+        return _nvrtc_compile(filename, src, name_expressions, arch, False)
+    # Where a CUDA driver is installed, NVRTC takes ptxas's output from the driver's compute cache when the same PTX
+    # was compiled before (this process or an earlier one), and then ptxas prints no report: seen on the H100, the
+    # second identical compile in a process returned an empty log. CUDA_CACHE_DISABLE=1 asks NVRTC not to use it;
+    # where the report is still missing, one empty kernel with a unique name makes the PTX new.
+    saved = os.environ.get("CUDA_CACHE_DISABLE")
+    os.environ["CUDA_CACHE_DISABLE"] = "1"
+    try:
+        cubin, lowered, log = _nvrtc_compile(filename, src, name_expressions, arch, True)
+        if name_expressions and not ptxas_resources(log, lowered):
+            nonce = f"\n__global__ void cupy_dsa_ptxas_report_{os.getpid()}_{next(_REPORT_NONCE)}() {{}}\n"
+            cubin, lowered, log = _nvrtc_compile(filename, src + nonce, name_expressions, arch, True)
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_CACHE_DISABLE", None)
+        else:
+            os.environ["CUDA_CACHE_DISABLE"] = saved
+    return cubin, lowered, log
+
+
+_REPORT_NONCE = itertools.count()
+
+
+def _nvrtc_compile(filename: str, src: str, name_expressions, arch: str, resource_usage: bool):
     cp = cupy_module()
     nvrtc = cp.cuda.nvrtc
-    src = module_source(filename) if source is None else source
     # sm_90 is built as sm_90a, exactly as at run time (compile_options adds the flag)
     opts = compile_options(arch) + (f"-I{cuda_include_dir()}",) + (() if arch == "sm_90" else (f"-arch={arch}",)) \
         + ("-ftz=true", "--device-as-default-execution-space") + (("--ptxas-options=-v",) if resource_usage else ())

@@ -3,6 +3,7 @@ GPU; ptxas's resource report of every product config (no spills); the launch spe
 (argument names and types, template parameters, shared-memory formulas)."""
 import contextlib
 import functools
+import os
 import re
 
 import pytest
@@ -390,3 +391,44 @@ def test_run_time_compiles_hand_cupy_the_digest_carrying_source(monkeypatch):
     assert runtime.warm_up_expressions(0, {"topk.cu": ["paged_topk_kernel<0>"]}) == 1
     assert seen["code"] == runtime.module_source("topk.cu")
     assert "// cupy_dsa headers: " in seen["code"]
+
+
+def test_resource_report_survives_a_cached_ptxas(monkeypatch):
+    """Where NVRTC takes ptxas's output from the driver's compute cache, ptxas prints no report (seen on the H100: the
+    second identical compile in a process had an empty log): compile_cubin compiles with CUDA_CACHE_DISABLE=1, and
+    once more with a uniquely named empty kernel added (new PTX) when the report is still missing."""
+    import types
+
+    real = runtime.cupy_module().cuda.nvrtc
+    seen = []
+
+    class CachedNvrtc:
+        """The real NVRTC, except that the first compile's log comes back empty, as from the compute cache."""
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def createProgram(self, src, name, headers, include_names):
+            seen.append({"src": src})
+            return real.createProgram(src, name, headers, include_names)
+
+        def compileProgram(self, prog, opts):
+            seen[-1]["cache_disabled"] = os.environ.get("CUDA_CACHE_DISABLE")
+            return real.compileProgram(prog, opts)
+
+        def getProgramLog(self, prog):
+            return "" if len(seen) == 1 else real.getProgramLog(prog)
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(nvrtc=CachedNvrtc()))
+    monkeypatch.setattr(runtime, "cupy_module", lambda: fake)
+    monkeypatch.setenv("CUDA_CACHE_DISABLE", "0")
+    exprs = launch.declared_expressions("sm_90")["prepare_index_q.cu"]
+    _, lowered, log = runtime.compile_cubin("prepare_index_q.cu", exprs, "sm_90", resource_usage=True)
+    assert set(runtime.ptxas_resources(log, lowered)) == set(exprs)
+    assert len(seen) == 2 and [s["cache_disabled"] for s in seen] == ["1", "1"]
+    first, second = seen[0]["src"], seen[1]["src"]
+    assert first == runtime.module_source("prepare_index_q.cu") and second.startswith(first)
+    assert re.fullmatch(r"\n__global__ void cupy_dsa_ptxas_report_\d+_\d+\(\) \{\}\n", second[len(first):])
+    assert os.environ["CUDA_CACHE_DISABLE"] == "0"   # the caller's setting is back
+    seen.clear()
+    runtime.compile_cubin("prepare_index_q.cu", exprs, "sm_90")   # a plain compile: one, the run-time text
+    assert len(seen) == 1 and seen[0]["src"] == first
