@@ -4,7 +4,8 @@
 # `cupy-dsa bench all` and `cupy-dsa bench variants`. Prints a short summary last.
 #   usage: bash scripts/run_gpu_suite.sh [pytest -k expression]     (results under $OUT, default ./out)
 #   SKIP_PYTEST, SKIP_FUZZ, SKIP_SANITIZE, SKIP_SGLANG, SKIP_STARTUP (start-up compile, timing method), SKIP_BENCH,
-#   SKIP_EMULATE, SKIP_VARIANTS leave a part out.
+#   SKIP_EMULATE, SKIP_VARIANTS leave a part out; SKIP_WARM_CACHE: no parallel fill of CuPy's kernel cache before
+#   the GPU tests (scripts/warm_gpu_cache.py; a fresh machine otherwise compiles on first use, one program at a time).
 #   TIMEBOX=1: the subset for a short device lease: the GPU tests, memcheck / racecheck / initcheck over the logits
 #   kernels and the sm_120 emulation, each step under its own timeout (PYTEST_S 270, SANITIZE_S 60 per tool,
 #   EMULATE_S 150 seconds) so a slow step cannot take the others' time; the other parts are left out.
@@ -42,6 +43,11 @@ if [ -f .anchors/build_deepgemm.sh ]; then
     || { echo "DeepGEMM build failed"; tail -5 "$OUT/deepgemm_build.log"; }
 fi
 K=${1:-}
+WARM_LINE="not run"
+if [ -z "${SKIP_PYTEST:-}${SKIP_WARM_CACHE:-}" ]; then
+  step ${WARM_S:-240} python3 scripts/warm_gpu_cache.py >"$OUT/warm_cache.log" 2>&1
+  WARM_LINE="rc=$?: $(tail -1 "$OUT/warm_cache.log")"
+fi
 if [ -z "${SKIP_PYTEST:-}" ]; then
 step ${PYTEST_S:-270} python3 -m pytest -q -m gpu tests ${K:+-k "$K"} -p no:cacheprovider --maxfail=5 2>&1 | tail -40 \
   | tee "$OUT/pytest_gpu.log"
@@ -178,6 +184,7 @@ fi
 echo "================ SUMMARY ($(($(date +%s) - T0)) s) ================"
 echo "device: $(cat "$OUT/device.txt")"
 echo "commit: ${CUPY_DSA_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}"
+echo "kernel cache fill: $WARM_LINE"
 echo "pytest -m gpu: $PYTEST_LINE"
 echo "fuzz (3000 calls per op): $FUZZ_LINE"
 echo "compute-sanitizer memcheck (rc=$SAN_RC): $SAN_LINE"

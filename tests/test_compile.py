@@ -432,3 +432,26 @@ def test_resource_report_survives_a_cached_ptxas(monkeypatch):
     seen.clear()
     runtime.compile_cubin("prepare_index_q.cu", exprs, "sm_90")   # a plain compile: one, the run-time text
     assert len(seen) == 1 and seen[0]["src"] == first
+
+
+def test_cache_warmer_compiles_the_runtimes_programs():
+    """scripts/warm_gpu_cache.py compiles the NVRTC programs the runtime compiles (CuPy's cache keys on the name
+    expressions): each source's product configs in one program, as warm_up and a source's first launch load them,
+    and every other declared config alone, as a forced config's first launch; every instantiation once."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "warm_gpu_cache.py"
+    spec = importlib.util.spec_from_file_location("warm_gpu_cache", path)
+    warmer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(warmer)
+    for arch in ARCHS:
+        progs = warmer.programs(arch)
+        product, declared = launch.product_expressions(arch), launch.declared_expressions(arch)
+        assert all((source, tuple(exprs)) in progs for source, exprs in product.items())
+        for source, exprs in declared.items():
+            mine = [p[1] for p in progs if p[0] == source]
+            flat = [e for group in mine for e in group]
+            assert sorted(flat) == sorted(exprs), (arch, source)   # each declared instantiation exactly once
+            assert all(len(g) == 1 for g in mine if g != tuple(product.get(source, ())))
+        assert len(progs[0][1]) == max(len(p[1]) for p in progs)   # the largest program starts first
