@@ -314,9 +314,9 @@ def compile_cubin(filename: str, name_expressions, arch: str, *, source: str | N
     src = module_source(filename) if source is None else source
     if not resource_usage:
         return _nvrtc_compile(filename, src, name_expressions, arch, False)
-    # Where a CUDA driver is installed, NVRTC takes ptxas's output from the driver's compute cache when the same PTX
-    # was compiled before (this process or an earlier one), and then ptxas prints no report: seen on the H100, the
-    # second identical compile in a process returned an empty log. CUDA_CACHE_DISABLE=1 asks NVRTC not to use it;
+    # Where a CUDA driver is installed, NVRTC may take ptxas's output for PTX it compiled before from the driver's
+    # compute cache, and ptxas then prints no report (seen on an H100: a second identical compile in one process
+    # returned an empty log; cuda-python issue 1124 reports the same). CUDA_CACHE_DISABLE=1 asks for no cache;
     # where the report is still missing, one empty kernel with a unique name makes the PTX new.
     saved = os.environ.get("CUDA_CACHE_DISABLE")
     os.environ["CUDA_CACHE_DISABLE"] = "1"
