@@ -299,10 +299,29 @@ def _emulate_block(doc) -> str:
     return emulate_markdown(doc).strip()
 
 
+def _rtx_model_block(doc) -> str:
+    from .roofline import readme_block
+
+    return readme_block(doc).strip()
+
+
+def _rtx_model_missing(doc) -> str | None:
+    from .roofline import measured_shares
+
+    if doc.get("target") != "sm_120":
+        return "not an sm_120 emulation"
+    try:
+        measured_shares(doc)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 # blocks rendered from a `bench variants --emulate` JSON
 EMULATE_README_BLOCKS = {
     "emulate-sm120": Block(_emulate_block, lambda d: None if d.get("target") == "sm_120" and d.get("rows") else
                            "not an sm_120 emulation with rows"),
+    "model-rtx-pro-6000": Block(_rtx_model_block, _rtx_model_missing),
 }
 
 # blocks rendered from a `bench serve` JSON (the other blocks: from a `bench` JSON)

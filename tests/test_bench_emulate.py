@@ -100,21 +100,55 @@ def _block(name):
     return m.group(1).strip()
 
 
-def test_readme_model_block_is_generated():
-    from cupy_dsa.bench import roofline
+def _newest_emulation() -> dict:
+    """The newest committed sm_120 emulation run (bench/results/*-emulate-sm120.json): the one the README renders."""
+    docs = [json.loads(f.read_text()) for f in (Path(__file__).parent.parent / "bench/results").glob("*-emulate-sm120.json")]
+    assert docs, "no committed emulation run"
+    return max(docs, key=lambda d: d["date"])
 
-    assert _block("model:rtx-pro-6000") == roofline.readme_block().strip()
 
-
-def test_readme_emulation_block_is_the_results_file():
-    doc = json.loads((Path(__file__).parent.parent / "bench/results/h200-emulate-sm120.json").read_text())
-    assert doc["schema"] == variants.EMULATE_SCHEMA and not doc["quick"] and doc["target"] == "sm_120"
+def _rendered_from(name, doc, render):
     from cupy_dsa.bench import readme
 
     note = readme.stale_note(doc)   # the block says when its run predates a kernel change
-    body = _block("results:emulate-sm120")
-    assert (readme.without_stale_note(body) if note is None else body) == (
-        variants.emulate_markdown(doc).strip() + (note or ""))
+    body = _block(f"results:{name}")
+    assert (readme.without_stale_note(body) if note is None else body) == render(doc).strip() + (note or "")
+
+
+def test_readme_emulation_block_is_the_results_file():
+    doc = _newest_emulation()
+    assert doc["schema"] == variants.EMULATE_SCHEMA and not doc["quick"] and doc["target"] == "sm_120"
+    assert doc["ceilings"]["mma_sync"]["bf16"], "the README's emulation carries the mma.sync ceiling (issue 33)"
+    _rendered_from("emulate-sm120", doc, variants.emulate_markdown)
+
+
+def test_readme_model_block_is_the_emulation_run():
+    """The RTX PRO 6000 model is rendered from the newest emulation run: the published rates, and bf16 keys' time at
+    the share of the roofline each step kind's sm_120 product config reached there."""
+    from cupy_dsa.bench import roofline
+
+    doc = _newest_emulation()
+    _rendered_from("model-rtx-pro-6000", doc, roofline.readme_block)
+    shares = roofline.measured_shares(doc)
+    assert set(shares) == {"decode", "verify", "prefill"} and all(0 < s <= 1 for s in shares.values())
+    body = _block("results:model-rtx-pro-6000")
+    assert f"({100 * shares['prefill']:.0f}%)" in body and doc["git_commit"] in body
+
+
+def test_model_shares_need_the_ceiling():
+    """A run without the mma.sync ceiling (or without a step kind's product row) gives no measured share: the
+    README block keeps what it had and says why."""
+    from cupy_dsa.bench import readme, roofline
+
+    doc = _newest_emulation()
+    old = dict(doc, rows=[dict(r, pct_mma_roofline=None) for r in doc["rows"]])
+    with pytest.raises(ValueError, match="prefill 4K x 64K causal with the mma.sync ceiling"):
+        roofline.measured_shares(dict(doc, rows=[r for r in doc["rows"] if r["op"] != "prefill"]))
+    assert "mma.sync ceiling" in readme.EMULATE_README_BLOCKS["model-rtx-pro-6000"].missing(old)
+    rows = roofline.model_rows([], 21, shares=roofline.measured_shares(doc))
+    assert rows == []
+    text = "<!-- results:model-rtx-pro-6000 -->\nold\n<!-- /results:model-rtx-pro-6000 -->\n"
+    assert readme.readme_update(text, old, readme.EMULATE_README_BLOCKS)[0] == text
 
 
 # --------------------------------------------------------------------------------------------------
