@@ -57,17 +57,28 @@ entries at 64K tokens, and 19 instead of 18 at 16K. On that suite (near-duplicat
 residual keeps 99.99% of the exact top-k (99.5-99.9% at K' = 4k); stage 2 from the unrounded fp32 keys keeps
 99.988-100% with a bf16 q and 99.85-99.98% with the fp8 q.
 
+Stage 2 scores with one f16 key per candidate, the **combined key** (:func:`combined_key_reference`)::
+
+    ratio8 = (lo_scale / hi_scale) * 2^-8                          (fp32, two roundings; 0 where hi_scale is 0)
+    c      = f16_rn(e4m3(hi_code) * 2^-8 + float(lo_code) * ratio8) (fp32 product, fp32 sum, one f16 rounding)
+    score  = sum_h fmax(256 * hi_scale * (q_h . c), 0) * w_h
+
+``256 * hi_scale * c`` is ``k_hat`` rounded to 11 significant bits: one tensor-core product per candidate instead
+of one for the hi and one for the lo page. On the CPU study of the diverse keys (k 512, K' 2048) it missed 0.02-0.12%
+of the exact top-k, against 0.00-0.07% for the exact two-level key and 0.10-0.17% for a bf16 key. ``fmax`` (not a
+clamp) takes a NaN dot product (a non-finite key) as 0, as the kernel's ``fmaxf`` does.
+
 Selection (:func:`rescore_topk_reference`): stage 1 ranks a row's visible keys by their fp8 logit
 (``paged_mqa_logits_reference`` on the hi cache: ``k_scale * sum_h relu(q_h . k_fp8) * w_h``), ties broken by
-the lower position; the first ``k_prime`` are the candidates. Stage 2 scores them ``sum_h relu(q_h . k_hat) *
-w_h`` in fp32 and keeps the first ``index_topk`` by that score, ties broken by the lower position (two keys
-with equal hi bytes have equal fp8 logits, so this is their stage-1 order too). A row that sees ``len <=
+the lower position; the first ``k_prime`` are the candidates (or the caller's ``candidates``: e.g. SGLang's own
+top-k at k = K', whose tie order may differ). Stage 2 scores them as above in fp32 and keeps the first
+``index_topk`` by that score, ties broken by the lower position (two keys with equal hi bytes have equal fp8
+logits, so this is their stage-1 order too). A row that sees ``len <=
 index_topk`` keys selects ``0..len-1`` without reading scores, as SGLang's top-k does (its fp8 ranks are counted
 over the row's visible keys). The kernels select exactly the reference's candidates (the radix select works on
-the same keys: logit bits, then position) and sum ``q . k_hat`` as ``hi_scale * (q . hi) + lo_scale * (q .
-lo)`` (exact products, fp32 accumulation on f16 tensor cores, q scaled per row by a power of two): on the same
-stage-1 logits the device selection is the reference's except where two candidates' scores lie within fp32
-rounding of each other.
+the same keys: logit bits, then position) and sum ``q . c`` with exact products (q scaled per row by a power of
+two into f16) and fp32 accumulation on f16 tensor cores: on the same stage-1 logits the device selection is the
+reference's except where two candidates' scores lie within fp32 rounding of each other.
 """
 
 from __future__ import annotations
@@ -148,6 +159,19 @@ def two_level_dequant_reference(hi, hi_scale, lo, lo_scale) -> torch.Tensor:
         check_device(name, t, hi.device, "hi")
     h = hi.view(torch.float8_e4m3fn).float() * hi_scale[:, None]
     return h + lo.float() * lo_scale[:, None]
+
+
+def combined_key_reference(hi, hi_scale, lo, lo_scale) -> torch.Tensor:
+    """Stage 2's key, float16 ``[N, 128]``: ``f16_rn(e4m3(hi) * 2^-8 + lo * ratio8)``, ratio8 = ``(lo_scale /
+    hi_scale) * 2^-8`` (0 where hi_scale is 0: a slot never stored), in units of ``256 * hi_scale`` (see the
+    module docstring). Each operation rounds as the kernel's does (fp32 division, products and sums, then one
+    conversion to f16)."""
+    two_level_dequant_reference(hi, hi_scale, lo, lo_scale)      # the argument checks
+    hi8 = hi.view(torch.float8_e4m3fn).float() * (2.0 ** -8)     # exact
+    stored = hi_scale != 0
+    ratio8 = torch.where(stored, lo_scale / torch.where(stored, hi_scale, torch.ones_like(hi_scale)),
+                         torch.zeros_like(lo_scale)) * (2.0 ** -8)
+    return (hi8 + lo.float() * ratio8[:, None]).to(torch.float16)
 
 
 def empty_lo_cache(num_pages: int, device="cpu") -> torch.Tensor:
@@ -364,6 +388,21 @@ def _check_stage1_logits(stage1_logits, R, device):
         raise ValueError(f"stage1_logits: expected stride(1) == 1, got strides {stage1_logits.stride()}")
 
 
+def _check_candidates(candidates, stage1_logits, R, index_topk, k_prime, device):
+    """The caller's stage-1 candidates: int32 ``[R, K']`` positions (-1: none), K' >= index_topk; returns K'."""
+    if candidates is None:
+        return k_prime
+    if stage1_logits is None:
+        raise ValueError("candidates: expected together with stage1_logits (the logits they were selected from)")
+    check_dtype("candidates", candidates, (torch.int32,))
+    if candidates.dim() != 2 or candidates.shape[0] != R or candidates.shape[1] < index_topk:
+        raise ValueError(f"candidates: expected shape [{R}, K'] with K' >= index_topk ({index_topk}), got "
+                         f"{tuple(candidates.shape)}")
+    check_contiguous("candidates", candidates)
+    check_device("candidates", candidates, device, "q")
+    return candidates.shape[1]
+
+
 def _check_decode(q, weights, hi_cache, lo_cache, context_lens, block_table, index_topk, k_prime, q_rescore,
                   weights_rescore, stage1_logits):
     """Checks of a decode / verify call; returns (B, next_n, index_topk, k_prime, stage-2 q [R, 64, 128], weights)."""
@@ -420,18 +459,21 @@ def _stage2_reference(q2, w2, hi_cache, lo_cache, cand, lo, hi, bt_rows):
     ok = seen & (pages >= 0) & (pages < num_pages)
     pg = torch.where(ok, pages, torch.zeros_like(pages))
     sl = torch.where(ok, cand % PAGE_SLOTS, torch.zeros_like(cand))
-    k_hat = (hi_codes[pg, sl].view(torch.float8_e4m3fn).float() * hi_scales[pg, sl][..., None]
-             + lo_codes[pg, sl].float() * lo_scales[pg, sl][..., None])                 # [r, n, 128]
-    s = torch.einsum("rhd,rnd->rhn", q2.float(), k_hat).clamp_min_(0)
-    s2 = torch.einsum("rhn,rh->rn", s, w2)
+    r, n = cand.shape
+    hs = hi_scales[pg, sl].reshape(-1)
+    key = combined_key_reference(hi_codes[pg, sl].reshape(-1, HEAD_DIM), hs, lo_codes[pg, sl].reshape(-1, HEAD_DIM),
+                                 lo_scales[pg, sl].reshape(-1)).float().reshape(r, n, HEAD_DIM)
+    dots = torch.einsum("rhd,rnd->rhn", q2.float(), key) * (256.0 * hs.reshape(r, 1, n))
+    s2 = torch.einsum("rhn,rh->rn", torch.fmax(dots, torch.zeros((), device=dots.device)), w2)
     return s2.masked_fill(~ok, float("-inf")), ok
 
 
 def _select_reference(stage1, lo, hi, bt_rows, q2, w2, hi_cache, lo_cache, index_topk, k_prime,
-                      fp8_rank=True) -> RescoreTopK:
+                      fp8_rank=True, candidates=None) -> RescoreTopK:
     """The two-stage selection of rows that see positions ``[lo, hi)`` (int64 [R] on the CPU, within the logits'
     width), stage-1 logits ``stage1`` [R, >= max hi] (only visible columns are read), block-table rows
-    ``bt_rows`` (int64 [R, max_pages] on q's device)."""
+    ``bt_rows`` (int64 [R, max_pages] on q's device); ``candidates`` (int [R, K'], any order, a position the row
+    does not see names none): the caller's stage-1 candidates instead of the exact stage-1 order's first K'."""
     R = q2.shape[0]
     dev = q2.device
     page_out = torch.full((R, index_topk), -1, dtype=torch.int32, device=dev)
@@ -442,7 +484,7 @@ def _select_reference(stage1, lo, hi, bt_rows, q2, w2, hi_cache, lo_cache, index
         return RescoreTopK(page_out, raw_out, rank_out if fp8_rank else None)
     lo_d, hi_d = lo.to(dev), hi.to(dev)
     cols = torch.arange(L, device=dev)
-    kp = min(k_prime, L)
+    kp = min(k_prime, L) if candidates is None else candidates.shape[1]
     for r0 in range(0, R, _REF_ROW_CHUNK):
         r1 = min(R, r0 + _REF_ROW_CHUNK)
         lo_r, hi_r = lo_d[r0:r1, None], hi_d[r0:r1, None]
@@ -454,7 +496,7 @@ def _select_reference(stage1, lo, hi, bt_rows, q2, w2, hi_cache, lo_cache, index
                                            stable=True).indices)
         rank = torch.empty_like(order)
         rank.scatter_(1, order, cols[None, :].expand(r1 - r0, L).contiguous())
-        cand = order[:, :kp]                                                        # [r, kp] positions
+        cand = order[:, :kp] if candidates is None else candidates[r0:r1].to(dev, torch.int64)   # [r, kp] positions
         # stage 2: the candidates' k_hat from the hi and lo pages
         s2, pages_ok = _stage2_reference(q2[r0:r1], w2[r0:r1], hi_cache, lo_cache, cand, lo_r, hi_r, bt_rows[r0:r1])
         # stage-2 order, ties to the lower position: a stable sort of the candidates in position order
@@ -472,7 +514,7 @@ def _select_reference(stage1, lo, hi, bt_rows, q2, w2, hi_cache, lo_cache, index
             seq = torch.arange(raw.shape[1], device=dev)[None, :].expand(r1 - r0, -1)
             raw = torch.where(trivial[:, None], lo_r + seq, raw)
             ok = torch.where(trivial[:, None], seq < n_r, ok)
-        pos = raw.clamp(max=L - 1)
+        pos = raw.clamp(0, L - 1)
         pos_rank = rank.gather(1, pos)
         page = bt_rows[r0:r1].gather(1, (pos // PAGE_SLOTS).clamp(max=bt_rows.shape[1] - 1))
         m = raw.shape[1]
@@ -492,7 +534,8 @@ def _decode_rows_reference(context_lens, B, next_n, width):
 
 
 def rescore_topk_reference(q, weights, hi_cache, lo_cache, context_lens, block_table, index_topk, k_prime=None, *,
-                           stage1_logits=None, q_rescore=None, weights_rescore=None, fp8_rank=True) -> RescoreTopK:
+                           stage1_logits=None, q_rescore=None, weights_rescore=None, fp8_rank=True,
+                           candidates=None) -> RescoreTopK:
     """Two-stage top-k of paged index keys (the decode / MTP-verify contract of ``paged_mqa_logits``).
 
     q float8_e4m3fn/bfloat16 ``[B, next_n, 64, 128]``, weights float32 ``[B * next_n, 64]`` (q's scale folded in
@@ -504,18 +547,21 @@ def rescore_topk_reference(q, weights, hi_cache, lo_cache, context_lens, block_t
     past a row's length are ignored). ``q_rescore`` (bfloat16 or fp8, ``[B, next_n, 64, 128]`` or ``[B * next_n,
     64, 128]``) and ``weights_rescore`` (float32 ``[B * next_n, 64]``): stage 2's query and head weights
     (default: q and weights; a bf16 q_rescore of the unquantized query goes with the weights without q's fp8
-    scale). Returns :class:`RescoreTopK` (each row's selection in position order, trivial rows ``0..len-1``); a
+    scale). ``candidates`` (int32 ``[B * next_n, K']``, with ``stage1_logits``): each row's stage-1 candidates
+    as positions in any order, -1 padded (SGLang's own top-k at k = K'), in place of the exact first K'.
+    Returns :class:`RescoreTopK` (each row's selection in position order, trivial rows ``0..len-1``); a
     non-trivial row never selects a key whose block-table entry is not a page of the caches."""
     B, next_n, index_topk, k_prime, q2, w2 = _check_decode(q, weights, hi_cache, lo_cache, context_lens, block_table,
                                                            index_topk, k_prime, q_rescore, weights_rescore,
                                                            stage1_logits)
+    _check_candidates(candidates, stage1_logits, B * next_n, index_topk, k_prime, q.device)
     width = block_table.shape[1] * PAGE_SLOTS
     if stage1_logits is None:
         stage1_logits = paged_mqa_logits_reference(q, hi_cache, weights, context_lens, block_table, width)
     lo, hi = _decode_rows_reference(context_lens, B, next_n, min(width, stage1_logits.shape[1]))
     bt_rows = block_table.long().repeat_interleave(next_n, dim=0)                   # [R, max_pages]
     return _select_reference(stage1_logits, lo, hi, bt_rows, q2, w2, hi_cache, lo_cache, index_topk, k_prime,
-                             check_bool("fp8_rank", fp8_rank))
+                             check_bool("fp8_rank", fp8_rank), candidates)
 
 
 def _prefill_rows_reference(ks, ke, bt, cu_rows, width, T, device):
@@ -564,7 +610,7 @@ def rescore_topk_prefill_reference(q, weights, hi_cache, lo_cache, ks, ke, block
 
 def rescore_topk(q, weights, hi_cache, lo_cache, context_lens, block_table, index_topk, k_prime=None, *,
                  q_rescore=None, weights_rescore=None, stage1_logits=None, plan=None,
-                 fp8_rank=False) -> RescoreTopK:
+                 fp8_rank=False, candidates=None) -> RescoreTopK:
     """The exact top-k at fp8's cost, decode / MTP verify (the contract of :func:`rescore_topk_reference`).
 
     Stage 1: fp8 logits of every visible key from ``hi_cache`` (:func:`cupy_dsa.paged_mqa_logits`, with ``plan``
@@ -574,16 +620,19 @@ def rescore_topk(q, weights, hi_cache, lo_cache, context_lens, block_table, inde
     chunks for few long rows). Stage 2 scores them from the hi and lo pages with ``q_rescore`` /
     ``weights_rescore`` (default q / weights) and selects ``index_topk`` (at most 2048 on the GPU). ``fp8_rank=True`` also returns each selected key's stage-1
     rank (a measurement: it costs index_topk x K' comparisons per row). No host sync and no data-dependent shape:
-    capturable in a CUDA graph (after :func:`cupy_dsa.warm_up`), deterministic. Returns :class:`RescoreTopK`.
+    capturable in a CUDA graph (after :func:`cupy_dsa.warm_up`), deterministic. ``candidates`` (int32 ``[B *
+    next_n, K']`` positions, -1 padded, any order, with ``stage1_logits``): the caller's candidates (SGLang's own
+    top-k at k = K'), in place of cupy_dsa's select; K' is their width. Returns :class:`RescoreTopK`.
     CPU tensors run the reference."""
     fp8_rank = check_bool("fp8_rank", fp8_rank)
     if not (isinstance(q, torch.Tensor) and q.is_cuda):
         return rescore_topk_reference(q, weights, hi_cache, lo_cache, context_lens, block_table, index_topk, k_prime,
                                       stage1_logits=stage1_logits, q_rescore=q_rescore,
-                                      weights_rescore=weights_rescore, fp8_rank=fp8_rank)
+                                      weights_rescore=weights_rescore, fp8_rank=fp8_rank, candidates=candidates)
     B, next_n, index_topk, k_prime, q2, w2 = _check_decode(q, weights, hi_cache, lo_cache, context_lens, block_table,
                                                            index_topk, k_prime, q_rescore, weights_rescore,
                                                            stage1_logits)
+    k_prime = _check_candidates(candidates, stage1_logits, B * next_n, index_topk, k_prime, q.device)
     width = block_table.shape[1] * PAGE_SLOTS
     if stage1_logits is None:
         logits = paged_mqa_logits(q, hi_cache, weights, context_lens, block_table, width, clean_logits=False,
@@ -595,7 +644,7 @@ def rescore_topk(q, weights, hi_cache, lo_cache, context_lens, block_table, inde
                 mode=_DECODE_LENS_2D if context_lens.dim() == 2 else _DECODE_LENS_1D)
     bt_stride = block_table.stride(0) if block_table.shape[1] > 0 else 0
     return _select(logits, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride, block_table.shape[1],
-                   index_topk, k_prime, fp8_rank)
+                   index_topk, k_prime, fp8_rank, candidates)
 
 
 def rescore_topk_prefill(q, weights, hi_cache, lo_cache, ks, ke, block_table, index_topk, k_prime=None, *,
@@ -654,10 +703,9 @@ def rescore_candidate_scores(q, weights, hi_cache, lo_cache, context_lens, block
     keys = torch.empty(R, kp, dtype=torch.int64, device=q.device)
     if R == 0 or kp == 0:
         return keys.float()
-    # the stage-1 key form (0xFFFFFFFF - position in the low half); a position outside [0, 2^31) names none
+    # int32 positions; one outside [0, 2^31) names none
     pos = candidates.long()
-    pos = torch.where((pos >= 0) & (pos < 2**31), pos, torch.full_like(pos, -1))
-    named = 0xFFFFFFFF - (pos & 0xFFFFFFFF)
+    named = torch.where((pos >= 0) & (pos < 2**31), pos, torch.full_like(pos, -1)).to(torch.int32)
     rows = dict(lens0=context_lens, lens1=None, cu_rows=None, next_n=next_n, batch=B, width=width,
                 mode=_DECODE_LENS_2D if context_lens.dim() == 2 else _DECODE_LENS_1D)
     _check_aligned_caches(hi_cache, lo_cache)
@@ -721,10 +769,10 @@ def select_per_row(width: int, rows: int, n_sms: int, arch: str | None) -> bool:
 
 
 def _select(logits, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, index_topk, k_prime,
-            fp8_rank) -> RescoreTopK:
-    """Stage-1 candidates (one CTA per row, or histogram, gather and boundary over column chunks for few long
-    rows), stage 2 and the selection (finish) on the device: three launches, or six with a zeroing of the work
-    counts, none of them data-dependent in shape."""
+            fp8_rank, given=None) -> RescoreTopK:
+    """Stage-1 candidates (``given``: the caller's, int32 [R, K']; else one CTA per row, or histogram, gather and
+    boundary over column chunks for few long rows), stage 2 and the selection (finish) on the device: two to
+    six launches, none of them data-dependent in shape."""
     R, width = logits.shape
     dev = q2.device
     page_out = torch.empty(R, index_topk, dtype=torch.int32, device=dev)
@@ -736,19 +784,20 @@ def _select(logits, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt
         raise ValueError(f"index_topk: expected <= {MAX_DEVICE_TOPK} on the GPU (SGLang's index_topk is 512 or "
                          f"2048), got {index_topk}")
     _check_aligned_caches(hi_cache, lo_cache)
-    kp = max(1, min(k_prime, width))
+    kp = max(1, min(k_prime, width)) if given is None else k_prime
     n_sms, _ = _device_info(dev.index)
     logit_args = dict(logits=logits if width > 0 else None, logits_stride=logits.stride(0) if width > 0 else 0,
                       **rows)
-    candidates = torch.empty(R, kp, dtype=torch.int64, device=dev)
     arch = runtime.device_arch(dev.index)
-    per_row = select_per_row(width, R, n_sms, arch)   # candidates in position order (the chunks': arrival order)
-    if width > index_topk and per_row:
+    # the candidates in position order (one CTA or cluster per row), or not (column chunks, the caller's)
+    per_row = given is None and select_per_row(width, R, n_sms, arch)
+    candidates = given if given is not None else torch.empty(R, kp, dtype=torch.int32, device=dev)
+    if given is None and width > index_topk and per_row:
         problem = ("candidates",) + row_select_problem(width, R, n_sms, arch)
         ctas = RESCORE.select(problem, arch).Cluster   # per row: the config's (one where the arch has no clusters)
         _launch(problem, dev, (R * ctas, 1, 1), **logit_args, index_topk=index_topk, k_prime=kp,
                 candidates=candidates)
-    elif width > index_topk:
+    elif given is None and width > index_topk:
         # few long rows: column chunks, about four CTAs per SM over the rows, at least four tiles of the block each
         cols = max(4 * SELECT_THREADS, -(-width * R // (4 * n_sms)))
         cols = -(-cols // SELECT_THREADS) * SELECT_THREADS
@@ -765,7 +814,7 @@ def _select(logits, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt
                 boundary=boundary, cap=cap)
         _launch(("boundary",), dev, (R, 1, 1), **logit_args, index_topk=index_topk, work=work, k_prime=kp,
                 candidates=candidates, boundary=boundary, cap=cap)
-    keys = torch.empty_like(candidates)
+    keys = torch.empty(R, kp, dtype=torch.int64, device=dev)
     _stage2(q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, rows, candidates, kp, index_topk, keys)
     _launch(("finish", kp <= FINISH_CACHED_KEYS), dev, (R, 1, 1), keys=keys, k_prime=kp, candidates=candidates,
             logits=logit_args["logits"],
@@ -777,5 +826,5 @@ def _select(logits, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt
 
 __all__ = ["residual_encode_reference", "two_level_dequant_reference", "store_two_level_reference",
            "rescore_topk_reference", "rescore_topk_prefill_reference", "rescore_topk", "rescore_topk_prefill",
-           "rescore_candidate_scores", "scores_of_keys", "empty_lo_cache", "lo_views", "RescoreTopK",
+           "rescore_candidate_scores", "scores_of_keys", "combined_key_reference", "empty_lo_cache", "lo_views", "RescoreTopK",
            "TWO_LEVEL_BYTES_PER_TOKEN", "K_PRIME_MULTIPLE"]

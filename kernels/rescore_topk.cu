@@ -2,13 +2,15 @@
 //
 // Stage 1 (cupy_dsa's fp8 logits, or the caller's) gives each query row its logits; rescore_candidates (one CTA
 // per row, radix_select.cuh) or, for few long rows, rescore_histogram, rescore_gather and rescore_boundary (column
-// chunks) select the row's K' best as stage-1 keys (logit descending, ties: lower position).
-// rescore_topk_kernel scores every candidate from its fp8 "hi" and int8 "lo" pages,
-//   score = sum_h relu(q_h . k_hat) * w_h,   k_hat = e4m3(hi) * hi_scale + lo * lo_scale,
-// as q_h . k_hat = hi_scale * (q_h . e4m3(hi)) + lo_scale * (q_h . lo): both dot products run on f16 tensor
-// cores (see "Stage 2 multiplies" below: every operand exact, every product exact) with fp32 accumulation, then
-// an fp32 epilogue. It writes one int64 key per candidate (the score, ties: lower position), and rescore_finish
-// radix-selects the row's index_topk greatest into SGLang's outputs in position order.
+// chunks) select the row's K' best (logit descending, ties: lower position) as int32 positions, -1 padded; the
+// caller may hand in its own (SGLang's top-k at k = K', arrival order).
+// rescore_topk_kernel scores every candidate from its fp8 "hi" and int8 "lo" pages with one f16 key,
+//   score = sum_h fmax(256 hi_scale * (q_h . c), 0) * w_h,
+//   c = f16_rn(e4m3(hi) * 2^-8 + lo * ratio8),  ratio8 = (lo_scale / hi_scale) * 2^-8   (fp32 steps),
+// k_hat = e4m3(hi) * hi_scale + lo * lo_scale rounded to 11 significant bits: one mma per candidate and k-step on
+// f16 tensor cores (q exact in f16, see "Stage 2 multiplies" below; every product exact) with fp32 accumulation,
+// then an fp32 epilogue. It writes one int64 key per candidate (the score, ties: lower position), and
+// rescore_finish radix-selects the row's index_topk greatest into SGLang's outputs in position order.
 // rescore_candidates writes a row's candidates in position order, the column chunks in arrival order (the
 // selection is then sorted by position): every rerun selects the same keys in the same order.
 //
@@ -42,12 +44,11 @@ constexpr int kMaxTopK = 2048;                        // rescore_finish holds a 
 using namespace dsa::radix;                           // rows, order keys, the block-wide radix select
 constexpr long long kInvalidKey = static_cast<long long>(0x8000000000000000ull);  // below every valid key
 
-// Stage 2 multiplies on f16 tensor cores, where every operand is exact and costs a few integer instructions:
-// hi codes are e4m3 bits moved into f16 (the value times 2^-8, subnormals included), lo codes are int8 (|c| <= 127),
-// and q is the row's q times 2^qs (a power of two that puts max |q| in [2^13, 2^14)). A bf16 or e4m3 q element
+// Stage 2 multiplies on f16 tensor cores: the combined key c (its f16 rounding is the contract:
+// cupy_dsa.rescore.combined_key_reference), and q times 2^qs (a power of two that puts max |q| in [2^13, 2^14)). A bf16 or e4m3 q element
 // is exact in f16 there unless it is below max |q| * 2^-30 (an f16 subnormal keeps fewer bits; its error, at most
 // max |q| * 2^-39, is far below the fp32 sum's rounding). The epilogue takes the powers of two back through the
-// scales: hi_scale * 2^(8 - qs), lo_scale * 2^-qs.
+// scale: hi_scale * 2^(8 - qs).
 
 // Four int8 codes x = [c0 c1 c2 c3] (c0 lowest) -> even = f16x2 (c0, c2), odd = (c1, c3) (exact): offset binary
 // c + 128 in the low mantissa bits of 1024.0 (0x6400), then 1152 taken off.
@@ -89,33 +90,37 @@ __device__ __forceinline__ uint4 q_words(const float (&v)[8], float scale) {
   return make_uint4(pack(0, 2), pack(1, 3), pack(4, 6), pack(5, 7));
 }
 
-// B words of a tile from the raw chunks: W[j][s][w] (candidate 8j + gid, pair s, word w).
-__device__ __forceinline__ void hi_words(const uint4 (&raw)[2][2], u32 (&W)[2][4][4]) {
-#pragma unroll
-  for (int j = 0; j < 2; ++j)
-#pragma unroll
-    for (int g = 0; g < 2; ++g) {
-      const u32 x[4] = {raw[j][g].x, raw[j][g].y, raw[j][g].z, raw[j][g].w};
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        u32* w = W[j][2 * g + half];
-        e4m3x4_to_f16x2_scaled(x[2 * half], w[0], w[1]);
-        e4m3x4_to_f16x2_scaled(x[2 * half + 1], w[2], w[3]);
-      }
-    }
+// One f16x2 B word of the combined key from four hi codes x and four lo codes y: `even` the elements (0, 2),
+// `odd` (1, 3), each f16_rn(e4m3(hi) * 2^-8 + float(lo) * ratio8) with ratio8 = (lo_scale / hi_scale) * 2^-8: a
+// product and a sum in fp32, then one conversion (cupy_dsa.rescore.combined_key_reference rounds the same way).
+__device__ __forceinline__ void combined_x4(u32 x, u32 y, float ratio8, u32& even, u32& odd) {
+  u32 he, ho, le, lo;
+  e4m3x4_to_f16x2_scaled(x, he, ho);
+  int8x4_to_f16x2(y, le, lo);
+  auto word = [&](u32 h, u32 l) {
+    const float2 fh = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    const float2 fl = __half22float2(*reinterpret_cast<const __half2*>(&l));
+    const __half2 c = __floats2half2_rn(__fadd_rn(fh.x, __fmul_rn(fl.x, ratio8)), __fadd_rn(fh.y, __fmul_rn(fl.y, ratio8)));
+    return *reinterpret_cast<const u32*>(&c);
+  };
+  even = word(he, le);
+  odd = word(ho, lo);
 }
 
-__device__ __forceinline__ void lo_words(const uint4 (&raw)[2][2], u32 (&W)[2][4][4]) {
+// B words of a tile from the raw hi and lo chunks: W[j][s][w] (candidate 8j + gid, pair s, word w).
+__device__ __forceinline__ void combined_words(const uint4 (&hraw)[2][2], const uint4 (&lraw)[2][2],
+                                               const float (&ratio8)[2], u32 (&W)[2][4][4]) {
 #pragma unroll
   for (int j = 0; j < 2; ++j)
 #pragma unroll
     for (int g = 0; g < 2; ++g) {
-      const u32 x[4] = {raw[j][g].x, raw[j][g].y, raw[j][g].z, raw[j][g].w};
+      const u32 x[4] = {hraw[j][g].x, hraw[j][g].y, hraw[j][g].z, hraw[j][g].w};
+      const u32 y[4] = {lraw[j][g].x, lraw[j][g].y, lraw[j][g].z, lraw[j][g].w};
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         u32* w = W[j][2 * g + half];
-        int8x4_to_f16x2(x[2 * half], w[0], w[1]);
-        int8x4_to_f16x2(x[2 * half + 1], w[2], w[3]);
+        combined_x4(x[2 * half], y[2 * half], ratio8[j], w[0], w[1]);
+        combined_x4(x[2 * half + 1], y[2 * half + 1], ratio8[j], w[2], w[3]);
       }
     }
 }
@@ -212,7 +217,7 @@ __device__ __forceinline__ void reserve_slots(int a, int b, int* count_a, int* c
 // rescore_histogram.
 __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_gather(
     const float* __restrict__ logits, long long logits_stride, DSA_ROW_SPEC_ARGS, int cols_per_cta,
-    int index_topk, int* __restrict__ work, int k_prime, long long* __restrict__ candidates,
+    int index_topk, int* __restrict__ work, int k_prime, int* __restrict__ candidates,
     long long* __restrict__ boundary, int cap) {
   using namespace dsa;
   using namespace dsa::rescore;
@@ -229,13 +234,13 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_gather(
   }
   int take_at, tie_at;
   reserve_slots(n_take, n_tie, hist + kRadixBins, hist + kRadixBins + 1, take_at, tie_at, scratch);
-  long long* __restrict__ cand = candidates + static_cast<long long>(r) * k_prime;
+  int* __restrict__ cand = candidates + static_cast<long long>(r) * k_prime;
   long long* __restrict__ bnd = boundary + static_cast<long long>(r) * cap;
   for (int c = c_begin + threadIdx.x; c < c_end; c += kSelectThreads) {
     const long long key = order_key(row[c], 0xFFFFFFFFu - static_cast<unsigned>(c));
     const int digit = static_cast<int>(unsigned_key(key) >> (64 - kDigitBits));
     if (digit > b) {
-      cand[take_at++] = key;
+      cand[take_at++] = c;
     } else if (digit == b) {
       if (tie_at < cap) bnd[tie_at] = key;
       ++tie_at;
@@ -277,13 +282,13 @@ __device__ __forceinline__ long long position_first(long long key) {
   return static_cast<long long>(((u << 32) | (u >> 32)) ^ (1ull << 63));
 }
 
-// Writes the `need` keys of src that are >= t to out[0 ..) (slots in arrival order).
+// Writes the positions of the `need` keys of src that are >= t to out[0 ..) (slots in arrival order).
 template <class Source>
-__device__ void write_at_least(const Source& src, u64 t, long long* __restrict__ out, int* slot) {
+__device__ void write_at_least(const Source& src, u64 t, int* __restrict__ out, int* slot) {
   const int n = src.size();
   for (int i = threadIdx.x; i < n; i += kSelectThreads) {
     u64 key;
-    if (src.get(i, key) && key >= t) out[atomicAdd(slot, 1)] = signed_key(key);
+    if (src.get(i, key) && key >= t) out[atomicAdd(slot, 1)] = static_cast<int>(tie_index(signed_key(key)));
   }
 }
 
@@ -291,11 +296,11 @@ __device__ void write_at_least(const Source& src, u64 t, long long* __restrict__
 }  // namespace dsa
 
 // The rest of row r's candidates: the (k_prime - above) greatest keys of bin b, from the collected ones or,
-// past cap, from the row; slots a row does not fill (it sees fewer than k_prime keys) get kInvalidKey.
+// past cap, from the row; slots a row does not fill (it sees fewer than k_prime keys) get -1.
 // Grid (rows), kSelectThreads threads.
 __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_boundary(
     const float* __restrict__ logits, long long logits_stride, DSA_ROW_SPEC_ARGS, int index_topk,
-    const int* __restrict__ work, int k_prime, long long* __restrict__ candidates,
+    const int* __restrict__ work, int k_prime, int* __restrict__ candidates,
     const long long* __restrict__ boundary, int cap) {
   using namespace dsa;
   using namespace dsa::rescore;
@@ -307,9 +312,9 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_boundary
   const int n = rk.hi - rk.lo;
   if (n <= index_topk) return;  // CTA-uniform
   const int* hist = work + static_cast<long long>(r) * kWorkInts;
-  long long* __restrict__ cand = candidates + static_cast<long long>(r) * k_prime;
+  int* __restrict__ cand = candidates + static_cast<long long>(r) * k_prime;
   if (n <= k_prime) {
-    for (int i = n + threadIdx.x; i < k_prime; i += kSelectThreads) cand[i] = kInvalidKey;
+    for (int i = n + threadIdx.x; i < k_prime; i += kSelectThreads) cand[i] = -1;
     return;
   }
   const BinFound f = find_bin(hist, k_prime, scratch);
@@ -317,7 +322,7 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_boundary
   if (threadIdx.x == 0) slot = 0;
   const int known = kDigitBits;
   const u64 prefix = static_cast<u64>(f.bin) << (64 - kDigitBits);
-  long long* out = cand + f.above;
+  int* out = cand + f.above;
   if (in_bin <= cap) {
     const SignedKeys src{boundary + static_cast<long long>(r) * cap, in_bin};
     const u64 t = need == in_bin ? prefix : radix_threshold(src, known, prefix, need, counts, scratch);
@@ -342,7 +347,7 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_boundary
 template <int CacheEntries, int Cluster>
 __global__ void DSA_SELECT_LAUNCH_BOUNDS(Cluster) DSA_CLUSTER_DIMS(Cluster) rescore_candidates(
     const float* __restrict__ logits, long long logits_stride, DSA_ROW_SPEC_ARGS, int index_topk, int k_prime,
-    long long* __restrict__ candidates) {
+    int* __restrict__ candidates) {
   using namespace dsa;
   using namespace dsa::rescore;
   extern __shared__ u32 row_cache[];
@@ -352,16 +357,16 @@ __global__ void DSA_SELECT_LAUNCH_BOUNDS(Cluster) DSA_CLUSTER_DIMS(Cluster) resc
   const int n = rk.hi - rk.lo;
   if (n <= index_topk) return;  // uniform over the cluster: selected without scores
   const float* __restrict__ row = logits + static_cast<i64>(r) * logits_stride + rk.lo;
-  long long* __restrict__ cand = candidates + static_cast<i64>(r) * k_prime;
+  int* __restrict__ cand = candidates + static_cast<i64>(r) * k_prime;
   if (n <= k_prime) {
     for (int i = (blockIdx.x % Cluster) * kSelectThreads + threadIdx.x; i < k_prime; i += Cluster * kSelectThreads)
-      cand[i] = i < n ? signed_key(full_key(logit_key(row[i]), rk.lo + i)) : kInvalidKey;
+      cand[i] = i < n ? rk.lo + i : -1;
     return;
   }
   const int slice = select_slice<Cluster>(n);
   select_row<Cluster>(row, rk.lo, n, k_prime, CacheEntries >= kSelectCache(slice) ? row_cache : nullptr,
                       select_merged(row_cache, CacheEntries), shared,
-                      [&](int slot, int, u64 key) { cand[slot] = signed_key(key); });
+                      [&](int slot, int position, u64) { cand[slot] = position; });
 }
 
 namespace dsa {
@@ -402,7 +407,7 @@ __global__ void __launch_bounds__(32 * Warps, Warps == 4 ? (Stages <= 2 ? 3 : 2)
     rescore_topk_kernel(
     const unsigned char* __restrict__ q, const float* __restrict__ weights, const unsigned char* __restrict__ hi_cache,
     const unsigned char* __restrict__ lo_cache, long long num_pages, const int* __restrict__ block_table,
-    long long bt_stride, int bt_width, DSA_ROW_SPEC_ARGS, const long long* __restrict__ candidates, int k_prime,
+    long long bt_stride, int bt_width, DSA_ROW_SPEC_ARGS, const int* __restrict__ candidates, int k_prime,
     int cands_per_cta, int index_topk, long long* __restrict__ keys) {
   using namespace dsa;
   using namespace dsa::rescore;
@@ -442,7 +447,7 @@ __global__ void __launch_bounds__(32 * Warps, Warps == 4 ? (Stages <= 2 ? 3 : 2)
   __shared__ float qmax_warp[Warps];
 
   const int* __restrict__ bt = block_table + static_cast<i64>(rk.table_row) * bt_stride;
-  const long long* __restrict__ cand = candidates + static_cast<i64>(r) * k_prime;
+  const int* __restrict__ cand = candidates + static_cast<i64>(r) * k_prime;
   const int gid = lane >> 2, t = lane & 3;
   const int b4 = (lane >> 4) & 1, b3 = (lane >> 3) & 1;
   // The cache slot (block-table entry * 64 + slot) of every candidate of the CTA's chunk, found up front: all of
@@ -454,7 +459,7 @@ __global__ void __launch_bounds__(32 * Warps, Warps == 4 ? (Stages <= 2 ? 3 : 2)
 #pragma unroll
     for (int u = 0; u < kLocateBatch; ++u) {
       const int c = c0 + u * kThreads + tid;
-      pos[u] = c < c_end ? tie_index(cand[c]) : 0xFFFFFFFFu;
+      pos[u] = c < c_end ? static_cast<u32>(cand[c]) : 0xFFFFFFFFu;  // -1 (none) fails the range test
     }
 #pragma unroll
     for (int u = 0; u < kLocateBatch; ++u) {
@@ -536,7 +541,7 @@ __global__ void __launch_bounds__(32 * Warps, Warps == 4 ? (Stages <= 2 ? 3 : 2)
     dst[32] = make_uint4(v0.z, v1.z, v0.w, v1.w);  // k-step 2s + 1
   }
 
-  const float hi_unscale = pow2(8 - qs_exp), lo_unscale = pow2(-qs_exp);
+  const float unscale = pow2(8 - qs_exp);
   if (tid < kNumHeads / 2) {
     const float* wr = weights + static_cast<i64>(r) * kNumHeads;
     ws[tid] = make_float2(wr[16 * (tid >> 3) + (tid & 7)], wr[16 * (tid >> 3) + (tid & 7) + 8]);
@@ -550,7 +555,7 @@ __global__ void __launch_bounds__(32 * Warps, Warps == 4 ? (Stages <= 2 ? 3 : 2)
     // L2-resident keys: the wait on this load was 9% of stage 2's warp samples)
     const int c_out = tile0 + 8 * b4 + 2 * t + b3;
     const bool writer = (lane & 4) == 0 && c_out < c_end;
-    const u32 tie_out = writer ? static_cast<u32>(cand[c_out]) : 0u;
+    const u32 tie_out = writer ? 0xFFFFFFFFu - static_cast<u32>(cand[c_out]) : 0u;
     {  // tile + Stages - 1 into the stage the previous tile freed
       u32 loc[2];
       locate(tile0 + (Stages - 1) * step, loc);
@@ -579,39 +584,38 @@ __global__ void __launch_bounds__(32 * Warps, Warps == 4 ? (Stages <= 2 ? 3 : 2)
       lsc[j] = st.scales[2 + j][lane];
     }
     // scales and validity of the epilogue's candidates 8j + 2t + e, held by lane 4 (2t + e)
-    float ehs[2][2], els[2][2];
+    float ehs[2][2];
     int eok[2][2];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int src = 4 * (2 * t + e);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        ehs[j][e] = __shfl_sync(0xffffffffu, hsc[j], src) * hi_unscale;  // exact: powers of two
-        els[j][e] = __shfl_sync(0xffffffffu, lsc[j], src) * lo_unscale;
+        ehs[j][e] = __shfl_sync(0xffffffffu, hsc[j], src) * unscale;  // exact: a power of two
         eok[j][e] = __shfl_sync(0xffffffffu, ok[j], src);
       }
     }
-    u32 Wh[2][4][4], Wl[2][4][4];
-    hi_words(hraw, Wh);
-    lo_words(lraw, Wl);
+    // the combined key in units of 256 hi_scale (a page never stored: both scales 0, the key 0)
+    float ratio8[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) ratio8[j] = hsc[j] != 0.0f ? __fmul_rn(__fdiv_rn(lsc[j], hsc[j]), 0.00390625f) : 0.0f;
+    u32 W[2][4][4];
+    combined_words(hraw, lraw, ratio8, W);
 
     float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // [2j + e]: candidate 8j + 2t + e over this lane's heads
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      float ah[2][4], al[2][4];
+      float acc[2][4];
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) ah[j][e] = al[j][e] = 0.0f;
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
 #pragma unroll
       for (int ks = 0; ks < 8; ++ks) {
         const uint4 a = qs[(i * 8 + ks) * 32 + lane];
         const int s = ks >> 1, w0 = 2 * (ks & 1);
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          mma_16816<true>(ah[j], a.x, a.y, a.z, a.w, Wh[j][s][w0], Wh[j][s][w0 + 1]);
-          mma_16816<true>(al[j], a.x, a.y, a.z, a.w, Wl[j][s][w0], Wl[j][s][w0 + 1]);
-        }
+        for (int j = 0; j < 2; ++j) mma_16816<true>(acc[j], a.x, a.y, a.z, a.w, W[j][s][w0], W[j][s][w0 + 1]);
       }
       const float2 w = ws[i * 8 + gid];
 #pragma unroll
@@ -619,7 +623,7 @@ __global__ void __launch_bounds__(32 * Warps, Warps == 4 ? (Stages <= 2 ? 3 : 2)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {  // e: (head 16i + gid, +8 for e >= 2) x (candidate 8j + 2t + e % 2)
           const int col = e & 1;
-          const float v = __fadd_rn(__fmul_rn(ehs[j][col], ah[j][e]), __fmul_rn(els[j][col], al[j][e]));
+          const float v = __fmul_rn(ehs[j][col], acc[j][e]);
           p[2 * j + col] = fmaf(fmaxf(v, 0.0f), e < 2 ? w.x : w.y, p[2 * j + col]);
         }
     }
@@ -648,8 +652,8 @@ __global__ void __launch_bounds__(32 * Warps, Warps == 4 ? (Stages <= 2 ? 3 : 2)
 // the keys of the index_topk-th key's bin are collected and radix-selected in shared memory. Grid (rows),
 // kSelectThreads threads, dynamic shared memory: CachedKeys int64; index_topk <= kMaxTopK.
 template <int CachedKeys>
-__global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_finish(
-    const long long* __restrict__ keys, int k_prime, const long long* __restrict__ candidates,
+__global__ void DSA_SELECT_LAUNCH_BOUNDS(1) rescore_finish(
+    const long long* __restrict__ keys, int k_prime, const int* __restrict__ candidates,
     const float* __restrict__ logits, long long logits_stride, const int* __restrict__ block_table,
     long long bt_stride, DSA_ROW_SPEC_ARGS, int index_topk, int* __restrict__ page_indices,
     int* __restrict__ raw_indices, int* __restrict__ fp8_rank, int in_position_order) {
@@ -831,7 +835,7 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_finish(
       if (u < per_thread) chosen[u * kSelectThreads + tid] = position_first(x[u]);  // its own inverse
   }
   __syncthreads();
-  const long long* __restrict__ cand = candidates + static_cast<i64>(r) * k_prime;
+  const int* __restrict__ cand = candidates + static_cast<i64>(r) * k_prime;
   for (int i = tid; i < index_topk; i += kSelectThreads) {
     if (i >= m) {
       write(i, -1, -1);
@@ -842,9 +846,13 @@ __global__ void __launch_bounds__(dsa::rescore::kSelectThreads) rescore_finish(
     const int raw = static_cast<int>(tie_index(key));
     int rank = -1;
     if (fp8_rank != nullptr) {
+      // the candidates with a greater stage-1 key (they hold every visible key that has one)
       const long long key1 = order_key(row[raw], static_cast<u32>(key));
       rank = 0;
-      for (int j = 0; j < k_prime; ++j) rank += cand[j] > key1;
+      for (int j = 0; j < k_prime; ++j) {
+        const int c = cand[j];
+        rank += c >= rk.lo && c < rk.hi && order_key(row[c], 0xFFFFFFFFu - static_cast<u32>(c)) > key1;
+      }
     }
     write(slot, raw, rank);
   }

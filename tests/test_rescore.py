@@ -118,6 +118,32 @@ def _fp8_scores(q, w, k_fp8):
     return (torch.einsum("hd,nd->hn", q.double(), k_fp8.double()).clamp_min(0) * w.double()[:, None]).sum(0)
 
 
+def _stage2_keys(hv, hs, lv, ls):
+    """fp64 values of the keys stage 2 scores ([N, 128]): the combined f16 key in units of 256 hi_scale."""
+    return rescore.combined_key_reference(hv, hs, lv, ls).double() * (256.0 * hs.double()[:, None])
+
+
+def test_combined_key_is_k_hat_rounded_to_f16():
+    """The combined key is k_hat to f16's 11 significant bits (relative error <= 2^-11 per element, plus the fp32
+    steps), finer than a bf16 copy of k_hat (2^-9), exactly k_hat where the lo codes are 0, and 0 for a slot never
+    stored (both scales 0)."""
+    kv, pos, w, freqs = _keys(2048, 20.0, seed=3)
+    k = store.rotate_index_k_reference(kv, pos, w, freqs)
+    hi, hs, lo, ls = rescore.residual_encode_reference(k)
+    k_hat = rescore.two_level_dequant_reference(hi, hs, lo, ls).double()
+    c = _stage2_keys(hi, hs, lo, ls)
+    rel = ((c - k_hat).abs() / k_hat.abs().clamp_min(1e-30))[k_hat.abs() > 1e-3 * k_hat.abs().amax(1, keepdim=True)]
+    assert float(rel.max()) <= 2 ** -11 * (1 + 1e-3)
+    assert float(rel.max()) > 2 ** -14                                      # it is rounded: the test can tell
+    bf16 = (k_hat.to(torch.bfloat16).double() - k_hat).abs()
+    assert float((c - k_hat).abs().sum()) < 0.5 * float(bf16.sum())
+    zero_lo = torch.zeros_like(lo)
+    assert torch.equal(_stage2_keys(hi, hs, zero_lo, ls), hi.view(torch.float8_e4m3fn).double() * hs.double()[:, None])
+    unstored = torch.zeros(1, 128, dtype=torch.uint8)
+    assert torch.equal(rescore.combined_key_reference(unstored, torch.zeros(1), zero_lo[:1], torch.zeros(1)),
+                       torch.zeros(1, 128, dtype=torch.float16))
+
+
 def _brute(q, w, hi_keys, k_hat, n, index_topk, k_prime):
     """One row, fp64, no tie care: candidates = fp8 top k_prime of the first n keys; then top index_topk of the
     exact scores. Returns the selected positions as a set."""
@@ -142,8 +168,7 @@ def test_mixed_row_lengths_against_brute_force(next_n, q_dtype):
     dq = layouts.dequantize(hi).view(-1, 128)
     hv, hs = layouts.fp8_views(hi)
     lv, ls = rescore.lo_views(lo)
-    k_hat = rescore.two_level_dequant_reference(hv.reshape(-1, 128), hs.reshape(-1), lv.reshape(-1, 128),
-                                                ls.reshape(-1))
+    k_hat = _stage2_keys(hv.reshape(-1, 128), hs.reshape(-1), lv.reshape(-1, 128), ls.reshape(-1))
     for b in range(B):
         slots = (table[b].long()[:, None] * PAGE_SLOTS + torch.arange(PAGE_SLOTS)).reshape(-1)
         for j in range(next_n):
@@ -167,7 +192,8 @@ def test_mixed_row_lengths_against_brute_force(next_n, q_dtype):
 
 
 def test_all_keys_as_candidates_give_the_exact_top_k():
-    """K' = every key: the selection is the top-k of the exact scores of k_hat (fp64 oracle, up to near-ties),
+    """K' = every key: the selection is the top-k of the exact scores of the stage-2 keys (fp64 oracle, up to
+    near-ties), and of the unrounded keys within the stage-2 keys' error,
     which differs from fp8's own top-k here (so the test would see an fp8 selection)."""
     B, n, K = 3, 1024, 64
     kv, pos, w, freqs = _keys(B * n, 80.0, seed=11)
@@ -182,8 +208,8 @@ def test_all_keys_as_candidates_give_the_exact_top_k():
     differs = 0
     for b in range(B):
         slots = (table[b].long()[:, None] * PAGE_SLOTS + torch.arange(PAGE_SLOTS)).reshape(-1)
-        k_hat = rescore.two_level_dequant_reference(hv.reshape(-1, 128)[slots], hs.reshape(-1)[slots],
-                                                    lv.reshape(-1, 128)[slots], ls.reshape(-1)[slots])
+        k_hat = _stage2_keys(hv.reshape(-1, 128)[slots], hs.reshape(-1)[slots], lv.reshape(-1, 128)[slots],
+                             ls.reshape(-1)[slots])
         qb = q[b, 0].float()
         sel = res.raw_indices[b].long()
         # oracle 1: fp64 scores of k_hat (the stage-2 keys); fp32 accumulation only
@@ -256,6 +282,49 @@ def test_stage1_logits_given_or_computed_agree():
     assert all(torch.equal(x, y) for x, y in zip(r1, r2))
 
 
+def _shuffled_candidates(s1, lens, KP, extra, seed):
+    """Each row's exact stage-1 top-KP positions (SGLang's top-k at k = KP), in a random order, then `extra` -1s:
+    int32 [R, KP + extra]; a row that sees fewer keys lists them all."""
+    g = torch.Generator().manual_seed(seed)
+    R, width = s1.shape
+    out = torch.full((R, KP + extra), -1, dtype=torch.int32)
+    for r in range(R):
+        n = min(int(lens[r]), width)
+        top = torch.sort(s1[r, :n], descending=True, stable=True).indices[:KP]
+        out[r, :len(top)] = top[torch.randperm(len(top), generator=g)].to(torch.int32)
+    return out[:, torch.randperm(KP + extra, generator=g)].contiguous()
+
+
+def test_given_candidates_select_as_the_own_select():
+    """SGLang's top-k hands the same K' positions in arrival order (and -1 padding): the selection is the one of
+    cupy_dsa's own candidates; a subset of them is selected from as such (its best by stage-2 score)."""
+    B, n, K, KP = 4, 512, 16, 64
+    _, hi, lo, table = _case(B, n, seed=40)
+    q, w = _query(B, 1, seed=41)
+    lens = torch.tensor([512, 300, 30, 10], dtype=torch.int32)
+    from cupy_dsa.logits import paged_mqa_logits_reference
+    s1 = paged_mqa_logits_reference(q, hi, w, lens, table, n)
+    want = rescore.rescore_topk_reference(q, w, hi, lo, lens, table, K, KP, stage1_logits=s1)
+    given = _shuffled_candidates(s1, lens, KP, 5, seed=42)
+    got = rescore.rescore_topk(q, w, hi, lo, lens, table, K, stage1_logits=s1, candidates=given, fp8_rank=True)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    half = given.clone()
+    half[:, ::2] = -1                                                     # drop every other candidate
+    sub = rescore.rescore_topk(q, w, hi, lo, lens, table, K, stage1_logits=s1, candidates=half)
+    kh = _k_hat(hi, lo)
+    for r in range(2):                                                    # the two rows with more than K' keys
+        cand = half[r][half[r] >= 0].long()
+        slots = table[r].long()[cand // PAGE_SLOTS] * PAGE_SLOTS + cand % PAGE_SLOTS
+        best = cand[_scores64(q[r].float(), w[r:r + 1], kh, slots[None])[0].topk(K).indices]
+        assert set(sub.raw_indices[r].tolist()) == set(best.tolist())
+    with pytest.raises(ValueError, match="^candidates: expected together with stage1_logits"):
+        rescore.rescore_topk(q, w, hi, lo, lens, table, K, candidates=given)
+    with pytest.raises(TypeError, match="^candidates: expected dtype"):
+        rescore.rescore_topk(q, w, hi, lo, lens, table, K, stage1_logits=s1, candidates=given.long())
+    with pytest.raises(ValueError, match=r"^candidates: expected shape \[4, K'\] with K' >= index_topk \(16\)"):
+        rescore.rescore_topk(q, w, hi, lo, lens, table, K, stage1_logits=s1, candidates=given[:, :8].contiguous())
+
+
 def test_bad_input_names_the_argument():
     q, w, hi, lo, table, a = _miss_case()
     lens = torch.tensor([64], dtype=torch.int32)
@@ -311,11 +380,10 @@ def _case(B=3, n=256, seed=20, outlier=20.0):
 
 
 def _k_hat(hi, lo):
-    """fp64 k_hat of every slot [P * 64, 128]."""
+    """fp64 stage-2 key of every slot [P * 64, 128]: the combined f16 key times 256 hi_scale."""
     hv, hs = layouts.fp8_views(hi)
     lv, ls = rescore.lo_views(lo)
-    return (hv.reshape(-1, 128).view(torch.float8_e4m3fn).double() * hs.reshape(-1, 1).double()
-            + lv.reshape(-1, 128).double() * ls.reshape(-1, 1).double())
+    return _stage2_keys(hv.reshape(-1, 128), hs.reshape(-1), lv.reshape(-1, 128), ls.reshape(-1))
 
 
 def _scores64(q2, w2, k_hat, slots):
@@ -680,6 +748,28 @@ def test_gpu_rescore_topk_bf16_stage1_and_small_tables(seed):
         lo_r, hi_r = rescore._decode_rows_reference(lens, B, 1, n)
         _check_selection(got, ref, s1.cpu(), qb.view(-1, 64, 128).float(), wf, hi, lo, table, lo_r, hi_r, K,
                          min(KP, n))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_gpu_given_candidates_select_as_the_own_select(seed, next_n, stage1_arch):
+    """Candidates handed in by the caller (SGLang's top-k at k = K': arrival order, -1 padded) give the
+    selection of cupy_dsa's own candidates, bit for bit, and the reference's up to near-ties."""
+    B, n, K, KP = 4, 1536, 64, 256
+    _, hi, lo, table = _gpu_case(B, n, seed)
+    q8, w8, _, _ = _query_pair(B, next_n, seed)
+    lens = torch.tensor([1536, 700, 60, 0], dtype=torch.int32)
+    d = _cuda(q8, w8, hi, lo, lens, table)
+    s1 = cupy_dsa.paged_mqa_logits(d[0], d[2], d[1], d[4], d[5], n, clean_logits=True)
+    lo_r, hi_r = rescore._decode_rows_reference(lens, B, next_n, n)
+    given = _shuffled_candidates(s1.cpu(), hi_r, KP, 3, seed=seed % 1000).cuda()
+    own = rescore.rescore_topk(*d, K, KP, stage1_logits=s1, fp8_rank=True)
+    got = rescore.rescore_topk(*d, K, stage1_logits=s1, candidates=given, fp8_rank=True)
+    assert all(torch.equal(x, y) for x, y in zip(got, own)), f"seed {seed}: given candidates select otherwise"
+    ref = rescore.rescore_topk_reference(q8, w8, hi, lo, lens, table, K, stage1_logits=s1.cpu(),
+                                         candidates=given.cpu())
+    _check_selection(got, ref, s1.cpu(), q8.view(-1, 64, 128).float(), w8, hi, lo, table.repeat_interleave(next_n, 0),
+                     lo_r, hi_r, K, KP)
 
 
 @pytest.mark.gpu
