@@ -114,7 +114,8 @@ def rescore_cmd(device, quick, phases, seed, json_path):
            "index_topk": rescore_bench.INDEX_TOPK, "k_prime": rescore_bench.K_PRIME, "deepgemm": reason or "live",
            "topk": topks.describe(), "columns": rescore_bench.legend(topks.describe()),
            "memory": rescore_bench.memory_rows(), "phases": list(phases) or list(rescore_bench.PHASES),
-           "ceilings": ceilings, "floor_target": dict(rescore_bench.FLOOR_TARGET), "note": rescore_bench.__doc__}
+           "ceilings": ceilings, "floor_target": dict(rescore_bench.FLOOR_TARGET),
+           "stage2_keys_per_candidate": rescore_bench.STAGE2_KEYS_PER_CANDIDATE, "note": rescore_bench.__doc__}
     with common.progress(err) as progress:
         doc["rows"] = rescore_bench.rows(dev, quick, seed, dg, reason, progress, phases=phases or None, topks=topks,
                                          ceilings=ceilings)

@@ -178,6 +178,7 @@ class TopKOp:
     key: str
     label: str
     bind: Callable[[torch.Tensor, torch.Tensor, int], BoundTopK]
+    module: object = None   # SGLang's top-k module it calls (fp8-rescore's candidates call it too), else None
 
 
 def _nothing():
@@ -293,7 +294,7 @@ def sglang_topk(version: str, device=None):
     except Exception as exc:  # SGLang not installed here, or one of its imports fails
         result = None, f"SGLang's {version} top-k not importable ({type(exc).__name__}: {str(exc)[:160]})"
     else:
-        op = TopKOp(key, TOPK_LABELS[key], _sglang_bind(mod, key))
+        op = TopKOp(key, TOPK_LABELS[key], _sglang_bind(mod, key), mod)
         try:
             with torch.cuda.device(device):
                 _self_check(op, device)

@@ -25,6 +25,10 @@ and page-table row, as SGLang passes them:
   given those logits: K' candidates, stage-2 scores from hi + lo, the selection;
 * ``stage 1 (DeepGEMM)`` / ``stage 2 + selection (DeepGEMM logits)``: the same split of the DeepGEMM variant (the
   selection reads only the columns a row sees, so unmasked logits cost nothing extra);
+* ``fp8-rescore (DeepGEMM stage 1, SGLang v2 candidates)`` / ``stage 2 + selection (SGLang v2 candidates)``: the
+  plugin's ``stage1=sglang`` since issue 48: SGLang's v2 top-k picks the K' candidates (k = K', raw positions,
+  ``cupy_dsa.sglang.candidates``, its plan built once outside the timing), then ``rescore_topk(candidates=)``; where
+  v2 is live and K' <= 2048;
 * ``top-k SGLang v2`` / ``top-k SGLang v1`` / ``top-k cupy_dsa`` / ``top-k torch.topk``: each top-k alone on the
   stock step's logits (DeepGEMM's where it runs, else our fp8 logits): SGLang's v2 and v1 (sm_120's default) where
   they run here, our ``paged_topk``, and ``torch.topk(index_topk)`` of every column (what these columns used before
@@ -35,8 +39,9 @@ and page-table row, as SGLang passes them:
 
 The floor of ``stage 2 + selection`` (issue 31), per case: max(bytes / the read-only stream, stage 2's flops / the
 register-operand bf16 ``mma.sync`` ceiling), both ceilings measured in the same run (:func:`.timing.measure_ceilings`;
-stage 2 runs bf16 ``mma.sync`` m16n8k16). Bytes: each row's candidates (min(K', the entries it sees)) x 264 B (hi +
-lo) + each row's visible logits read once (4 B each); flops: candidates x 64 heads x 128 x 2 (fma) x 2 (hi and lo).
+stage 2 runs f16 ``mma.sync`` m16n8k16, at the bf16 rate on these GPUs). Bytes: each row's candidates (min(K', the
+entries it sees)) x 264 B (hi + lo) + each row's visible logits read once (4 B each); flops: candidates x 64 heads x
+128 x 2 (fma): one combined f16 key per candidate (two, hi and lo, before issue 48).
 The share reached = floor / the column's time, for ``stage 2 + selection`` and its DeepGEMM-logits twin; issue 31's
 target: >= 60% on every case of >= 1M (2^20) rows x index entries (each request's entries x its rows), >= 40% below.
 """
@@ -64,12 +69,15 @@ BF16, FP8, FP8_DG = "bf16", "fp8", "fp8 DeepGEMM"
 RESCORE, RESCORE_DG = "fp8-rescore", "fp8-rescore (DeepGEMM stage 1)"
 STAGE1, STAGE2 = "stage 1", "stage 2 + selection"
 STAGE1_DG, STAGE2_DG = "stage 1 (DeepGEMM)", "stage 2 + selection (DeepGEMM logits)"
+RESCORE_V2C, STAGE2_V2C = "fp8-rescore (DeepGEMM stage 1, SGLang v2 candidates)", "stage 2 + selection (SGLang v2 candidates)"
 # each top-k alone on the stock step's logits (issue 31), by peers.TOPK_KEYS
 TOPK_COLUMNS = {peers.SGLANG_V2: "top-k SGLang v2", peers.SGLANG_V1: "top-k SGLang v1",
                 peers.CUPY_DSA_TOPK: "top-k cupy_dsa", peers.TORCH_TOPK: "top-k torch.topk"}
 TOPK_V2, TOPK_V1, TOPK_OURS, TOPK_TORCH = TOPK_COLUMNS.values()
-COLUMNS = (BF16, FP8, FP8_DG, RESCORE, RESCORE_DG, STAGE1, STAGE2, STAGE1_DG, STAGE2_DG) + tuple(TOPK_COLUMNS.values())
-DEEPGEMM_COLUMNS = (FP8_DG, RESCORE_DG, STAGE1_DG, STAGE2_DG)
+COLUMNS = ((BF16, FP8, FP8_DG, RESCORE, RESCORE_DG, RESCORE_V2C, STAGE1, STAGE2, STAGE1_DG, STAGE2_DG, STAGE2_V2C)
+           + tuple(TOPK_COLUMNS.values()))
+DEEPGEMM_COLUMNS = (FP8_DG, RESCORE_DG, RESCORE_V2C, STAGE1_DG, STAGE2_DG, STAGE2_V2C)
+V2_CANDIDATE_COLUMNS = (RESCORE_V2C, STAGE2_V2C)
 SGLANG_COLUMNS = (TOPK_V2, TOPK_V1)
 
 # what bf16 / fp8 / fp8 DeepGEMM added before issue 31 (runs without a "topk" record)
@@ -89,6 +97,9 @@ LEGEND = {
     STAGE2: "rescore_topk given stage 1's logits: K' candidates, stage 2 from hi + lo, the selection",
     STAGE1_DG: "DeepGEMM's paged fp8 logits alone (stage 1 of the DeepGEMM variant)",
     STAGE2_DG: "rescore_topk given DeepGEMM's unmasked logits (candidates, stage 2, selection)",
+    RESCORE_V2C: "DeepGEMM's paged fp8 logits + SGLang's v2 top-k at k = K' (the candidates) + rescore_topk given both "
+                 "(the plugin's stage1=sglang since issue 48)",
+    STAGE2_V2C: "SGLang's v2 top-k at k = K' on DeepGEMM's logits + rescore_topk given both (stage 2, selection)",
     TOPK_V2: "SGLang 0.5.23's v2 top-k alone (topk_transform_paged_v2, its plan built once outside the timing) on "
              "the stock step's logits",
     TOPK_V1: "SGLang 0.5.23's v1 top-k alone (topk_transform_paged, sm_120's default) on the stock step's logits",
@@ -115,9 +126,13 @@ def legend(topk: dict) -> dict:
 
 # the floor of "stage 2 + selection" (issue 31): its columns, its target (a share of the floor, by the case's rows x
 # index entries), and what it counts
-FLOOR_COLUMNS = (STAGE2, STAGE2_DG)
+FLOOR_COLUMNS = (STAGE2, STAGE2_DG, STAGE2_V2C)
 FLOOR_TARGET = {"min_entry_rows": 2**20, "large": 0.60, "small": 0.40}
-STAGE2_FLOPS_PER_CANDIDATE = layouts.N_HEADS * layouts.HEAD_DIM * 2 * 2   # fma = 2 flops; hi and lo
+STAGE2_FLOPS_PER_KEY = layouts.N_HEADS * layouts.HEAD_DIM * 2            # fma = 2 flops; one f16 key, 64 heads
+# keys stage 2 multiplies per candidate: one combined key since issue 48; runs that do not record it multiplied two
+# (the hi and the lo key), and their floors are counted so
+STAGE2_KEYS_PER_CANDIDATE = 1
+OLD_STAGE2_KEYS_PER_CANDIDATE = 2
 LOGIT_BYTES = 4                                                           # fp32 stage-1 logits
 MMA_KIND = "bf16"                                                         # stage 2's mma: bf16 m16n8k16
 
@@ -386,8 +401,34 @@ def _calls(c: Case, x: Inputs, dg, topks=None) -> dict:
         STAGE1_DG: [lambda i=i: dg_rows(x.row_tables[i]) for i in range(rot)],
         STAGE2_DG: [lambda i=i: rows_rescore(i, dg_stage1[i]) for i in range(rot)],
     })
+    if peers.SGLANG_V2 in topks.ops and kp <= _V2_MAX_K:
+        calls.update(_v2_candidate_calls(c, x, dg_rows, dg_stage1, topks.ops[peers.SGLANG_V2].module))
     calls.update(_topk_alone(topks, c, x, [stock[i]() for i in range(rot)]))
     return calls
+
+
+_V2_MAX_K = 2048   # SGLang's v2 top-k takes k <= 2048 (cupy_dsa.sglang.candidates.MAX_K)
+
+
+def _v2_candidate_calls(c: Case, x: Inputs, dg_rows, dg_stage1, module) -> dict:
+    """The plugin's stage1=sglang since issue 48: SGLang's v2 top-k (``module``: SGLang's top-k module as the run
+    loaded it) at k = K' picks the candidates (``cupy_dsa.sglang.candidates``, the product's own call), then
+    ``rescore_topk(candidates=)``."""
+    from cupy_dsa.sglang import candidates
+
+    choice = candidates.CandidateSelect(candidates.SGLANG_V2, "bench rescore")
+    lens = x.lens_rows
+    plan = module.plan_topk_v2(lens, out=lens.new_empty(lens.shape[0] + 1, 2))   # once, outside the timing
+
+    def rescored(i, logits):
+        kp = max(c.index_topk, min(c.k_prime, logits.shape[1]))
+        given = candidates.select_candidates(choice, logits, lens, x.row_tables[i], kp, plan, topk=module)
+        return rescore.rescore_topk(x.q_rows, x.weights, x.hi, x.lo, x.lens_rows, x.row_tables[i], c.index_topk,
+                                    stage1_logits=logits, candidates=given)
+
+    rot = len(x.tables)
+    return {RESCORE_V2C: [lambda i=i: rescored(i, dg_rows(x.row_tables[i])) for i in range(rot)],
+            STAGE2_V2C: [lambda i=i: rescored(i, dg_stage1[i]) for i in range(rot)]}
 
 
 def _topk_alone(topks, c: Case, x: Inputs, logits: list) -> dict:
@@ -406,7 +447,8 @@ def _key_bytes(c: Case) -> dict:
     stage2 = c.rows * c.k_prime * rescore.TWO_LEVEL_BYTES_PER_TOKEN
     fp8 = entries * layouts.FP8_BYTES_PER_TOKEN
     return {BF16: entries * layouts.BF16_BYTES_PER_TOKEN, FP8: fp8, FP8_DG: fp8, RESCORE: fp8 + stage2,
-            RESCORE_DG: fp8 + stage2, STAGE1: fp8, STAGE2: stage2, STAGE1_DG: fp8, STAGE2_DG: stage2,
+            RESCORE_DG: fp8 + stage2, RESCORE_V2C: fp8 + stage2, STAGE1: fp8, STAGE2: stage2, STAGE1_DG: fp8,
+            STAGE2_DG: stage2, STAGE2_V2C: stage2,
             **{col: 0 for col in TOPK_COLUMNS.values()}}
 
 
@@ -428,6 +470,11 @@ def measure(c: Case, device, dg, dg_reason: str | None, seed: int, reps: int, to
     for key, col in TOPK_COLUMNS.items():
         if key not in topks.ops:
             row["errors"][col] = f"not measured: {topks.status.get(key)}"
+    for col in V2_CANDIDATE_COLUMNS if dg is not None else ():
+        if peers.SGLANG_V2 not in topks.ops:
+            row["errors"][col] = f"not measured: {topks.status.get(peers.SGLANG_V2)}"
+        elif c.k_prime > _V2_MAX_K:
+            row["errors"][col] = f"not measured: K' {c.k_prime} is past the {_V2_MAX_K} SGLang's v2 top-k takes"
     try:
         x = _inputs(c, device, _gen(device, seed), rot)
         calls = _calls(c, x, dg, topks)
@@ -476,15 +523,16 @@ def mma_ceiling(ceilings: dict | None) -> tuple[float, int] | None:
     return rates[warps], int(warps)
 
 
-def floor(c: Case, ceilings: dict | None) -> dict:
-    """The floor of "stage 2 + selection" for case ``c``: what it moves and computes, and (where ``ceilings`` holds
-    the read-only stream and the mma.sync ceiling, both measured in the same run) the time that costs, which
-    bound binds, and the target share."""
+def floor(c: Case, ceilings: dict | None, keys_per_candidate: int = STAGE2_KEYS_PER_CANDIDATE) -> dict:
+    """The floor of "stage 2 + selection" for case ``c``: what it moves and computes (``keys_per_candidate``: the
+    f16 keys stage 2 multiplies per candidate, as the run's code did), and (where ``ceilings`` holds the read-only
+    stream and the mma.sync ceiling, both measured in the same run) the time that costs, which bound binds, and the
+    target share."""
     visible = c.visible()
     candidates = sum(min(c.k_prime, v) for v in visible)
     candidate_bytes = candidates * rescore.TWO_LEVEL_BYTES_PER_TOKEN
     logit_bytes = sum(visible) * LOGIT_BYTES
-    flops = candidates * STAGE2_FLOPS_PER_CANDIDATE
+    flops = candidates * STAGE2_FLOPS_PER_KEY * keys_per_candidate
     read = (ceilings or {}).get("read_gbps")
     mma = mma_ceiling(ceilings)
     read_us = (candidate_bytes + logit_bytes) / (read * 1e9) * 1e6 if read else None
@@ -509,9 +557,10 @@ def floor_shares(fl: dict, us: dict) -> tuple[dict, dict]:
     return share, verdict
 
 
-def with_floor(row: dict, c: Case, ceilings: dict | None) -> dict:
+def with_floor(row: dict, c: Case, ceilings: dict | None,
+               keys_per_candidate: int = STAGE2_KEYS_PER_CANDIDATE) -> dict:
     """``row`` with its floor (:func:`floor`), the share of it each floor column reached and the verdicts."""
-    fl = floor(c, ceilings)
+    fl = floor(c, ceilings, keys_per_candidate)
     fl["share"], fl["verdict"] = floor_shares(fl, row["us"])
     row["floor"] = fl
     return row
@@ -602,6 +651,8 @@ def markdown(doc: dict) -> str:
         head += f" Stock top-k: {stock_topk_name(topk_run)}."
     ratio_cols = [(RESCORE, "fp8-rescore / fp8 DeepGEMM"), (RESCORE_DG, "fp8-rescore (DG stage 1) / fp8 DeepGEMM")] \
         if dg else [(RESCORE, "fp8-rescore / fp8")]
+    if dg and RESCORE_V2C in cols:
+        ratio_cols.append((RESCORE_V2C, "fp8-rescore (DG stage 1, v2 candidates) / fp8 DeepGEMM"))
     hdr = ["case"] + cols + ["fp8-rescore per token"] + [name for _, name in ratio_cols]
     lines = [head, "", "| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
     base = FP8_DG if dg else FP8
@@ -634,7 +685,7 @@ def markdown(doc: dict) -> str:
     if topk_run:  # a top-k that does not run here is named once, in the head or the top-k table
         hidden |= set(SGLANG_COLUMNS)
     errors = [f"{_row_label(r)}: {k}: {v}" for r in doc["rows"] for k, v in (r.get("errors") or {}).items()
-              if k not in hidden]
+              if k not in hidden and not (topk_run and k in V2_CANDIDATE_COLUMNS and "SGLang's v2 top-k not" in v)]
     if errors:
         lines += ["", "Not measured: " + "; ".join(errors) + "."]
     return "\n".join(lines) + "\n"
@@ -669,7 +720,7 @@ def _row_floor(doc: dict, r: dict) -> dict | None:
     c = case_of(r)
     if c is None:
         return None
-    fl = floor(c, doc.get("ceilings"))
+    fl = floor(c, doc.get("ceilings"), doc.get("stage2_keys_per_candidate", OLD_STAGE2_KEYS_PER_CANDIDATE))
     fl["share"], fl["verdict"] = floor_shares(fl, {col: _us(r, col) for col in FLOOR_COLUMNS})
     return fl
 

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 from cupy_dsa.layouts import BYTES_PER_TOKEN, HEAD_DIM, N_HEADS, PAGE_SLOTS
-from cupy_dsa.rescore import TWO_LEVEL_BYTES_PER_TOKEN
+from cupy_dsa.rescore import K_PRIME_MULTIPLE, TWO_LEVEL_BYTES_PER_TOKEN
 
 from .bytes import C4_RATIO, C128_RATIO
 from .models import BUILTIN, ServeModel
@@ -119,7 +119,9 @@ RESCORE_COUNTED = (
     "grouped verify) / rescore_topk_prefill (the chunk's varlen rows, every row its whole range) per layer, stage 1 "
     "by cupy_dsa's fp8 kernels, K' = 4 x index_topk, the plan once per forward (the plugin's stage1=cupy); "
     "'fp8-rescore, DeepGEMM stage 1' = the same store + DeepGEMM's paged fp8 logits (one row per token, the schedule "
-    "once per forward) + rescore_topk given them unmasked (the plugin's stage1=sglang). Ratios: to 'fp8 + top-k' "
+    "once per forward) + rescore_topk given them unmasked, its K' candidates picked by SGLang's v2 top-k at k = K' "
+    "where it is live and takes K' (else cupy_dsa's select; the row's rescore_dg_candidates says which): the plugin's "
+    "stage1=sglang. Ratios: to 'fp8 + top-k' "
     "(the stock step), to 'bf16 + top-k' and to the plain fp8 step. 'top-k alone': each top-k implementation over "
     "one layer's stock logits, once per C4 layer (its plan once), ms per forward.")
 
@@ -405,11 +407,16 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg, query: s
     if layout == "fp8-rescore-dg":  # the plugin's stage1=sglang: DeepGEMM's paged rows on every step, then stage 2
         calls = [peers.deepgemm_decode(dg, q_rows, c, weights, lens_rows[:, None], row_table, width)[1]
                  for c in hi_caches]
+        pick = rescore_dg_candidates(topk, model)
+        plan = candidate_plan(pick, topk, lens_rows)  # SGLang builds v2's plan once per forward
 
         def layer_logits(i):
             hi, lo = caches[i % len(caches)]
+            logits = calls[i % len(calls)]()
             return rescore.rescore_topk(q_rows, weights, hi, lo, lens_rows, row_table, model.index_topk,
-                                        stage1_logits=calls[i % len(calls)]())
+                                        stage1_logits=logits,
+                                        candidates=select_candidates(pick, topk, logits, lens_rows, row_table, model,
+                                                                     plan))
     elif fp8_route(case) == FP8_NONPAGED:
         n_keys = (case.context + case.chunk) // C4_RATIO           # the request's entries after this chunk
         nonpaged = peers.nonpaged_prefill(dg, q, weights, ks, ke, table[0], n_keys)
@@ -443,6 +450,38 @@ def _forward(case: Case, layout: str, model: ServeModel, device, g, dg, query: s
                    logits=lambda: layer_logits(0), topk_rows=topk_rows)
 
 
+def rescore_dg_candidates(topk, model: ServeModel):
+    """What picks fp8-rescore-dg's K' candidates, as the plugin's stage1=sglang does (cupy_dsa.sglang.candidates):
+    SGLang's v2 top-k at k = K' where the run has it live (``topk``, the stock :class:`peers.TopKOp`) and K' fits it,
+    else cupy_dsa's own select."""
+    from cupy_dsa.sglang import candidates
+
+    from . import peers
+
+    if topk is None or topk.key != peers.SGLANG_V2:
+        return candidates.CandidateSelect(candidates.CUPY_DSA, "SGLang's v2 top-k is not live in this run")
+    return candidates.candidate_select(K_PRIME_MULTIPLE * model.index_topk, stage1="sglang",
+                                       topk_backend="sgl-kernel", use_topk_v2=True)
+
+
+def candidate_plan(pick, topk, lens):
+    """SGLang's v2 plan over ``lens`` for ``pick`` (None unless it is v2), from the module ``topk`` (the stock
+    :class:`peers.TopKOp`) calls."""
+    if pick.kernel != "sglang-v2":
+        return None
+    return topk.module.plan_topk_v2(lens, out=lens.new_empty(lens.shape[0] + 1, 2))
+
+
+def select_candidates(pick, topk, logits, lens, table, model: ServeModel, plan):
+    """The K' candidates of ``pick`` (None: cupy_dsa's own, inside rescore_topk), by the module ``topk`` calls."""
+    if not pick.sglang:
+        return None
+    from cupy_dsa.sglang import candidates
+
+    kp = max(model.index_topk, min(K_PRIME_MULTIPLE * model.index_topk, logits.shape[1]))
+    return candidates.select_candidates(pick, logits, lens, table, kp, plan, topk=topk.module)
+
+
 def _add_error(row: dict, case: str, exc: Exception) -> None:
     """Note a case that failed in the row's error (one case failing must not end the run)."""
     failed = f"{case}: {type(exc).__name__}: {str(exc)[:200]}"
@@ -474,7 +513,7 @@ def measure(case: Case, model: ServeModel, device, dg, seed: int, reps: int, lay
            "rescore_dg_vs_fp8": None, "rescore_target_ratio": rescore_target(case), "rescore_verdict": None,
            "rescore_dg_verdict": None, "stock_topk": topks.stock.key, "bf16_topk_ms": None,
            "rescore_vs_bf16_topk": None, "rescore_dg_vs_bf16_topk": None, "targets_31": [], "topk_alone_ms": {},
-           "topk_alone_on": None}
+           "topk_alone_on": None, "rescore_dg_candidates": rescore_dg_candidates(topks.stock, model).kernel}
     sample = None  # (logits, (lens, table)) of one layer: the top-k alone runs on it
     for layout, _ in TIMED:
         if (layout in NEEDS_DEEPGEMM and dg is None) or (layouts is not None and layout not in layouts):

@@ -98,7 +98,8 @@ def test_rescore_routes_select_the_same_keys(phase, monkeypatch):
     c, = [c for c in rb.cases(CPU, False) if c.phase == phase]
     x = rb._inputs(c, CPU, torch.Generator().manual_seed(1), 1)
     calls = rb._calls(c, x, FakeDeepGEMM(), peers.topks(CPU))
-    assert fake.calls.count("plan") == 2 and "v2" not in fake.calls  # the stock binding's and its column's
+    # the stock binding's, its column's and the v2-candidate columns' (issue 48), all outside the timed calls
+    assert fake.calls.count("plan") == 3 and "v2" not in fake.calls
     whole, given, on_rows = (calls[k][0]().raw_indices for k in (rb.RESCORE, rb.STAGE2, rb.RESCORE_DG))
     assert torch.equal(whole, given) and torch.equal(whole, on_rows)
     assert torch.equal(calls[rb.STAGE2_DG][0]().raw_indices, whole)
@@ -110,6 +111,11 @@ def test_rescore_routes_select_the_same_keys(phase, monkeypatch):
         assert torch.equal(calls[col][0]().sort(1).values, stock.sort(1).values), col
     values = calls[rb.TOPK_TORCH][0]().values
     assert values.shape == (c.rows, c.index_topk)
+    # SGLang's v2 picks the candidates (k = K', raw positions): the same selection as cupy_dsa's own
+    n_v2 = fake.calls.count("v2")
+    for col in rb.V2_CANDIDATE_COLUMNS:
+        assert torch.equal(calls[col][0]().raw_indices, whole), col
+    assert fake.calls.count("v2") == n_v2 + 2
 
 
 def test_rescore_cli_options(monkeypatch):
@@ -206,9 +212,11 @@ def _new_doc(dg=True):
 
 def test_rescore_markdown_new_and_old_results():
     new = rb.markdown(_new_doc())
-    assert "| case | bf16 | fp8 | fp8 DeepGEMM | fp8-rescore | fp8-rescore (DeepGEMM stage 1) | stage 1 |" in new
-    # fp8-rescore 40 us over fp8 DeepGEMM 30 us; the DeepGEMM stage-1 variant 50 us; per token 40 / 128
-    assert "| verify 64 x 32K, next_n 2 | 10.0 us |" in new and "| 0.31 us | 1.33x | 1.67x |" in new
+    assert ("| case | bf16 | fp8 | fp8 DeepGEMM | fp8-rescore | fp8-rescore (DeepGEMM stage 1) | fp8-rescore (DeepGEMM "
+            "stage 1, SGLang v2 candidates) | stage 1 |") in new
+    # fp8-rescore 40 us over fp8 DeepGEMM 30 us; the DeepGEMM stage-1 variant 50 us, with v2 candidates 60 us; per
+    # token 40 / 128
+    assert "| verify 64 x 32K, next_n 2 | 10.0 us |" in new and "| 0.31 us | 1.33x | 1.67x | 2.00x |" in new
     no_dg = rb.markdown(_new_doc(dg=False))
     assert "fp8 DeepGEMM" not in no_dg and "DeepGEMM: deep_gemm not importable" in no_dg
     assert "| fp8-rescore / fp8 |" in no_dg and "| 2.00x |" in no_dg  # 40 us over fp8 20 us and "Not measured" not in no_dg
@@ -228,26 +236,28 @@ def test_rescore_markdown_new_and_old_results():
 
 def test_rescore_floor_by_hand():
     """Two requests of 2048 and 50 entries, next_n 2, K' = 64: rows see 2047, 2048, 49 and 50 entries, so 64 + 64 +
-    49 + 50 = 227 candidates; 227 x 264 B + 4194 logits x 4 B = 76,704 B; 227 x 64 x 128 x 2 x 2 = 7,438,336 flops."""
+    49 + 50 = 227 candidates; 227 x 264 B + 4194 logits x 4 B = 76,704 B; 227 x 64 x 128 x 2 = 3,719,168 flops
+    (one combined f16 key per candidate; 7,438,336 with the two keys of the runs before issue 48)."""
     c = rb.Case("verify", (8192, 200), next_n=2, index_topk=16)
     assert c.k_prime == 64 and c.visible() == [2047, 2048, 49, 50] and c.entry_rows() == 2 * (2048 + 50)
     fl = rb.floor(c, {"read_gbps": 100.0, "mma_sync": {"bf16": {"4": 5.0, "8": 10.0, "16": 8.0}, "e4m3": None}})
     assert (fl["candidates"], fl["candidate_bytes"], fl["logit_bytes"]) == (227, 59928, 16776)
-    assert fl["bytes"] == 76704 and fl["flops"] == 7438336
+    assert fl["bytes"] == 76704 and fl["flops"] == 3719168
+    assert rb.floor(c, None, rb.OLD_STAGE2_KEYS_PER_CANDIDATE)["flops"] == 7438336
     assert (fl["mma_tflops"], fl["mma_warps_per_sm"]) == (10.0, 8)           # the best residency measured
-    assert fl["read_us"] == pytest.approx(0.76704) and fl["mma_us"] == pytest.approx(0.7438336)
+    assert fl["read_us"] == pytest.approx(0.76704) and fl["mma_us"] == pytest.approx(0.3719168)
     assert fl["us"] == fl["read_us"] and fl["binds"] == "read" and fl["target"] == 0.40
     share, verdict = rb.floor_shares(fl, {rb.STAGE2: 1.5, rb.STAGE2_DG: 2.0})
     assert share[rb.STAGE2] == pytest.approx(0.76704 / 1.5) and verdict[rb.STAGE2] == "pass"      # 51% >= 40%
     assert share[rb.STAGE2_DG] == pytest.approx(0.76704 / 2.0) and verdict[rb.STAGE2_DG] == "miss"  # 38% < 40%
     fast_read = rb.floor(c, {"read_gbps": 1000.0, "mma_sync": {"bf16": {"8": 10.0}}})
-    assert fast_read["binds"] == "mma.sync" and fast_read["us"] == pytest.approx(0.7438336)
+    assert fast_read["binds"] == "mma.sync" and fast_read["us"] == pytest.approx(0.3719168)
     for ceilings in (None, {"read_gbps": 100.0}, {"read_gbps": None, "mma_sync": {"bf16": {"8": 10.0}}},
                      {"read_gbps": 100.0, "mma_sync": None}):  # a ceiling missing: no floor in time, no verdict
         fl = rb.floor(c, ceilings)
         assert fl["us"] is None and fl["binds"] is None and fl["bytes"] == 76704
-        assert rb.floor_shares(fl, {rb.STAGE2: 1.5}) == ({rb.STAGE2: None, rb.STAGE2_DG: None},
-                                                         {rb.STAGE2: None, rb.STAGE2_DG: None})
+        none = {col: None for col in (rb.STAGE2, rb.STAGE2_DG, rb.STAGE2_V2C)}
+        assert rb.floor_shares(fl, {rb.STAGE2: 1.5}) == (none, none)
 
 
 def test_rescore_floor_targets_by_rows_x_entries():
@@ -262,7 +272,7 @@ def test_rescore_floor_targets_by_rows_x_entries():
     assert all(fl["target"] == 0.60 for label, fl in by.items() if label.startswith(("prefill", "extend")))
     d = by["decode 64 x 64K"]  # issue 31's figures: 34.6 MB of candidate rows
     assert d["candidate_bytes"] == 64 * 2048 * 264 and d["logit_bytes"] == 64 * 16 * K * 4
-    assert d["flops"] == 64 * 2048 * 64 * 128 * 4
+    assert d["flops"] == 64 * 2048 * 64 * 128 * 2
 
 
 @pytest.mark.parametrize("phase", rb.PHASES)
@@ -290,7 +300,8 @@ def test_rescore_floor_markdown_old_and_new_results():
     assert (f"| prefill chunk of 4,096 after 32K | 36.00M | 2357.2 | 274.9 | — | — | >= 60% | "
             f"{rb._fmt_us(rb._us(pre, rb.STAGE2))} | — |") in text
     new = dict(old, ceilings={"read_gbps": 4000.0, "mma_sync": {"bf16": {"8": 600.0}}})
-    new["rows"] = [rb.with_floor(dict(r), rb.case_of(r), new["ceilings"]) for r in old["rows"]]
+    new["rows"] = [rb.with_floor(dict(r), rb.case_of(r), new["ceilings"], rb.OLD_STAGE2_KEYS_PER_CANDIDATE)
+                   for r in old["rows"]]
     text = rb.markdown(new)
     # 4.85 MB / 4 TB/s = 1.21 us (the flops: 0.54 GFLOP / 600 TFLOP/s = 0.89 us), and its share of each time
     share = lambda v: f"{1.2126 / v:.0%}"  # noqa: E731

@@ -66,19 +66,26 @@ class FakeSGLangTopK:
         self.calls = []
         self.wrong = wrong  # select the k smallest instead: a kernel the loader's check must refuse
 
-    def _select(self, scores, seq_lens, page_tables, out, page_size):
+    def _select(self, scores, seq_lens, page_tables, out, page_size, out_raw=None):
+        """``page_tables`` None (v2's raw mode): raw positions into ``out``; ``out_raw``: them too."""
+        raw_only = page_tables is None
+        if raw_only:  # positions are the page indices of an identity table
+            page_tables = torch.arange(-(-scores.shape[1] // 64), dtype=torch.int32).expand(scores.shape[0], -1)
         assert page_size == 64 and scores.dtype == torch.float32 and seq_lens.dtype == page_tables.dtype == torch.int32
         assert scores.shape[0] == seq_lens.shape[0] == page_tables.shape[0] == out.shape[0]
-        sel = cupy_dsa.paged_topk_reference(-scores if self.wrong else scores, seq_lens, page_tables,
-                                            out.shape[1]).page_indices
-        for r in range(sel.shape[0]):
-            n = int((sel[r] >= 0).sum())
-            sel[r, :n] = sel[r, :n].flip(0)
-        out.copy_(sel)
+        res = cupy_dsa.paged_topk_reference(-scores if self.wrong else scores, seq_lens, page_tables, out.shape[1],
+                                            raw_indices=True)
+        for sel in (res.page_indices, res.raw_indices):
+            for r in range(sel.shape[0]):
+                n = int((sel[r] >= 0).sum())
+                sel[r, :n] = sel[r, :n].flip(0)
+        out.copy_(res.raw_indices if raw_only else res.page_indices)
+        if out_raw is not None:
+            out_raw.copy_(res.raw_indices)
 
     def topk_transform_paged(self, scores, seq_lens, page_tables, out_page_indices, page_size, out_raw_indices=None):
         self.calls.append("v1")
-        self._select(scores, seq_lens, page_tables, out_page_indices, page_size)
+        self._select(scores, seq_lens, page_tables, out_page_indices, page_size, out_raw_indices)
 
     def plan_topk_v2(self, seq_lens, static_threshold=-1, *, out=None):
         self.calls.append("plan")
@@ -89,7 +96,7 @@ class FakeSGLangTopK:
                                 out_raw_indices=None):
         self.calls.append("v2")
         assert metadata.shape == (seq_lens.shape[0] + 1, 2)
-        self._select(scores, seq_lens, page_tables, out_page_indices, page_size)
+        self._select(scores, seq_lens, page_tables, out_page_indices, page_size, out_raw_indices)
 
 
 def fake_sglang_topk(monkeypatch, live=True):
@@ -101,7 +108,7 @@ def fake_sglang_topk(monkeypatch, live=True):
         key = {"v1": peers.SGLANG_V1, "v2": peers.SGLANG_V2}[version]
         if not live:
             return None, f"SGLang's {version} top-k not importable (ModuleNotFoundError: No module named 'sglang')"
-        return peers.TopKOp(key, peers.TOPK_LABELS[key], peers._sglang_bind(fake, key)), None
+        return peers.TopKOp(key, peers.TOPK_LABELS[key], peers._sglang_bind(fake, key), fake), None
 
     monkeypatch.setattr(peers, "sglang_topk", loader)
     return fake

@@ -90,7 +90,7 @@ def _mode_lines(flag: str | None = None) -> tuple[str | None, list[tuple[str, st
         text += f", {rec.key_numerics} key numerics)" if rec.cache_layout == "bf16" else ")"
         text += f"; {core.describe_query(mode, query)}"
         if rec.two_level:
-            text += f"; {core.rescore_settings_from_env().describe()}"
+            text += f"; {core.rescore_settings_from_env().describe()}; {_candidates_text()}"
         lines = [(OK, text)]
     parser = argparse.ArgumentParser()
     hooks._add_cli_args_hook(None, parser)
@@ -103,6 +103,18 @@ def _mode_lines(flag: str | None = None) -> tuple[str | None, list[tuple[str, st
         lines.append((PROBLEM, f"the {CLI_FLAG} flag hook did not add the flag with choices {MODES}: reinstall cupy_dsa."))
     lines.append((NOTE, core.pd_layout_hint(mode).removeprefix("cupy_dsa: ")))
     return mode, lines
+
+
+def _candidates_text() -> str:
+    """Which select picks fp8-rescore's K' candidates on this machine's GPU (cupy_dsa.sglang.candidates)."""
+    from . import candidates
+
+    arch = None
+    if torch.cuda.is_available():
+        from cupy_dsa import runtime
+
+        arch = runtime.device_arch(torch.cuda.current_device())
+    return candidates.check_text(core.rescore_settings_from_env(), arch)
 
 
 def _sglang_lines(mode: str | None) -> list[tuple[str, str]]:

@@ -371,17 +371,20 @@ def _stage2_rows(q_rescore: torch.Tensor | None, weights_rescore: torch.Tensor |
 def rescore_rows(q: torch.Tensor, weights: torch.Tensor, lens: torch.Tensor, page_table: torch.Tensor,
                  hi: torch.Tensor, lo: torch.Tensor, rows: slice, index_topk: int, k_prime: int,
                  plans: "ForwardPlans | None" = None, stage1_logits: torch.Tensor | None = None,
-                 q_rescore: torch.Tensor | None = None, weights_rescore: torch.Tensor | None = None):
+                 q_rescore: torch.Tensor | None = None, weights_rescore: torch.Tensor | None = None,
+                 candidates: torch.Tensor | None = None):
     """SGLang's rows as requests of one row each (``paged_logits``' contract: row r sees positions ``[0, lens[r])``
     through its page-table row). Stage 1: ``stage1_logits`` (``[len(rows), >= width]``, unmasked: SGLang's own fp8
-    logits call) or cupy_dsa's fp8 logits on ``hi``; stage 2 with ``q_rescore`` / ``weights_rescore`` (all the
-    forward's rows) when given. Returns ``cupy_dsa.rescore.RescoreTopK``."""
+    logits call) or cupy_dsa's fp8 logits on ``hi``; the candidates those logits' ``candidates`` (int32 ``[len(rows),
+    K']``, SGLang's top-k at k = K') when given, else cupy_dsa's select; stage 2 with ``q_rescore`` /
+    ``weights_rescore`` (all the forward's rows) when given. Returns ``cupy_dsa.rescore.RescoreTopK``."""
     from cupy_dsa import rescore
 
     q1, w, lens_r, block_table, kw = _rows_call(q, weights, lens, page_table, rows, plans,
                                                 plan=stage1_logits is None)
     return rescore.rescore_topk(q1, w, hi, lo, lens_r, block_table, index_topk, k_prime,
-                                stage1_logits=stage1_logits, **_stage2_rows(q_rescore, weights_rescore, rows), **kw)
+                                stage1_logits=stage1_logits, candidates=candidates,
+                                **_stage2_rows(q_rescore, weights_rescore, rows), **kw)
 
 
 def rescore_verify(q: torch.Tensor, weights: torch.Tensor, lens: torch.Tensor, page_table: torch.Tensor,

@@ -265,6 +265,18 @@ def sglang_fp8_logits_fn(ix):
     return fn, True
 
 
+_LOGGED_SELECTS: set = set()
+
+
+def _log_candidate_select(choice) -> None:
+    """Says once per process which select picks fp8-rescore's candidates (and again if it changes)."""
+    if choice not in _LOGGED_SELECTS:
+        _LOGGED_SELECTS.add(choice)
+        import logging
+
+        logging.getLogger("cupy_dsa").info("cupy_dsa: fp8-rescore %s", choice.describe())
+
+
 def _rescored_topk(self, ix, forward_batch, c4_indexer, *, q, weights, lens, page_table, page_indices, raw_indices,
                    kvcache, route, next_n, capturing, q_rescore=None, weights_rescore=None) -> None:
     """fp8-rescore: each row's top ``index_topk`` (the width of SGLang's page-index buffer, as its own top-k fills
@@ -273,9 +285,11 @@ def _rescored_topk(self, ix, forward_batch, c4_indexer, *, q, weights, lens, pag
     64``, int32, -1 padded) and the raw positions where SGLang keeps them; SGLang's top-k is not called.
 
     Stage 1 (``SGLANG_CUPY_DSA_RESCORE_STAGE1``): ``sglang`` calls the fp8 logits function SGLang's own forward
-    would call, on its row chunks with its schedules (one row per token, unmasked logits; stage 2 per row);
-    ``cupy`` runs cupy_dsa's fp8-key kernels on the plugin's routes (decode rows, grouped verify, varlen extend),
-    with the forward's plans built by its first C4 layer.
+    would call, on its row chunks with its schedules (one row per token, unmasked logits; stage 2 per row), and
+    SGLang's own top-k for the step picks the K' candidates where it takes K' (``candidates``: v2 at K' <= 2048, v1
+    at K' <= 1024, with SGLang's plans; else cupy_dsa's select); ``cupy`` runs cupy_dsa's fp8-key kernels and
+    select on the plugin's routes (decode rows, grouped verify, varlen extend), with the forward's plans built by
+    its first C4 layer.
 
     Stage 2 (the query setting, ``SGLANG_CUPY_DSA_INDEX_Q``) scores the candidates with ``q_rescore`` / ``weights_rescore`` (the bf16
     query and its weights, ``[rows, 64, 128]`` / ``[rows, 64]``) when given, else with stage 1's fp8 q and weights."""
@@ -297,6 +311,8 @@ def _rescored_topk(self, ix, forward_batch, c4_indexer, *, q, weights, lens, pag
             raw_indices[r].copy_(res.raw_indices)
 
     if settings.stage1 == "sglang":
+        from . import candidates
+
         fn, lens_2d = sglang_fp8_logits_fn(ix)
         kv = kvcache.view(kvcache.shape[0], layouts.PAGE_SLOTS, 1, layouts.FP8_BYTES_PER_TOKEN)
         c4sl = lens.unsqueeze(-1) if lens_2d else lens
@@ -309,12 +325,19 @@ def _rescored_topk(self, ix, forward_batch, c4_indexer, *, q, weights, lens, pag
             schedules = schedule
         else:
             chunks, schedules = [slice(0, rows)], [schedule]
-        for r, sched in zip(chunks, schedules):
+        choice = candidates.select_of_backend(self, k_prime, settings.stage1)
+        _log_candidate_select(choice)
+        for i, (r, sched) in enumerate(zip(chunks, schedules)):
             logits = fn(q[r].unsqueeze(1), kv, weights[r], c4sl[r], page_table[r], sched,
                         indexer_metadata.max_compressed_seq_len, False)
+            given = None
+            if choice.sglang:
+                kp = max(index_topk, min(k_prime, logits.shape[1]))
+                plan = candidates.v2_plan(choice, indexer_metadata, lens, r, len(chunks) == 1, i)
+                given = candidates.select_candidates(choice, logits, lens[r], page_table[r], kp, plan)
             put(r, core.rescore_rows(q, weights, lens, page_table, kvcache, lo, r, index_topk, k_prime,
-                                     stage1_logits=logits, **stage2))
-            del logits
+                                     stage1_logits=logits, candidates=given, **stage2))
+            del logits, given
         return
 
     width = indexer_metadata.max_compressed_seq_len

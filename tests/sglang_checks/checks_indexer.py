@@ -118,8 +118,10 @@ def _indexer_setup(lens=(2000, 1500, 2560), topk=512, seed=None, one_request=Fal
         def forward_indexer_compressor(self, **kw):  # keys are in the pool already
             pass
 
-    def run(pool, mode_=ForwardMode.DECODE, batch=rows):
+    def run(pool, mode_=ForwardMode.DECODE, batch=rows, topk_backend=None):
         b = Backend(pool, mode_, batch)
+        if topk_backend is not None:  # --dsa-topk-backend (the set-up's own: torch, SGLang's CPU-capable one)
+            b.dsa_topk_backend = DSATopKBackend(topk_backend)
         x = torch.zeros(rows, 16)
         b.forward_c4_indexer(x, x, c4, b.forward_batch)
         return b.forward_metadata.core_metadata, page_table

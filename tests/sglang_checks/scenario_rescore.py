@@ -8,8 +8,9 @@ real classes.
   residual page of cupy_dsa.rescore's reference;
 * the top-k of SGLang's forward (stage 1 from SGLang's own fp8 logits call, or from cupy_dsa's fp8 kernels on the
   plugin's routes) equals ``rescore_topk_reference`` on decode, varlen extend, one-request prefill, grouped and
-  ragged verify and small rows, equals the exact top-k where the keys leave no tie at the two-level precision,
-  and SGLang's own top-k is never called;
+  ragged verify and small rows, equals the exact top-k where the keys leave no tie at the two-level precision;
+  SGLang's own top-k (its transform) is never called, and with stage 1 from SGLang its kernel picks the K'
+  candidates (raw positions, k = K'; the CUDA-only kernel stood in by a torch one of the same contract);
 * PD tag and pairing, HiCache regions and namespace, a HiCache backup and load of both pages through SGLang's
   host pools (checks_hicache), refusals, flags and the check command.
 """
@@ -94,6 +95,33 @@ def _reference(ns, k_prime=None, stage1_logits=None):
                                   stage1_logits=stage1_logits)
 
 
+def _sglang_topk_stand_in(picks):
+    """SGLang's v2 / v1 top-k of the raw-position contract (the kernels are CUDA JIT), stood in on the CPU: each row's
+    k greatest scores among its first len columns (ties to the lower position) as positions in a scrambled
+    order (the kernels write in arrival order), -1 padded; each call recorded in ``picks`` (kernel, k, whether a
+    page table was passed)."""
+    def top(scores, lens, out):
+        k = out.shape[1]
+        out.fill_(-1)
+        for r in range(scores.shape[0]):
+            n = int(lens[r])
+            order = torch.sort(scores[r, :n], descending=True, stable=True).indices[:k]
+            out[r, :len(order)] = order.flip(0).to(torch.int32)   # not in position or score order
+
+    def v2(scores, seq_lens, page_tables, out_page_indices, page_size, metadata, out_raw_indices=None):
+        picks.append(("v2", out_page_indices.shape[1], page_tables is not None))
+        top(scores, seq_lens, out_page_indices if out_raw_indices is None else out_raw_indices)
+
+    def v1(scores, seq_lens, page_tables, out_page_indices, page_size, out_raw_indices=None):
+        picks.append(("v1", out_page_indices.shape[1], page_tables is not None))
+        top(scores, seq_lens, out_raw_indices)
+
+    def plan(seq_lens, static_threshold=-1, *, out=None):
+        return torch.zeros(seq_lens.shape[0] + 1, 2, dtype=torch.int32)
+
+    return {"topk_transform_paged_v2": v2, "topk_transform_paged": v1, "plan_topk_v2": plan}
+
+
 @contextlib.contextmanager
 def spied_rescore(what):
     """Spies on the plugin's rescoring routes (route, k_prime) and on SGLang's torch fp8 logits (its outputs), with
@@ -122,6 +150,13 @@ def spied_rescore(what):
 
     saved = {n: getattr(ix, n) for n in ("topk_transform_pytorch_vectorized", "topk_transform_paged",
                                          "topk_transform_paged_v2")}
+    from sglang.kernels.ops.attention.dsv4 import topk as topk_module
+
+    picks = []
+    stand_ins = _sglang_topk_stand_in(picks)
+    saved_kernels = {n: getattr(topk_module, n) for n in stand_ins}
+    for n, f in stand_ins.items():
+        setattr(topk_module, n, f)
     for name in real:
         setattr(core, name, spy(name))
     ix.fp8_paged_mqa_logits_torch = sglang_logits
@@ -129,7 +164,7 @@ def spied_rescore(what):
         setattr(ix, n, refused)
     try:
         with spied_logits_routes(what) as plain:
-            yield types.SimpleNamespace(calls=calls, stage1=stage1, stage2=stage2)
+            yield types.SimpleNamespace(calls=calls, stage1=stage1, stage2=stage2, picks=picks)
         assert not plain, f"cupy_dsa's plain logits routes ran {what}: {[r for r, _ in plain]}"
     finally:
         for name, f in real.items():
@@ -137,20 +172,22 @@ def spied_rescore(what):
         ix.fp8_paged_mqa_logits_torch = real_fn
         for n, f in saved.items():
             setattr(ix, n, f)
+        for n, f in saved_kernels.items():
+            setattr(topk_module, n, f)
 
 
 def _sets(t):
     return [set(int(i) for i in row.tolist() if i >= 0) for row in t]
 
 
-def _run(mode_, batch, stage1, ns=None, kprime=None, stage2_q="fp8", **setup):
+def _run(mode_, batch, stage1, ns=None, kprime=None, stage2_q="fp8", topk_backend=None, **setup):
     """The hooked forward in fp8-rescore over a two-level pool: (metadata, spies, setup namespace). ``stage2_q``: fp8
     for the set-ups whose layer has no projections (their q is drawn in fp8, stage 1's and stage 2's); None: the
     default (bf16), which needs :func:`_bf16q_setup`'s layer."""
     ns = ns or _setup(**setup)
     with settings_env(stage1=stage1, kprime=kprime, stage2_q=stage2_q), one_attention_cp_rank(), \
             spied_rescore(f"in {MODE}") as spies:
-        md, _ = ns.run(ns.pool, mode_, batch)
+        md, _ = ns.run(ns.pool, mode_, batch, topk_backend=topk_backend)
     return md, spies, ns
 
 
@@ -365,20 +402,34 @@ def scenario_rescore():
 
         ns = _setup()
         oracle = _oracle_exact(ns)
+        # --dsa-topk-backend sgl-kernel (SGLang's default) with its v2 top-k on: v2 picks stage 1's candidates
         for stage1 in ("cupy", "sglang"):
-            md, spies, _ = _run(ForwardMode.DECODE, 3, stage1, ns=ns)
+            with core.env_vars({"SGLANG_OPT_USE_TOPK_V2": "1"}):
+                md, spies, _ = _run(ForwardMode.DECODE, 3, stage1, ns=ns, topk_backend="sgl-kernel")
             assert [r for r, _ in spies.calls] == ["rescore_rows"] and spies.calls[0][1] == 4 * 512, spies.calls
             if stage1 == "sglang":
                 (args, logits), = spies.stage1  # SGLang's call as its forward makes it: [R, 1, 64, 128] q, [R] lens
                 assert tuple(args[0].shape) == (3, 1, 64, 128) and tuple(args[1].shape) == (44, 64, 1, 132)
                 assert torch.equal(args[3], torch.tensor(ns.lens, dtype=torch.int32)) and args[7] is False
+                # the candidates: SGLang's v2 top-k at k = K', raw positions (no page table)
+                assert spies.picks == [("v2", 4 * 512, False)], spies.picks
                 ref = _reference(ns, stage1_logits=logits)
             else:
                 assert not spies.stage1, "stage1=cupy called SGLang's fp8 logits"
+                assert not spies.picks, f"stage1=cupy called SGLang's top-k for its candidates: {spies.picks}"
                 ref = _reference(ns)
             _assert_equal_reference(md, ref, f"decode, stage1={stage1}")
             INFO[f"rescore_recall_decode_{stage1}"] = _up_to_ties(md, oracle, ns.lens, 512, TWO_LEVEL_TIE,
                                                                   f"decode, stage1={stage1}")
+        # v2 off (sm_120's SGLang): v1 picks K' <= 1024 (with a page table, raw positions beside), and K' = 2048 is
+        # past it; the torch backend has no kernel of its own: cupy_dsa's select in both, the same selection
+        for backend, kprime, picks in (("sgl-kernel", "2x", [("v1", 1024, True)]), ("sgl-kernel", None, []),
+                                       ("torch", None, [])):
+            with core.env_vars({"SGLANG_OPT_USE_TOPK_V2": "0"}):
+                md, spies, _ = _run(ForwardMode.DECODE, 3, "sglang", ns=ns, kprime=kprime, topk_backend=backend)
+            assert spies.picks == picks, (backend, kprime, spies.picks)
+            _assert_equal_reference(md, _reference(ns, k_prime=1024 if kprime else None,
+                                                   stage1_logits=spies.stage1[0][1]), f"decode, {backend}, {kprime}")
         # against SGLang's own fp8 forward on the same fp8 pages (its top-k of its fp8 logits)
         with mode_env("fp8"), one_attention_cp_rank():
             fp8_md, _ = ns.run(ns.pool)
