@@ -170,7 +170,11 @@ def run_rescore():
             rescore.rescore_topk(q, w, hi, lo, ctx, bt, K, KP)
             logits_in = torch.randn(B * next_n, max_pages * 64, device=dev)
             rescore.rescore_topk(q, w, hi, lo, ctx, bt, K, KP, stage1_logits=logits_in)
-            n += 2
+            # the caller's candidates (SGLang's top-k at k = K'): -1, negative, past a row's length and past the
+            # table among them, with the stage-1 ranks
+            given = torch.randint(-3, max_pages * 64 + 40, (B * next_n, KP), dtype=torch.int32, device=dev)
+            rescore.rescore_topk(q, w, hi, lo, ctx, bt, K, stage1_logits=logits_in, candidates=given, fp8_rank=True)
+            n += 3
     T = 37
     q = torch.randn(T, 64, 128, device=dev).to(torch.float8_e4m3fn)
     w = torch.rand(T, 64, device=dev)
