@@ -164,3 +164,35 @@ def test_topk_page_indices(seed):
         assert got == exp, f"row {r} (seed {seed})"
         for i, g in zip(raw[r].tolist(), page_idx[r].tolist()):
             assert g == (-1 if i < 0 else int(pt[r, i // 64]) * 64 + i % 64)
+
+
+def test_rescore_candidate_select_follows_sglangs_top_k():
+    """fp8-rescore's candidates (cupy_dsa.sglang.candidates): SGLang's v2 at K' <= 2048, v1 at K' <= 1024 where v2
+    is off (sm_120), cupy_dsa's select past either limit, with stage 1 by cupy_dsa, or another top-k backend; v2's plan
+    is the forward's own where SGLang built one, else one over the rows' lengths."""
+    from cupy_dsa.sglang import candidates as cand
+    from cupy_dsa.sglang.modes import parse_rescore_settings
+
+    pick = lambda kp, **kw: cand.candidate_select(kp, **{"stage1": "sglang", "topk_backend": "sgl-kernel",  # noqa: E731
+                                                         "use_topk_v2": True, **kw}).kernel
+    assert pick(2048) == cand.SGLANG_V2 and pick(2049) == cand.CUPY_DSA
+    assert pick(1024, use_topk_v2=False) == cand.SGLANG_V1 and pick(2048, use_topk_v2=False) == cand.CUPY_DSA
+    assert pick(512, stage1="cupy") == cand.CUPY_DSA and pick(512, topk_backend="flashinfer") == cand.CUPY_DSA
+    assert "past the 2048" in cand.candidate_select(4096, stage1="sglang", topk_backend="sgl-kernel",
+                                                    use_topk_v2=True).why
+    assert cand.sglang_topk_v2_enabled("sm_90") and not cand.sglang_topk_v2_enabled("sm_120")
+    text = cand.check_text(parse_rescore_settings("sglang", "4x"), "sm_90")
+    assert "V4-Flash (index_topk 512, K' 2048): SGLang's v2 top-k" in text
+    assert "V4-Pro (index_topk 1024, K' 4096): cupy_dsa's own select" in text
+    text = cand.check_text(parse_rescore_settings("sglang", "2x"), "sm_120")
+    assert "V4-Flash (index_topk 512, K' 1024): SGLang's v1 top-k" in text and "SGLANG_OPT_USE_TOPK_V2 off" in text
+    own, per_chunk = torch.zeros(5, 2, dtype=torch.int32), [torch.ones(3, 2, dtype=torch.int32), None]
+    md = types.SimpleNamespace(topk_metadata=own, topk_metadata_chunks=per_chunk)
+    v2 = cand.CandidateSelect(cand.SGLANG_V2, "test")
+    lens = torch.arange(4, dtype=torch.int32)
+    assert cand.v2_plan(v2, md, lens, slice(0, 4), True, None) is own
+    assert cand.v2_plan(v2, md, lens, slice(0, 2), False, 0) is per_chunk[0]
+    assert cand.v2_plan(cand.CandidateSelect(cand.SGLANG_V1, "test"), md, lens, slice(0, 4), True, None) is None
+    with pytest.raises(ValueError, match="^choice: expected one of SGLang's kernels"):
+        cand.select_candidates(cand.CandidateSelect(cand.CUPY_DSA, "test"), torch.zeros(4, 8), lens, lens[:, None],
+                               4, None, topk=types.SimpleNamespace())
