@@ -2,10 +2,13 @@
 
 One warp per compressed token, lane ``l`` owning elements ``4l..4l+3`` (natural order); the CUDA
 template is ``kernels/store_index_k.cu``. The torch reference below follows the kernel's operation order
-(per-lane partial sums then the same xor-butterfly tree, the same RoPE and Hadamard stages, no fused
-multiply-adds), so it matches the kernel to the bit except where ``rsqrtf`` (hardware approximation,
-<= 2 ulp) and ``torch.rsqrt`` differ: then single elements differ by one bf16 ulp (one e4m3 code, and
-the fp8 scale by a few fp32 ulp).
+(per-lane partial sums then the same xor-butterfly tree, the same RoPE and Hadamard stages, and for V4 keys
+SGLang 0.5.23's fused multiply-adds: the sum of squares as an FMA chain, each RoPE output as one FMA, rounded
+once as the hardware does, see :func:`fma_f32`), so it matches the kernel to the bit except where ``rsqrtf``
+(hardware approximation, <= 2 ulp) and ``torch.rsqrt`` differ: then single elements differ by one bf16 ulp
+(one e4m3 code, and the fp8 scale by a few fp32 ulp). With the same operation order the fp8 pages are the
+bytes SGLang's store writes for finite keys; they still differ where SGLang keeps a subnormal intermediate
+(CuPy compiles with -ftz=true) and for a non-finite key (SGLang clips NaN to +-448, here the row's scale is NaN).
 
 Layouts (``cupy_dsa.layouts``): ``uint8 [P, 16384]`` -> bf16 (256 B/token), ``uint8 [P, 8448]`` -> fp8
 (SGLang's 132 B/token); two-level keys (``cupy_dsa.rescore``): an fp8 cache plus ``lo_cache`` (uint8, the same
@@ -115,16 +118,37 @@ def check_positions_in_table(positions: torch.Tensor, freqs_cis: torch.Tensor) -
     return pos
 
 
-def rope_reference(k: torch.Tensor, f: torch.Tensor, key_style: str = "v4") -> torch.Tensor:
+def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` of float32 tensors rounded once to float32 (RNE), as the GPU's FMA does. The product is exact
+    in float64; the float64 sum is made round-to-odd (TwoSum's error decides the last bit), and a round-to-odd
+    value with 53 bits rounds to 24 bits exactly as the exact sum would (Boldo and Melquiond)."""
+    p = a.to(torch.float64) * b.to(torch.float64)
+    c64 = c.to(torch.float64)
+    t = p + c64
+    bb = t - p
+    err = (p - (t - bb)) + (c64 - bb)
+    even = (t.view(torch.int64) & 1) == 0
+    toward = torch.where(err > 0, torch.full_like(t, float("inf")), torch.full_like(t, float("-inf")))
+    t = torch.where((err != 0) & even & torch.isfinite(t), torch.nextafter(t, toward), t)
+    return t.to(torch.float32)
+
+
+def rope_reference(k: torch.Tensor, f: torch.Tensor, key_style: str = "v4", fused: bool = False) -> torch.Tensor:
     """RoPE of fp32 rows ``k [n, 128]`` (in place) by table rows ``f [n, 64]``, in the kernels' order: V4 rotates
-    interleaved pairs ``(64+2j, 65+2j)`` of the trailing 64 dims, V3.2 the halves ``(j, 32+j)`` of the leading 64."""
+    interleaved pairs ``(64+2j, 65+2j)`` of the trailing 64 dims, V3.2 the halves ``(j, 32+j)`` of the leading 64.
+    ``fused``: SGLang's V4 key order, ``re' = fma(re, cos, -(im * sin))``, ``im' = fma(re, sin, im * cos)`` (the
+    store); otherwise two products and a sum, each rounded (the query prep)."""
     cos, sin = f[:, 0::2], f[:, 1::2]
     if key_style == "v4":
         re, im = k[:, 64::2], k[:, 65::2]
     else:
         re, im = k[:, 0:32], k[:, 32:64]
-    re2 = re * cos - im * sin
-    im2 = re * sin + im * cos
+    if fused:
+        re2 = fma_f32(re, cos, -(im * sin))
+        im2 = fma_f32(re, sin, im * cos)
+    else:
+        re2 = re * cos - im * sin
+        im2 = re * sin + im * cos
     if key_style == "v4":
         k[:, 64::2], k[:, 65::2] = re2, im2
     else:
@@ -331,6 +355,14 @@ def _lane_sum4(a: torch.Tensor) -> torch.Tensor:
     return ((a[..., 0] + a[..., 1]) + a[..., 2]) + a[..., 3]
 
 
+def _lane_sum4_sq_fma(x: torch.Tensor) -> torch.Tensor:
+    """Per-lane sum of squares over ``[..., 32, 4]`` as SGLang's V4 store computes it: an FMA chain from x0 * x0."""
+    s = x[..., 0] * x[..., 0]
+    for i in (1, 2, 3):
+        s = fma_f32(x[..., i], x[..., i], s)
+    return s
+
+
 def _hadamard128(x: torch.Tensor) -> torch.Tensor:
     """dsa::hadamard128 on ``[N, 32, 4]`` (two in-lane stages, then shuffles over lane bits 0..4)."""
     a0 = x[..., 0] + x[..., 1]
@@ -394,7 +426,7 @@ def rotate_index_k_reference(kv, positions, norm_weight, freqs_cis, norm_bias=No
     w = norm_weight.to(torch.float32).reshape(32, 4)
     eps32 = torch.tensor(eps, dtype=torch.float32, device=kv.device)
     if key_style == "v4":
-        ss = _warp_sum(_lane_sum4(x * x))
+        ss = _warp_sum(_lane_sum4_sq_fma(x))
         nf = _rsqrt(ss / 128.0 + eps32)
         k = (x * nf[:, None, None]) * w
     else:
@@ -403,7 +435,8 @@ def rotate_index_k_reference(kv, positions, norm_weight, freqs_cis, norm_bias=No
         var = _warp_sum(_lane_sum4(d * d)) / 128.0
         rs = _rsqrt(var + eps32)
         k = ((d * rs[:, None, None]) * w) + norm_bias.to(torch.float32).reshape(32, 4)
-    k = rope_reference(k.reshape(n, HEAD_DIM).clone(), freqs_cis[pos].to(torch.float32), key_style)
+    k = rope_reference(k.reshape(n, HEAD_DIM).clone(), freqs_cis[pos].to(torch.float32), key_style,
+                       fused=key_style == "v4")
     if hadamard:
         inv = HADAMARD_SCALE  # 128^-0.5 correctly rounded in fp32, as the kernel's constant
         k = _hadamard128(k.reshape(n, 32, 4)).reshape(n, HEAD_DIM) * inv

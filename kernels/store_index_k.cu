@@ -5,8 +5,12 @@
 // One warp per compressed token (each warp takes two in turn, 16 per 256-thread block); lane l owns
 // elements 4l..4l+3 in natural order, so every stage is in-lane or a warp shuffle and every global
 // access is one vector per lane.
-// Products and sums use __fmul_rn/__fadd_rn so no multiply-add is contracted: the torch reference in
-// cupy_dsa/store.py then reproduces every rounding except rsqrtf's hardware approximation.
+// Every rounding is spelled out (__fmul_rn / __fadd_rn / __fmaf_rn), so no compiler decides which multiply-add
+// is contracted and the torch reference in cupy_dsa/store.py reproduces every rounding except rsqrtf's hardware
+// approximation. V4 keys take SGLang 0.5.23's operation order: its fused_norm_rope_indexer is compiled with
+// nvcc's default -fmad=true, and its SASS (sm_80 / 89 / 90a / 100a / 120a alike) contracts the sum of squares
+// into an FMA chain and each RoPE output into one FMA plus one product; here those FMAs are explicit, so the fp8
+// pages are SGLang's bytes (rsqrtf is the same MUFU.RSQ instruction on both sides).
 #include "common.cuh"
 
 namespace dsa {
@@ -39,10 +43,15 @@ __device__ __forceinline__ float sum4_sq(const float (&x)[4]) {
                    __fmul_rn(x[3], x[3]));
 }
 
+// SGLang's V4 sum of squares: s = 0; s = fma(x_i, x_i, s) in lane order (its loop, contracted by nvcc).
+__device__ __forceinline__ float sum4_sq_fma(const float (&x)[4]) {
+  return __fmaf_rn(x[3], x[3], __fmaf_rn(x[2], x[2], __fmaf_rn(x[1], x[1], __fmul_rn(x[0], x[0]))));
+}
+
 // ---- norms ----------------------------------------------------------------------------------------
 // RMSNorm (V4): k = x * rsqrtf(mean(x^2) + eps) * w.
 __device__ __forceinline__ void rms_norm(float (&x)[4], const float* w, float eps, int lane) {
-  const float ss = warp_sum(sum4_sq(x));
+  const float ss = warp_sum(sum4_sq_fma(x));
   const float nf = rsqrtf(__fadd_rn(ss / 128.f, eps));
   const float4 wv = *reinterpret_cast<const float4*>(w + 4 * lane);
   x[0] = __fmul_rn(__fmul_rn(x[0], nf), wv.x);
@@ -77,6 +86,16 @@ __device__ __forceinline__ void load_freqs(const float* frow, int lane, float4& 
   } else if (lane < 16) {
     f0 = *reinterpret_cast<const float4*>(frow + 8 * (lane & 7));
     f1 = *reinterpret_cast<const float4*>(frow + 8 * (lane & 7) + 4);
+  }
+}
+
+// V4 key RoPE in SGLang's order: re' = fma(re, cos, -(im * sin)), im' = fma(re, sin, im * cos) (nvcc contracts
+// SGLang's `re * c - im * s` / `re * s + im * c` this way; the query prep keeps common.cuh's rope_v4).
+__device__ __forceinline__ void rope_v4_fma(float (&x)[4], const float4& f, int lane) {
+  if (lane >= 16) {
+    const float r0 = __fmaf_rn(x[0], f.x, -__fmul_rn(x[1], f.y)), i0 = __fmaf_rn(x[0], f.y, __fmul_rn(x[1], f.x));
+    const float r1 = __fmaf_rn(x[2], f.z, -__fmul_rn(x[3], f.w)), i1 = __fmaf_rn(x[2], f.w, __fmul_rn(x[3], f.z));
+    x[0] = r0; x[1] = i0; x[2] = r1; x[3] = i1;
   }
 }
 
@@ -185,7 +204,7 @@ __device__ __forceinline__ void store_token(float (&x)[4], const WorkItem& wi, u
   load_freqs<Style>(freqs + wi.position * 64, lane, f0, f1);
   if (Style == kStyleV4) {
     rms_norm(x, norm_w, eps, lane);
-    rope_v4(x, f0, lane);
+    rope_v4_fma(x, f0, lane);
   } else {
     layer_norm(x, norm_w, norm_b, eps, lane);
     rope_v32(x, f0, f1, lane);
