@@ -57,7 +57,7 @@ STORE_KERNEL = launch.Kernel(
     "store_index_k.cu", "store_index_k", params=("Layout", "Numerics", "Style", "Hadamard", "TIn", "Source"),
     args=(("kv", PTR), ("cache", PTR), ("lo_cache", PTR), ("items", PTR), ("out_loc", PTR), ("norm_w", PTR),
           ("norm_b", PTR), ("freqs", PTR), ("n", I64), ("n_loc", I64), ("num_pages", I64), ("max_pos", I64),
-          ("eps", F32), ("ratio", I32), ("idx64", I32)),
+          ("eps", F32), ("ratio", I32), ("idx64", I32), ("nonfinite", PTR)),
     threads=lambda cfg: BLOCK[0], render=_render)
 
 # A problem: (layout, numerics, key style, hadamard, kv dtype, source); every one has its instantiation.
@@ -315,7 +315,39 @@ def _launch(problem, kv, rows, lo_cache, items, out_loc, norm_weight, norm_bias,
     cfg.launch(kv.device, ((n + TOKENS_PER_BLOCK - 1) // TOKENS_PER_BLOCK, 1, 1), kv=kv, cache=rows,
                lo_cache=lo_cache, items=items,
                out_loc=out_loc, norm_w=norm_weight, norm_b=norm_bias, freqs=freqs_cis, n=n, n_loc=out_loc.shape[0],
-               num_pages=rows.shape[0], max_pos=freqs_cis.shape[0], eps=float(eps), ratio=ratio, idx64=int(idx64))
+               num_pages=rows.shape[0], max_pos=freqs_cis.shape[0], eps=float(eps), ratio=ratio, idx64=int(idx64),
+               nonfinite=nonfinite_counter(kv.device))
+
+
+# --------------------------------------------------------------------------------------------------
+# Non-finite keys: counted by every store (kernel and reference), read only when asked (a host sync)
+# --------------------------------------------------------------------------------------------------
+
+_NONFINITE: dict = {}
+
+
+def nonfinite_counter(device) -> torch.Tensor:
+    """The int32 ``[1]`` counter every store on ``device`` adds its non-finite keys to (a key whose stored fp32
+    value holds a NaN or an infinity: a bad checkpoint, an upstream race). Made once per device, so a launch
+    allocates nothing and a CUDA graph keeps a valid pointer; call it before capturing (the plugin's warm-up
+    does)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    counter = _NONFINITE.get(device)
+    if counter is None:
+        counter = _NONFINITE[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
+
+
+def nonfinite_keys(device) -> int:
+    """Non-finite keys stored on ``device`` since the process started (or the last :func:`reset_nonfinite_keys`).
+    Reads the GPU counter: a host sync, so only for ``check``, tests and the opt-in debug setting."""
+    return int(nonfinite_counter(device).item())
+
+
+def reset_nonfinite_keys(device) -> None:
+    nonfinite_counter(device).zero_()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -467,6 +499,7 @@ def _store_reference(kv, cache, positions, out_loc, norm_weight, freqs_cis, norm
         return
     k = rotate_index_k_reference(kv[idx], pos[idx], norm_weight, freqs_cis, norm_bias, eps, key_style,
                                  hadamard, numerics)
+    nonfinite_counter(kv.device).add_((~torch.isfinite(k)).any(dim=1).sum().to(torch.int32))
     loc = loc[idx]
     if lo_cache is not None:
         store_two_level_reference(k, cache, lo_cache, loc)
@@ -482,4 +515,5 @@ def _store_reference(kv, cache, positions, out_loc, norm_weight, freqs_cis, norm
 
 
 __all__ = ["store_index_k", "store_index_k_from_plan", "store_index_k_reference", "rotate_index_k_reference",
-           "fp8_quantize_reference", "fp4sim_reference", "plan_to_direct"]
+           "fp8_quantize_reference", "fp4sim_reference", "plan_to_direct", "nonfinite_counter", "nonfinite_keys",
+           "reset_nonfinite_keys", "fma_f32"]

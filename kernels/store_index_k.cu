@@ -187,13 +187,23 @@ __device__ __forceinline__ WorkItem work_item(const void* items, const void* out
   return wi;
 }
 
+// A key that is not finite (a NaN or an infinity in its kv row, or a norm that overflowed) is still written
+// (the pages keep what the numerics make of it: NaN), and counted: one atomic per such key, none for a finite
+// one, so a bad checkpoint or an upstream race is never stored silently. nonfinite may be null (not counted).
+__device__ __forceinline__ void count_nonfinite(const float (&x)[4], unsigned int* nonfinite, int lane) {
+  if (nonfinite == nullptr) return;
+  const bool bad = !(is_finite_f32(x[0]) && is_finite_f32(x[1]) && is_finite_f32(x[2]) && is_finite_f32(x[3]));
+  if (__any_sync(0xffffffffu, bad) && lane == 0) atomicAdd(nonfinite, 1u);
+}
+
 // One token, from its loaded kv row to the cache. Every early return is warp-uniform, so no shuffle
 // runs with a partial warp.
 // lo_cache (two-level layout only): the residual pages, the fp8 geometry, same page count as cache.
 template <int Layout, int Numerics, int Style, bool Hadamard>
 __device__ __forceinline__ void store_token(float (&x)[4], const WorkItem& wi, unsigned char* cache,
                                             unsigned char* lo_cache, const float* norm_w, const float* norm_b,
-                                            const float* freqs, i64 num_pages, i64 max_pos, float eps, int lane) {
+                                            const float* freqs, i64 num_pages, i64 max_pos, float eps, int lane,
+                                            unsigned int* nonfinite) {
   if (wi.position < 0 || wi.position >= max_pos) return;
   constexpr int kPageBytes = Layout == kLayoutBf16 ? kBf16PageBytes : kFp8PageBytes;
   constexpr int kSlotBytes = Layout == kLayoutBf16 ? 2 * kHeadDim : kHeadDim;
@@ -210,6 +220,7 @@ __device__ __forceinline__ void store_token(float (&x)[4], const WorkItem& wi, u
     rope_v32(x, f0, f1, lane);
   }
   if (Hadamard) hadamard128_orthonormal(x, lane);
+  count_nonfinite(x, nonfinite, lane);
 
   if (Layout == kLayoutBf16) {
     if (Numerics == kNumFp4Sim) fp4_simulate(x);
@@ -237,14 +248,15 @@ constexpr int kTokensPerWarp = 2;
 // kv: [n, 128] TIn; cache: uint8 page rows; lo_cache: the residual page rows (two-level layout, else unused);
 // items: positions [n] or plan rows [n, 16]; out_loc: [n] int64
 // (direct) or [n_loc] (plans); idx64: positions (direct) / plan out_loc are int64 (else int32);
-// norm_b only for V3.2; freqs: [max_pos, 64] fp32. Grid: ceil(n / (8 * kTokensPerWarp)) blocks of 256.
+// norm_b only for V3.2; freqs: [max_pos, 64] fp32; nonfinite: u32 [1], += 1 per non-finite key stored (or
+// null). Grid: ceil(n / (8 * kTokensPerWarp)) blocks of 256.
 template <int Layout, int Numerics, int Style, bool Hadamard, typename TIn, int Source>
 __global__ void __launch_bounds__(256) store_index_k(
     const TIn* __restrict__ kv, unsigned char* __restrict__ cache, unsigned char* __restrict__ lo_cache,
     const void* __restrict__ items,
     const void* __restrict__ out_loc, const float* __restrict__ norm_w, const float* __restrict__ norm_b,
     const float* __restrict__ freqs, i64 n, i64 n_loc, i64 num_pages, i64 max_pos, float eps, int ratio,
-    int idx64) {
+    int idx64, unsigned int* __restrict__ nonfinite) {
   static_assert(Layout == kLayoutBf16 || Numerics != kNumFp4Sim, "fp4sim needs the bf16 layout");
   const int lane = threadIdx.x & 31;
   const i64 t0 = (static_cast<i64>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * kTokensPerWarp;
@@ -262,7 +274,7 @@ __global__ void __launch_bounds__(256) store_index_k(
 #pragma unroll
   for (int j = 0; j < kTokensPerWarp; ++j)
     store_token<Layout, Numerics, Style, Hadamard>(x[j], wi[j], cache, lo_cache, norm_w, norm_b, freqs,
-                                                   num_pages, max_pos, eps, lane);
+                                                   num_pages, max_pos, eps, lane, nonfinite);
 }
 
 }  // namespace dsa

@@ -307,6 +307,9 @@ def _rescored_topk(self, ix, forward_batch, c4_indexer, *, q, weights, lens, pag
                                    f"{indexer_metadata.compressed_seq_lens.shape[0]} rows, got {rows}")
             chunks = list(ix.iter_row_chunks(num_rows=rows, rows_per_chunk=indexer_metadata.rows_per_chunk))
             schedules = schedule
+        elif schedule is None:  # SGLang's torch route plans no chunks (no schedule): the plugin's budget holds
+            chunks = core.row_chunks(rows, None, indexer_metadata.max_compressed_seq_len, capturing)
+            schedules = [None] * len(chunks)
         else:
             chunks, schedules = [slice(0, rows)], [schedule]
         for r, sched in zip(chunks, schedules):
