@@ -8,6 +8,12 @@ counted in the server's own tokens: before the sweep the filler size of every le
 ``prompt_tokens`` is kept. Decoding is greedy (temperature 0); a trial counts as found when the answer contains
 the number. Recall per (length, depth) over ``trials`` needles, each with its own filler, key and number.
 
+With ``residues`` every prompt also runs padded by 1, 2 and 3 tokens (after the filler, or just before the needle),
+so each residue of the length mod 4 is covered (the C4 compressor folds 4 tokens into one index key; vLLM #55927 saw
+DeepSeek-V4-Flash lose a deep needle's last digit at 3 mod 4); each answer's residue is the server's own count's, and
+a residue that loses needles the other residues of the same prompt keep is flagged. A sweep the server drops keeps
+its finished trials (``incomplete``) and resumes from its file.
+
 This is what a served model retrieves, end to end: the indexer is one of many places a long context can lose a
 fact. Run it against the same model served with different index-key modes (``--label`` each run) and overlay
 the runs with ``cupy-dsa bench report a.json b.json``.

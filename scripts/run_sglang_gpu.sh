@@ -9,7 +9,8 @@
 #     in every mode (scripts/gpu_split_invariance.py; last line "SPLIT INVARIANCE: ..."; $OUT/split_invariance.json).
 #   --issue49: the split-invariance phase, then the GPU tests of the store's FMA order, non-finite keys, the selects
 #     on non-finite logits (this GPU's and sm_120's configs) and split invariance (pytest -m gpu, SGLang on the path),
-#     then the long-prefill memory measurement (scripts/gpu_prefill_memory.py; $OUT/prefill_memory.json).
+#     then the long-prefill memory measurement (scripts/gpu_prefill_memory.py; $OUT/prefill_memory.json) and
+#     compute-sanitizer memcheck over the store and the selects on non-finite inputs (gpu_sanitize.py nonfinite).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -35,9 +36,12 @@ case "${1:-}" in
       -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/pytest_issue49.log"; RC2=${PIPESTATUS[0]}
     python3 scripts/gpu_prefill_memory.py --json "$OUT/prefill_memory.json" 2>&1 | tee "$OUT/prefill_memory.log"
     RC3=${PIPESTATUS[0]}
+    compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/gpu_sanitize.py nonfinite \
+      >"$OUT/memcheck-nonfinite.log" 2>&1; RC4=$?
     echo "ISSUE 49 GPU: split $(tail -1 "$OUT/split_invariance.log" | cut -c1-60) | pytest $(tail -1 \
-      "$OUT/pytest_issue49.log") | memory $(tail -1 "$OUT/prefill_memory.log" | cut -c1-40)"
-    exit $(( RC1 || RC2 || RC3 )) ;;
+      "$OUT/pytest_issue49.log") | memory $(tail -1 "$OUT/prefill_memory.log" | cut -c1-40) | memcheck non-finite \
+      (rc=$RC4) $(grep -E "ERROR SUMMARY" "$OUT/memcheck-nonfinite.log" | tail -1)"
+    exit $(( RC1 || RC2 || RC3 || RC4 )) ;;
 esac
 python3 scripts/gpu_sglang_path.py "$@" 2>&1 | tee "$OUT/sglang_gpu_path.log"
 exit "${PIPESTATUS[0]}"

@@ -293,6 +293,17 @@ def test_debug_and_budget_settings_refuse_bad_values(monkeypatch, name, value):
     assert problem and problem.startswith(f"{name}={value!r}: expected"), problem
 
 
+@pytest.mark.parametrize("name,value", [("SGLANG_CUPY_DSA_DEBUG_NONFINITE", "1"),
+                                        ("SGLANG_CUPY_DSA_LOGITS_BUDGET_MIB", "512")])
+def test_debug_and_budget_settings_are_refused_with_the_switch_off(monkeypatch, name, value):
+    from cupy_dsa.sglang import core
+
+    monkeypatch.setenv(name, value)
+    assert core.settings_problem("bf16") is None
+    problem = core.settings_problem("fp8")
+    assert problem and problem.startswith(f"{name} set with SGLANG_CUPY_DSA_INDEX_K=fp8") and "Unset" in problem
+
+
 # --------------------------------------------------------------------------------------------------
 # The selects' contract on non-finite logits (CPU paths): every output index is -1 or inside its row
 # --------------------------------------------------------------------------------------------------

@@ -402,6 +402,11 @@ def settings_problem(mode: str) -> str | None:
         debug_nonfinite()
     except ValueError as e:
         return str(e)
+    stray = [n for n in HOOKED_SETTING_ENVS if (os.environ.get(n) or "").strip()]
+    if stray and not MODE_RECORDS[mode].hooked:
+        return (f"{', '.join(stray)} set with {ENV_NAME}={mode}: SGLang's own indexer runs (the switch is off), which "
+                f"{'they do' if len(stray) > 1 else 'it does'} not apply to. Unset {' and '.join(stray)}, or turn "
+                f"the switch on")
     if not MODE_RECORDS[mode].two_level:
         stray = [n for n in RESCORE_ENVS if (os.environ.get(n) or "").strip()]
         if stray:
