@@ -428,3 +428,27 @@ class TorchBackend:
 
     def topk(self) -> dict:
         return self.side.topk()
+
+
+def markdown(result: dict) -> str:
+    """A result as the markdown block bench/results/README.md keeps: one row per split, then the P4 line."""
+    lines = [f"Split invariance of one C4 layer, {result['total_tokens']} tokens ({result['entries']} entries), "
+             f"{result.get('compressor', '')} on {result.get('device', '')}; modes {', '.join(result['modes'])}:", "",
+             "| split | first prefill mod 4 | steps | compressor rows, pages (every mode), top-k vs one prefill |",
+             "|---|---|---|---|"]
+    for r in result["splits"]:
+        if r["findings"]:
+            f = r["findings"][0]
+            w = f.get("written_by") or {}
+            cell = (f"**differ**: {len(r['findings'])} finding(s); first: {f['what']}, entry {f.get('entry')} (raw "
+                    f"{f.get('raw_positions')}), written by a {w.get('kind')} ending at "
+                    f"{w.get('prefix', 0) + w.get('length', 0)} (= {w.get('end_mod_4')} mod 4)")
+        else:
+            cell = "identical, bit for bit"
+        lines.append(f"| {r['name']} | {r['residue']} | {r['steps']} | {cell} |")
+    p4 = result.get("p4")
+    if p4:
+        lines += ["", f"fp8-cupy's pages against SGLang's stock fp8 store on the same compressor rows ({p4['keys']} keys):"
+                      f" {p4['value_bytes_differing']} of {p4['value_bytes']} value bytes and "
+                      f"{p4['scale_words_differing']} scale words differ."]
+    return "\n".join(lines) + "\n"

@@ -18,6 +18,7 @@ pages, byte for byte, from the same compressor rows.
 
     bash scripts/run_sglang_gpu.sh --split        (installs .whl_sgl, then runs this; JSON under $OUT)
     python scripts/gpu_split_invariance.py --device cpu     (the dry mode: torch stand-in compressor, CPU stores)
+    python scripts/gpu_split_invariance.py --render out/split_invariance.json   (its markdown block)
 
 Last line: ``SPLIT INVARIANCE: PASS ...`` or ``FAIL ...``.
 """
@@ -167,7 +168,12 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=1027, help="the sequence's raw tokens (default 1027 = 3 mod 4)")
     ap.add_argument("--seed", type=int, default=int(os.environ.get("CUPY_DSA_SEED", "0")))
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "split_invariance.json"))
+    ap.add_argument("--render", metavar="JSON", help="print a result file as bench/results/README.md's markdown block")
     args = ap.parse_args()
+    if args.render:
+        with open(args.render) as f:
+            print(si.markdown(json.load(f)), end="")
+        return 0
     try:
         result = run(args.device, args.tokens, args.seed)
     except Exception as e:  # noqa: BLE001 - the last line must say what failed

@@ -116,6 +116,16 @@ def test_dry_mode_of_the_gpu_script(tmp_path):
     assert out.returncode == 0 and out.stdout.strip().splitlines()[-1].startswith("SPLIT INVARIANCE: PASS"), \
         out.stdout + out.stderr
     assert (tmp_path / "s.json").exists()
+    md = subprocess.run([sys.executable, str(root / "scripts" / "gpu_split_invariance.py"), "--render",
+                         str(tmp_path / "s.json")], capture_output=True, text=True, timeout=300, cwd=root)
+    assert md.returncode == 0 and "| one prefill" not in md.stdout and md.stdout.count("identical, bit for bit") == 6
+    assert "0 of " in md.stdout and "scale words differ" in md.stdout, md.stdout
+
+
+def test_markdown_names_a_differing_split():
+    result = si.check_splits(si.TorchBackend(("fp8",), 75, defect_residue=3), 75)
+    md = si.markdown(result)
+    assert "**differ**" in md and "entry" in md and "identical, bit for bit" in md, md
 
 
 def _sglang_jit_available() -> bool:
