@@ -8,7 +8,8 @@ once as the hardware does, see :func:`fma_f32`), so it matches the kernel to the
 (hardware approximation, <= 2 ulp) and ``torch.rsqrt`` differ: then single elements differ by one bf16 ulp
 (one e4m3 code, and the fp8 scale by a few fp32 ulp). With the same operation order the fp8 pages are the
 bytes SGLang's store writes for finite keys; they still differ where SGLang keeps a subnormal intermediate
-(CuPy compiles with -ftz=true) and for a non-finite key (SGLang clips NaN to +-448, here the row's scale is NaN).
+(CuPy compiles with -ftz=true) and for a non-finite key (SGLang's clip, fmaxf(fminf(v, 448), -448), turns a NaN
+value into 448 and its fmaxf amax skips it; here the row's scale is NaN and the key is counted as non-finite).
 
 Layouts (``cupy_dsa.layouts``): ``uint8 [P, 16384]`` -> bf16 (256 B/token), ``uint8 [P, 8448]`` -> fp8
 (SGLang's 132 B/token); two-level keys (``cupy_dsa.rescore``): an fp8 cache plus ``lo_cache`` (uint8, the same
