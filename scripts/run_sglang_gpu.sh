@@ -33,18 +33,18 @@ case "${1:-}" in
     exit "${PIPESTATUS[0]}" ;;
   --issue49)
     # parts (comma list, default all): warm (CuPy's kernel cache in parallel), split, pytest, memory, memcheck; each
-    # under its own timeout so a slow one cannot take the others' time (two calls fit a 10-minute device lease:
-    # --issue49 warm,split,pytest then --issue49 memory,memcheck)
+    # under its own timeout so a slow one cannot take the others' time (three calls fit 10-minute device calls:
+    # --issue49 warm,split then --issue49 pytest,memory then --issue49 memcheck)
     PARTS=",${2:-warm,split,pytest,memory,memcheck},"; SUMMARY="ISSUE 49 GPU:"; RC=0
     part() { case "$PARTS" in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
     python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 \
       || { echo "pip install -e . failed"; tail -5 "$OUT/pip.log"; }   # the tests import cupy_dsa.bench
     if part warm; then
-      timeout ${WARM_S:-120} python3 scripts/warm_gpu_cache.py >"$OUT/warm_cache.log" 2>&1
+      timeout ${WARM_S:-90} python3 scripts/warm_gpu_cache.py >"$OUT/warm_cache.log" 2>&1
       SUMMARY="$SUMMARY warm rc=$? |"
     fi
     if part split; then
-      timeout ${SPLIT_S:-300} python3 scripts/gpu_split_invariance.py 2>&1 | tee "$OUT/split_invariance.log"
+      timeout ${SPLIT_S:-270} python3 scripts/gpu_split_invariance.py 2>&1 | tee "$OUT/split_invariance.log"
       RC=$(( RC || PIPESTATUS[0] )); SUMMARY="$SUMMARY $(tail -1 "$OUT/split_invariance.log" | cut -c1-80) |"
     fi
     if part pytest; then
@@ -53,7 +53,7 @@ case "${1:-}" in
       RC=$(( RC || PIPESTATUS[0] )); SUMMARY="$SUMMARY pytest: $(tail -1 "$OUT/pytest_issue49.log") |"
     fi
     if part memory; then
-      timeout ${MEMORY_S:-180} python3 scripts/gpu_prefill_memory.py --json "$OUT/prefill_memory.json" 2>&1 \
+      timeout ${MEMORY_S:-150} python3 scripts/gpu_prefill_memory.py --json "$OUT/prefill_memory.json" 2>&1 \
         | tee "$OUT/prefill_memory.log"
       RC=$(( RC || PIPESTATUS[0] )); SUMMARY="$SUMMARY $(tail -1 "$OUT/prefill_memory.log" | cut -c1-60) |"
     fi
