@@ -91,6 +91,15 @@ def _extra_body_option(ctx, param, value):
                    "stay the same).")
 @click.option("--extra-body", default=None, callback=_extra_body_option, metavar="JSON",
               help="JSON object merged into every request, e.g. '{\"chat_template_kwargs\": {\"thinking\": false}}'.")
+@click.option("--residues", is_flag=True, default=False,
+              help="also run each prompt at +1, +2 and +3 tokens, so every prompt length mod 4 is covered (the C4 "
+                   "compressor folds 4 tokens into one index key), and report recall per residue.")
+@click.option("--pad-at", type=click.Choice(("end", "needle")), default="end", show_default=True,
+              help="with --residues: where the 1-3 padding tokens go, after the filler (the needle keeps its "
+                   "position) or just before the needle (it keeps its distance from the end).")
+@click.option("--resume", "resume_path", type=click.Path(exists=True, dir_okay=False), default=None, metavar="JSON",
+              help="finish an interrupted run: its file's settings and calibration are used and its finished trials "
+                   "kept; only the rest is asked (written to --json, default the same file).")
 @click.option("--label", default=None, help="name of this run in tables, plots and overlays, e.g. the index-key "
                                             "mode it was served with (fp8, fp8-cupy, bf16). [default: the model name]")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True), default=None,
@@ -100,7 +109,7 @@ def _extra_body_option(ctx, param, value):
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
               callback=common.png_output, help="PNG: recall against context length.")
 def needle_cmd(base_url, model, api_key, lengths, depths, trials, seed, max_tokens, timeout, retries, concurrency,
-               extra_body, label, json_path, markdown_path, plot_path):
+               extra_body, residues, pad_at, resume_path, label, json_path, markdown_path, plot_path):
     """Needle-in-a-haystack recall of a running OpenAI-compatible server (SGLang's /v1/chat/completions).
 
     Seeded filler text with one needle fact at each depth, for each context length counted in the server's own
@@ -115,8 +124,16 @@ def needle_cmd(base_url, model, api_key, lengths, depths, trials, seed, max_toke
         raise click.BadParameter("only one of --json and --markdown can be '-' (stdout)", param_hint="'--markdown'")
     out, err = common.console(stderr=to_stdout), Console(stderr=True)
     server = needle.Server(base_url=base_url, api_key=api_key, timeout=timeout, retries=retries, extra_body=extra_body)
-    settings = needle.Settings(lengths=lengths, depths=depths, trials=trials, seed=seed, max_tokens=max_tokens,
-                               concurrency=concurrency, label=label)
+    given = dict(lengths=lengths, depths=depths, trials=trials, seed=seed, max_tokens=max_tokens, residues=residues,
+                 pad_at=pad_at)
+    resume = None
+    if resume_path:
+        resume, given = _resumed(resume_path, given)
+        json_path = json_path or resume_path
+    settings = needle.Settings(**given, concurrency=concurrency, label=label or (resume or {}).get("label"))
+    if resume:
+        done = len(resume["trials"])
+        err.print(f"resuming {resume_path}: {done} trial(s) kept")
     try:
         server.connect(model)
         needle.check_lengths_fit(server, settings)
@@ -124,15 +141,18 @@ def needle_cmd(base_url, model, api_key, lengths, depths, trials, seed, max_toke
                   + (f", context length {server.max_model_len}" if server.max_model_len else ""))
         with common.progress(err) as progress:
             tasks = {"calibrate": progress.add_task("calibrate", total=None),
-                     "ask": progress.add_task("needles", total=len(lengths) * len(depths) * trials, start=False)}
+                     "ask": progress.add_task("needles", total=None, start=False)}
 
             def tick(kind, advance=1, total=None):
                 if kind == "ask" and total is not None:
                     progress.update(tasks["calibrate"], total=progress.tasks[tasks["calibrate"]].completed)
+                    progress.update(tasks["ask"], total=total)
                     progress.start_task(tasks["ask"])
                 progress.update(tasks[kind], advance=advance)
 
-            doc = needle.run(server, settings, progress=tick)
+            doc = needle.run(server, settings, progress=tick, resume=resume)
+    except needle.NeedleAborted as e:
+        _write_aborted(e, json_path, err)
     except needle.NeedleError as e:
         if e.option:
             raise click.BadParameter(str(e), param_hint=f"'{e.option}'") from None
@@ -152,3 +172,43 @@ def needle_cmd(base_url, model, api_key, lengths, depths, trials, seed, max_toke
         needle.plot([doc], plot_path)
         err.print(f"wrote {plot_path}")
 
+
+
+def _resumed(resume_path, given):
+    """The document to resume and the settings it was run with; an option given on this command line with
+    another value is refused (a finished trial only counts under the settings it ran with)."""
+    from . import needle
+
+    ctx = click.get_current_context()
+    try:
+        doc = json.loads(open(resume_path).read())
+        settings = needle.resume_settings(doc, resume_path)
+    except (OSError, ValueError) as e:
+        raise click.BadParameter(f"expected an interrupted `cupy-dsa needle` result: {e}", param_hint="'--resume'") \
+            from None
+    for name, value in given.items():
+        explicit = ctx.get_parameter_source(name) not in (click.core.ParameterSource.DEFAULT, None)
+        if explicit and value != settings[name]:
+            raise click.BadParameter(f"{value!r} differs from the resumed run's {settings[name]!r} ({resume_path}); "
+                                     f"leave it out to resume, or start a new run",
+                                     param_hint=f"'--{name.replace('_', '-')}'")
+    return doc, settings
+
+
+def _write_aborted(e, json_path, err):
+    """The server failed mid-sweep: keep the finished trials (in --json, else a new needle-partial*.json) with the
+    failure, and say how to resume."""
+    from pathlib import Path
+
+    from . import needle
+
+    path = json_path if json_path and json_path != "-" else None
+    if path is None:
+        stem, n = "needle-partial", 0
+        while Path(path := f"{stem}{f'-{n}' if n else ''}.json").exists():
+            n += 1
+    needle.write_json(e.doc, path)
+    inc = e.doc["incomplete"]
+    raise click.ClickException(f"{e} — kept the {inc['trials_done']} of {inc['trials_total']} trials that finished in "
+                               f"{path}; once the server is back, `cupy-dsa needle --base-url ... --resume {path}` asks "
+                               f"the rest")

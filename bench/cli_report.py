@@ -188,6 +188,9 @@ def _report_needle(json_files, docs, markdown_path, plot_path, readme_path):
     else:
         report.print_fitted(out, needle.overlay_table(docs))
         md = needle.overlay_markdown(docs)
+    for d in docs:   # a residue that loses what the others keep, and a run that did not finish, are said aloud
+        for text in needle.flags(d) + ([needle.incomplete_text(d)] if d.get("incomplete") else []):
+            out.print(f"[yellow]{d['label']}: {text}[/]", soft_wrap=True)
     if markdown_path:
         common.write_markdown(md, markdown_path)
     if plot_path:

@@ -8,6 +8,12 @@ counted in the server's own tokens: before the sweep the filler size of every le
 ``prompt_tokens`` is kept. Decoding is greedy (temperature 0); a trial counts as found when the answer contains
 the number. Recall per (length, depth) over ``trials`` needles, each with its own filler, key and number.
 
+With ``residues`` every prompt also runs padded by 1, 2 and 3 tokens (after the filler, or just before the needle),
+so each residue of the length mod 4 is covered (the C4 compressor folds 4 tokens into one index key; vLLM #55927 saw
+DeepSeek-V4-Flash lose a deep needle's last digit at 3 mod 4); each answer's residue is the server's own count's, and
+a residue that loses needles the other residues of the same prompt keep is flagged. A sweep the server drops keeps
+its finished trials (``incomplete``) and resumes from its file.
+
 This is what a served model retrieves, end to end: the indexer is one of many places a long context can lose a
 fact. Run it against the same model served with different index-key modes (``--label`` each run) and overlay
 the runs with ``cupy-dsa bench report a.json b.json``.
@@ -75,6 +81,18 @@ _KEY_ADJ = ("copper", "velvet", "emerald", "crimson", "marble", "amber", "cobalt
 _KEY_NOUN = ("lantern", "compass", "teapot", "violin", "telescope", "hourglass", "umbrella", "kite", "anchor",
              "typewriter")
 
+# --residues pads a prompt by 1-3 tokens: the first of these units that the server counts as exactly one token
+# per copy, at the pad's place, is used (no digits: the needle's number stays the only one in the prompt)
+PAD_UNITS = (" .", " ok", " -", " the")
+PAD_AT = ("end", "needle")
+# The C4 compressor folds 4 raw tokens into one index key: a prompt's length mod 4 decides how full its last,
+# partial group is (the residue every length of a --residues sweep covers)
+RESIDUE_MOD = 4
+# A residue is flagged when it missed at least this many needles that every other residue of the same prompt
+# found, and more than twice as many as any other residue missed alone (one odd miss is noise)
+RESIDUE_FLAG_MIN_LOST = 2
+RESIDUE_FLAG_TEXT = "depends on the prompt length mod 4: not the index keys' precision alone"
+
 INSTRUCTION = ("Below is a long text. Somewhere in it is one sentence that gives a secret number. Read the text, "
                "then answer the question that follows it.")
 
@@ -115,15 +133,24 @@ def filler(seed: int, trial: int, n_words: int) -> list[str]:
     return out
 
 
-def haystack(seed: int, trial: int, n_words: int, depth: float) -> tuple[str, Needle]:
+def haystack(seed: int, trial: int, n_words: int, depth: float, *, pad: int = 0, pad_at: str = "end",
+             pad_unit: str = PAD_UNITS[0]) -> tuple[str, Needle]:
     """The user message of one trial: instruction, filler with the needle after ``round(depth * sentences)``
-    filler sentences (0 = first sentence, 1 = last), question."""
+    filler sentences (0 = first sentence, 1 = last), question. ``pad`` copies of ``pad_unit`` (one server token
+    each, see :func:`calibrate_pad`) go after the filler (``pad_at="end"``: the needle keeps its position from
+    the start) or just before the needle (``"needle"``: it keeps its distance from the end)."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth: expected a fraction in [0, 1], got {depth!r}")
+    if pad_at not in PAD_AT:
+        raise ValueError(f"pad_at: expected one of {', '.join(PAD_AT)}, got {pad_at!r}")
     needle = needle_for(seed, trial)
     sentences = filler(seed, trial, n_words)
     at = int(round(depth * len(sentences)))
-    body = " ".join(sentences[:at] + [needle.sentence] + sentences[at:])
+    padding = pad_unit * pad
+    needle_sentence = (padding.lstrip() + " " if pad and pad_at == "needle" else "") + needle.sentence
+    body = " ".join(sentences[:at] + [needle_sentence] + sentences[at:])
+    if pad and pad_at == "end":
+        body += padding
     return f"{INSTRUCTION}\n\n{body}\n\n{needle.question}", needle
 
 
@@ -358,24 +385,76 @@ class Settings:
     max_tokens: int = 64
     concurrency: int = 1
     label: str | None = None
+    residues: bool = False   # each prompt also at +1, +2, +3 tokens: every residue mod 4
+    pad_at: str = "end"
+
+    @property
+    def offsets(self) -> tuple:
+        return tuple(range(RESIDUE_MOD)) if self.residues else (0,)
+
+
+# The settings a resumed run takes from its file: a finished trial is only comparable under the same ones
+SWEEP_SETTINGS = ("lengths", "depths", "trials", "seed", "max_tokens", "residues", "pad_at")
+
+
+class NeedleAborted(NeedleError):
+    """The server failed mid-sweep: ``doc`` holds the finished trials and the failure (``doc["incomplete"]``)."""
+
+    def __init__(self, message: str, doc: dict):
+        super().__init__(message)
+        self.doc = doc
 
 
 def check_lengths_fit(server: Server, settings: Settings) -> None:
     """Lengths plus the answer's tokens within the server's context length (when ``/v1/models`` states one)."""
     if server.max_model_len is None:
         return
-    room = server.max_model_len - settings.max_tokens
+    room = server.max_model_len - settings.max_tokens - (RESIDUE_MOD - 1 if settings.residues else 0)
     over = [L for L in settings.lengths if L > room]
     if over:
+        pad = f", less {RESIDUE_MOD - 1} tokens of --residues padding" if settings.residues else ""
         raise NeedleError(f"--lengths {', '.join(str(x) for x in over)}: beyond what {server.model} at "
                           f"{server.base_url} accepts ({server.max_model_len} tokens of context, less --max-tokens "
-                          f"{settings.max_tokens} for the answer = {room}). Lower --lengths or --max-tokens, or start "
-                          f"the server with a larger --context-length.", option="--lengths")
+                          f"{settings.max_tokens} for the answer{pad} = {room}). Lower --lengths or --max-tokens, or "
+                          f"start the server with a larger --context-length.", option="--lengths")
 
 
-def run(server: Server, settings: Settings, *, progress=None) -> dict:
-    """Calibrate, then ask every (length, depth, trial). ``progress(kind, advance=1, total=None)`` reports
-    ``"calibrate"`` and ``"ask"`` steps. Returns the result document (schema :data:`SCHEMA`)."""
+def calibrate_pad(measure_padded, pad_at: str) -> str:
+    """The first of :data:`PAD_UNITS` that the server counts as one token per copy at ``pad_at``:
+    ``measure_padded(unit, pad) -> prompt_tokens`` of a short prompt. NeedleError if none does."""
+    seen = {}
+    for unit in PAD_UNITS:
+        counts = [measure_padded(unit, n) for n in range(RESIDUE_MOD)]
+        if all(counts[n] == counts[0] + n for n in range(RESIDUE_MOD)):
+            return unit
+        seen[unit] = [c - counts[0] for c in counts]
+    tried = "; ".join(f"{u!r} x 0-3 -> +{', +'.join(map(str, d))}" for u, d in seen.items())
+    raise NeedleError(f"--residues: no padding the server counts as exactly one token per copy at --pad-at "
+                      f"{pad_at} ({tried}); try the other --pad-at", option="--pad-at")
+
+
+def _trial_key(t) -> tuple:
+    return (int(t["length"]), float(t["depth"]), int(t["trial"]), int(t.get("offset", 0)))
+
+
+def resume_settings(doc: dict, name: str) -> dict:
+    """The sweep settings of a needle result to resume (ValueError naming ``name`` if it is not one)."""
+    check_document(doc, name)
+    s = doc["settings"]
+    missing = [k for k in SWEEP_SETTINGS if k not in s and k not in ("residues", "pad_at")]
+    if missing or not isinstance(doc.get("trials"), list) or "calibration" not in doc:
+        raise ValueError(f"{name}: a {SCHEMA} document without its settings, trials or calibration; it cannot be "
+                         f"resumed")
+    return {"lengths": tuple(s["lengths"]), "depths": tuple(s["depths"]), "trials": s["trials"], "seed": s["seed"],
+            "max_tokens": s["max_tokens"], "residues": bool(s.get("residues", False)),
+            "pad_at": s.get("pad_at", "end")}
+
+
+def run(server: Server, settings: Settings, *, progress=None, resume: dict | None = None) -> dict:
+    """Calibrate, then ask every (length, depth, trial[, offset]). ``progress(kind, advance=1, total=None)`` reports
+    ``"calibrate"`` and ``"ask"`` steps. ``resume``: an earlier, incomplete result of the same settings; its
+    calibration and finished trials are kept, only the rest is asked. Returns the result document (schema
+    :data:`SCHEMA`); a server failure mid-sweep raises :class:`NeedleAborted` with the finished trials."""
     from . import provenance
 
     check_lengths_fit(server, settings)
@@ -390,60 +469,170 @@ def run(server: Server, settings: Settings, *, progress=None) -> dict:
         tokens, _, _ = server.ask(content, CAL_MAX_TOKENS, f"calibration ({words} filler words)")
         return tokens
 
-    cal = calibrate(measure, settings.lengths, on_request=lambda: tick("calibrate"))
-    cells = [(L, d, t) for L in sorted(settings.lengths) for d in settings.depths for t in range(settings.trials)]
-    tick("ask", advance=0, total=len(cells))
+    def measure_padded(unit, pad):
+        content, _ = haystack(settings.seed, 0, 64, 0.5, pad=pad, pad_at=settings.pad_at, pad_unit=unit)
+        tokens, _, _ = server.ask(content, CAL_MAX_TOKENS, f"padding calibration ({unit!r} x {pad})")
+        tick("calibrate")
+        return tokens
+
+    if resume is not None:
+        cal = {"tokens_per_word": resume["calibration"]["tokens_per_word"],
+               "overhead_tokens": resume["calibration"]["overhead_tokens"],
+               "requests": resume["calibration"]["requests"],
+               "lengths": {int(c["length"]): {"words": c["words"], "prompt_tokens": c["prompt_tokens"]}
+                           for c in resume["calibration"]["lengths"]}}
+        pad_unit = resume["calibration"].get("pad_unit")
+        done = {_trial_key(t): t for t in resume["trials"]}
+    else:
+        cal = calibrate(measure, settings.lengths, on_request=lambda: tick("calibrate"))
+        pad_unit = calibrate_pad(measure_padded, settings.pad_at) if settings.residues else None
+        done = {}
+    cells = [(L, d, t, o) for L in sorted(settings.lengths) for d in settings.depths for t in range(settings.trials)
+             for o in settings.offsets]
+    todo = [c for c in cells if c not in done]
+    tick("ask", advance=0, total=len(todo))
 
     def one(cell):
-        L, d, t = cell
-        content, needle = haystack(settings.seed, t, cal["lengths"][L]["words"], d)
-        tokens, answer, finish = server.ask(content, settings.max_tokens, f"length {L}, depth {d:g}, trial {t}")
-        return {"length": L, "depth": d, "trial": t, "prompt_tokens": tokens, "needle": needle.value,
-                "found": found(answer, needle), "finish_reason": finish, "answer": answer[:200]}
+        L, d, t, o = cell
+        content, needle = haystack(settings.seed, t, cal["lengths"][L]["words"], d, pad=o, pad_at=settings.pad_at,
+                                   pad_unit=pad_unit or PAD_UNITS[0])
+        where = f"length {L}{f' +{o}' if o else ''}, depth {d:g}, trial {t}"
+        tokens, answer, finish = server.ask(content, settings.max_tokens, where)
+        row = {"length": L, "depth": d, "trial": t, "prompt_tokens": tokens, "needle": needle.value,
+               "found": found(answer, needle), "finish_reason": finish, "answer": answer[:200]}
+        if settings.residues:
+            row.update(offset=o, residue=tokens % RESIDUE_MOD)
+        return row
 
-    trials = []
-    if settings.concurrency <= 1:
-        for c in cells:
-            trials.append(one(c))
-            tick("ask")
-    else:
-        with concurrent.futures.ThreadPoolExecutor(settings.concurrency) as pool:
-            futures = [pool.submit(one, c) for c in cells]
-            try:
-                for f in concurrent.futures.as_completed(futures):
-                    trials.append(f.result())
-                    tick("ask")
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
-        trials.sort(key=lambda r: (r["length"], settings.depths.index(r["depth"]), r["trial"]))
-    return {
+    trials = list(done.values())
+    failure = None
+    try:
+        if settings.concurrency <= 1:
+            for c in todo:
+                trials.append(one(c))
+                tick("ask")
+        else:
+            with concurrent.futures.ThreadPoolExecutor(settings.concurrency) as pool:
+                futures = [pool.submit(one, c) for c in todo]
+                try:
+                    for f in concurrent.futures.as_completed(futures):
+                        trials.append(f.result())
+                        tick("ask")
+                except BaseException:
+                    for f in futures:
+                        f.cancel()
+                    # the requests already in flight still finish: keep the trials they bring
+                    kept = {id(t) for t in trials}
+                    concurrent.futures.wait([f for f in futures if not f.cancelled()])
+                    for f in futures:
+                        if not f.cancelled() and f.exception() is None and id(f.result()) not in kept:
+                            trials.append(f.result())
+                    raise
+    except NeedleError as e:
+        failure = e
+    except KeyboardInterrupt:
+        failure = NeedleError("interrupted (Ctrl-C)")
+    order = {c: i for i, c in enumerate(cells)}
+    trials.sort(key=lambda r: order[_trial_key(r)])
+    lengths = sorted(settings.lengths)
+    doc = {
         "schema": SCHEMA, **provenance.provenance(),
         "label": settings.label or server.model,
         "server": {"base_url": server.base_url, "model": server.model, "max_model_len": server.max_model_len},
-        "settings": {"lengths": sorted(settings.lengths), "depths": list(settings.depths), "trials": settings.trials,
+        "settings": {"lengths": lengths, "depths": list(settings.depths), "trials": settings.trials,
                      "seed": settings.seed, "max_tokens": settings.max_tokens, "temperature": 0.0,
-                     "extra_body": server.extra_body},
+                     "extra_body": server.extra_body,
+                     **({"residues": True, "pad_at": settings.pad_at} if settings.residues else {})},
         "calibration": {"tokens_per_word": cal["tokens_per_word"], "overhead_tokens": cal["overhead_tokens"],
                         "requests": cal["requests"],
-                        "lengths": [{"length": L, **v} for L, v in sorted(cal["lengths"].items())]},
-        "cells": summarize(trials, sorted(settings.lengths), list(settings.depths)),
+                        "lengths": [{"length": L, **v} for L, v in sorted(cal["lengths"].items())],
+                        **({"pad_unit": pad_unit} if settings.residues else {})},
+        "cells": summarize(trials, lengths, list(settings.depths)),
         "notes": notes(trials, settings),
         "trials": trials,
-        "elapsed_s": time.perf_counter() - t0,
+        "elapsed_s": time.perf_counter() - t0 + (resume or {}).get("elapsed_s", 0.0),
     }
+    if settings.residues:
+        doc["residues"] = residue_summary(trials)
+    if failure is not None:
+        doc["incomplete"] = {"error": str(failure), "trials_done": len(trials), "trials_total": len(cells)}
+        raise NeedleAborted(str(failure), doc)
+    return doc
 
 
 def notes(trials, settings: Settings) -> list[str]:
     """What the operator should know before reading the recall: needles missed because the answer ran into
-    --max-tokens (a model that reasons first), which says nothing about the index."""
+    --max-tokens (a model that reasons first), which says nothing about the index; padded prompts whose length
+    the server counted otherwise than asked; a residue that loses what the others keep."""
+    out = []
     cut = [t for t in trials if not t["found"] and t.get("finish_reason") == "length"]
-    if not cut:
-        return []
-    return [f"{len(cut)} of {len(trials)} answers stopped at --max-tokens {settings.max_tokens} without the number "
-            f"(counted as missed): raise --max-tokens, or turn the model's reasoning off through its chat template "
-            f"(--extra-body)"]
+    if cut:
+        out.append(f"{len(cut)} of {len(trials)} answers stopped at --max-tokens {settings.max_tokens} without the "
+                   f"number (counted as missed): raise --max-tokens, or turn the model's reasoning off through its "
+                   f"chat template (--extra-body)")
+    if settings.residues:
+        off = residue_mismatches(trials)
+        if off:
+            out.append(f"{off} padded prompt(s) were not their unpadded prompt's length + the padding in the server's "
+                       f"count (usage.prompt_tokens): their recall is counted under the residue the server counted")
+        out += [residue_flag_text(f) for f in residue_flags(trials)]
+    return out
+
+
+def _prompt_groups(trials) -> dict:
+    """The padded copies of each prompt: ``{(length, depth, trial): {offset: row}}``."""
+    groups: dict = {}
+    for t in trials:
+        if "offset" in t:
+            groups.setdefault((t["length"], t["depth"], t["trial"]), {})[t["offset"]] = t
+    return groups
+
+
+def residue_mismatches(trials) -> int:
+    """Padded rows whose prompt_tokens is not the unpadded row's + the offset."""
+    n = 0
+    for g in _prompt_groups(trials).values():
+        if 0 in g:
+            n += sum(1 for o, t in g.items() if o and t["prompt_tokens"] != g[0]["prompt_tokens"] + o)
+    return n
+
+
+def residue_summary(trials) -> list[dict]:
+    """Per residue of the server's prompt length mod 4: trials, found, recall, and ``lost_alone``, the needles
+    this residue missed while every other residue of the same prompt found it (prompts with all 4 residues)."""
+    rows = {r: {"residue": r, "trials": 0, "found": 0, "lost_alone": 0} for r in range(RESIDUE_MOD)}
+    for t in trials:
+        if "residue" in t:
+            rows[t["residue"]]["trials"] += 1
+            rows[t["residue"]]["found"] += int(t["found"])
+    for g in _prompt_groups(trials).values():
+        by_residue = {t["residue"]: t["found"] for t in g.values()}
+        if len(by_residue) < RESIDUE_MOD:
+            continue
+        missed = [r for r, f in by_residue.items() if not f]
+        if len(missed) == 1:
+            rows[missed[0]]["lost_alone"] += 1
+    for r in rows.values():
+        r["recall"] = r["found"] / r["trials"] if r["trials"] else None
+    return list(rows.values())
+
+
+def residue_flags(trials_or_summary) -> list[dict]:
+    """The residues that lose what the other residues keep (see :data:`RESIDUE_FLAG_MIN_LOST`)."""
+    rows = trials_or_summary
+    if rows and "lost_alone" not in rows[0]:
+        rows = residue_summary(rows)
+    flags = []
+    for r in rows:
+        others = max((o["lost_alone"] for o in rows if o["residue"] != r["residue"]), default=0)
+        if r["lost_alone"] >= RESIDUE_FLAG_MIN_LOST and r["lost_alone"] > 2 * others:
+            flags.append(r)
+    return flags
+
+
+def residue_flag_text(flag: dict) -> str:
+    return (f"prompt length {flag['residue']} mod {RESIDUE_MOD} lost {flag['lost_alone']} needle(s) that every other "
+            f"residue of the same prompt found: {RESIDUE_FLAG_TEXT}")
 
 
 def summarize(trials, lengths, depths) -> list[dict]:
@@ -476,6 +665,12 @@ def check_document(doc, name: str = "JSON_FILE") -> None:
     if not isinstance(cells, list) or not all(isinstance(c, dict) and {"length", "depth", "trials", "found"} <= set(c)
                                               for c in cells):
         raise ValueError(f"{name}: a {SCHEMA} document whose 'cells' are not a list of length/depth/trials/found rows")
+    trials = doc.get("trials", [])
+    if not isinstance(trials, list) or not all(
+            isinstance(t, dict) and {"length", "depth", "trial", "found", "prompt_tokens"} <= set(t)
+            and (("residue" not in t) or (t["residue"] in range(RESIDUE_MOD) and "offset" in t)) for t in trials):
+        raise ValueError(f"{name}: a {SCHEMA} document whose 'trials' are not a list of length/depth/trial/found/"
+                         f"prompt_tokens rows (with residue 0-{RESIDUE_MOD - 1} and offset in a --residues run)")
 
 
 def length_recall(doc) -> dict[int, tuple[int, int]]:
@@ -519,14 +714,41 @@ def table(doc):
         t.add_row(_depth(d), *(_ratio(cells[L]["found"], cells[L]["trials"]) if L in cells else "—" for L in lengths))
     per = length_recall(doc)
     t.add_row("all", *(_ratio(*per[L]) if L in per else "—" for L in lengths), end_section=True)
+    for r, by_length in residue_rows(doc):
+        t.add_row(f"len mod {RESIDUE_MOD} = {r}", *(_ratio(*by_length[L]) if L in by_length else "—" for L in lengths))
     return t
+
+
+def residue_rows(doc) -> list:
+    """``[(residue, {length: (found, trials)})]`` over every depth, for a --residues run; [] otherwise."""
+    rows = [t for t in doc.get("trials", []) if "residue" in t]
+    if not rows:
+        return []
+    out = []
+    for r in range(RESIDUE_MOD):
+        by_length: dict = {}
+        for t in rows:
+            if t["residue"] == r:
+                acc = by_length.setdefault(int(t["length"]), [0, 0])
+                acc[0] += int(t["found"])
+                acc[1] += 1
+        out.append((r, {L: tuple(v) for L, v in by_length.items()}))
+    return out
+
+
+def flags(doc) -> list[str]:
+    """The residue flags of a --residues run (recomputed from its trials), as the operator reads them."""
+    rows = [t for t in doc.get("trials", []) if "residue" in t]
+    return [residue_flag_text(f) for f in residue_flags(rows)] if rows else []
 
 
 def _caption(doc) -> str:
     cal = doc["calibration"]
     s = doc["settings"]
+    pad = (f"; each prompt also at +1, +2, +3 tokens (padded at the {s.get('pad_at', 'end')}), 'len mod 4' rows by "
+           f"the server's count" if s.get("residues") else "")
     return (f"lengths in the server's tokens (usage.prompt_tokens; {cal['tokens_per_word']:.3f} tokens per filler "
-            f"word); greedy, {s['trials']} trial(s) per cell, seed {s['seed']}")
+            f"word); greedy, {s['trials']} trial(s) per cell, seed {s['seed']}{pad}")
 
 
 def overlay_table(docs):
@@ -554,8 +776,20 @@ def markdown(doc) -> str:
                                                      else "—" for L in lengths) + " |")
     per = length_recall(doc)
     lines.append("| all | " + " | ".join(_ratio(*per[L]) if L in per else "—" for L in lengths) + " |")
-    lines += ["", _caption(doc) + ".", ""]
-    return "\n".join(lines)
+    for r, by_length in residue_rows(doc):
+        lines.append(f"| len mod {RESIDUE_MOD} = {r} | " + " | ".join(_ratio(*by_length[L]) if L in by_length else "—"
+                                                                 for L in lengths) + " |")
+    lines += ["", _caption(doc) + "."]
+    lines += [f"**Flag**: {f}." for f in flags(doc)]
+    if doc.get("incomplete"):
+        lines.append(f"**Incomplete**: {incomplete_text(doc)}.")
+    return "\n".join(lines + [""])
+
+
+def incomplete_text(doc) -> str:
+    inc = doc["incomplete"]
+    return (f"{inc['trials_done']} of {inc['trials_total']} trials finished before the run stopped "
+            f"({inc['error']}); `cupy-dsa needle --resume FILE` asks the rest")
 
 
 def overlay_markdown(docs) -> str:
@@ -565,8 +799,10 @@ def overlay_markdown(docs) -> str:
     for L in lengths:
         lines.append(f"| {_k(L)} | " + " | ".join(_ratio(*p[L]) if L in p else "—" for p in per) + " |")
     models = sorted({d["server"]["model"] for d in docs})
-    lines += ["", f"Needle recall over every depth (found/trials); model(s): {', '.join(models)}.", ""]
-    return "\n".join(lines)
+    lines += ["", f"Needle recall over every depth (found/trials); model(s): {', '.join(models)}."]
+    lines += [f"**Flag** ({d['label']}): {f}." for d in docs for f in flags(d)]
+    lines += [f"**Incomplete** ({d['label']}): {incomplete_text(d)}." for d in docs if d.get("incomplete")]
+    return "\n".join(lines + [""])
 
 
 def plot(docs, path: str) -> None:

@@ -2,10 +2,14 @@
 
 One warp per compressed token, lane ``l`` owning elements ``4l..4l+3`` (natural order); the CUDA
 template is ``kernels/store_index_k.cu``. The torch reference below follows the kernel's operation order
-(per-lane partial sums then the same xor-butterfly tree, the same RoPE and Hadamard stages, no fused
-multiply-adds), so it matches the kernel to the bit except where ``rsqrtf`` (hardware approximation,
-<= 2 ulp) and ``torch.rsqrt`` differ: then single elements differ by one bf16 ulp (one e4m3 code, and
-the fp8 scale by a few fp32 ulp).
+(per-lane partial sums then the same xor-butterfly tree, the same RoPE and Hadamard stages, and for V4 keys
+SGLang 0.5.23's fused multiply-adds: the sum of squares as an FMA chain, each RoPE output as one FMA, rounded
+once as the hardware does, see :func:`fma_f32`), so it matches the kernel to the bit except where ``rsqrtf``
+(hardware approximation, <= 2 ulp) and ``torch.rsqrt`` differ: then single elements differ by one bf16 ulp
+(one e4m3 code, and the fp8 scale by a few fp32 ulp). With the same operation order the fp8 pages are the
+bytes SGLang's store writes for finite keys; they still differ where SGLang keeps a subnormal intermediate
+(CuPy compiles with -ftz=true) and for a non-finite key (SGLang's clip, fmaxf(fminf(v, 448), -448), turns a NaN
+value into 448 and its fmaxf amax skips it; here the row's scale is NaN and the key is counted as non-finite).
 
 Layouts (``cupy_dsa.layouts``): ``uint8 [P, 16384]`` -> bf16 (256 B/token), ``uint8 [P, 8448]`` -> fp8
 (SGLang's 132 B/token); two-level keys (``cupy_dsa.rescore``): an fp8 cache plus ``lo_cache`` (uint8, the same
@@ -54,7 +58,7 @@ STORE_KERNEL = launch.Kernel(
     "store_index_k.cu", "store_index_k", params=("Layout", "Numerics", "Style", "Hadamard", "TIn", "Source"),
     args=(("kv", PTR), ("cache", PTR), ("lo_cache", PTR), ("items", PTR), ("out_loc", PTR), ("norm_w", PTR),
           ("norm_b", PTR), ("freqs", PTR), ("n", I64), ("n_loc", I64), ("num_pages", I64), ("max_pos", I64),
-          ("eps", F32), ("ratio", I32), ("idx64", I32)),
+          ("eps", F32), ("ratio", I32), ("idx64", I32), ("nonfinite", PTR)),
     threads=lambda cfg: BLOCK[0], render=_render)
 
 # A problem: (layout, numerics, key style, hadamard, kv dtype, source); every one has its instantiation.
@@ -115,16 +119,37 @@ def check_positions_in_table(positions: torch.Tensor, freqs_cis: torch.Tensor) -
     return pos
 
 
-def rope_reference(k: torch.Tensor, f: torch.Tensor, key_style: str = "v4") -> torch.Tensor:
+def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` of float32 tensors rounded once to float32 (RNE), as the GPU's FMA does. The product is exact
+    in float64; the float64 sum is made round-to-odd (TwoSum's error decides the last bit), and a round-to-odd
+    value with 53 bits rounds to 24 bits exactly as the exact sum would (Boldo and Melquiond)."""
+    p = a.to(torch.float64) * b.to(torch.float64)
+    c64 = c.to(torch.float64)
+    t = p + c64
+    bb = t - p
+    err = (p - (t - bb)) + (c64 - bb)
+    even = (t.view(torch.int64) & 1) == 0
+    toward = torch.where(err > 0, torch.full_like(t, float("inf")), torch.full_like(t, float("-inf")))
+    t = torch.where((err != 0) & even & torch.isfinite(t), torch.nextafter(t, toward), t)
+    return t.to(torch.float32)
+
+
+def rope_reference(k: torch.Tensor, f: torch.Tensor, key_style: str = "v4", fused: bool = False) -> torch.Tensor:
     """RoPE of fp32 rows ``k [n, 128]`` (in place) by table rows ``f [n, 64]``, in the kernels' order: V4 rotates
-    interleaved pairs ``(64+2j, 65+2j)`` of the trailing 64 dims, V3.2 the halves ``(j, 32+j)`` of the leading 64."""
+    interleaved pairs ``(64+2j, 65+2j)`` of the trailing 64 dims, V3.2 the halves ``(j, 32+j)`` of the leading 64.
+    ``fused``: SGLang's V4 key order, ``re' = fma(re, cos, -(im * sin))``, ``im' = fma(re, sin, im * cos)`` (the
+    store); otherwise two products and a sum, each rounded (the query prep)."""
     cos, sin = f[:, 0::2], f[:, 1::2]
     if key_style == "v4":
         re, im = k[:, 64::2], k[:, 65::2]
     else:
         re, im = k[:, 0:32], k[:, 32:64]
-    re2 = re * cos - im * sin
-    im2 = re * sin + im * cos
+    if fused:
+        re2 = fma_f32(re, cos, -(im * sin))
+        im2 = fma_f32(re, sin, im * cos)
+    else:
+        re2 = re * cos - im * sin
+        im2 = re * sin + im * cos
     if key_style == "v4":
         k[:, 64::2], k[:, 65::2] = re2, im2
     else:
@@ -291,7 +316,39 @@ def _launch(problem, kv, rows, lo_cache, items, out_loc, norm_weight, norm_bias,
     cfg.launch(kv.device, ((n + TOKENS_PER_BLOCK - 1) // TOKENS_PER_BLOCK, 1, 1), kv=kv, cache=rows,
                lo_cache=lo_cache, items=items,
                out_loc=out_loc, norm_w=norm_weight, norm_b=norm_bias, freqs=freqs_cis, n=n, n_loc=out_loc.shape[0],
-               num_pages=rows.shape[0], max_pos=freqs_cis.shape[0], eps=float(eps), ratio=ratio, idx64=int(idx64))
+               num_pages=rows.shape[0], max_pos=freqs_cis.shape[0], eps=float(eps), ratio=ratio, idx64=int(idx64),
+               nonfinite=nonfinite_counter(kv.device))
+
+
+# --------------------------------------------------------------------------------------------------
+# Non-finite keys: counted by every store (kernel and reference), read only when asked (a host sync)
+# --------------------------------------------------------------------------------------------------
+
+_NONFINITE: dict = {}
+
+
+def nonfinite_counter(device) -> torch.Tensor:
+    """The int32 ``[1]`` counter every store on ``device`` adds its non-finite keys to (a key whose stored fp32
+    value holds a NaN or an infinity: a bad checkpoint, an upstream race). Made once per device, so a launch
+    allocates nothing and a CUDA graph keeps a valid pointer; call it before capturing (the plugin's warm-up
+    does)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    counter = _NONFINITE.get(device)
+    if counter is None:
+        counter = _NONFINITE[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
+
+
+def nonfinite_keys(device) -> int:
+    """Non-finite keys stored on ``device`` since the process started (or the last :func:`reset_nonfinite_keys`).
+    Reads the GPU counter: a host sync, so only for ``check``, tests and the opt-in debug setting."""
+    return int(nonfinite_counter(device).item())
+
+
+def reset_nonfinite_keys(device) -> None:
+    nonfinite_counter(device).zero_()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -329,6 +386,14 @@ def _warp_sum(v: torch.Tensor) -> torch.Tensor:
 def _lane_sum4(a: torch.Tensor) -> torch.Tensor:
     """Per-lane ``((a0 + a1) + a2) + a3`` over ``[..., 32, 4]``."""
     return ((a[..., 0] + a[..., 1]) + a[..., 2]) + a[..., 3]
+
+
+def _lane_sum4_sq_fma(x: torch.Tensor) -> torch.Tensor:
+    """Per-lane sum of squares over ``[..., 32, 4]`` as SGLang's V4 store computes it: an FMA chain from x0 * x0."""
+    s = x[..., 0] * x[..., 0]
+    for i in (1, 2, 3):
+        s = fma_f32(x[..., i], x[..., i], s)
+    return s
 
 
 def _hadamard128(x: torch.Tensor) -> torch.Tensor:
@@ -394,7 +459,7 @@ def rotate_index_k_reference(kv, positions, norm_weight, freqs_cis, norm_bias=No
     w = norm_weight.to(torch.float32).reshape(32, 4)
     eps32 = torch.tensor(eps, dtype=torch.float32, device=kv.device)
     if key_style == "v4":
-        ss = _warp_sum(_lane_sum4(x * x))
+        ss = _warp_sum(_lane_sum4_sq_fma(x))
         nf = _rsqrt(ss / 128.0 + eps32)
         k = (x * nf[:, None, None]) * w
     else:
@@ -403,7 +468,8 @@ def rotate_index_k_reference(kv, positions, norm_weight, freqs_cis, norm_bias=No
         var = _warp_sum(_lane_sum4(d * d)) / 128.0
         rs = _rsqrt(var + eps32)
         k = ((d * rs[:, None, None]) * w) + norm_bias.to(torch.float32).reshape(32, 4)
-    k = rope_reference(k.reshape(n, HEAD_DIM).clone(), freqs_cis[pos].to(torch.float32), key_style)
+    k = rope_reference(k.reshape(n, HEAD_DIM).clone(), freqs_cis[pos].to(torch.float32), key_style,
+                       fused=key_style == "v4")
     if hadamard:
         inv = HADAMARD_SCALE  # 128^-0.5 correctly rounded in fp32, as the kernel's constant
         k = _hadamard128(k.reshape(n, 32, 4)).reshape(n, HEAD_DIM) * inv
@@ -434,6 +500,7 @@ def _store_reference(kv, cache, positions, out_loc, norm_weight, freqs_cis, norm
         return
     k = rotate_index_k_reference(kv[idx], pos[idx], norm_weight, freqs_cis, norm_bias, eps, key_style,
                                  hadamard, numerics)
+    nonfinite_counter(kv.device).add_((~torch.isfinite(k)).any(dim=1).sum().to(torch.int32))
     loc = loc[idx]
     if lo_cache is not None:
         store_two_level_reference(k, cache, lo_cache, loc)
@@ -449,4 +516,5 @@ def _store_reference(kv, cache, positions, out_loc, norm_weight, freqs_cis, norm
 
 
 __all__ = ["store_index_k", "store_index_k_from_plan", "store_index_k_reference", "rotate_index_k_reference",
-           "fp8_quantize_reference", "fp4sim_reference", "plan_to_direct"]
+           "fp8_quantize_reference", "fp4sim_reference", "plan_to_direct", "nonfinite_counter", "nonfinite_keys",
+           "reset_nonfinite_keys", "fma_f32"]

@@ -5,8 +5,12 @@
 // One warp per compressed token (each warp takes two in turn, 16 per 256-thread block); lane l owns
 // elements 4l..4l+3 in natural order, so every stage is in-lane or a warp shuffle and every global
 // access is one vector per lane.
-// Products and sums use __fmul_rn/__fadd_rn so no multiply-add is contracted: the torch reference in
-// cupy_dsa/store.py then reproduces every rounding except rsqrtf's hardware approximation.
+// Every rounding is spelled out (__fmul_rn / __fadd_rn / __fmaf_rn), so no compiler decides which multiply-add
+// is contracted and the torch reference in cupy_dsa/store.py reproduces every rounding except rsqrtf's hardware
+// approximation. V4 keys take SGLang 0.5.23's operation order: its fused_norm_rope_indexer is compiled with
+// nvcc's default -fmad=true, and its SASS (sm_80 / 89 / 90a / 100a / 120a alike) contracts the sum of squares
+// into an FMA chain and each RoPE output into one FMA plus one product; here those FMAs are explicit, so the fp8
+// pages are SGLang's bytes (rsqrtf is the same MUFU.RSQ instruction on both sides).
 #include "common.cuh"
 
 namespace dsa {
@@ -39,10 +43,15 @@ __device__ __forceinline__ float sum4_sq(const float (&x)[4]) {
                    __fmul_rn(x[3], x[3]));
 }
 
+// SGLang's V4 sum of squares: s = 0; s = fma(x_i, x_i, s) in lane order (its loop, contracted by nvcc).
+__device__ __forceinline__ float sum4_sq_fma(const float (&x)[4]) {
+  return __fmaf_rn(x[3], x[3], __fmaf_rn(x[2], x[2], __fmaf_rn(x[1], x[1], __fmul_rn(x[0], x[0]))));
+}
+
 // ---- norms ----------------------------------------------------------------------------------------
 // RMSNorm (V4): k = x * rsqrtf(mean(x^2) + eps) * w.
 __device__ __forceinline__ void rms_norm(float (&x)[4], const float* w, float eps, int lane) {
-  const float ss = warp_sum(sum4_sq(x));
+  const float ss = warp_sum(sum4_sq_fma(x));
   const float nf = rsqrtf(__fadd_rn(ss / 128.f, eps));
   const float4 wv = *reinterpret_cast<const float4*>(w + 4 * lane);
   x[0] = __fmul_rn(__fmul_rn(x[0], nf), wv.x);
@@ -77,6 +86,16 @@ __device__ __forceinline__ void load_freqs(const float* frow, int lane, float4& 
   } else if (lane < 16) {
     f0 = *reinterpret_cast<const float4*>(frow + 8 * (lane & 7));
     f1 = *reinterpret_cast<const float4*>(frow + 8 * (lane & 7) + 4);
+  }
+}
+
+// V4 key RoPE in SGLang's order: re' = fma(re, cos, -(im * sin)), im' = fma(re, sin, im * cos) (nvcc contracts
+// SGLang's `re * c - im * s` / `re * s + im * c` this way; the query prep keeps common.cuh's rope_v4).
+__device__ __forceinline__ void rope_v4_fma(float (&x)[4], const float4& f, int lane) {
+  if (lane >= 16) {
+    const float r0 = __fmaf_rn(x[0], f.x, -__fmul_rn(x[1], f.y)), i0 = __fmaf_rn(x[0], f.y, __fmul_rn(x[1], f.x));
+    const float r1 = __fmaf_rn(x[2], f.z, -__fmul_rn(x[3], f.w)), i1 = __fmaf_rn(x[2], f.w, __fmul_rn(x[3], f.z));
+    x[0] = r0; x[1] = i0; x[2] = r1; x[3] = i1;
   }
 }
 
@@ -168,13 +187,23 @@ __device__ __forceinline__ WorkItem work_item(const void* items, const void* out
   return wi;
 }
 
+// A key that is not finite (a NaN or an infinity in its kv row, or a norm that overflowed) is still written
+// (the pages keep what the numerics make of it: NaN), and counted: one atomic per such key, none for a finite
+// one, so a bad checkpoint or an upstream race is never stored silently. nonfinite may be null (not counted).
+__device__ __forceinline__ void count_nonfinite(const float (&x)[4], unsigned int* nonfinite, int lane) {
+  if (nonfinite == nullptr) return;
+  const bool bad = !(is_finite_f32(x[0]) && is_finite_f32(x[1]) && is_finite_f32(x[2]) && is_finite_f32(x[3]));
+  if (__any_sync(0xffffffffu, bad) && lane == 0) atomicAdd(nonfinite, 1u);
+}
+
 // One token, from its loaded kv row to the cache. Every early return is warp-uniform, so no shuffle
 // runs with a partial warp.
 // lo_cache (two-level layout only): the residual pages, the fp8 geometry, same page count as cache.
 template <int Layout, int Numerics, int Style, bool Hadamard>
 __device__ __forceinline__ void store_token(float (&x)[4], const WorkItem& wi, unsigned char* cache,
                                             unsigned char* lo_cache, const float* norm_w, const float* norm_b,
-                                            const float* freqs, i64 num_pages, i64 max_pos, float eps, int lane) {
+                                            const float* freqs, i64 num_pages, i64 max_pos, float eps, int lane,
+                                            unsigned int* nonfinite) {
   if (wi.position < 0 || wi.position >= max_pos) return;
   constexpr int kPageBytes = Layout == kLayoutBf16 ? kBf16PageBytes : kFp8PageBytes;
   constexpr int kSlotBytes = Layout == kLayoutBf16 ? 2 * kHeadDim : kHeadDim;
@@ -185,12 +214,13 @@ __device__ __forceinline__ void store_token(float (&x)[4], const WorkItem& wi, u
   load_freqs<Style>(freqs + wi.position * 64, lane, f0, f1);
   if (Style == kStyleV4) {
     rms_norm(x, norm_w, eps, lane);
-    rope_v4(x, f0, lane);
+    rope_v4_fma(x, f0, lane);
   } else {
     layer_norm(x, norm_w, norm_b, eps, lane);
     rope_v32(x, f0, f1, lane);
   }
   if (Hadamard) hadamard128_orthonormal(x, lane);
+  count_nonfinite(x, nonfinite, lane);
 
   if (Layout == kLayoutBf16) {
     if (Numerics == kNumFp4Sim) fp4_simulate(x);
@@ -218,14 +248,15 @@ constexpr int kTokensPerWarp = 2;
 // kv: [n, 128] TIn; cache: uint8 page rows; lo_cache: the residual page rows (two-level layout, else unused);
 // items: positions [n] or plan rows [n, 16]; out_loc: [n] int64
 // (direct) or [n_loc] (plans); idx64: positions (direct) / plan out_loc are int64 (else int32);
-// norm_b only for V3.2; freqs: [max_pos, 64] fp32. Grid: ceil(n / (8 * kTokensPerWarp)) blocks of 256.
+// norm_b only for V3.2; freqs: [max_pos, 64] fp32; nonfinite: u32 [1], += 1 per non-finite key stored (or
+// null). Grid: ceil(n / (8 * kTokensPerWarp)) blocks of 256.
 template <int Layout, int Numerics, int Style, bool Hadamard, typename TIn, int Source>
 __global__ void __launch_bounds__(256) store_index_k(
     const TIn* __restrict__ kv, unsigned char* __restrict__ cache, unsigned char* __restrict__ lo_cache,
     const void* __restrict__ items,
     const void* __restrict__ out_loc, const float* __restrict__ norm_w, const float* __restrict__ norm_b,
     const float* __restrict__ freqs, i64 n, i64 n_loc, i64 num_pages, i64 max_pos, float eps, int ratio,
-    int idx64) {
+    int idx64, unsigned int* __restrict__ nonfinite) {
   static_assert(Layout == kLayoutBf16 || Numerics != kNumFp4Sim, "fp4sim needs the bf16 layout");
   const int lane = threadIdx.x & 31;
   const i64 t0 = (static_cast<i64>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * kTokensPerWarp;
@@ -243,7 +274,7 @@ __global__ void __launch_bounds__(256) store_index_k(
 #pragma unroll
   for (int j = 0; j < kTokensPerWarp; ++j)
     store_token<Layout, Numerics, Style, Hadamard>(x[j], wi[j], cache, lo_cache, norm_w, norm_b, freqs,
-                                                   num_pages, max_pos, eps, lane);
+                                                   num_pages, max_pos, eps, lane, nonfinite);
 }
 
 }  // namespace dsa

@@ -234,6 +234,79 @@ def run_topk():
     return n
 
 
+def _poisoned(rows, width, seed):
+    """Logits with NaN (both signs, payloads), +inf and -inf mixed in, a row of NaN only and one of +inf only."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    x = torch.randn(rows, width, device=dev, generator=g)
+    kind = torch.randint(0, 6, (rows, width), device=dev, generator=g)
+    nan = (torch.randint(1, 1 << 22, (rows, width), device=dev, generator=g, dtype=torch.int32) | 0x7F800000
+           | (torch.randint(0, 2, (rows, width), device=dev, generator=g, dtype=torch.int32) << 31)).view(torch.float32)
+    x = torch.where(kind == 0, nan, torch.where(kind == 1, torch.full_like(x, float("inf")),
+                                                torch.where(kind == 2, torch.full_like(x, float("-inf")), x)))
+    x[0], x[1] = float("nan"), float("inf")
+    return x
+
+
+class _AsSm120:
+    """runtime with sm_120 reported: the ops pick sm_120's configs (compiled for this GPU)."""
+
+    def __getattr__(self, name):
+        return getattr(runtime, name)
+
+    @staticmethod
+    def device_arch(device_index):
+        return "sm_120"
+
+
+def run_nonfinite():
+    """Non-finite inputs (issue 49): kv rows with NaN / +-inf through every store layout (the non-finite counter's
+    atomics), and paged_topk and fp8-rescore's selects (decode and prefill) on logits full of NaN / +-inf and on
+    non-finite keys, with this GPU's configs and with sm_120's forced."""
+    from cupy_dsa import rescore, topk
+
+    n = 0
+    for layout in ("bf16", "fp8"):
+        kv = torch.randn(77, 128, device=dev)
+        kv[::5, 3], kv[1::7, 90], kv[2::11, 0] = float("nan"), float("inf"), float("-inf")
+        cache = cupy_dsa.empty_cache(P, layout, device=dev)
+        lo = rescore.empty_lo_cache(P, device=dev) if layout == "fp8" else None
+        cupy_dsa.store_index_k(kv, cache, positions=torch.arange(77, device=dev), out_loc=torch.arange(77, device=dev),
+                               norm_weight=torch.rand(128, device=dev), freqs_cis=torch.randn(max_pos, 64, device=dev),
+                               lo_cache=lo)
+        n += 1
+    hi, lo = cache, lo   # the fp8 pair: some keys non-finite
+    modules = (logits, rescore, topk)
+    for arch_runtime in (runtime, _AsSm120()):
+        saved = [m.runtime for m in modules]
+        for m in modules:
+            m.runtime = arch_runtime
+        try:
+            for width, k in ((300, 16), (9001, 512), (20480, 512), (53248, 512)):
+                R = 6
+                lens = torch.tensor([0, k, k + 1, width // 2, width, width + 9], dtype=torch.int32, device=dev)
+                table = torch.randint(0, 1 << 20, (R, -(-width // 64)), dtype=torch.int32, device=dev)
+                topk.paged_topk(_poisoned(R, width, width), lens, table, k, raw_indices=True)
+                n += 1
+            B, max_pages = 5, 5
+            q = torch.randn(B, 1, 64, 128, device=dev).to(torch.float8_e4m3fn)
+            w = torch.rand(B, 64, device=dev)
+            lens = torch.tensor([0, 77, 5 * 64 - 3, 16, 200], dtype=torch.int32, device=dev)
+            bt = torch.randint(-2, P + 3, (B, max_pages), dtype=torch.int32, device=dev)
+            rescore.rescore_topk(q, w, hi, lo, lens, bt, 16, 64)
+            rescore.rescore_topk(q, w, hi, lo, lens, bt, 16, 64, stage1_logits=_poisoned(B, max_pages * 64, 3))
+            T = 9
+            qp = torch.randn(T, 64, 128, device=dev).to(torch.float8_e4m3fn)
+            ke = torch.randint(0, 4 * 64, (T,), dtype=torch.int32, device=dev)
+            rescore.rescore_topk_prefill(qp, torch.rand(T, 64, device=dev), hi, lo, torch.zeros_like(ke), ke,
+                                         torch.randint(-1, P + 1, (4,), dtype=torch.int32, device=dev), 16, 64,
+                                         stage1_logits=_poisoned(T, 4 * 64, 4))
+            n += 3
+        finally:
+            for m, r in zip(modules, saved):
+                m.runtime = r
+    return n
+
+
 if __name__ == "__main__":
     import sys
 
@@ -247,10 +320,14 @@ if __name__ == "__main__":
     elif sys.argv[1:] == ["rescore"]:  # the selection kernels: fp8-rescore's and the top-k
         print("rescore launches:", run_rescore())
         print("topk launches:", run_topk())
+        print("non-finite launches:", run_nonfinite())
+    elif sys.argv[1:] == ["nonfinite"]:  # issue 49: the store and the selects on non-finite inputs
+        print("non-finite launches:", run_nonfinite())
     else:
         print("store launches:", run_store())
         print("logits launches:", run_logits())
         print("rescore launches:", run_rescore())
         print("topk launches:", run_topk())
+        print("non-finite launches:", run_nonfinite())
     torch.cuda.synchronize()
     print("gpu_sanitize: done")

@@ -4,7 +4,9 @@
 It counts tokens as words and punctuation marks (+3 per message, +2 per request) and "reads" only the last
 ``window`` tokens of the prompt: it answers the needle's number when the needle sentence lies in them, so recall
 falls as the context grows past the window, the further from the end the faster. Faults can be switched on: HTTP
-errors for the first requests, a delay, an API key, no usage, no model listing, answers cut off by max_tokens.
+errors for the first requests, a delay, an API key, no usage, no model listing, answers cut off by max_tokens, a
+server that dies after a number of chat requests, and a residue defect: prompts whose length is a given residue mod
+4 get the needle's last digit wrong (as vLLM #55927 reports of DeepSeek-V4-Flash at length 3 mod 4).
 
 Run on its own it is a stand-in server to try `cupy-dsa needle` without a GPU or a model (it prints its URL and
 serves until interrupted)::
@@ -29,11 +31,14 @@ class FakeServer:
     """An OpenAI-compatible chat server with a fixed reading rule and switchable faults."""
 
     def __init__(self, *, window=300, models=("fake-dsv4",), max_model_len=1 << 20, list_models=True,
-                 list_max_len=True, fail=0, fail_status=500, delay=0.0, api_key=None, usage=True, reasons=0, port=0):
+                 list_max_len=True, fail=0, fail_status=500, delay=0.0, api_key=None, usage=True, reasons=0,
+                 residue_defect=None, die_after=None, port=0):
         self.window, self.models, self.max_model_len = window, list(models), max_model_len
         self.list_models, self.list_max_len = list_models, list_max_len
         self.fail, self.fail_status, self.delay, self.api_key, self.usage = fail, fail_status, delay, api_key, usage
         self.reasons = reasons  # tokens of "reasoning" before the answer: max_tokens below it cuts the answer off
+        self.residue_defect = residue_defect  # None, or the prompt length mod 4 whose answers get the last digit wrong
+        self.die_after = die_after    # None, or the number of chat requests answered before every request fails
         self.requests = []            # chat request bodies, in arrival order
         self.lock = threading.Lock()
         outer = self
@@ -88,17 +93,20 @@ class FakeServer:
                     failing = outer.fail > 0
                     if failing:
                         outer.fail -= 1
+                    dead = outer.die_after is not None and len(outer.requests) > outer.die_after
                 if outer.delay:
                     time.sleep(outer.delay)
                 if failing:
                     return self._error(outer.fail_status, "the server had a hiccup", [("retry-after-ms", "10")])
+                if dead:
+                    return self._error(503, "the server is down", [("retry-after-ms", "10")])
                 if body.get("model") not in outer.models:
                     return self._error(404, f"The model `{body.get('model')}` does not exist.")
                 prompt_tokens = count_tokens(body["messages"])
                 if prompt_tokens >= outer.max_model_len:
                     return self._error(400, f"The input ({prompt_tokens} tokens) is longer than the model's context "
                                             f"length ({outer.max_model_len} tokens).")
-                answer, finish = outer.answer(body["messages"][-1]["content"]), "stop"
+                answer, finish = outer.answer(body["messages"][-1]["content"], prompt_tokens), "stop"
                 if body.get("max_tokens", 1 << 30) <= outer.reasons:
                     answer, finish = "Let me think about where the secret", "length"
                 resp = {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
@@ -113,11 +121,17 @@ class FakeServer:
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
-    def answer(self, content: str) -> str:
-        """The fixed rule: the needle's number if the needle sentence is in the last ``window`` tokens."""
+    def answer(self, content: str, prompt_tokens: int = 0) -> str:
+        """The fixed rule: the needle's number if the needle sentence is in the last ``window`` tokens; with the
+        residue defect on, its last digit is off by one when the prompt's length is that residue mod 4."""
         tail = " ".join(TOKEN.findall(content)[-self.window:])
         m = re.search(r"secret number of the \w+ \w+ is (\d+)", tail)
-        return f"The secret number is {m.group(1)}." if m else "I cannot find a secret number."
+        if not m:
+            return "I cannot find a secret number."
+        number = m.group(1)
+        if self.residue_defect is not None and prompt_tokens % 4 == self.residue_defect:
+            number = number[:-1] + str((int(number[-1]) + 1) % 10)
+        return f"The secret number is {number}."
 
     def __enter__(self):
         self.thread.start()
@@ -136,8 +150,10 @@ def main(argv=None) -> None:
                                              "it reads only the last --window tokens of each prompt.")
     ap.add_argument("--port", type=int, default=30001, help="port on 127.0.0.1 (0: any free one) [default: 30001]")
     ap.add_argument("--window", type=int, default=300, help="tokens it reads from the end [default: 300]")
+    ap.add_argument("--residue-defect", type=int, choices=range(4), default=None,
+                    help="answer the needle's last digit wrong when the prompt length is this residue mod 4")
     args = ap.parse_args(argv)
-    with FakeServer(window=args.window, port=args.port) as srv:
+    with FakeServer(window=args.window, residue_defect=args.residue_defect, port=args.port) as srv:
         print(f"needle stand-in server at {srv.url} (model {srv.models[0]}, reads the last {srv.window} tokens); "
               "Ctrl-C stops it", flush=True)
         try:

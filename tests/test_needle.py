@@ -357,3 +357,147 @@ def test_the_stand_in_server_runs_on_its_own(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+# --------------------------------------------------------------------------------------------------
+# --residues: every prompt length mod 4, and the flag for a residue that loses what the others keep
+# --------------------------------------------------------------------------------------------------
+
+RESIDUE_ARGS = ("--lengths", "256,512", "--depths", "0.5,1", "--trials", "2", "--residues")
+
+
+@pytest.mark.parametrize("pad_at", ["end", "needle"])
+def test_residues_cover_every_length_mod_4(tmp_path, pad_at):
+    """Each prompt runs at +0..+3 tokens, confirmed by the server's own count, so every residue has recall; a
+    clean server keeps the same needles at every residue and nothing is flagged."""
+    with FakeServer(window=5000) as srv:
+        res, j, md, _ = _run_needle(srv.url, tmp_path, pad_at, *RESIDUE_ARGS, "--pad-at", pad_at)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(j.read_text())
+    assert doc["settings"]["residues"] is True and doc["settings"]["pad_at"] == pad_at
+    assert len(doc["trials"]) == 2 * 2 * 2 * 4
+    groups = {}
+    for t in doc["trials"]:
+        groups.setdefault((t["length"], t["depth"], t["trial"]), {})[t["offset"]] = t["prompt_tokens"]
+        assert t["residue"] == t["prompt_tokens"] % 4
+    for g in groups.values():   # the padded copies are exactly +1, +2, +3 of the server's count
+        assert [g[o] - g[0] for o in range(4)] == [0, 1, 2, 3]
+    assert [r["trials"] for r in doc["residues"]] == [8, 8, 8, 8]
+    assert all(r["recall"] == 1.0 and r["lost_alone"] == 0 for r in doc["residues"])
+    assert needle.flags(doc) == [] and needle.RESIDUE_FLAG_TEXT not in res.output
+    assert "len mod 4 = 3" in res.output and "| len mod 4 = 0 |" in md.read_text()
+    report = _invoke(["bench", "report", str(j), "--markdown", "-"])
+    assert report.exit_code == 0 and needle.RESIDUE_FLAG_TEXT not in report.output, report.output
+
+
+@pytest.mark.parametrize("pad_at", ["end", "needle"])
+def test_residue_defect_is_flagged(tmp_path, pad_at):
+    """The stand-in server answers the last digit wrong at length 3 mod 4: the run, its markdown and `bench
+    report` (alone and overlaid) name that residue with the flag, and only that one."""
+    with FakeServer(window=5000, residue_defect=3) as srv:
+        res, j, md, _ = _run_needle(srv.url, tmp_path, f"bad-{pad_at}", *RESIDUE_ARGS, "--pad-at", pad_at,
+                                    "--label", "defect")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(j.read_text())
+    by_residue = {r["residue"]: r for r in doc["residues"]}
+    assert by_residue[3]["recall"] == 0.0 and by_residue[3]["lost_alone"] == 8
+    assert all(by_residue[r]["recall"] == 1.0 for r in (0, 1, 2))
+    flagged = [f["residue"] for f in needle.residue_flags(doc["residues"])]
+    assert flagged == [3]
+    flat = " ".join(res.output.split())
+    assert "prompt length 3 mod 4 lost 8" in flat and needle.RESIDUE_FLAG_TEXT in flat, res.output
+    assert needle.RESIDUE_FLAG_TEXT in md.read_text()
+    report = _invoke(["bench", "report", str(j), "--markdown", "-"])
+    assert report.exit_code == 0 and "| len mod 4 = 3 | 0.00 (0/4) | 0.00 (0/4) |" in report.output, report.output
+    assert needle.RESIDUE_FLAG_TEXT in " ".join(report.output.split())
+    with FakeServer(window=5000) as srv:
+        _, clean, *_ = _run_needle(srv.url, tmp_path, f"clean-{pad_at}", *RESIDUE_ARGS, "--pad-at", pad_at,
+                                   "--label", "clean")
+    overlay = _invoke(["bench", "report", str(clean), str(j), "--markdown", "-"])
+    text = " ".join(overlay.output.split())
+    assert overlay.exit_code == 0 and f"defect: prompt length 3 mod 4" in text and "clean: prompt" not in text, text
+
+
+def test_residue_flag_needs_a_residue_that_loses_alone():
+    """Misses shared by every residue (a needle the model does not find) and one odd miss are not flagged."""
+    def rows(missed_by):   # missed_by: per prompt, the residues that miss it
+        out = []
+        for p, missed in enumerate(missed_by):
+            out += [{"length": 256, "depth": 0.5, "trial": p, "offset": r, "residue": r, "prompt_tokens": 256 + r,
+                     "found": r not in missed} for r in range(4)]
+        return out
+    assert needle.residue_flags(rows([{0, 1, 2, 3}] * 5)) == []          # lost everywhere: not the residue
+    assert needle.residue_flags(rows([{2}, set(), set()])) == []           # one odd miss: noise
+    assert [f["residue"] for f in needle.residue_flags(rows([{2}, {2}, set()]))] == [2]
+    assert needle.residue_flags(rows([{2}, {2}, {1}, {1}])) == []         # two residues alike: not one residue's
+
+
+def test_padding_the_server_does_not_count_one_by_one_is_refused():
+    with pytest.raises(needle.NeedleError, match="no padding the server counts") as e:
+        needle.calibrate_pad(lambda unit, pad: 100 + 2 * pad, "end")
+    assert e.value.option == "--pad-at"
+    assert needle.calibrate_pad(lambda unit, pad: 100 + (pad if unit == " ok" else 0), "end") == " ok"
+
+
+def test_residue_options_are_checked():
+    res = _invoke(["needle", "--residues", "--pad-at", "middle"])
+    assert res.exit_code == 2 and "--pad-at" in res.output and "'end'" in res.output, res.output
+
+
+# --------------------------------------------------------------------------------------------------
+# a server that dies mid-sweep: the finished trials are kept with the failure, and the run resumes
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("concurrency", ["1", "3"])
+def test_a_server_dying_mid_sweep_keeps_the_finished_trials_and_resumes(tmp_path, concurrency):
+    args = ("--lengths", "256,512", "--depths", "0,1", "--trials", "2", "--concurrency", concurrency)
+    with FakeServer(window=300) as srv:
+        full, jf, *_ = _run_needle(srv.url, tmp_path, "full", *args)
+        assert full.exit_code == 0, full.output
+        calibration = len(srv.requests) - 8
+        srv.requests.clear()
+        srv.die_after = calibration + 3
+        res, j, *_ = _run_needle(srv.url, tmp_path, "partial", *args)
+        flat = " ".join(res.output.split())
+        assert res.exit_code == 1 and "HTTP 503" in flat and "--resume" in flat and str(j) in flat, res.output
+        partial = json.loads(j.read_text())
+        done = partial["incomplete"]["trials_done"]
+        assert partial["incomplete"]["trials_total"] == 8 and 3 <= done < 8 and len(partial["trials"]) == done
+        assert "503" in partial["incomplete"]["error"]
+        report = _invoke(["bench", "report", str(j), "--markdown", "-"])
+        assert report.exit_code == 0 and f"{done} of 8 trials finished" in " ".join(report.output.split())
+        srv.die_after = None
+        srv.requests.clear()
+        res = _invoke(["needle", "--base-url", srv.url, "--resume", str(j), "--retries", "0"])
+        assert res.exit_code == 0, res.output
+        assert len(srv.requests) == 8 - done   # no calibration, no finished trial asked again
+    resumed, first = json.loads(j.read_text()), json.loads(jf.read_text())
+    assert "incomplete" not in resumed and resumed["cells"] == first["cells"]
+    assert [t["answer"] for t in resumed["trials"]] == [t["answer"] for t in first["trials"]]
+
+
+def test_a_server_dying_without_json_writes_a_partial_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["needle", "--lengths", "256", "--depths", "0,1", "--trials", "3", "--retries", "0"]
+    with FakeServer(window=300) as srv:
+        assert _invoke([*args, "--base-url", srv.url]).exit_code == 0
+        srv.die_after = len(srv.requests) - 6 + 2   # calibration and two trials
+        srv.requests.clear()
+        res = _invoke([*args, "--base-url", srv.url])
+    assert res.exit_code == 1 and "needle-partial.json" in res.output, res.output
+    assert json.loads((tmp_path / "needle-partial.json").read_text())["incomplete"]["trials_done"] >= 1
+
+
+def test_resume_refuses_other_settings_and_other_files(tmp_path):
+    with FakeServer(window=300) as srv:
+        assert _run_needle(srv.url, tmp_path, "p", "--lengths", "256", "--depths", "0,1", "--trials", "2")[0].exit_code == 0
+        srv.die_after = len(srv.requests) - 4 + 1
+        srv.requests.clear()
+        res, j, *_ = _run_needle(srv.url, tmp_path, "p", "--lengths", "256", "--depths", "0,1", "--trials", "2")
+        assert res.exit_code == 1, res.output
+        res = _invoke(["needle", "--base-url", srv.url, "--resume", str(j), "--trials", "3"])
+        assert res.exit_code == 2 and "--trials" in res.output and "resumed run" in res.output, res.output
+        other = tmp_path / "other.json"
+        other.write_text(json.dumps({"schema": "cupy-dsa-bench/2"}))
+        res = _invoke(["needle", "--base-url", srv.url, "--resume", str(other)])
+        assert res.exit_code == 2 and "--resume" in res.output and "Traceback" not in res.output, res.output

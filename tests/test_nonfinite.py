@@ -192,3 +192,320 @@ def test_gpu_fp4sim_block_with_an_infinity_is_nan():
     k = _stored_keys(kv, pos, freqs, "fp4sim", hadamard=False)
     assert torch.isnan(k[3, :32]).all() and (k[3, 32:] == 0).all(), k[3]
     assert torch.isfinite(k[0]).all()
+
+
+# --------------------------------------------------------------------------------------------------
+# Non-finite keys are counted at the store (never stored silently); check's self-test and the debug setting
+# --------------------------------------------------------------------------------------------------
+
+def _count_stored(kv, pos, freqs, layout, out_loc=None, numerics="exact"):
+    dev = kv.device
+    cache = torch.zeros(1, layouts.page_bytes("bf16" if layout == "bf16" else "fp8"), dtype=torch.uint8, device=dev)
+    lo = torch.zeros_like(cache) if layout == "two-level" else None
+    before = store.nonfinite_keys(dev)
+    cupy_dsa.store_index_k(kv, cache, positions=pos, out_loc=torch.arange(5, device=dev) if out_loc is None else out_loc,
+                           norm_weight=torch.full((128,), 1.25, device=dev), freqs_cis=freqs, numerics=numerics,
+                           lo_cache=lo)
+    return store.nonfinite_keys(dev) - before
+
+
+@pytest.mark.parametrize("layout,numerics", [("bf16", "exact"), ("bf16", "fp4sim"), ("fp8", "exact"),
+                                             ("two-level", "exact")])
+def test_store_counts_nonfinite_keys(layout, numerics):
+    """_store_case's rows 1-4 hold a NaN, +inf, -inf, all NaN: four keys counted; a clean batch adds none; a row the
+    store skips (out_loc -1) is not stored, so not counted."""
+    kv, pos, freqs = _store_case()
+    assert _count_stored(kv, pos, freqs, layout, numerics=numerics) == 4
+    assert _count_stored(kv[:1].repeat(5, 1), pos, freqs, layout, numerics=numerics) == 0
+    skip_two = torch.tensor([0, -1, 2, -1, 4])
+    assert _count_stored(kv, pos, freqs, layout, out_loc=skip_two, numerics=numerics) == 2
+
+
+def test_store_from_plan_counts_nonfinite_keys():
+    kv, _, freqs = _store_case()
+    rows = torch.zeros(5, 16, dtype=torch.uint8)
+    seq = torch.tensor([4, 8, 12, 16, 0xFFFFFFFF], dtype=torch.int64)   # the last plan row is invalid: skipped
+    for b in range(4):
+        rows[:, b] = ((seq >> (8 * b)) & 0xFF).to(torch.uint8)
+    rows[:, 4] = torch.arange(5, dtype=torch.uint8)                       # ragged_id
+    cache = layouts.empty_cache(1, "bf16")
+    before = store.nonfinite_keys("cpu")
+    cupy_dsa.store_index_k_from_plan(kv, rows, cache=cache, out_loc=torch.arange(5), norm_weight=torch.ones(128),
+                                     freqs_cis=freqs, is_decode=False)
+    assert store.nonfinite_keys("cpu") - before == 3   # rows 1, 2, 3; row 4 (all NaN) has an invalid plan row
+
+
+@pytest.mark.parametrize("mode", ["bf16", "bf16-reference", "fp8-cupy", "fp8-rescore"])
+def test_check_self_test_counts_planted_nonfinite_keys(mode):
+    from cupy_dsa.sglang import check
+
+    before = store.nonfinite_keys("cpu")
+    assert check.nonfinite_self_test(torch.device("cpu"), mode) == (3, 3)
+    assert store.nonfinite_keys("cpu") == before   # the process's count is left as it was
+
+
+def test_check_self_test_fails_when_the_store_does_not_count(monkeypatch):
+    from cupy_dsa.sglang import check
+
+    monkeypatch.setattr(store, "nonfinite_counter", lambda device: torch.zeros(1, dtype=torch.int32))
+    assert check.nonfinite_self_test(torch.device("cpu"), "bf16") == (0, 3)
+
+
+def _plugin_store(kv, freqs):
+    from cupy_dsa.sglang import core
+
+    rows = torch.zeros(kv.shape[0], 16, dtype=torch.uint8)
+    rows[:, 0] = (torch.arange(kv.shape[0]) + 1) * 4
+    rows[:, 4] = torch.arange(kv.shape[0], dtype=torch.uint8)
+    ang = torch.rand(64, 32) * 6.2831853
+    core.store_index_k_bf16(kv, rows, is_decode=False, compress_ratio=4, norm_weight=torch.ones(128), norm_eps=1e-6,
+                            freq_cis=torch.polar(torch.ones_like(ang), ang), out_loc=torch.arange(kv.shape[0]),
+                            kvcache=layouts.empty_cache(1, "bf16"), mode="bf16")
+
+
+def test_debug_setting_logs_each_new_nonfinite_key(monkeypatch, caplog):
+    from cupy_dsa.sglang import core
+
+    kv, _, freqs = _store_case()
+    monkeypatch.delenv(core.DEBUG_NONFINITE_ENV, raising=False)
+    with caplog.at_level("WARNING", logger="cupy_dsa"):
+        _plugin_store(kv, freqs)
+    assert "non-finite" not in caplog.text   # off by default: counted, not read (no host sync)
+    monkeypatch.setenv(core.DEBUG_NONFINITE_ENV, "1")
+    core.report_nonfinite_keys(torch.device("cpu"))   # what earlier stores left
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="cupy_dsa"):
+        _plugin_store(kv, freqs)
+        _plugin_store(kv[:1].repeat(5, 1), freqs)
+    records = [r for r in caplog.records if "non-finite" in r.getMessage()]
+    assert len(records) == 1 and "4 non-finite index key(s)" in records[0].getMessage(), caplog.text
+    assert core.DEBUG_NONFINITE_ENV in records[0].getMessage()
+
+
+@pytest.mark.parametrize("name,value", [("SGLANG_CUPY_DSA_DEBUG_NONFINITE", "yes"),
+                                        ("SGLANG_CUPY_DSA_LOGITS_BUDGET_MIB", "0"),
+                                        ("SGLANG_CUPY_DSA_LOGITS_BUDGET_MIB", "2G")])
+def test_debug_and_budget_settings_refuse_bad_values(monkeypatch, name, value):
+    from cupy_dsa.sglang import core
+
+    monkeypatch.setenv(name, value)
+    problem = core.settings_problem("bf16")
+    assert problem and problem.startswith(f"{name}={value!r}: expected"), problem
+
+
+@pytest.mark.parametrize("name,value", [("SGLANG_CUPY_DSA_DEBUG_NONFINITE", "1"),
+                                        ("SGLANG_CUPY_DSA_LOGITS_BUDGET_MIB", "512")])
+def test_debug_and_budget_settings_are_refused_with_the_switch_off(monkeypatch, name, value):
+    from cupy_dsa.sglang import core
+
+    monkeypatch.setenv(name, value)
+    assert core.settings_problem("bf16") is None
+    problem = core.settings_problem("fp8")
+    assert problem and problem.startswith(f"{name} set with SGLANG_CUPY_DSA_INDEX_K=fp8") and "Unset" in problem
+
+
+# --------------------------------------------------------------------------------------------------
+# The selects' contract on non-finite logits (CPU paths): every output index is -1 or inside its row
+# --------------------------------------------------------------------------------------------------
+
+def _poisoned_logits(rows, width, seed, device="cpu"):
+    """Random logits with about a third NaN (both signs, payloads), +inf and -inf."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=g)
+    kind = torch.randint(0, 6, (rows, width), generator=g)
+    bits = torch.randint(1, 1 << 22, (rows, width), generator=g, dtype=torch.int32)
+    nan = (bits | 0x7F800000 | (torch.randint(0, 2, (rows, width), generator=g, dtype=torch.int32) << 31)).view(
+        torch.float32)
+    x = torch.where(kind == 0, nan, torch.where(kind == 1, torch.full_like(x, INF),
+                                                torch.where(kind == 2, torch.full_like(x, -INF), x)))
+    x[0] = float("nan")   # a row of NaN only
+    x[1] = INF            # a row of +inf only
+    return x.to(device)
+
+
+def assert_inside_rows(page_indices, raw_indices, lo, hi, bt_rows, page_slots=64):
+    """Each raw index is -1 or in its row's visible range [lo, hi); each page index is -1 exactly where the raw one
+    is, else that position's slot in the row's block table; no row repeats a position."""
+    page_indices, raw_indices = page_indices.cpu().long(), raw_indices.cpu().long()
+    lo, hi, bt_rows = lo.cpu().long(), hi.cpu().long(), bt_rows.cpu().long()
+    valid = raw_indices >= 0
+    assert ((raw_indices == -1) | valid).all()
+    assert (~valid | ((raw_indices >= lo[:, None]) & (raw_indices < hi[:, None]))).all()
+    rel = (raw_indices - lo[:, None]).clamp(min=0)
+    page = bt_rows.gather(1, (rel // page_slots).clamp(max=bt_rows.shape[1] - 1))
+    want = torch.where(valid, page * page_slots + rel % page_slots, torch.full_like(page, -1))
+    assert torch.equal(page_indices, want)
+    for r in range(raw_indices.shape[0]):
+        sel = raw_indices[r][valid[r]]
+        assert sel.unique().numel() == sel.numel(), f"row {r} repeats a position"
+
+
+def test_the_contract_check_catches_an_index_outside_its_row():
+    """assert_inside_rows fails for a position past the row's length, a negative one other than -1, a page index
+    that is not the position's slot, and a repeated position."""
+    lens, bt = torch.tensor([100, 10]), torch.tensor([[3, 4], [5, 6]])
+    raw = torch.tensor([[0, 99, -1], [9, -1, -1]])
+    page = torch.tensor([[192, 64 * 4 + 35, -1], [329, -1, -1]])
+    assert_inside_rows(page, raw, torch.zeros(2), lens, bt)
+    for bad_raw, bad_page in ((raw.clone().index_put_((torch.tensor([1]), torch.tensor([0])), torch.tensor(10)), page),
+                              (raw.clone().index_put_((torch.tensor([0]), torch.tensor([2])), torch.tensor(-2)), page),
+                              (raw, page.clone().index_put_((torch.tensor([0]), torch.tensor([0])), torch.tensor(193))),
+                              (raw.clone().index_put_((torch.tensor([0]), torch.tensor([1])), torch.tensor(0)),
+                               page.clone().index_put_((torch.tensor([0]), torch.tensor([1])), torch.tensor(192)))):
+        with pytest.raises(AssertionError):
+            assert_inside_rows(bad_page, bad_raw, torch.zeros(2), lens, bt)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_paged_topk_reference_keeps_indices_inside_rows(seed):
+    from cupy_dsa import topk
+
+    rows, width, k = 9, 640, 64
+    logits = _poisoned_logits(rows, width, seed)
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, width + 1, (rows,), generator=g, dtype=torch.int32)
+    lens[2], lens[3] = 0, k   # an empty row and a trivial one
+    page_table = torch.randint(0, 50, (rows, width // 64), generator=g, dtype=torch.int32)
+    out = topk.paged_topk_reference(logits, lens, page_table, k, raw_indices=True)
+    assert_inside_rows(out.page_indices, out.raw_indices, torch.zeros(rows), lens, page_table)
+    full = (lens > k).nonzero().flatten()
+    assert ((out.raw_indices[full] >= 0).sum(1) == k).all()   # a full row still selects k keys, NaN or not
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_plugin_topk_helper_keeps_indices_inside_rows(seed):
+    from cupy_dsa.sglang import core
+
+    rows, width, k = 7, 512, 64
+    logits = _poisoned_logits(rows, width, seed)
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, width + 1, (rows,), generator=g, dtype=torch.int32)
+    page_table = torch.randint(0, 50, (rows, width // 64), generator=g, dtype=torch.int32)
+    page_idx, raw = core.topk_page_indices(logits, lens, page_table, k)
+    assert_inside_rows(page_idx, raw, torch.zeros(rows), lens, page_table)
+
+
+def _two_level_case(n_pages, seed, poison_keys=True):
+    """Two-level caches of n_pages pages whose kv rows hold some NaN / inf (non-finite keys), plus a clean q."""
+    g = torch.Generator().manual_seed(seed)
+    n = n_pages * 64
+    kv = torch.randn(n, 128, generator=g)
+    if poison_keys:
+        kv[::17, 3] = NAN
+        kv[5::29, 90] = INF
+    hi = layouts.empty_cache(n_pages, "fp8")
+    lo = torch.zeros_like(hi)
+    freqs = _freqs(max_pos=4 * n + 4)
+    cupy_dsa.store_index_k(kv, hi, positions=torch.arange(n) * 4, out_loc=torch.arange(n), norm_weight=torch.ones(128),
+                           freqs_cis=freqs, lo_cache=lo)
+    return hi, lo, g
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_rescore_reference_keeps_indices_inside_rows(seed):
+    """fp8-rescore's CPU selects (decode and prefill) with poisoned stage-1 logits and non-finite keys (NaN stage-2
+    scores)."""
+    from cupy_dsa import rescore
+
+    n_pages, k, kp = 6, 32, 96
+    hi, lo, g = _two_level_case(n_pages, seed)
+    B, width = 5, n_pages * 64
+    q = torch.randn(B, 1, 64, 128, generator=g).to(torch.float8_e4m3fn)
+    w = torch.rand(B, 64, generator=g)
+    lens = torch.tensor([width, 200, k, 0, 150], dtype=torch.int32)
+    bt = torch.stack([torch.randperm(n_pages, generator=g) for _ in range(B)]).to(torch.int32)
+    out = rescore.rescore_topk_reference(q, w, hi, lo, lens, bt, k, kp, stage1_logits=_poisoned_logits(B, width, seed))
+    assert_inside_rows(out.page_indices, out.raw_indices, torch.zeros(B), lens, bt)
+    T = 6
+    ks = torch.zeros(T, dtype=torch.int32)
+    ke = torch.tensor([width, 300, 64, 0, k, 130], dtype=torch.int32)
+    qp = torch.randn(T, 64, 128, generator=g).to(torch.float8_e4m3fn)
+    out = rescore.rescore_topk_prefill_reference(qp, torch.rand(T, 64, generator=g), hi, lo, ks, ke, bt[0], k, kp,
+                                                 stage1_logits=_poisoned_logits(T, width, seed + 10))
+    assert_inside_rows(out.page_indices, out.raw_indices, ks, ke, bt[:1].expand(T, -1))
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU (the lead runs these): the kernels count as the reference, and the selects keep the contract on
+# non-finite logits with this GPU's configs and with sm_120's forced
+# --------------------------------------------------------------------------------------------------
+
+@pytest.fixture(params=["native", "sm_120"])
+def forced_arch(request, monkeypatch):
+    """The configs the selects launch: this GPU's, or sm_120's forced on it (compiled for this GPU)."""
+    if request.param == "sm_120":
+        from cupy_dsa import logits, rescore, runtime, topk
+
+        class AsSm120:
+            def __getattr__(self, name):
+                return getattr(runtime, name)
+
+            @staticmethod
+            def device_arch(device_index):
+                return "sm_120"
+
+        for module in (logits, rescore, topk):
+            monkeypatch.setattr(module, "runtime", AsSm120())
+    return request.param
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,numerics", [("bf16", "exact"), ("bf16", "fp4sim"), ("fp8", "exact"),
+                                             ("two-level", "exact")])
+def test_gpu_store_kernel_counts_nonfinite_keys(layout, numerics):
+    kv, pos, freqs = _store_case("cuda")
+    assert _count_stored(kv, pos, freqs, layout, numerics=numerics) == 4
+    assert _count_stored(kv[:1].repeat(5, 1), pos, freqs, layout, numerics=numerics) == 0
+    skip_two = torch.tensor([0, -1, 2, -1, 4], device="cuda")
+    assert _count_stored(kv, pos, freqs, layout, out_loc=skip_two, numerics=numerics) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bf16", "fp8-cupy", "fp8-rescore"])
+def test_gpu_check_self_test_counts_planted_nonfinite_keys(mode):
+    from cupy_dsa.sglang import check
+
+    assert check.nonfinite_self_test(torch.device("cuda"), mode) == (3, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("rows,width,k", [(9, 640, 64), (48, 24576, 512), (3, 65536, 1024), (130, 6144, 512)])
+def test_gpu_paged_topk_keeps_indices_inside_rows(forced_arch, rows, width, k, seed):
+    from cupy_dsa import topk
+
+    logits = _poisoned_logits(rows, width, seed, "cuda")
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, width + 1, (rows,), generator=g, dtype=torch.int32)
+    lens[2] = 0
+    page_table = torch.randint(0, 1 << 20, (rows, width // 64), generator=g, dtype=torch.int32)
+    out = topk.paged_topk(logits, lens.cuda(), page_table.cuda(), k, raw_indices=True)
+    torch.cuda.synchronize()
+    assert_inside_rows(out.page_indices, out.raw_indices, torch.zeros(rows), lens, page_table)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(3))
+def test_gpu_rescore_keeps_indices_inside_rows(forced_arch, seed):
+    from cupy_dsa import rescore
+
+    n_pages, k, kp = 40, 64, 256
+    hi, lo, g = _two_level_case(n_pages, seed)
+    hi, lo = hi.cuda(), lo.cuda()
+    B, width = 6, n_pages * 64
+    q = torch.randn(B, 1, 64, 128, generator=g).to(torch.float8_e4m3fn).cuda()
+    w = torch.rand(B, 64, generator=g).cuda()
+    lens = torch.tensor([width, 1000, k, 0, 700, width - 3], dtype=torch.int32)
+    bt = torch.stack([torch.randperm(n_pages, generator=g) for _ in range(B)]).to(torch.int32)
+    out = rescore.rescore_topk(q, w, hi, lo, lens.cuda(), bt.cuda(), k, kp,
+                               stage1_logits=_poisoned_logits(B, width, seed, "cuda"))
+    torch.cuda.synchronize()
+    assert_inside_rows(out.page_indices, out.raw_indices, torch.zeros(B), lens, bt)
+    T = 6
+    ks = torch.zeros(T, dtype=torch.int32)
+    ke = torch.tensor([width, 300, 64, 0, k, 1300], dtype=torch.int32)
+    qp = torch.randn(T, 64, 128, generator=g).to(torch.float8_e4m3fn).cuda()
+    out = rescore.rescore_topk_prefill(qp, torch.rand(T, 64, generator=g).cuda(), hi, lo, ks.cuda(), ke.cuda(),
+                                       bt[0].cuda(), k, kp, stage1_logits=_poisoned_logits(T, width, seed + 10, "cuda"))
+    torch.cuda.synchronize()
+    assert_inside_rows(out.page_indices, out.raw_indices, ks, ke, bt[:1].expand(T, -1))

@@ -57,6 +57,29 @@ def test_check_bf16_on_everything_holds(self_check, monkeypatch):
     assert "gpu checked for bf16" in lines["ok"]
 
 
+def test_check_names_the_logits_budget_and_the_nonfinite_setting(self_check, monkeypatch):
+    from cupy_dsa.sglang import check
+
+    monkeypatch.setenv(ENV, "bf16")
+    monkeypatch.setattr(check, "_gpu_lines", lambda mode: [])
+    for name in core.HOOKED_SETTING_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    _, lines = self_check()
+    assert (f"prefill logits budget: SGLang's row chunks where it plans them (its DeepGEMM route), otherwise at most "
+            f"2048 MiB of fp32 logits per eager chunk ({core.LOGITS_BUDGET_ENV} unset: 2048)") in lines["ok"], lines
+    assert any(t.startswith("non-finite index keys are counted at the store; SGLANG_CUPY_DSA_DEBUG_NONFINITE=0")
+               for t in lines["ok"]), lines
+    monkeypatch.setenv(core.LOGITS_BUDGET_ENV, "512")
+    monkeypatch.setenv(core.DEBUG_NONFINITE_ENV, "1")
+    _, lines = self_check()
+    assert any("at most 512 MiB" in t and f"{core.LOGITS_BUDGET_ENV}=512" in t for t in lines["ok"]), lines
+    assert any(f"{core.DEBUG_NONFINITE_ENV}=1: each new one is logged" in t for t in lines["ok"]), lines
+    monkeypatch.setenv(core.LOGITS_BUDGET_ENV, "lots")
+    code, lines = self_check()
+    assert code == 1 and any(t.startswith(f"{core.LOGITS_BUDGET_ENV}='lots': expected a whole number of MiB")
+                             for t in lines["PROBLEM"]), lines
+
+
 def test_check_self_test_runs_each_mode_on_cpu(monkeypatch):
     """The self-test's store and logits in every mode's cache layout and query (CPU on both sides: the code path
     a GPU runs, with a zero difference)."""

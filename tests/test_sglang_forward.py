@@ -196,3 +196,48 @@ def test_rescore_candidate_select_follows_sglangs_top_k():
     with pytest.raises(ValueError, match="^choice: expected one of SGLang's kernels"):
         cand.select_candidates(cand.CandidateSelect(cand.CUPY_DSA, "test"), torch.zeros(4, 8), lens, lens[:, None],
                                4, None, topk=types.SimpleNamespace())
+
+
+# --------------------------------------------------------------------------------------------------
+# Long prefill: the logits budget setting, and the memory model the README's table renders
+# --------------------------------------------------------------------------------------------------
+
+def test_row_chunks_follow_the_logits_budget_setting(monkeypatch):
+    width = 1 << 16   # 256 KiB of fp32 logits per row
+    monkeypatch.setenv(core.LOGITS_BUDGET_ENV, "1")
+    assert core.row_chunks(10, None, width, False) == [slice(0, 4), slice(4, 8), slice(8, 10)]
+    assert core.row_chunks(10, 6, width, False) == [slice(0, 6), slice(6, 10)]   # SGLang's chunks win
+    assert core.row_chunks(10, None, width, True) == [slice(0, 10)]               # never split a capture
+    monkeypatch.delenv(core.LOGITS_BUDGET_ENV)
+    assert core.row_chunks(10, None, width, False) == [slice(0, 10)]
+    assert core.logits_budget_bytes() == core.MAX_EAGER_LOGITS_BYTES == 2048 << 20
+
+
+def test_prefill_memory_model_800k_tokens():
+    """One 8192-row chunk after 800K tokens (200K index entries): stock SGLang's unchunked logits are 8192 x 200000
+    fp32; every hooked mode holds its logits block to the budget and stays below the stock step."""
+    from cupy_dsa.sglang import memory
+
+    stock = memory.prefill_step("fp8", rows=8192, entries=200_000)
+    assert stock["logits"] == 8192 * 200_000 * 4 and stock["gathered keys"] == 200_000 * 132
+    assert memory.prefill_step("fp8", sglang_rows_per_chunk=1024)["logits"] == 1024 * 200_000 * 4
+    for mode in core.MODES:
+        if mode == "fp8":
+            continue
+        step = memory.prefill_step(mode, rows=8192, entries=200_000)
+        assert step["logits"] <= 2048 << 20 and step["logits rows per chunk"] == (2048 << 20) // (200_000 * 4)
+        assert step["total"] < stock["total"] / 2, (mode, step)
+        small = memory.prefill_step(mode, rows=8192, entries=200_000, budget_mib=256)
+        assert small["logits"] <= 256 << 20 < step["logits"]
+    rescore = memory.prefill_step("fp8-rescore", rows=8192, entries=200_000)
+    assert rescore["candidates"] == rescore["logits rows per chunk"] * 2048 * 16
+    assert memory.index_key_bytes("bf16", 1 << 20, 21) == 21 * (1 << 18) * 256
+
+
+def test_readme_memory_table_is_the_models():
+    from pathlib import Path
+
+    from cupy_dsa.sglang import memory
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert memory.memory_table() in readme

@@ -9,6 +9,7 @@ bf16 ulp (fp8: one e4m3 code; scales within 4e-7 relative).
 import itertools
 
 import pytest
+import numpy as np
 import torch
 
 from cupy_dsa import layouts, store
@@ -537,3 +538,68 @@ def test_prefill_plan_ragged_id_past_out_loc_is_skipped():
     positions, locs = plan_to_direct(plan, torch.tensor([70, 71], dtype=torch.int64), is_decode=False)
     assert positions.tolist() == [4, 8, 12]
     assert locs.tolist() == [70, 71, -1]
+
+
+# --------------------------------------------------------------------------------------------------
+# SGLang's operation order for V4 keys (its nvcc build contracts the sum of squares and the RoPE into FMAs)
+# --------------------------------------------------------------------------------------------------
+
+def _exact_fma32(a, b, c):
+    """a * b + c of three float32 values, rounded once to float32 (ties to even), in exact rational arithmetic."""
+    from fractions import Fraction
+    v = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    f = np.float32(float(v))
+    near = [np.nextafter(f, np.float32(-np.inf)), f, np.nextafter(f, np.float32(np.inf))]
+    return min(near, key=lambda x: (abs(Fraction(float(x)) - v), int(np.array(x).view(np.int32)) & 1))
+
+
+def test_fma_f32_rounds_once():
+    """Random products cancelled by c (where a second rounding shows) and products that land on a float32 tie."""
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randn(3000, generator=g), torch.randn(3000, generator=g)
+    c = -(a * b) + torch.randn(3000, generator=g) * 1e-6
+    got = store.fma_f32(a, b, c)
+    want = [_exact_fma32(x, y, z) for x, y, z in zip(a.tolist(), b.tolist(), c.tolist())]
+    assert got.numpy().tobytes() == np.array(want, dtype=np.float32).tobytes()
+    one_ulp = torch.tensor([1.0 + 2.0 ** -23])
+    # (1 + 2^-23)^2 = 1 + 2^-22 + 2^-46: rounding the product first loses the 2^-46 that c = -(1 + 2^-22) leaves
+    c = torch.tensor([-(1.0 + 2.0 ** -22)])
+    assert store.fma_f32(one_ulp, one_ulp, c).item() == 2.0 ** -46 and (one_ulp * one_ulp + c).item() == 0.0
+
+
+def test_v4_key_follows_sglangs_fma_order():
+    """One V4 key, element by element in exact arithmetic, in SGLang 0.5.23's order: per-lane FMA sum of squares,
+    the same butterfly, x * nf * w, RoPE re' = fma(re, c, -(im * s)), im' = fma(re, s, im * c). The unfused order
+    gives other bits for some elements, so this test tells the two apart."""
+    g = torch.Generator().manual_seed(3)
+    n = 64
+    kv = torch.randn(n, 128, generator=g) * 3
+    w = torch.rand(128, generator=g) + 0.5
+    ang = torch.rand(8, 64, generator=g) * 6.28
+    freqs = torch.stack((ang[:, 0::2].cos(), ang[:, 1::2].sin()), -1).reshape(8, 64).contiguous()
+    pos = torch.arange(n) % 8
+    got = store.rotate_index_k_reference(kv, pos, w, freqs, hadamard=False)
+    f32 = np.float32
+    mism_unfused = 0
+    for t in range(n):
+        x = kv[t].numpy()
+        lane_ss = []
+        for lane in range(32):
+            s = f32(x[4 * lane] * x[4 * lane])
+            for i in (1, 2, 3):
+                s = _exact_fma32(x[4 * lane + i], x[4 * lane + i], s)
+            lane_ss.append(s)
+        v = np.array(lane_ss, dtype=np.float32)
+        for m in (16, 8, 4, 2, 1):
+            v = (v + v[np.arange(32) ^ m]).astype(np.float32)
+        nf = torch.rsqrt(torch.tensor(v[0] / f32(128) + f32(1e-6))).item()
+        k = ((x * f32(nf)).astype(np.float32) * w.numpy()).astype(np.float32)
+        f = freqs[pos[t]].numpy()
+        want = k.copy()
+        for j in range(32):
+            re, im, c, s = k[64 + 2 * j], k[65 + 2 * j], f[2 * j], f[2 * j + 1]
+            want[64 + 2 * j] = _exact_fma32(re, c, -f32(im * s))
+            want[65 + 2 * j] = _exact_fma32(re, s, f32(im * c))
+            mism_unfused += f32(f32(re * c) - f32(im * s)) != want[64 + 2 * j]
+        assert got[t].numpy().tobytes() == want.tobytes(), f"row {t}"
+    assert mism_unfused > 0   # the two orders differ on these rows: the comparison above can fail

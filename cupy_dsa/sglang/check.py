@@ -91,7 +91,7 @@ def _mode_lines(flag: str | None = None) -> tuple[str | None, list[tuple[str, st
         text += f"; {core.describe_query(mode, query)}"
         if rec.two_level:
             text += f"; {core.rescore_settings_from_env().describe()}; {_candidates_text()}"
-        lines = [(OK, text)]
+        lines = [(OK, text), (OK, _budget_text()), (OK, _nonfinite_text())]
     parser = argparse.ArgumentParser()
     hooks._add_cli_args_hook(None, parser)
     flag = [a for a in parser._actions if CLI_FLAG in a.option_strings]
@@ -115,6 +115,21 @@ def _candidates_text() -> str:
 
         arch = runtime.device_arch(torch.cuda.current_device())
     return candidates.check_text(core.rescore_settings_from_env(), arch)
+
+
+def _budget_text() -> str:
+    raw = (os.environ.get(core.LOGITS_BUDGET_ENV) or "").strip()
+    mib = core.parse_logits_budget_mib(raw)
+    source = f"{core.LOGITS_BUDGET_ENV}={raw}" if raw else f"{core.LOGITS_BUDGET_ENV} unset: {mib}"
+    return (f"prefill logits budget: SGLang's row chunks where it plans them (its DeepGEMM route), otherwise at most "
+            f"{mib} MiB of fp32 logits per eager chunk ({source})")
+
+
+def _nonfinite_text() -> str:
+    on = core.debug_nonfinite()
+    return (f"non-finite index keys are counted at the store; {core.DEBUG_NONFINITE_ENV}="
+            + ("1: each new one is logged after its store (a host sync per layer: for debugging)" if on else
+               "0 (default): set it to 1 to log them after each store (a host sync per layer)"))
 
 
 def _sglang_lines(mode: str | None) -> list[tuple[str, str]]:
@@ -182,7 +197,38 @@ def _device_self_test(idx: int, mode: str, query: str) -> list[tuple[str, str]]:
     if worst > SELF_TEST_TOLERANCE:
         return lines + [(PROBLEM, f"cuda:{idx}: store + logits differ from the CPU reference by {worst:.2e} "
                                   f"(relative, limit {SELF_TEST_TOLERANCE:.0e}): do not serve with {mode} here")]
-    return lines + [(OK, f"cuda:{idx}: store + logits match the CPU reference (worst relative error {worst:.1e})")]
+    lines.append((OK, f"cuda:{idx}: store + logits match the CPU reference (worst relative error {worst:.1e})"))
+    try:
+        counted, planted = nonfinite_self_test(device, mode)
+    except Exception as e:  # noqa: BLE001 - a launch failure is the finding
+        return lines + [(PROBLEM, f"cuda:{idx}: the non-finite key self-test failed ({type(e).__name__}: {e})")]
+    if counted != planted:
+        return lines + [(PROBLEM, f"cuda:{idx}: the store counted {counted} non-finite keys of {planted} planted "
+                                  f"(NaN / +inf / -inf rows): do not serve with {mode} here")]
+    return lines + [(OK, f"cuda:{idx}: the store counts non-finite keys ({counted} of {planted} planted NaN / +-inf "
+                         f"rows)")]
+
+
+def nonfinite_self_test(device: torch.device, mode: str) -> tuple[int, int]:
+    """Store 8 keys of the mode's layout on ``device``, three of them with a NaN, a +inf and a -inf in their kv
+    row; ``(keys the store counted as non-finite, 3)``. The process's count is restored afterwards."""
+    from cupy_dsa import store
+
+    rec = core.record(mode if core.record(mode).hooked else "bf16")
+    gen = torch.Generator().manual_seed(1)
+    kv = torch.randn(8, 128, generator=gen)
+    kv[2, 7], kv[4, 100], kv[7, 0] = float("nan"), float("inf"), float("-inf")
+    ang = torch.rand(64, 32, generator=gen) * 6.2831853
+    freqs = torch.stack((ang.cos(), ang.sin()), -1).reshape(64, 64)
+    cache = torch.zeros(1, layouts.page_bytes(rec.cache_layout), dtype=torch.uint8, device=device)
+    lo = torch.zeros_like(cache) if rec.two_level else None
+    before = store.nonfinite_keys(device)
+    store.store_index_k(kv.to(device), cache, positions=torch.arange(8, device=device) * 4,
+                        out_loc=torch.arange(8, device=device), norm_weight=torch.ones(128, device=device),
+                        freqs_cis=freqs.to(device), numerics=rec.key_numerics, lo_cache=lo)
+    after = store.nonfinite_keys(device)
+    store.nonfinite_counter(device).fill_(before)
+    return after - before, 3
 
 
 SELF_TEST_TOLERANCE = 2e-3

@@ -28,14 +28,16 @@ from .modes import (  # noqa: F401
     set_mode, reset_mode, env_vars, enabled, cache_layout, is_two_level, index_bytes_per_entry, numerics_of,
     describe, QUERY_TEXT, parse_query, query_of, index_query, describe_query, RescoreSettings, parse_stage1,
     parse_k_prime, parse_rescore_settings, rescore_settings_from_env, rescore_settings, settings_problem,
-    pd_layout_tag, pd_layout_hint
+    pd_layout_tag, pd_layout_hint, LOGITS_BUDGET_ENV, DEFAULT_LOGITS_BUDGET_MIB, DEBUG_NONFINITE_ENV,
+    HOOKED_SETTING_ENVS, parse_logits_budget_mib, logits_budget_bytes, parse_debug_nonfinite, debug_nonfinite
 )
 
 logger = logging.getLogger(__name__)
 
 # Without SGLang's row-chunk plan (SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1 builds none) an eager call still
-# bounds one fp32 logits block to this many bytes; graph-captured calls are never split (fixed shapes).
-MAX_EAGER_LOGITS_BYTES = 2 << 30
+# bounds one fp32 logits block to LOGITS_BUDGET_ENV (default below); graph-captured calls are never split (fixed
+# shapes).
+MAX_EAGER_LOGITS_BYTES = DEFAULT_LOGITS_BUDGET_MIB << 20
 
 
 # --------------------------------------------------------------------------------------------------
@@ -146,6 +148,10 @@ def ensure_warm(device: torch.device) -> None:
         exprs = warm_expressions(runtime.device_arch(idx), mode=mode, query=query, next_ns=_WARM_CONFIG["next_ns"],
                                  kv_dtypes=_WARM_CONFIG["kv_dtypes"], stage1=stage1)
         n = runtime.warm_up_expressions(idx, exprs)
+        from cupy_dsa import store
+
+        if torch.cuda.is_available():  # made before any capture: graphs keep its pointer
+            store.nonfinite_counter(torch.device("cuda", idx))
         logger.info("cupy_dsa: warmed %d kernel instantiations on cuda:%d for %s with the %s query (%s)", n, idx,
                     mode, query, ", ".join(f"{f}: {len(e)}" for f, e in exprs.items()))
         _WARMED.add(key)
@@ -229,6 +235,28 @@ def store_index_k_bf16(kv: torch.Tensor, plan_rows: torch.Tensor, *, is_decode: 
         kv, plan_rows, cache=kvcache, out_loc=out_loc, norm_weight=norm_weight, freqs_cis=rope_table(freq_cis),
         is_decode=bool(is_decode), compress_ratio=int(compress_ratio), eps=float(norm_eps),
         numerics=numerics_of(mode), key_style="v4", hadamard=True, lo_cache=lo_cache)
+    if debug_nonfinite():
+        report_nonfinite_keys(kv.device)
+
+
+_NONFINITE_SEEN: dict = {}
+
+
+def report_nonfinite_keys(device: torch.device) -> int:
+    """With :data:`DEBUG_NONFINITE_ENV` = 1: log the non-finite index keys stored on ``device`` since the last
+    report (a host sync; skipped while a CUDA graph is captured, where a sync is not allowed). Returns the new ones."""
+    from cupy_dsa import store
+
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return 0
+    total = store.nonfinite_keys(device)
+    new = total - _NONFINITE_SEEN.get(str(device), 0)
+    _NONFINITE_SEEN[str(device)] = total
+    if new > 0:
+        logger.warning("cupy_dsa: %d non-finite index key(s) (NaN or infinity) stored on %s by this store, %d in this "
+                       "process: their rows score NaN. Check the checkpoint and the layers before the indexer "
+                       "(%s=1 reports this)", new, device, total, DEBUG_NONFINITE_ENV)
+    return new
 
 
 def project_query(c4_indexer, x: torch.Tensor, q_lora: torch.Tensor,
@@ -465,13 +493,15 @@ class ForwardPlans:
         return item
 
 
-def row_chunks(num_rows: int, rows_per_chunk: int | None, width: int, capturing: bool, multiple: int = 1):
-    """Row slices: SGLang's ``rows_per_chunk`` when it planned one, else at most ``MAX_EAGER_LOGITS_BYTES`` of
-    logits per chunk, a multiple of ``multiple`` rows (a verify request's draft rows stay together); never
-    split while capturing a graph."""
+def row_chunks(num_rows: int, rows_per_chunk: int | None, width: int, capturing: bool, multiple: int = 1,
+               budget_bytes: int | None = None):
+    """Row slices: SGLang's ``rows_per_chunk`` when it planned one, else at most ``budget_bytes`` (default: the
+    :data:`LOGITS_BUDGET_ENV` setting) of logits per chunk, a multiple of ``multiple`` rows (a verify request's draft
+    rows stay together); never split while capturing a graph."""
     if rows_per_chunk is None and not capturing and width > 0:
         row_bytes = ((width + 3) // 4 * 4) * 4
-        cap = max(multiple, MAX_EAGER_LOGITS_BYTES // row_bytes // multiple * multiple)
+        budget = logits_budget_bytes() if budget_bytes is None else budget_bytes
+        cap = max(multiple, budget // row_bytes // multiple * multiple)
         if cap < num_rows:
             rows_per_chunk = cap
     if rows_per_chunk is None or rows_per_chunk >= num_rows:

@@ -323,6 +323,9 @@ def _rescored_topk(self, ix, forward_batch, c4_indexer, *, q, weights, lens, pag
                                    f"{indexer_metadata.compressed_seq_lens.shape[0]} rows, got {rows}")
             chunks = list(ix.iter_row_chunks(num_rows=rows, rows_per_chunk=indexer_metadata.rows_per_chunk))
             schedules = schedule
+        elif schedule is None:  # SGLang's torch route plans no chunks (no schedule): the plugin's budget holds
+            chunks = core.row_chunks(rows, None, indexer_metadata.max_compressed_seq_len, capturing)
+            schedules = [None] * len(chunks)
         else:
             chunks, schedules = [slice(0, rows)], [schedule]
         choice = candidates.select_of_backend(self, k_prime, settings.stage1)
@@ -333,7 +336,9 @@ def _rescored_topk(self, ix, forward_batch, c4_indexer, *, q, weights, lens, pag
             given = None
             if choice.sglang:
                 kp = max(index_topk, min(k_prime, logits.shape[1]))
-                plan = candidates.v2_plan(choice, indexer_metadata, lens, r, len(chunks) == 1, i)
+                # SGLang's own plan for its row chunks (or all rows); a chunk of the plugin's budget gets its own
+                plan = candidates.v2_plan(choice, indexer_metadata, lens, r, len(chunks) == 1,
+                                          i if isinstance(schedule, list) else None)
                 given = candidates.select_candidates(choice, logits, lens[r], page_table[r], kp, plan)
             put(r, core.rescore_rows(q, weights, lens, page_table, kvcache, lo, r, index_topk, k_prime,
                                      stage1_logits=logits, candidates=given, **stage2))

@@ -35,6 +35,16 @@ DEFAULT_STAGE1 = "sglang"
 DEFAULT_KPRIME = "4x"
 RESCORE_ENVS = (RESCORE_STAGE1_ENV, RESCORE_KPRIME_ENV)
 
+# Settings of every hooked mode. The logits budget: without SGLang's row chunks (it plans them only on its DeepGEMM
+# route; SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1, sm_120's default, plans none) an eager prefill's fp32 logits are
+# computed in row chunks of at most this many MiB (one 8192-row chunk after 800K tokens would otherwise be 6.1 GiB).
+# The non-finite debug switch: after every store, read the count of non-finite keys (a host sync per layer, so it
+# is off by default; the count itself is always kept, and check's self-test reads it).
+LOGITS_BUDGET_ENV = "SGLANG_CUPY_DSA_LOGITS_BUDGET_MIB"
+DEFAULT_LOGITS_BUDGET_MIB = 2048
+DEBUG_NONFINITE_ENV = "SGLANG_CUPY_DSA_DEBUG_NONFINITE"
+HOOKED_SETTING_ENVS = (LOGITS_BUDGET_ENV, DEBUG_NONFINITE_ENV)
+
 
 # --------------------------------------------------------------------------------------------------
 # The modes: one record each
@@ -355,14 +365,48 @@ def rescore_settings() -> RescoreSettings:
     return _RESCORE
 
 
+def parse_logits_budget_mib(value) -> int:
+    """The plugin's cap on one eager fp32 logits block, MiB (an int >= 1; default :data:`DEFAULT_LOGITS_BUDGET_MIB`)."""
+    if value is None or str(value).strip() == "":
+        return DEFAULT_LOGITS_BUDGET_MIB
+    v = str(value).strip()
+    if not v.isdigit() or not 1 <= int(v) <= 1 << 30:
+        raise ValueError(f"{LOGITS_BUDGET_ENV}={value!r}: expected a whole number of MiB >= 1 such as "
+                         f"{DEFAULT_LOGITS_BUDGET_MIB} (the most one eager prefill logits block may take when SGLang "
+                         f"plans no row chunks)")
+    return int(v)
+
+
+def logits_budget_bytes() -> int:
+    """:data:`LOGITS_BUDGET_ENV` as the environment holds it now, in bytes."""
+    return parse_logits_budget_mib(os.environ.get(LOGITS_BUDGET_ENV)) << 20
+
+
+def parse_debug_nonfinite(value) -> bool:
+    return _parse_choice(value, ("0", "1"), "0", DEBUG_NONFINITE_ENV,
+                         "1: after every index-key store, read the count of non-finite keys and log the new ones "
+                         "(a host sync per layer); 0: counted only") == "1"
+
+
+def debug_nonfinite() -> bool:
+    return parse_debug_nonfinite(os.environ.get(DEBUG_NONFINITE_ENV))
+
+
 def settings_problem(mode: str) -> str | None:
     """Why the query setting or fp8-rescore's settings cannot be used with ``mode`` (an invalid value, or a value set
     for a mode that does not take it: refused, never ignored, the switch off included), else None. K' against the
     model's index_topk is checked at the launcher's resolution step (``hooks.validate_config``)."""
     try:
         query_of(mode, os.environ.get(QUERY_ENV))
+        logits_budget_bytes()
+        debug_nonfinite()
     except ValueError as e:
         return str(e)
+    stray = [n for n in HOOKED_SETTING_ENVS if (os.environ.get(n) or "").strip()]
+    if stray and not MODE_RECORDS[mode].hooked:
+        return (f"{', '.join(stray)} set with {ENV_NAME}={mode}: SGLang's own indexer runs (the switch is off), which "
+                f"{'they do' if len(stray) > 1 else 'it does'} not apply to. Unset {' and '.join(stray)}, or turn "
+                f"the switch on")
     if not MODE_RECORDS[mode].two_level:
         stray = [n for n in RESCORE_ENVS if (os.environ.get(n) or "").strip()]
         if stray:

@@ -354,6 +354,30 @@ def indexer_checks():
                         assert worst >= kth - 1e-5 * highest[r, :n].abs().max(), (mode_, r, float(worst), float(kth))
 
     @check
+    def indexer_logits_budget_chunks_equal_unchunked():
+        # without SGLang's row chunks (its torch route plans none) a prefill's logits are computed in chunks of the
+        # plugin's budget (SGLANG_CUPY_DSA_LOGITS_BUDGET_MIB; here 3 rows' worth): the top-k equals the one-block run's
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        lens = tuple(900 + 97 * i for i in range(7))
+        run, _, bf16_pool, _, _ = _indexer_setup(lens=lens, one_request=True)
+        with one_attention_cp_rank(), spied_logits_routes("with bf16 keys") as calls:
+            whole, _ = run(bf16_pool, ForwardMode.EXTEND, 1)
+        assert [c[1][7] for c in calls] == [slice(0, 7)], calls
+        row_bytes = 40 * 64 * 4   # the setup's page table: 40 pages of 64 entries, fp32 logits
+        real_budget = core.logits_budget_bytes
+        core.logits_budget_bytes = lambda: 3 * row_bytes
+        try:
+            with one_attention_cp_rank(), spied_logits_routes("with bf16 keys") as calls:
+                chunked, _ = run(bf16_pool, ForwardMode.EXTEND, 1)
+        finally:
+            core.logits_budget_bytes = real_budget
+        assert [c[1][7] for c in calls] == [slice(0, 3), slice(3, 6), slice(6, 7)], calls
+        assert torch.equal(chunked.c4_sparse_raw_indices, whole.c4_sparse_raw_indices)
+        assert torch.equal(chunked.c4_sparse_page_indices, whole.c4_sparse_page_indices)
+        assert (whole.c4_sparse_raw_indices >= 0).sum() == 7 * 512
+
+    @check
     def indexer_small_rows_and_padding():
         # rows with len <= topk select 0..len-1; metadata with fewer rows than queries is padded (len 1)
         run, _, bf16_pool, _, _ = _indexer_setup(lens=(300, 64), topk=512)
