@@ -11,10 +11,11 @@ import time
 import click
 
 from . import cli_common as common
+from . import output_guard
 
 SECTIONS_ALL = ("bytes", "store", "query", "logits", "recall")
 DEFAULTS = {"backend": "auto", "device": None, "quick": False, "json_path": None, "plot_path": None,
-            "markdown_path": None, "seed": 0, "gpu_mem_gb": 100.0, "suite": "needle"}
+            "markdown_path": None, "seed": 0, "gpu_mem_gb": 100.0, "suite": "needle", "force": False}
 QUICK_HELP = ("smaller sizes. GPU: every section (ceilings, store, query, logits, recall: 3 contexts x 8 needles). "
               "CPU backend: recall runs 2 contexts x 4 needles instead of 4 x 8 (up to 64K tokens); store and logits always run "
               "their tiny CPU sizes.")
@@ -31,12 +32,15 @@ def common_options(f):
                           "it). [default: the current device]"),
         click.option("--quick", is_flag=True, default=False, help=QUICK_HELP),
         click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
-                     callback=common.writable_output, help="write the results as JSON (schema cupy-dsa-bench/2)."),
+                     callback=output_guard.guarded_option(output_guard.JSON),
+                     help="write the results as JSON (schema cupy-dsa-bench/2)."),
         click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
-                     callback=common.png_output, help="write a PNG plot (matplotlib); the name must end in .png. With "
+                     callback=output_guard.guarded_option(output_guard.PNG), help="write a PNG plot (matplotlib); the name must end in .png. With "
                      "throughput and recall rows, the recall study goes to NAME-recall.png beside it."),
         click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
-                     default=None, callback=common.writable_output, help=common.MARKDOWN_HELP),
+                     default=None, callback=output_guard.guarded_option(output_guard.MARKDOWN),
+                     help=common.MARKDOWN_HELP),
+        output_guard.FORCE_OPTION,
         click.option("--seed", type=common.SEED, default=None, help="random seed of the inputs (store, query, logits, recall), 0 to 2^32 - 1. [default: 0]"),
         click.option("--gpu-mem-gb", type=common.FiniteFloatRange(min=0, min_open=True, max=common.MAX_MEMORY), default=None,
                      help="KV memory budget for `bytes` (GB = 1e9 B), up to 1e6. [default: 100]"),
@@ -50,7 +54,7 @@ def merged(ctx: click.Context, own: dict) -> dict:
     group = (ctx.parent.params if ctx.parent is not None else {}) or {}
     out = {}
     for k, d in DEFAULTS.items():
-        if k == "quick":
+        if k in ("quick", "force"):
             out[k] = bool(own.get(k)) or bool(group.get(k))
             continue
         v = own.get(k)
@@ -66,6 +70,7 @@ def merged_top(opts: dict) -> dict:
         v = opts.get(k)
         out[k] = d if v is None else v
     out["quick"] = bool(opts.get("quick"))
+    out["force"] = bool(opts.get("force"))
     return out
 
 
@@ -140,6 +145,7 @@ def run(ctx: click.Context, sections, o: dict) -> dict:
     doc["driver"] = provenance.driver_version() if dev.type == "cuda" else None
     if not doc["git_commit"]:
         doc["notes"].setdefault("general", []).append(doc["commit_note"])
+    _check_outputs(o, doc, sections)
     if backend == "cpu":
         doc["notes"].setdefault("general", []).insert(0, "CPU backend: the torch reference at small sizes; its "
                                                       "timings show that the pipeline runs, they are not "
@@ -208,3 +214,18 @@ def run(ctx: click.Context, sections, o: dict) -> dict:
             err.print(f"wrote {written}")
     err.print(f"[dim]done in {doc['elapsed_s']:.1f} s[/]")
     return doc
+
+
+def _check_outputs(o: dict, doc: dict, sections) -> None:
+    """Before any measurement: each file the run will write may replace what it holds (bench/output_guard.py); the
+    run is known from the document before its rows (its sections, backend, device, --quick)."""
+    from . import plots
+
+    stub = dict(doc, recall_diverse=[{}] if "recall" in sections and str(o["suite"]).lower() == "diverse" else [])
+    run = output_guard.run_of(stub)
+    output_guard.check(o["json_path"], "--json", output_guard.JSON, run, o["force"])
+    output_guard.check(o["markdown_path"], "--markdown", output_guard.MARKDOWN, run, o["force"])
+    if o["plot_path"]:
+        output_guard.check(o["plot_path"], "--plot", output_guard.PNG, run, o["force"])
+        if "recall" in sections and len(sections) > 1:   # the recall study goes beside it
+            output_guard.check(plots.recall_path(o["plot_path"]), "--plot", output_guard.PNG, run, o["force"])

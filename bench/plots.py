@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .provenance import commit_text
+from .output_guard import png_metadata, run_of
+from .readme import plot_caption
 from .report import _ok, _recall_rows, _route_pairs, _si, prefill_shape
 
 # --------------------------------------------------------------------------------------------------
@@ -308,7 +309,7 @@ def figures(doc: dict, path: str) -> list[tuple[str, object]]:
                 _figure_legend(fig, axes.flat)
             what = " — recall study" if group is recall and perf else ""
             fig.suptitle(f"cupy-dsa bench{what} — {doc['device']} — {doc['date'][:10]} — "
-                         f"{commit_text(doc, code=False)}", fontsize=11)
+                         f"{plot_caption(doc)}", fontsize=11)
         out.append((file, fig))
     return out
 
@@ -324,7 +325,8 @@ def plot(doc: dict, path: str) -> list[str]:
     for file, fig in figures(doc, path):
         Path(file).parent.mkdir(parents=True, exist_ok=True)
         # the title in the PNG's metadata too: a test holds it to the JSON it was drawn from
-        fig.savefig(file, dpi=110, format="png", metadata={"Title": fig.get_suptitle(), "Software": "cupy-dsa bench"})
+        fig.savefig(file, dpi=110, format="png", metadata={"Title": fig.get_suptitle(), "Software": "cupy-dsa bench",
+                                                           **png_metadata(run_of(doc))})
         plt.close(fig)
         written.append(file)
     return written

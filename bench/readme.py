@@ -62,6 +62,18 @@ def stale_note(doc: dict) -> str | None:
             "run re-measures them.")
 
 
+def plot_caption(doc: dict) -> str:
+    """What a plot's title says of its run: the commit, and a stale mark when kernel commits came after it (a plot
+    is read apart from the README block that says so)."""
+    caption = commit_text(doc, code=False)
+    commit = doc.get("git_commit") if isinstance(doc, dict) else None
+    since = kernel_changes_since(commit) if commit else None
+    if since and since[0]:
+        caption += (f" — STALE: {since[0]} later commit{'s' if since[0] > 1 else ''} changed the kernels (the last: "
+                    f"{since[1]})")
+    return caption
+
+
 def without_stale_note(body: str) -> str:
     """``body`` without its stale line (where git cannot tell whether it holds)."""
     return re.sub(r"\n\n" + re.escape(STALE_MARK) + r"[^\n]*", "", body)

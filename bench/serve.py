@@ -35,7 +35,7 @@ from cupy_dsa.layouts import BYTES_PER_TOKEN, HEAD_DIM, N_HEADS, PAGE_SLOTS
 from cupy_dsa.rescore import TWO_LEVEL_BYTES_PER_TOKEN
 
 from .bytes import C4_RATIO, C128_RATIO
-from .models import BUILTIN, ServeModel
+from .models import BUILTIN, MAX_CONTEXT, ServeModel
 
 SCHEMA = "cupy-dsa-serve/1"
 GIB = 2**30
@@ -175,9 +175,12 @@ def parse_config(path: str) -> ServeModel:
     topk = cfg.get("index_topk")
     if not _is_int(topk) or topk <= 0:
         raise ValueError(f"{path!r}: expected 'index_topk', a positive int, got {topk!r}")
+    max_context = cfg.get("max_position_embeddings", MAX_CONTEXT)
+    if not _is_int(max_context) or max_context <= 0:
+        raise ValueError(f"{path!r}: expected 'max_position_embeddings', a positive int, got {max_context!r}")
     name = cfg.get("_name_or_path")
     return ServeModel(name if isinstance(name, str) and name else str(path), n_layers, n_c4, topk,
-                      f"config {path}", None)
+                      f"config {path}", None, max_context)
 
 
 def resolve_model(value: str) -> ServeModel:
@@ -584,10 +587,15 @@ def plot(doc: dict, path: str) -> None:
                 ax.legend()
             ax2.set_ylabel("added ms (bf16 - fp8)")
             ax2.set_title(f"{kind}: what bf16 keys add")
-        fig.suptitle(f"{doc['model']['name']}, {doc['device']}")
+        from .readme import plot_caption
+
+        fig.suptitle(f"{doc['model']['name']}, {doc['device']}, {doc.get('date', '')[:10]} — {plot_caption(doc)}")
         fig.tight_layout()
+    from .output_guard import png_metadata, run_of
+
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, metadata={"Title": fig.get_suptitle(), "Software": "cupy-dsa bench",
+                                         **png_metadata(run_of(doc))})
     plt.close(fig)
 
 

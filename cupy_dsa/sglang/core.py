@@ -28,7 +28,7 @@ from .modes import (  # noqa: F401
     set_mode, reset_mode, env_vars, enabled, cache_layout, is_two_level, index_bytes_per_entry, numerics_of,
     describe, QUERY_TEXT, parse_query, query_of, index_query, describe_query, RescoreSettings, parse_stage1,
     parse_k_prime, parse_rescore_settings, rescore_settings_from_env, rescore_settings, settings_problem,
-    pd_layout_tag, pd_layout_hint
+    pd_layout_tag, pd_layout_hint, RENAMED_ENVS, MODEL_INDEX_TOPK
 )
 
 logger = logging.getLogger(__name__)
