@@ -67,10 +67,15 @@ def _check_outputs(docs, markdown_path, plot_path, force):
 
     run = output_guard.run_of(docs[0]) if len(docs) == 1 else _needle_run(docs)
     output_guard.check(markdown_path, "--markdown", output_guard.MARKDOWN, run, force)
-    output_guard.check(plot_path, "--plot", output_guard.PNG, run, force)
-    if plot_path and run is not None and run.schema.startswith("cupy-dsa-bench/") and "recall" in run.what \
-            and run.what != "sections recall":   # the recall study goes beside the plot
-        output_guard.check(plots.recall_path(plot_path), "--plot", output_guard.PNG, run, force)
+    if plot_path and len(docs) == 1 and run is not None and run.schema.startswith("cupy-dsa-bench/"):
+        try:
+            files = plots.plot_files(docs[0], plot_path)
+        except (KeyError, TypeError, AttributeError, IndexError, ValueError):
+            files = [(plot_path, False)]   # a broken document: refused with its own message after this
+        for file, study in files:
+            output_guard.check(file, "--plot", output_guard.PNG, output_guard.plot_run(docs[0], study), force)
+    else:
+        output_guard.check(plot_path, "--plot", output_guard.PNG, run, force)
 
 
 def _needle_run(docs):

@@ -15,10 +15,25 @@ from . import output_guard
 
 SECTIONS_ALL = ("bytes", "store", "query", "logits", "recall")
 DEFAULTS = {"backend": "auto", "device": None, "quick": False, "json_path": None, "plot_path": None,
-            "markdown_path": None, "seed": 0, "gpu_mem_gb": 100.0, "suite": "needle", "force": False}
+            "markdown_path": None, "seed": 0, "gpu_mem_gib": 80.0, "suite": "needle", "force": False}
 QUICK_HELP = ("smaller sizes. GPU: every section (ceilings, store, query, logits, recall: 3 contexts x 8 needles). "
               "CPU backend: recall runs 2 contexts x 4 needles instead of 4 x 8 (up to 64K tokens); store and logits always run "
               "their tiny CPU sizes.")
+
+
+def _renamed_gpu_mem_gb(ctx, param, value):
+    """--gpu-mem-gb took GB (1e9 B) where `bench serve --memory-gib` takes GiB: renamed, and refused by its old name
+    (a figure in the old unit would be read 7% off)."""
+    if value is not None:
+        raise click.BadParameter("renamed to --gpu-mem-gib, in GiB (2^30 B) like `bench serve --memory-gib`: "
+                                 f"{value} GB is --gpu-mem-gib {_gib(value)}", param_hint="'--gpu-mem-gb'")
+
+
+def _gib(gb: str) -> str:
+    try:
+        return f"{float(gb) * 1e9 / 2**30:.4g}"
+    except ValueError:
+        return "N"
 
 
 def common_options(f):
@@ -42,8 +57,11 @@ def common_options(f):
                      help=common.MARKDOWN_HELP),
         output_guard.FORCE_OPTION,
         click.option("--seed", type=common.SEED, default=None, help="random seed of the inputs (store, query, logits, recall), 0 to 2^32 - 1. [default: 0]"),
-        click.option("--gpu-mem-gb", type=common.FiniteFloatRange(min=0, min_open=True, max=common.MAX_MEMORY), default=None,
-                     help="KV memory budget for `bytes` (GB = 1e9 B), up to 1e6. [default: 100]"),
+        click.option("--gpu-mem-gib", type=common.FiniteFloatRange(min=0, min_open=True, max=common.MAX_MEMORY),
+                     default=None, help="KV memory budget for `bytes` (GiB = 2^30 B, as `bench serve --memory-gib`), "
+                     "up to 1e6. [default: 80]"),
+        click.option("--gpu-mem-gb", "renamed_gpu_mem_gb", default=None, hidden=True, expose_value=False,
+                     callback=_renamed_gpu_mem_gb),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -74,6 +92,11 @@ def merged_top(opts: dict) -> dict:
     return out
 
 
+# options a section takes (for `bench`'s sake) but does nothing with: left out of its --help
+UNUSED_BY = {"bytes": ("backend", "device", "quick", "seed"), "store": ("gpu_mem_gib",), "query": ("gpu_mem_gib",),
+             "logits": ("gpu_mem_gib",), "recall": ("gpu_mem_gib",)}
+
+
 def _section_command(name, sections, doc, extra_options=()):
     @click.command(name=name, help=doc)
     @common_options
@@ -83,6 +106,9 @@ def _section_command(name, sections, doc, extra_options=()):
 
     for option in reversed(extra_options):
         cmd = option(cmd)
+    for param in cmd.params:
+        if param.name in UNUSED_BY.get(name, ()):
+            param.hidden = True
     cmd.__name__ = f"bench_{name}"
     return cmd
 
@@ -140,7 +166,7 @@ def run(ctx: click.Context, sections, o: dict) -> dict:
     t0 = time.perf_counter()
     doc = provenance.new_document(backend=backend,
                                   device_name=common.device_name(dev) if needs_device else "none (arithmetic)",
-                                  quick=quick, seed=seed, gpu_mem_gb=float(o["gpu_mem_gb"]))
+                                  quick=quick, seed=seed, gpu_mem_gib=float(o["gpu_mem_gib"]))
     doc["sections"] = list(sections)
     doc["driver"] = provenance.driver_version() if dev.type == "cuda" else None
     if not doc["git_commit"]:
@@ -153,7 +179,7 @@ def run(ctx: click.Context, sections, o: dict) -> dict:
         err.print("[yellow]CPU backend: torch reference at small sizes (timings are not performance figures).[/]")
 
     if "bytes" in sections:
-        doc["bytes"] = bytes_mod.rows(float(o["gpu_mem_gb"]))
+        doc["bytes"] = bytes_mod.rows(float(o["gpu_mem_gib"]))
         doc["notes"]["bytes"] = bytes_mod.notes()
 
     if needs_device:
@@ -225,7 +251,10 @@ def _check_outputs(o: dict, doc: dict, sections) -> None:
     run = output_guard.run_of(stub)
     output_guard.check(o["json_path"], "--json", output_guard.JSON, run, o["force"])
     output_guard.check(o["markdown_path"], "--markdown", output_guard.MARKDOWN, run, o["force"])
-    if o["plot_path"]:
-        output_guard.check(o["plot_path"], "--plot", output_guard.PNG, run, o["force"])
-        if "recall" in sections and len(sections) > 1:   # the recall study goes beside it
-            output_guard.check(plots.recall_path(o["plot_path"]), "--plot", output_guard.PNG, run, o["force"])
+    if o["plot_path"]:   # the recall study goes beside the throughput plot, or is the plot of a recall-only run
+        only_recall = list(sections) == ["recall"]
+        output_guard.check(o["plot_path"], "--plot", output_guard.PNG, output_guard.plot_run(stub, only_recall),
+                           o["force"])
+        if "recall" in sections and not only_recall:
+            output_guard.check(plots.recall_path(o["plot_path"]), "--plot", output_guard.PNG,
+                               output_guard.plot_run(stub, True), o["force"])

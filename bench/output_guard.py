@@ -49,6 +49,17 @@ class Run:
                           sort_keys=True)
 
 
+ANY_LAYOUTS = "(not recorded)"
+
+
+def _same_what(old: str, new: str) -> bool:
+    """Whether two runs covered the same: equal, or ``old`` recorded no layouts and the rest agrees."""
+    if old == new:
+        return True
+    prefix = f"layouts {ANY_LAYOUTS};"
+    return old.startswith(prefix) and new.startswith("layouts ") and old[len(prefix):] == new[new.find(";") + 1:]
+
+
 def run_of(doc: dict) -> Run | None:
     """The run a results document (or the stub a command builds before it measures) holds; None for a document no
     cupy-dsa command wrote."""
@@ -61,7 +72,9 @@ def run_of(doc: dict) -> Run | None:
         what = "sections " + ",".join(sections) + (" (diverse suite)" if doc.get("recall_diverse") else "")
         return Run(schema, what, doc.get("device") if doc.get("backend") == "cuda" else None, quick)
     if schema.startswith("cupy-dsa-serve/"):
-        what = (f"layouts {','.join(doc.get('layouts') or [])}; "
+        # a run from before --layouts recorded none: any layouts may replace it (ANY_LAYOUTS), its other settings not
+        layouts = ",".join(doc["layouts"]) if doc.get("layouts") else ANY_LAYOUTS
+        what = (f"layouts {layouts}; "
                 f"{doc.get('arch_configs') or 'this GPU'}'s configs"
                 + (f"; queries {','.join(doc['queries'])}" if doc.get("queries") else ""))
         return Run(schema, what, doc.get("device") if doc.get("measured") else None, False)
@@ -72,6 +85,16 @@ def run_of(doc: dict) -> Run | None:
     if schema.startswith("cupy-dsa-needle/"):   # a server's recall: what it holds is its label's run
         return Run(schema, f"label {doc.get('label')}", None, False)
     return None
+
+
+RECALL_STUDY = "recall study"
+
+
+def plot_run(doc: dict, recall_study: bool) -> Run | None:
+    """The run a plot of ``doc`` holds: the recall study (drawn from a `bench recall` run or beside the throughput
+    plot of a `bench all` run) is one kind of plot whatever run it came from; the throughput plot is its run's."""
+    run = run_of(doc)
+    return Run(run.schema, RECALL_STUDY, run.gpu, run.quick) if run is not None and recall_study else run
 
 
 def _run_from_record(text: str) -> Run | None:
@@ -173,7 +196,7 @@ def why_not(old: Existing, kind: str, new: Run | None, *, strict: bool = True, r
         return f"it holds {old.what}"
     if new is None:
         return None
-    if (old.run.schema, old.run.what) != (new.schema, new.what):
+    if old.run.schema != new.schema or not _same_what(old.run.what, new.what):
         return f"it holds {old.run.describe()}; this is {new.describe()}"
     if old.run.gpu and (new.gpu != old.run.gpu or (new.quick and not old.run.quick)):
         return f"it holds {old.run.describe()}; this is {new.describe()}"
@@ -192,10 +215,13 @@ def check(path: str | None, option: str, kind: str, run: Run | None, force: bool
     why = why_not(old, kind, run, strict=strict, readme=readme)
     if why is None:
         return
-    if force:
-        click.echo(f"--force: {option} {path} is written although {why}", err=True)
-        return
     ctx = click.get_current_context(silent=True)
+    if force:   # said once per command, though the path is checked when parsed and again once the run is known
+        said = ctx.find_root().meta.setdefault("output_guard_said", set()) if ctx is not None else set()
+        if (option, path, why) not in said:
+            said.add((option, path, why))
+            click.echo(f"--force: {option} {path} is written although {why}", err=True)
+        return
     has_force = ctx is not None and any("--force" in p.opts for p in ctx.command.params)
     raise click.BadParameter(f"{path}: {why}. Write to another file"
                              + (", or pass --force to replace it" if has_force else ""), param_hint=f"'{option}'")

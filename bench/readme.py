@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .provenance import commit_text
+from .provenance import commit_label, commit_text
 from .report import (_decode_pairs, _f, _margin, _md_verdict, _ok, _pct, _recall_rows, _route_pairs, _si,
                      _target_pct, prefill_shape, prefill_target, route_target)
 
@@ -56,7 +56,7 @@ def stale_note(doc: dict) -> str | None:
     n, last, files = since
     if n == 0:
         return ""
-    short = commit.removesuffix("-dirty")
+    short = commit_label(doc)
     return (f"\n\n{STALE_MARK} measured at `{short}`; {n} later commit{'s' if n > 1 else ''} changed the kernels "
             f"({', '.join(f'`{f}`' for f in files)}; the last: `{last}`), so these figures are `{short}`'s until a GPU "
             "run re-measures them.")

@@ -79,7 +79,7 @@ def test_sections_never_replace_a_measured_run_from_the_cpu(command, option, fil
     _no_measurement(monkeypatch)
     target = files[OVER_A_MEASURED_RUN[option]]
     before = target.read_bytes()
-    words = {"--json": ["holds", "NVIDIA H200"], "--plot": ["only a measured GPU run replaces it"],
+    words = {"--json": ["holds", "NVIDIA H200"], "--plot": ["holds a measured run on NVIDIA H200"],
              "--markdown": ["a committed document (git tracks it)"]}[option]
     _refused(_run(command + ["--backend", "cpu", option, target]), option, target, before, *words,
              "or pass --force")
@@ -131,7 +131,7 @@ def test_a_run_replaces_its_own_kind(option, tmp_path):
     assert old.run == output_guard.Run("cupy-dsa-bench/2", "sections bytes", None, False), old
     # another section's run is another kind of run
     res = _run(["bench", "recall", "--quick", option, path])
-    assert res.exit_code == 2 and "sections bytes" in res.output and "sections recall" in res.output, res.output
+    assert res.exit_code == 2 and "sections bytes" in res.output and "this is" in res.output, res.output
 
 
 def test_missing_folders_are_said(tmp_path):
@@ -251,8 +251,10 @@ def test_report_readme_takes_only_a_document_with_blocks(files):
                  before, words)
 
 
-def test_report_readme_says_unchanged_when_nothing_changed(files):
-    res = _run(["bench", "report", files["serve_json"], "--readme", files["readme"]])
+def test_report_readme_says_unchanged_when_nothing_changed(files, tmp_path):
+    results_readme = tmp_path / "results-README.md"   # where the serve block stands
+    shutil.copy(RESULTS / "README.md", results_readme)
+    res = _run(["bench", "report", files["serve_json"], "--readme", results_readme])
     assert res.exit_code == 0, res.output
     assert "unchanged (results:serve already render this JSON)" in res.output and "rewrote" not in res.output
 
@@ -288,4 +290,36 @@ def test_run_of_every_committed_result():
     for path in RESULTS.glob("*.json"):
         run = output_guard.run_of(json.loads(path.read_text()))
         assert run is not None and run.gpu and run.gpu.startswith("NVIDIA H"), (path.name, run)
-    assert output_guard.read_existing(RESULTS / "h200.png").run is None   # drawn before plots recorded their run
+    for path in RESULTS.glob("*.png"):   # re-drawn since plots record their run
+        assert output_guard.read_existing(path).run.gpu == "NVIDIA H200", path.name
+
+
+def test_a_plot_drawn_before_plots_recorded_their_run_is_replaced_only_by_a_gpu_run(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    legacy = tmp_path / "old.png"
+    fig = plt.figure(figsize=(1, 1))
+    fig.savefig(legacy, format="png", metadata={"Software": "cupy-dsa bench"})   # as plots were saved before
+    plt.close(fig)
+    old = output_guard.read_existing(legacy)
+    assert old.kind == output_guard.PNG and old.run is None and "records no run" in old.what
+    gpu = output_guard.Run("cupy-dsa-bench/2", "sections bytes", "NVIDIA H200", False)
+    cpu = output_guard.Run("cupy-dsa-bench/2", "sections bytes", None, False)
+    assert output_guard.why_not(old, output_guard.PNG, gpu) is None
+    assert "only a measured GPU run replaces it" in output_guard.why_not(old, output_guard.PNG, cpu)
+
+
+def test_a_serve_run_from_before_layouts_were_recorded():
+    """h200-serve.json recorded no layouts: a GPU serve run of any layouts with the same configs replaces it on the
+    same GPU; a --query run or another GPU's does not."""
+    old = output_guard.read_existing(RESULTS / "h200-serve.json")
+    assert old.run.what.startswith(f"layouts {output_guard.ANY_LAYOUTS};")
+    same = output_guard.Run("cupy-dsa-serve/1", "layouts bf16,fp8-cupy,fp8; this GPU's configs", "NVIDIA H200", False)
+    assert output_guard.why_not(old, output_guard.JSON, same) is None
+    query = output_guard.Run(same.schema, "layouts bf16; this GPU's configs; queries fp8,bf16", "NVIDIA H200", False)
+    h100 = output_guard.Run(same.schema, same.what, "NVIDIA H100 80GB HBM3", False)
+    assert "queries fp8,bf16" in output_guard.why_not(old, output_guard.JSON, query)
+    assert "NVIDIA H100" in output_guard.why_not(old, output_guard.JSON, h100)
