@@ -323,3 +323,24 @@ def test_a_serve_run_from_before_layouts_were_recorded():
     h100 = output_guard.Run(same.schema, same.what, "NVIDIA H100 80GB HBM3", False)
     assert "queries fp8,bf16" in output_guard.why_not(old, output_guard.JSON, query)
     assert "NVIDIA H100" in output_guard.why_not(old, output_guard.JSON, h100)
+
+
+def test_a_needle_overlay_plot_is_redrawn(tmp_path):
+    """`bench report needle-*.json --plot needle.png` twice: needle plots record no run yet, so the second drawing
+    replaces the first (a PNG of unknown origin is refused only where the plot records its run)."""
+    from needle_server import FakeServer
+
+    with FakeServer() as srv:
+        for label in ("a", "b"):
+            res = _run(["needle", "--base-url", srv.url, "--lengths", "256", "--depths", "0", "--trials", "1",
+                        "--label", label, "--json", tmp_path / f"{label}.json"])
+            assert res.exit_code == 0, res.output
+    png = tmp_path / "needle.png"
+    for _ in range(2):
+        res = _run(["bench", "report", tmp_path / "a.json", tmp_path / "b.json", "--plot", png])
+        assert res.exit_code == 0, res.output
+    readme = tmp_path / "README.md"
+    shutil.copy(REPO / "README.md", readme)
+    before = readme.read_bytes()
+    _refused(_run(["bench", "report", tmp_path / "a.json", "--markdown", readme]), "--markdown", readme, before,
+             "results blocks")
