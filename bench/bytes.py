@@ -78,13 +78,18 @@ ASSUMPTIONS = (
     "are constant per request and excluded.",
     "V3.2: fp8 MLA cache 656 B/token/layer; index keys stored per token on all 61 layers.",
     "Index pages hold 64 entries; partial pages and the allocator's reserved page are ignored.",
-    "GB = 1e9 bytes; 'tokens fit' = memory / (main KV + index keys) bytes per token, nothing else resident.",
+    "GiB = 2^30 bytes (the unit of `bench serve --memory-gib` too); 'tokens fit' = memory / (main KV + index keys) "
+    "bytes per token, nothing else resident.",
 )
 
 
-def rows(gpu_mem_gb: float = 100.0) -> list[dict]:
-    """One row per (model, index layout)."""
-    budget = gpu_mem_gb * 1e9
+GIB = 1 << 30
+DEFAULT_GPU_MEM_GIB = 80.0   # an 80 GiB GPU's worth of KV memory (bench serve's default --memory-gib too)
+
+
+def rows(gpu_mem_gib: float = DEFAULT_GPU_MEM_GIB) -> list[dict]:
+    """One row per (model, index layout); capacity in ``gpu_mem_gib`` GiB of KV memory."""
+    budget = gpu_mem_gib * GIB
     out = []
     for m in MODELS:
         fp8_total = None
@@ -110,7 +115,7 @@ def rows(gpu_mem_gb: float = 100.0) -> list[dict]:
                 "main_kv_bytes_per_token": main,
                 "total_kv_bytes_per_token": total,
                 "index_share": index_per_token / total,
-                "gpu_mem_gb": gpu_mem_gb,
+                "gpu_mem_gib": gpu_mem_gib,
                 "tokens_fit": fit,
                 "tokens_fit_vs_fp8": (fp8_total / total) if fp8_total else 1.0,
             })
@@ -131,7 +136,7 @@ def readme_block() -> str:
             "fp8-rescore": "`fp8-rescore`"}
     lines = [f"{flash.name}, {flash.n_c4} C4 layers (`cupy-dsa bench bytes`; its assumptions are printed with it):",
              "", "| mode | index keys, B per entry | index keys, B per token | KV per token, main + index keys "
-             "(what PD moves per prompt token) | vs fp8 |", "|---|---|---|---|---|"]
+             "(what PD moves per prompt token) | KV bytes per token vs fp8 |", "|---|---|---|---|---|"]
     fp8 = None
     for r in rows():
         if r["model"] != flash.name or r["layout"] not in mode:
@@ -140,3 +145,10 @@ def readme_block() -> str:
         lines.append(f"| {mode[r['layout']]} | {r['bytes_per_entry']} | {r['index_bytes_per_token']:,.0f} | "
                      f"{r['total_kv_bytes_per_token']:,.0f} B | {r['total_kv_bytes_per_token'] / fp8:.3f}x |")
     return "\n".join(lines)
+
+
+def memory_text(record: dict) -> str:
+    """A document's or row's KV memory budget with its unit: GiB since issue 50; runs before it recorded GB (1e9 B)."""
+    if record.get("gpu_mem_gib") is not None:
+        return f"{record['gpu_mem_gib']:g} GiB"
+    return f"{record['gpu_mem_gb']:g} GB"

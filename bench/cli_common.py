@@ -39,15 +39,36 @@ def _probe_writable(path: Path) -> None:
         os.rmdir(tempfile.mkdtemp(dir=parent))
 
 
-def writable_output(ctx, param, value):
-    """--json / --plot / --markdown: checked while the options are parsed, so a run that takes minutes does not
-    fail at its end on a path it cannot write ('-' is stdout)."""
+def checked_path(ctx, param, value):
+    """A writer's path, checked while the options are parsed, so a run that takes minutes does not fail at its
+    end on a path it cannot write ('-' is stdout). A folder that does not exist is made when the file is
+    written, and said now (a typo in a folder name should not pass unseen)."""
     if value is None or value == "-":
         return value
     try:
         _probe_writable(Path(value))
     except OSError as e:
         raise click.BadParameter(f"cannot write {value!r} ({type(e).__name__}: {e.strerror or e})") from None
+    missing = next((p for p in reversed(Path(value).parents) if not p.exists()), None)
+    if missing is not None:
+        click.echo(f"{param.opts[0]}: the folder {missing} does not exist; it will be made for {value}", err=True)
+    return value
+
+
+# the file kind each writer option writes (bench/output_guard.py)
+WRITER_KINDS = {"json_path": "JSON", "markdown_path": "markdown", "plot_path": "PNG"}
+
+
+def writable_output(ctx, param, value):
+    """--json / --plot / --markdown of a command that does not record its run in its files yet: the path checked
+    (:func:`checked_path`), and refused over a file of another kind or a document with results blocks
+    (:func:`output_guard.check`, not strict)."""
+    from . import output_guard
+
+    value = checked_path(ctx, param, value)
+    if param.name in WRITER_KINDS and not isinstance(ctx.command, click.Group):
+        output_guard.check(value, param.opts[0], WRITER_KINDS[param.name], None, bool(ctx.params.get("force")),
+                           strict=False)
     return value
 
 

@@ -13,6 +13,9 @@ import re
 import click
 
 from . import cli_common as common
+from . import output_guard
+
+VARIANTS_SCHEMA = "cupy-dsa-variants/1"   # `bench variants` without --emulate
 
 
 @click.command(name="variants")
@@ -26,10 +29,12 @@ from . import cli_common as common
 @click.option("--op", "ops", multiple=True, type=click.Choice(["decode", "verify", "prefill", "extend"]),
               help="--emulate: only these cases (repeatable). [default: all four]")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
-              callback=common.writable_output, help="write the rows as JSON.")
+              callback=output_guard.guarded_option(output_guard.JSON), help="write the rows as JSON.")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
-              default=None, callback=common.writable_output, help="--emulate: write the table as markdown (- = stdout).")
-def variants_cmd(device, quick, seed, emulate_arch, ops, json_path, markdown_path):
+              default=None, callback=output_guard.guarded_option(output_guard.MARKDOWN),
+              help="--emulate: write the table as markdown (- = stdout).")
+@output_guard.FORCE_OPTION
+def variants_cmd(device, quick, seed, emulate_arch, ops, json_path, markdown_path, force):
     """Time every declared config (product and experimental) of the decode and prefill logits on this GPU,
     on the same inputs; the product config of each case first (experimental configs run only here and in
     the tests). With --emulate ARCH: ARCH's product configs under ARCH's residency. Needs a CUDA GPU."""
@@ -42,6 +47,10 @@ def variants_cmd(device, quick, seed, emulate_arch, ops, json_path, markdown_pat
     if ops and not emulate_arch:
         raise click.BadParameter("cases are picked for --emulate runs", param_hint="--op")
     dev, _ = common.resolve_device("cuda", device, has_backend_option=False)
+    run = output_guard.run_of({"schema": variants.EMULATE_SCHEMA if emulate_arch else VARIANTS_SCHEMA,
+                               "target": emulate_arch, "device": common.device_name(dev), "quick": quick})
+    output_guard.check(json_path, "--json", output_guard.JSON, run, force)
+    output_guard.check(markdown_path, "--markdown", output_guard.MARKDOWN, run, force)
     if emulate_arch:
         err = common.console(stderr=True)
         rows, ceilings = variants.emulate_rows(
@@ -53,7 +62,7 @@ def variants_cmd(device, quick, seed, emulate_arch, ops, json_path, markdown_pat
         if json_path:
             common.write_text(json_path, json.dumps(doc, indent=1) + "\n")
         if markdown_path:
-            click.echo(md, file=click.open_file(markdown_path, "w"))
+            common.write_markdown(md if md.endswith("\n") else md + "\n", markdown_path)
         return
     from .timing import mma_rates
 
@@ -71,7 +80,11 @@ def variants_cmd(device, quick, seed, emulate_arch, ops, json_path, markdown_pat
                       f"{r['vs_product']:.3f}")
     report.print_fitted(common.console(), table, keys=2)
     if json_path:
-        common.write_text(json_path, json.dumps({"device": common.device_name(dev), "ceilings": ceilings, "rows": rows}, indent=1))
+        from . import provenance
+
+        common.write_text(json_path, json.dumps({"schema": VARIANTS_SCHEMA, **provenance.provenance(),
+                                                 "device": common.device_name(dev), "quick": quick, "seed": seed,
+                                                 "ceilings": ceilings, "rows": rows}, indent=1) + "\n")
 
 
 @click.command(name="rescore")
@@ -83,9 +96,10 @@ def variants_cmd(device, quick, seed, emulate_arch, ops, json_path, markdown_pat
               help="time only these phases (repeatable). [default: all four]")
 @click.option("--seed", type=common.SEED, default=0, show_default=True, help="random seed, 0 to 2^32 - 1.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
-              callback=common.writable_output, help="write the rows as JSON (schema cupy-dsa-rescore/1; `bench report "
-                                               "FILE` prints its markdown table).")
-def rescore_cmd(device, quick, phases, seed, json_path):
+              callback=output_guard.guarded_option(output_guard.JSON),
+              help="write the rows as JSON (schema cupy-dsa-rescore/1; `bench report FILE` prints its markdown table).")
+@output_guard.FORCE_OPTION
+def rescore_cmd(device, quick, phases, seed, json_path, force):
     """Time the exact top-k of two-level keys (fp8-rescore: fp8 logits, K' = 4 x index_topk candidates rescored
     from the fp8 and int8-residual pages) against the top-k of bf16 keys, of fp8 keys (our logits + the stock top-k)
     and of DeepGEMM's fp8 logits as SGLang calls them (+ the same top-k; when deep_gemm imports), on the same keys:
@@ -100,6 +114,8 @@ def rescore_cmd(device, quick, phases, seed, json_path):
     from . import rescore as rescore_bench
 
     dev, _ = common.resolve_device("cuda", device, has_backend_option=False)
+    output_guard.check(json_path, "--json", output_guard.JSON, output_guard.run_of(
+        {"schema": rescore_bench.SCHEMA, "device": common.device_name(dev), "quick": quick}), force)
     import torch
 
     torch.cuda.set_device(dev)

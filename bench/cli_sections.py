@@ -11,13 +11,29 @@ import time
 import click
 
 from . import cli_common as common
+from . import output_guard
 
 SECTIONS_ALL = ("bytes", "store", "query", "logits", "recall")
 DEFAULTS = {"backend": "auto", "device": None, "quick": False, "json_path": None, "plot_path": None,
-            "markdown_path": None, "seed": 0, "gpu_mem_gb": 100.0, "suite": "needle"}
+            "markdown_path": None, "seed": 0, "gpu_mem_gib": 80.0, "suite": "needle", "force": False}
 QUICK_HELP = ("smaller sizes. GPU: every section (ceilings, store, query, logits, recall: 3 contexts x 8 needles). "
               "CPU backend: recall runs 2 contexts x 4 needles instead of 4 x 8 (up to 64K tokens); store and logits always run "
               "their tiny CPU sizes.")
+
+
+def _renamed_gpu_mem_gb(ctx, param, value):
+    """--gpu-mem-gb took GB (1e9 B) where `bench serve --memory-gib` takes GiB: renamed, and refused by its old name
+    (a figure in the old unit would be read 7% off)."""
+    if value is not None:
+        raise click.BadParameter("renamed to --gpu-mem-gib, in GiB (2^30 B) like `bench serve --memory-gib`: "
+                                 f"{value} GB is --gpu-mem-gib {_gib(value)}", param_hint="'--gpu-mem-gb'")
+
+
+def _gib(gb: str) -> str:
+    try:
+        return f"{float(gb) * 1e9 / 2**30:.4g}"
+    except ValueError:
+        return "N"
 
 
 def common_options(f):
@@ -31,15 +47,21 @@ def common_options(f):
                           "it). [default: the current device]"),
         click.option("--quick", is_flag=True, default=False, help=QUICK_HELP),
         click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
-                     callback=common.writable_output, help="write the results as JSON (schema cupy-dsa-bench/2)."),
+                     callback=output_guard.guarded_option(output_guard.JSON),
+                     help="write the results as JSON (schema cupy-dsa-bench/2)."),
         click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
-                     callback=common.png_output, help="write a PNG plot (matplotlib); the name must end in .png. With "
+                     callback=output_guard.guarded_option(output_guard.PNG), help="write a PNG plot (matplotlib); the name must end in .png. With "
                      "throughput and recall rows, the recall study goes to NAME-recall.png beside it."),
         click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
-                     default=None, callback=common.writable_output, help=common.MARKDOWN_HELP),
+                     default=None, callback=output_guard.guarded_option(output_guard.MARKDOWN),
+                     help=common.MARKDOWN_HELP),
+        output_guard.FORCE_OPTION,
         click.option("--seed", type=common.SEED, default=None, help="random seed of the inputs (store, query, logits, recall), 0 to 2^32 - 1. [default: 0]"),
-        click.option("--gpu-mem-gb", type=common.FiniteFloatRange(min=0, min_open=True, max=common.MAX_MEMORY), default=None,
-                     help="KV memory budget for `bytes` (GB = 1e9 B), up to 1e6. [default: 100]"),
+        click.option("--gpu-mem-gib", type=common.FiniteFloatRange(min=0, min_open=True, max=common.MAX_MEMORY),
+                     default=None, help="KV memory budget for `bytes` (GiB = 2^30 B, as `bench serve --memory-gib`), "
+                     "up to 1e6. [default: 80]"),
+        click.option("--gpu-mem-gb", "renamed_gpu_mem_gb", default=None, hidden=True, expose_value=False,
+                     callback=_renamed_gpu_mem_gb),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -50,7 +72,7 @@ def merged(ctx: click.Context, own: dict) -> dict:
     group = (ctx.parent.params if ctx.parent is not None else {}) or {}
     out = {}
     for k, d in DEFAULTS.items():
-        if k == "quick":
+        if k in ("quick", "force"):
             out[k] = bool(own.get(k)) or bool(group.get(k))
             continue
         v = own.get(k)
@@ -66,7 +88,13 @@ def merged_top(opts: dict) -> dict:
         v = opts.get(k)
         out[k] = d if v is None else v
     out["quick"] = bool(opts.get("quick"))
+    out["force"] = bool(opts.get("force"))
     return out
+
+
+# options a section takes (for `bench`'s sake) but does nothing with: left out of its --help
+UNUSED_BY = {"bytes": ("backend", "device", "quick", "seed"), "store": ("gpu_mem_gib",), "query": ("gpu_mem_gib",),
+             "logits": ("gpu_mem_gib",), "recall": ("gpu_mem_gib",)}
 
 
 def _section_command(name, sections, doc, extra_options=()):
@@ -78,6 +106,9 @@ def _section_command(name, sections, doc, extra_options=()):
 
     for option in reversed(extra_options):
         cmd = option(cmd)
+    for param in cmd.params:
+        if param.name in UNUSED_BY.get(name, ()):
+            param.hidden = True
     cmd.__name__ = f"bench_{name}"
     return cmd
 
@@ -135,11 +166,12 @@ def run(ctx: click.Context, sections, o: dict) -> dict:
     t0 = time.perf_counter()
     doc = provenance.new_document(backend=backend,
                                   device_name=common.device_name(dev) if needs_device else "none (arithmetic)",
-                                  quick=quick, seed=seed, gpu_mem_gb=float(o["gpu_mem_gb"]))
+                                  quick=quick, seed=seed, gpu_mem_gib=float(o["gpu_mem_gib"]))
     doc["sections"] = list(sections)
     doc["driver"] = provenance.driver_version() if dev.type == "cuda" else None
     if not doc["git_commit"]:
         doc["notes"].setdefault("general", []).append(doc["commit_note"])
+    _check_outputs(o, doc, sections)
     if backend == "cpu":
         doc["notes"].setdefault("general", []).insert(0, "CPU backend: the torch reference at small sizes; its "
                                                       "timings show that the pipeline runs, they are not "
@@ -147,7 +179,7 @@ def run(ctx: click.Context, sections, o: dict) -> dict:
         err.print("[yellow]CPU backend: torch reference at small sizes (timings are not performance figures).[/]")
 
     if "bytes" in sections:
-        doc["bytes"] = bytes_mod.rows(float(o["gpu_mem_gb"]))
+        doc["bytes"] = bytes_mod.rows(float(o["gpu_mem_gib"]))
         doc["notes"]["bytes"] = bytes_mod.notes()
 
     if needs_device:
@@ -208,3 +240,21 @@ def run(ctx: click.Context, sections, o: dict) -> dict:
             err.print(f"wrote {written}")
     err.print(f"[dim]done in {doc['elapsed_s']:.1f} s[/]")
     return doc
+
+
+def _check_outputs(o: dict, doc: dict, sections) -> None:
+    """Before any measurement: each file the run will write may replace what it holds (bench/output_guard.py); the
+    run is known from the document before its rows (its sections, backend, device, --quick)."""
+    from . import plots
+
+    stub = dict(doc, recall_diverse=[{}] if "recall" in sections and str(o["suite"]).lower() == "diverse" else [])
+    run = output_guard.run_of(stub)
+    output_guard.check(o["json_path"], "--json", output_guard.JSON, run, o["force"])
+    output_guard.check(o["markdown_path"], "--markdown", output_guard.MARKDOWN, run, o["force"])
+    if o["plot_path"]:   # the recall study goes beside the throughput plot, or is the plot of a recall-only run
+        only_recall = list(sections) == ["recall"]
+        output_guard.check(o["plot_path"], "--plot", output_guard.PNG, output_guard.plot_run(stub, only_recall),
+                           o["force"])
+        if "recall" in sections and not only_recall:
+            output_guard.check(plots.recall_path(o["plot_path"]), "--plot", output_guard.PNG,
+                               output_guard.plot_run(stub, True), o["force"])

@@ -1,17 +1,17 @@
 """``cupy-dsa bench serve``: its options (the model, the cases, the layouts and queries timed) and its console,
-JSON and plot output; the measurement is :mod:`.serve`'s. Without a GPU it prints the memory figures only and
-refuses to overwrite a measured run's JSON.
+JSON and plot output; the measurement is :mod:`.serve`'s. Without a GPU it prints the memory figures only; like
+every writer, its files never replace a measured run of another kind (:mod:`.output_guard`).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import click
 
 from . import cli_common as common
+from . import output_guard
 
 
 def _counts_option(default: tuple, what: str, lo: int = 1, hi: int | None = None):
@@ -30,7 +30,10 @@ def _counts_option(default: tuple, what: str, lo: int = 1, hi: int | None = None
     return parse
 
 
-_contexts_option = _counts_option((8192, 32768, 131072), "positive token counts such as 8192,32K,128K")
+MAX_BATCH = 4096          # requests per step: far above what a server runs at once on one GPU
+MAX_TOKENS = 1 << 30       # a token count past any model's context (the model's own bound is checked after)
+_contexts_option = _counts_option((8192, 32768, 131072), "positive token counts such as 8192,32K,128K, at most "
+                                  "1G", hi=MAX_TOKENS)
 
 
 def _serve_layouts_option(ctx, param, values):
@@ -65,25 +68,22 @@ def _model_option(ctx, param, value):
         raise click.BadParameter(f"expected {' / '.join(serve.BUILTIN)} or a DeepSeek-V4 config.json: {exc}")
 
 
-def _refuse_replacing_a_measured_run(json_path: str) -> None:
-    """Without a GPU `bench serve` measures nothing: its JSON must not replace a file that holds a measured run (the
-    README's reproduction line names the committed H200 file)."""
-    try:
-        old = json.loads(Path(json_path).read_text())
-    except (OSError, ValueError):
-        return
-    if isinstance(old, dict) and old.get("measured"):
-        raise click.BadParameter(
-            f"{json_path} holds a measured run ({old.get('device') or 'a GPU'}); without a GPU this run measures "
-            "nothing and would replace it with the memory figures only: write to another file",
-            param_hint="'--json'")
+def _check_against_the_model(model, contexts, chunks) -> None:
+    """A request's context (and a prefill chunk's prefix + chunk) must fit the model's context window."""
+    for option, values in (("--context", contexts), ("--chunk", chunks)):
+        over = [v for v in values if v > model.max_context]
+        if over:
+            raise click.BadParameter(f"{', '.join(map(str, over))} tokens: more than {model.name}'s context window "
+                                     f"({model.max_context:,} tokens, max_position_embeddings)",
+                                     param_hint=f"'{option}'")
 
 
 @click.command(name="serve")
 @click.option("--model", default="v4-flash", show_default=True, callback=_model_option,
               help="v4-flash, v4-pro (layer count assumed, see the output) or the path of an HF config.json "
                    "(compress_ratios, num_hidden_layers, index_topk).")
-@click.option("--batch", type=click.IntRange(min=1), default=32, show_default=True, help="requests per decode step.")
+@click.option("--batch", type=click.IntRange(min=1, max=MAX_BATCH), default=32, show_default=True,
+              help=f"requests per decode step, 1 to {MAX_BATCH}.")
 @click.option("--context", "contexts", multiple=True, callback=_contexts_option,
               help="tokens per request (comma list or repeated; K/M suffixes). [default: 8192,32768,131072]")
 @click.option("--next-n", "next_ns", multiple=True, callback=_counts_option((1,), "next_n values 1 to 4 such as 1,2,4",
@@ -91,7 +91,8 @@ def _refuse_replacing_a_measured_run(json_path: str) -> None:
               help="rows per request: 1 = plain decode, 2..4 = MTP verify; a comma list (or repeated) times "
                    "each. [default: 1]")
 @click.option("--chunk", "chunks", multiple=True, callback=_counts_option((4096,), "token counts of 4 or more such "
-                                                                          "as 4096,16K", lo=4),
+                                                                          "as 4096,16K, at most 1G", lo=4,
+                                                                          hi=MAX_TOKENS),
               help="tokens per prefill chunk; a comma list (or repeated, K suffix) times each. [default: 4096]")
 @click.option("--memory-gib", type=common.FiniteFloatRange(min=0, min_open=True, max=common.MAX_MEMORY), default=80.0,
               show_default=True, help="index-cache budget for the tokens-that-fit figure (GiB), up to 1e6.")
@@ -110,12 +111,14 @@ def _refuse_replacing_a_measured_run(json_path: str) -> None:
 @click.option("--device", default=None, metavar="DEV", help="CUDA device, e.g. cuda:1. [default: the current one]")
 @click.option("--seed", type=common.SEED, default=0, show_default=True, help="random seed, 0 to 2^32 - 1.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True), default=None,
-              callback=common.writable_output, help="write the results as JSON (schema cupy-dsa-serve/1); '-' = stdout.")
+              callback=output_guard.guarded_option(output_guard.JSON),
+              help="write the results as JSON (schema cupy-dsa-serve/1); '-' = stdout.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
-              callback=common.png_output, help="PNG: ms per step over context, bf16 vs fp8, and the added ms (a row per "
+              callback=output_guard.guarded_option(output_guard.PNG), help="PNG: ms per step over context, bf16 vs fp8, and the added ms (a row per "
                                           "kind of step).")
+@output_guard.FORCE_OPTION
 def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, queries, configs_of, memory_gib, device, seed,
-              json_path, plot_path):
+              json_path, plot_path, force):
     """Indexer cost of one forward of a DeepSeek-V4 server with bf16 index keys vs SGLang's fp8 (DeepGEMM on the
     route SGLang 0.5.23 takes for the step), and of the fp8-cupy mode (SGLang's fp8 keys on cupy_dsa's kernels): ms
     per decode (verify) step and per prefill chunk over every C4 layer, KV bytes per token and tokens that fit.
@@ -128,12 +131,17 @@ def serve_cmd(model, batch, contexts, next_ns, chunks, layouts, queries, configs
 
     from . import peers, provenance, report, serve
 
+    _check_against_the_model(model, contexts, chunks)
     out, err = common.console(stderr=json_path == "-"), Console(stderr=True)
     dev = None
     if device is not None or torch.cuda.is_available():  # checked before any work
         dev, _ = common.resolve_device("cuda", device, has_backend_option=False)
-    if dev is None and json_path not in (None, "-"):
-        _refuse_replacing_a_measured_run(json_path)
+    run = output_guard.run_of({"schema": serve.SCHEMA, "layouts": list(layouts or (name for name, _ in serve.TIMED)),
+                               "arch_configs": configs_of, "queries": list(queries), "measured": dev is not None,
+                               "device": common.device_name(dev) if dev is not None else None})
+    output_guard.check(json_path, "--json", output_guard.JSON, run, force)
+    if dev is not None:   # without a GPU nothing is plotted
+        output_guard.check(plot_path, "--plot", output_guard.PNG, run, force)
     case_list = serve.cases(batch, contexts, next_ns, chunks)
     model_doc = {"name": model.name, "n_layers": model.n_layers, "index_layers": model.n_c4,
                  "index_topk": model.index_topk, "source": model.source, "assumed": model.assumed}

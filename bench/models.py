@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from .bytes import C4_RATIO, v4_compress_ratios
 
 
+MAX_CONTEXT = 1 << 20   # DeepSeek-V4's context window, 1M tokens (its config.json: max_position_embeddings 1048576)
+
+
 @dataclass(frozen=True)
 class ServeModel:
     name: str
@@ -16,6 +19,7 @@ class ServeModel:
     index_topk: int
     source: str
     assumed: str | None  # why a figure is assumed, or None when every figure is read
+    max_context: int = MAX_CONTEXT   # tokens per request the model takes (max_position_embeddings)
 
 
 BUILTIN = {

@@ -147,8 +147,9 @@ def fp8_gather():
 
 SGLANG_V2, SGLANG_V1, CUPY_DSA_TOPK, TORCH_TOPK = "sglang-v2", "sglang-v1", "cupy_dsa", "torch"
 TOPK_KEYS = (SGLANG_V2, SGLANG_V1, CUPY_DSA_TOPK, TORCH_TOPK)
+V2_STOCK_ON = "SGLang's stock top-k on sm_90: H100, H200"
 TOPK_LABELS = {
-    SGLANG_V2: "SGLang v2 (plan_topk_v2 + topk_transform_paged_v2, the H200's stock top-k)",
+    SGLANG_V2: f"SGLang v2 (plan_topk_v2 + topk_transform_paged_v2, {V2_STOCK_ON})",
     SGLANG_V1: "SGLang v1 (topk_transform_paged, sm_120's stock top-k)",
     CUPY_DSA_TOPK: "cupy_dsa.paged_topk",
     TORCH_TOPK: "torch.topk (values and indices of each row; no length mask, no page transform)",

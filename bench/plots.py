@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .provenance import commit_text
+from .bytes import memory_text
+from .output_guard import plot_run, png_metadata
+from .readme import plot_caption
 from .report import _ok, _recall_rows, _route_pairs, _si, prefill_shape
 
 # --------------------------------------------------------------------------------------------------
@@ -236,7 +238,7 @@ def _bytes_panel(ax, doc):
     ax.set_xticks([i + 0.1 * (len(lays) - 1) for i in range(len(models))])
     ax.set_xticklabels([m.replace("DeepSeek-", "") + ("\n(assumed)" if m in assumed else "") for m in models],
                        fontsize=TICK_PT)
-    ax.set_ylabel(f"M tokens in {doc['gpu_mem_gb']:g} GB")
+    ax.set_ylabel(f"M tokens in {memory_text(doc)}")
     ax.set_title("KV capacity by index-key layout" + (" (assumed: layer count not read from a config)"
                                                        if assumed else ""))
     ax.legend()
@@ -308,7 +310,7 @@ def figures(doc: dict, path: str) -> list[tuple[str, object]]:
                 _figure_legend(fig, axes.flat)
             what = " — recall study" if group is recall and perf else ""
             fig.suptitle(f"cupy-dsa bench{what} — {doc['device']} — {doc['date'][:10]} — "
-                         f"{commit_text(doc, code=False)}", fontsize=11)
+                         f"{plot_caption(doc)}", fontsize=11)
         out.append((file, fig))
     return out
 
@@ -321,10 +323,22 @@ def plot(doc: dict, path: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     written = []
+    perf, recall = panels(doc)
     for file, fig in figures(doc, path):
         Path(file).parent.mkdir(parents=True, exist_ok=True)
-        # the title in the PNG's metadata too: a test holds it to the JSON it was drawn from
-        fig.savefig(file, dpi=110, format="png", metadata={"Title": fig.get_suptitle(), "Software": "cupy-dsa bench"})
+        study = bool(recall) and (file != path or not perf)
+        # the title in the PNG's metadata too: a test holds it to the JSON it was drawn from; and the run it holds,
+        # which the output guard reads before the file is replaced
+        fig.savefig(file, dpi=110, format="png", metadata={"Title": fig.get_suptitle(), "Software": "cupy-dsa bench",
+                                                           **png_metadata(plot_run(doc, study))})
         plt.close(fig)
         written.append(file)
     return written
+
+
+def plot_files(doc: dict, path: str) -> list[tuple[str, bool]]:
+    """(file, whether it is the recall study) of each plot :func:`plot` writes for ``doc`` at ``path``."""
+    perf, recall = panels(doc)
+    if perf and recall:
+        return [(path, False), (recall_path(path), True)]
+    return [(path, bool(recall) and not perf)]

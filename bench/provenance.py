@@ -65,6 +65,15 @@ def no_commit_reason() -> str:
     return INSTALLED_COPY if Path(__file__).resolve().parents[1].name == "cupy_dsa" else NO_COMMIT
 
 
+def commit_label(doc: dict, missing: str = "not recorded") -> str:
+    """The run's commit as a table names it: 12 hex digits, and ``-dirty`` when the checkout had uncommitted
+    changes (a cut at 12 characters dropped that mark, and the run was then named by a commit that is not its)."""
+    c = doc.get("git_commit") if isinstance(doc, dict) else None
+    if not c:
+        return missing
+    return c.removesuffix("-dirty")[:12] + ("-dirty" if c.endswith("-dirty") else "")
+
+
 def commit_text(doc: dict, code=True) -> str:
     """``commit `abc...` `` (saying when the checkout had uncommitted changes) or a sentence saying that the
     run recorded none and why."""
@@ -99,7 +108,7 @@ def driver_version() -> str | None:
     return f"driver {lines[0].strip()}" if r.returncode == 0 and lines and lines[0].strip() else None
 
 
-def new_document(*, backend: str, device_name: str, quick: bool, seed: int, gpu_mem_gb: float) -> dict:
+def new_document(*, backend: str, device_name: str, quick: bool, seed: int, gpu_mem_gib: float) -> dict:
     return {
         "schema": SCHEMA,
         **provenance(),
@@ -107,7 +116,7 @@ def new_document(*, backend: str, device_name: str, quick: bool, seed: int, gpu_
         "backend": backend,
         "quick": quick,
         "seed": seed,
-        "gpu_mem_gb": gpu_mem_gb,
+        "gpu_mem_gib": gpu_mem_gib,
         "ceilings": {"copy_gbps": None, "matmul_tflops": None, "read_gbps": None, "copy_bytes": None,
                      "matmul_n": None, "l2_bytes": None},
         "targets": {},

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .provenance import commit_text
+from .provenance import commit_label, commit_text
 from .report import (_decode_pairs, _f, _margin, _md_verdict, _ok, _pct, _recall_rows, _route_pairs, _si,
                      _target_pct, prefill_shape, prefill_target, route_target)
 
@@ -56,10 +56,22 @@ def stale_note(doc: dict) -> str | None:
     n, last, files = since
     if n == 0:
         return ""
-    short = commit.removesuffix("-dirty")
+    short = commit_label(doc)
     return (f"\n\n{STALE_MARK} measured at `{short}`; {n} later commit{'s' if n > 1 else ''} changed the kernels "
             f"({', '.join(f'`{f}`' for f in files)}; the last: `{last}`), so these figures are `{short}`'s until a GPU "
             "run re-measures them.")
+
+
+def plot_caption(doc: dict) -> str:
+    """What a plot's title says of its run: the commit, and a stale mark when kernel commits came after it (a plot
+    is read apart from the README block that says so)."""
+    caption = commit_text(doc, code=False)
+    commit = doc.get("git_commit") if isinstance(doc, dict) else None
+    since = kernel_changes_since(commit) if commit else None
+    if since and since[0]:
+        caption += (f" — STALE: {since[0]} later commit{'s' if since[0] > 1 else ''} changed the kernels (the last: "
+                    f"{since[1]})")
+    return caption
 
 
 def without_stale_note(body: str) -> str:

@@ -34,6 +34,7 @@ import cupy_dsa
 from cupy_dsa.layouts import PAGE_SLOTS, bf16_view, empty_cache, fp8_views
 from cupy_dsa.store import fp4sim_reference, rotate_index_k_reference
 
+from .provenance import commit_label
 from .recall import _fp8_q, fp4_simulate
 from .sweeps import DIM, HEADS, make_freqs
 
@@ -388,7 +389,7 @@ def readme_markdown(doc: dict) -> str:
     cases = sorted({(r["index_entries"], r["k"]) for r in ok})
     by = {(r["format"], r["index_entries"], r["k"]): r for r in ok}
     queries = sorted({r["queries"] for r in ok})
-    lines = [f"{doc.get('device') or 'no GPU'}, commit `{(doc.get('git_commit') or 'not recorded')[:12]}`, "
+    lines = [f"{doc.get('device') or 'no GPU'}, commit `{commit_label(doc)}`, "
              f"{(doc.get('date') or '')[:10]}: share of the exact top-k missed ({'/'.join(map(str, queries))} queries "
              "per context, half with a preferred token set; synthetic keys), and its error budget over these cases "
              "(missed with only the key rounded, with only the query rounded).", "",

@@ -6,6 +6,7 @@ from __future__ import annotations
 from rich.table import Table
 from rich.text import Text
 
+from .bytes import memory_text
 from .provenance import commit_text
 
 # --------------------------------------------------------------------------------------------------
@@ -137,9 +138,9 @@ def ceilings_table(doc) -> Table:
 
 
 def bytes_table(doc) -> Table:
-    t = Table(title=f"Index-key bytes and capacity ({doc['gpu_mem_gb']:g} GB of KV memory)")
+    t = Table(title=f"Index-key bytes and capacity ({memory_text(doc)} of KV memory)")
     for col in ("model", "index keys", "B/entry", "idx B/tok/layer", "idx layers", "idx B/tok",
-                "main KV B/tok", "total B/tok", "idx share", "tokens fit", "vs fp8"):
+                "main KV B/tok", "total B/tok", "idx share", "tokens fit", "tokens fit vs fp8"):
         t.add_column(col, justify="right" if col not in ("model", "index keys") else "left")
     for r in doc["bytes"]:
         model = r["model"].replace("DeepSeek-", "") + (" (assumed)" if r["assumed"] else "")
@@ -181,11 +182,17 @@ def query_table(doc) -> Table:
 DECODE_KEYS = 4  # batch, next_n, layout, q: what identifies a decode row
 
 
+def _gpu_ratio(doc, value, fmt) -> str:
+    """A ratio of two timings of this run; on the CPU backend a dash: the torch reference's timings say that the
+    pipeline runs, and their ratios (a layout 20x another) would read as GPU costs."""
+    return "—" if doc.get("backend") == "cpu" else _f(value, fmt)
+
+
 def decode_table(doc) -> Table:
     t = Table(title="paged_mqa_logits, decode (context in index entries per request, one per 4 raw tokens of a "
                     "C4 layer; `bench serve` counts raw tokens; width = max_context_len)")
     for col in ("batch", "next_n", "layout", "q", "time", "% read", "target", "result", "DeepGEMM", "ours/DG",
-                "vs fp8", "entries", "key GB/s", "plan", "DG rel L2", "torch", "speed-up", "mem ours"):
+                "time vs fp8", "entries", "key GB/s", "plan", "DG rel L2", "torch", "speed-up", "mem ours"):
         t.add_column(col, justify="right")
     for r in doc["logits"]:
         if r.get("mode") != "decode":
@@ -201,9 +208,9 @@ def decode_table(doc) -> Table:
             target = f"{r['vs_fp8_query']:.3f}x fp8 q, <= {r['target_vs_fp8_query']:.2f}x"
         t.add_row(*head, f"{r['time_us']:.1f} us", _pct(r.get("pct_read")), target, _verdict(r),
                   _f(r.get("deepgemm_us"), "{:.1f} us"), _f(r.get("vs_deepgemm"), "{:.2f}x"),
-                  _f(r.get("time_vs_fp8"), "{:.2f}x"), _si(r.get("entries", 0)), _num(r.get("key_gbps")),
-                  _f(r.get("plan_us"), "{:.1f} us"), _f(r.get("deepgemm_rel_l2"), "{:.1e}"),
-                  _f(r.get("torch_time_us"), "{:.0f} us"), _f(r.get("speedup_vs_torch"), "{:.1f}x"),
+                  _gpu_ratio(doc, r.get("time_vs_fp8"), "{:.2f}x"), _si(r.get("entries", 0)),
+                  _num(r.get("key_gbps")), _f(r.get("plan_us"), "{:.1f} us"), _f(r.get("deepgemm_rel_l2"), "{:.1e}"),
+                  _f(r.get("torch_time_us"), "{:.0f} us"), _gpu_ratio(doc, r.get("speedup_vs_torch"), "{:.1f}x"),
                   _f(r.get("peak_extra_mb"), "{:.1f} MB"))
     return t
 
@@ -241,7 +248,7 @@ def prefill_table(doc) -> Table:
               else ("—" if r["kv"] == "paged" else (r.get("deepgemm_note") or "—")[:30]))
         target = prefill_target(r) or "—"
         t.add_row(shape, r["kv"], r["layout"], f"{r['time_us'] / 1e3:.3f} ms", _pct(r["pct_matmul"]), target,
-                  _verdict(r), dg, _f(r.get("vs_deepgemm"), "{:.2f}x"), _f(r.get("vs_contiguous"), "{:.3f}x"),
+                  _verdict(r), dg, _f(r.get("vs_deepgemm"), "{:.2f}x"), _gpu_ratio(doc, r.get("vs_contiguous"), "{:.3f}x"),
                   _num(r["tflops"], 1), _f(r.get("peak_extra_mb"), "{:.0f} MB"))
     return t
 
@@ -366,6 +373,12 @@ def recall_table(doc) -> Table:
         "recall_mean", cell)
 
 
+def rescore_query(row) -> str:
+    """The stage-2 query of an fp8-rescore recall row: the format names it (``-bf16q``: the bf16 query, the
+    plugin's default; else SGLang's fp8 q)."""
+    return "bf16" if str(row.get("format", "")).endswith("-bf16q") else "fp8"
+
+
 def rescore_table(doc) -> Table | None:
     """fp8-rescore rows (recall runs that have them): per context, k and K', the share of the exact top-k kept, the
     missed entries (of them beyond K') and the worst fp8 rank of a miss; None for older documents."""
@@ -374,11 +387,11 @@ def rescore_table(doc) -> Table | None:
         return None
     t = Table(title="fp8-rescore (two-level keys, CPU reference): exact top-k entries kept, misses and their fp8 "
                     "ranks (largest-margin rows; ranks 0-based)")
-    for col in ("context", "k", "K'", "outliers", "kept of exact top-k", "missed", "beyond K'", "worst fp8 rank missed",
-                "fp8 rank holding the top-k (median / max)"):
+    for col in ("context", "k", "K'", "stage-2 query", "outliers", "kept of exact top-k", "missed", "beyond K'",
+                "worst fp8 rank missed", "fp8 rank holding the top-k (median / max)"):
         t.add_column(col, justify="right")
-    for r in sorted(rows, key=lambda r: (r["context_tokens"], r["k"], r["k_prime"])):
-        t.add_row(f"{_si(r['context_tokens'])} tok", str(r["k"]), str(r["k_prime"]),
+    for r in sorted(rows, key=lambda r: (r["context_tokens"], r["k"], r["k_prime"], rescore_query(r))):
+        t.add_row(f"{_si(r['context_tokens'])} tok", str(r["k"]), str(r["k_prime"]), rescore_query(r),
                   _f(r.get("outlier_scale"), "x{:g}"), f"{100 * r['recall_mean']:.3f}%", str(r["missed_entries"]),
                   str(r["missed_beyond_k_prime"]), _f(r["missed_fp8_rank_max"], "{:d}"),
                   f"{r['fp8_rank_needed_median']} / {r['fp8_rank_needed_max']}")
@@ -525,7 +538,7 @@ def markdown_headline(doc: dict) -> str:
     for r in doc["bytes"]:
         if r["model"] == "DeepSeek-V4-Flash" and r["layout"] in ("fp8", "bf16"):
             lines.append(f"| V4-Flash capacity, {r['layout']} index keys | {r['tokens_fit'] / 1e6:.2f}M tokens in "
-                         f"{r['gpu_mem_gb']:g} GB | {r['tokens_fit_vs_fp8']:.3f}x of fp8 | — | |")
+                         f"{memory_text(r)} | {r['tokens_fit_vs_fp8']:.3f}x of fp8 | — | |")
     return "\n".join(lines) + "\n"
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from cupy_dsa.layouts import BYTES_PER_TOKEN, HEAD_DIM, N_HEADS, PAGE_SLOTS
 
 from .bytes import C4_RATIO
+from .provenance import commit_label
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,6 @@ def readme_block(emulation: dict) -> str:
     case_list += [c for chunk in (4096, 16384) for c in cases(1, ctx, 1, chunk) if c.phase == "prefill"]
     shares = measured_shares(emulation)
     run = (f"`bench variants --emulate sm_120` on an {emulation.get('device', 'unknown GPU')} at commit "
-           f"{emulation.get('git_commit') or 'unknown'}")
+           f"{commit_label(emulation, 'unknown')}")
     return markdown(model_rows(case_list, model.n_c4, shares=shares), RTX_PRO_6000, model.name, model.n_c4,
                     shares_from=run)

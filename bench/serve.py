@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -35,7 +36,9 @@ from cupy_dsa.layouts import BYTES_PER_TOKEN, HEAD_DIM, N_HEADS, PAGE_SLOTS
 from cupy_dsa.rescore import K_PRIME_MULTIPLE, TWO_LEVEL_BYTES_PER_TOKEN
 
 from .bytes import C4_RATIO, C128_RATIO
-from .models import BUILTIN, ServeModel
+from . import peers
+from .models import BUILTIN, MAX_CONTEXT, ServeModel
+from .provenance import commit_label
 
 SCHEMA = "cupy-dsa-serve/1"
 GIB = 2**30
@@ -177,9 +180,12 @@ def parse_config(path: str) -> ServeModel:
     topk = cfg.get("index_topk")
     if not _is_int(topk) or topk <= 0:
         raise ValueError(f"{path!r}: expected 'index_topk', a positive int, got {topk!r}")
+    max_context = cfg.get("max_position_embeddings", MAX_CONTEXT)
+    if not _is_int(max_context) or max_context <= 0:
+        raise ValueError(f"{path!r}: expected 'max_position_embeddings', a positive int, got {max_context!r}")
     name = cfg.get("_name_or_path")
     return ServeModel(name if isinstance(name, str) and name else str(path), n_layers, n_c4, topk,
-                      f"config {path}", None)
+                      f"config {path}", None, max_context)
 
 
 def resolve_model(value: str) -> ServeModel:
@@ -623,10 +629,15 @@ def plot(doc: dict, path: str) -> None:
                 ax.legend()
             ax2.set_ylabel("added ms (bf16 - fp8)")
             ax2.set_title(f"{kind}: what bf16 keys add")
-        fig.suptitle(f"{doc['model']['name']}, {doc['device']}")
-        fig.tight_layout()
+        from .readme import plot_caption
+
+        fig.suptitle(f"{doc['model']['name']}, {doc['device']}, {doc.get('date', '')[:10]}\n{plot_caption(doc)}")
+        fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))   # room for the two-line title
+    from .output_guard import png_metadata, run_of
+
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, metadata={"Title": fig.get_suptitle(), "Software": "cupy-dsa bench",
+                                         **png_metadata(run_of(doc))})
     plt.close(fig)
 
 
@@ -642,7 +653,7 @@ def markdown(doc: dict, with_rescore: bool = True) -> str:
            else "DeepGEMM as SGLang calls it")
     head = (f"{m['name']} ({m['index_layers']} C4 layers), {doc.get('device') or 'no GPU'}{_forced_configs(doc)}, torch "
             f"{doc.get('torch_version') or 'not recorded'}, commit "
-            f"`{(doc.get('git_commit') or 'not recorded')[:12]}`: indexer ms per forward over every C4 layer "
+            f"`{commit_label(doc)}`: indexer ms per forward over every C4 layer "
             f"(store + logits + the schedule; top-k excluded); fp8 = {fp8}.")
     extra_head = ((" fp8 keys, cupy_dsa (fp8-cupy) | fp8-cupy / DeepGEMM |" if cupy8 else "")
                   + (" fp8 route |" if routes else "") + (" target |" if targets else ""))
@@ -662,7 +673,7 @@ def markdown(doc: dict, with_rescore: bool = True) -> str:
             target = f"<= {r['target_ratio']:.2f}x: {_verdict(r.get('verdict'))}" if r.get("target_ratio") else "—"
             extra += f" {target} |"
         lines.append(f"| {step_label(r)} | {_context(r)} | {ms[0]} | {ms[1]} | {ms[2]} | {ratio} |{extra}")
-    gather_ops = sorted({r["fp8_gather"] for r in doc["timings"] if r.get("fp8_gather")})
+    gather_ops = sorted({gather_text(r["fp8_gather"]) for r in doc["timings"] if r.get("fp8_gather")})
     if gather_ops:
         lines += ["", f"The non-paged route's key gather: {'; '.join(gather_ops)}."]
     if with_rescore:
@@ -717,15 +728,15 @@ def rescore_markdown(doc: dict) -> list[str]:
     if doc.get("topk"):
         return topk_markdown(doc, rows)
     dg = any(r.get("fp8_rescore_dg_ms") is not None for r in rows)
-    lines = ["", f"fp8-rescore (issue 26), {doc.get('device') or 'no GPU'}, commit "
-             f"`{(doc.get('git_commit') or 'not recorded')[:12]}`, top-k included, ms per forward over every C4 layer: **fp8 + top-k** = the fp8 "
+    lines = ["", f"fp8-rescore, {doc.get('device') or 'no GPU'}, commit "
+             f"`{commit_label(doc)}`, top-k included, ms per forward over every C4 layer: **fp8 + top-k** = the fp8 "
              "step above + `torch.topk(index_topk)` of each layer's logits (a stand-in for SGLang's sgl-kernel "
              "top-k, not installed where the bench runs); **fp8-rescore** = the store of the hi and lo pages in one "
              "launch + `rescore_topk` (decode rows, grouped verify) / `rescore_topk_prefill` (the chunk's rows) per "
              "layer, stage 1 by cupy_dsa's fp8 kernels (the plugin's `stage1=cupy`), K' = 4 x index_topk"
              + ("; **DeepGEMM stage 1** = the same store + DeepGEMM's paged fp8 logits, one row per token, + "
                 "`rescore_topk` given them (the plugin's `stage1=sglang`)" if dg else "")
-             + ". Targets (H200): decode and verify <= 1.15x, prefill chunks of 4,096 and 16,384 after 32K-128K "
+             + f". Targets ({targets_gpu(doc)}): decode and verify <= 1.15x, prefill chunks of 4,096 and 16,384 after 32K-128K "
                "<= 1.2x, of fp8 + top-k.", ""]
     head = "| step | batch x context (tokens) | fp8 | fp8 + top-k | fp8-rescore | / (fp8 + top-k) | / fp8 |"
     if dg:
@@ -745,12 +756,25 @@ def rescore_markdown(doc: dict) -> list[str]:
     return lines + _step_table(head, rows, cells)
 
 
+def gather_text(recorded: str) -> str:
+    """The key gather a run recorded, for a reader: a run without SGLang installed recorded the raw import error."""
+    return re.sub(r" \(SGLang's GetKAndS not importable: ModuleNotFoundError: No module named 'sglang'[^)]*\)",
+                  " (SGLang, whose GetKAndS gathers the keys, was not installed where the bench ran)", recorded)
+
+
 def stock_topk_name(topk: dict) -> str:
-    """How a run names its stock top-k (``topk``: :meth:`peers.TopKs.describe`)."""
+    """How a run names its stock top-k (``topk``: :meth:`peers.TopKs.describe`). Runs before issue 50 recorded v2 as
+    "the H200's stock top-k" on every sm_90 GPU: named by its arch here, as :data:`peers.TOPK_LABELS` now does."""
     if topk.get("stand_in"):
         return (f"`cupy_dsa.paged_topk`, a STAND-IN for SGLang's v2 top-k: "
                 f"{topk.get('stand_in_note') or 'SGLang not run'}")
-    return f"{topk.get('stock_label') or topk.get('stock')}"
+    return f"{topk.get('stock_label') or topk.get('stock')}".replace("the H200's stock top-k", peers.V2_STOCK_ON)
+
+
+def targets_gpu(doc: dict) -> str:
+    """Where the cost targets were set (an H200) and, for a run on another GPU, that it is not where they apply."""
+    device = doc.get("device") or "no GPU"
+    return "H200" if "H200" in device else f"set for an H200; this run: {device}"
 
 
 TOPK_ALONE_COLUMNS = (("sglang-v2", "SGLang v2"), ("sglang-v1", "SGLang v1"), ("cupy_dsa", "cupy_dsa"),
@@ -763,7 +787,7 @@ def topk_markdown(doc: dict, rows: list) -> list[str]:
     dg = any(r.get("fp8_rescore_dg_ms") is not None for r in rows)
     topk = doc["topk"]
     lines = ["", f"fp8-rescore, {doc.get('device') or 'no GPU'}, commit "
-             f"`{(doc.get('git_commit') or 'not recorded')[:12]}`, top-k included, ms per forward over every C4 layer. "
+             f"`{commit_label(doc)}`, top-k included, ms per forward over every C4 layer. "
              f"**top-k** = the stock top-k, {stock_topk_name(topk)}, per layer (its plan once per forward), every row "
              "its own length and page-table row; **fp8 + top-k** = the fp8 step above + top-k (the stock step); "
              "**bf16 + top-k** = the bf16 step + top-k (the plugin's bf16 mode); **fp8-rescore** = the store of the hi "
@@ -771,7 +795,7 @@ def topk_markdown(doc: dict, rows: list) -> list[str]:
              "chunk's rows) per layer, stage 1 by cupy_dsa's fp8 kernels (the plugin's `stage1=cupy`), K' = 4 x "
              "index_topk" + ("; **DG stage 1** = the same store + DeepGEMM's paged fp8 logits, one row per token, + "
                              "`rescore_topk` given them (the plugin's `stage1=sglang`)" if dg else "")
-             + ". Targets (issue 31, H200, batch 48, DG stage 1): decode and verify at 96K <= 1.30x fp8 + top-k and "
+             + f". Targets ({targets_gpu(doc)}, batch 48, DG stage 1): decode and verify at 96K <= 1.30x fp8 + top-k and "
                "<= 0.75x bf16 + top-k, at 24K <= 1.00x bf16 + top-k; prefill chunk of 8,192 after 96K <= 0.90x, "
                "after 24K <= 1.00x bf16 + top-k.", ""]
     head = ("| step | batch x context (tokens) | fp8 | fp8 + top-k | bf16 + top-k | fp8-rescore | / (fp8 + top-k) "
@@ -918,7 +942,7 @@ def query_markdown(doc: dict) -> list[str]:
     layouts = [name for name in QUERY_LAYOUTS if any(name in r["ms"] for r in rows)]
     queries = list(dict.fromkeys(q for r in rows for per in r["ms"].values() for q in per))
     lines = ["", f"The query ({doc.get('device') or 'no GPU'}{_forced_configs(doc)}, commit "
-             f"`{(doc.get('git_commit') or 'not recorded')[:12]}`): "
+             f"`{commit_label(doc)}`): "
              "ms per forward over every C4 layer with each query, its preparation included (per layer "
              "`prepare_index_q` of the forward's rows, then the logits; the fp8 query's preparation is the math of "
              "SGLang's fused fp8 q kernel, standing in for it).", ""]

@@ -13,6 +13,8 @@ import torch
 from cupy_dsa import arch as arch_limits
 from cupy_dsa import heuristics, launch, layouts, logits, runtime
 
+from .provenance import commit_label
+
 HEADS, DIM = layouts.N_HEADS, layouts.HEAD_DIM
 DECODE_CASES = [(1, 8192, 1), (64, 32768, 1), (128, 16384, 1), (4, 262144, 1), (64, 32768, 2), (64, 32768, 4)]
 
@@ -322,7 +324,7 @@ def emulate_markdown(doc: dict) -> str:
     target, dev = doc["target"], doc["device"]
     has_mma = any(r.get("pct_mma") is not None for r in doc["rows"])   # results from before the mma.sync ceiling
     lines = [f"Emulated on {dev}: {target}'s product configs (marked *) and variants, instantiated for this GPU, "
-             f"held to {target}'s CTAs per SM by padded shared memory (commit {doc.get('git_commit') or 'unknown'}).",
+             f"held to {target}'s CTAs per SM by padded shared memory (commit {commit_label(doc, 'unknown')}).",
              "",
              f"| op | case | config | {target} residency | us, this GPU's residency | us, {target}'s | ratio | "
              f"% roofline at {target}'s | " + ("% mma.sync ceiling (TFLOP/s; max(read, mma.sync)) | " if has_mma else "")
@@ -371,13 +373,17 @@ def _emulate_summary(rows: list[dict], target: str) -> str:
     """One sentence of the table's figures: what the target's residency costs its product configs and the
     4-warp ones, the prefill rate and the verify share of the roofline."""
     def span(values, fmt):
-        return f"{fmt.format(min(values))}-{fmt.format(max(values))}" if values else "-"
+        """``lo-hi``, or one figure where they agree at this precision ("1.00-1.00x" read as a loss)."""
+        if not values:
+            return "-"
+        lo, hi = fmt.format(min(values)), fmt.format(max(values))
+        return lo if lo == hi else f"{lo}-{hi}"
 
     products = [r for r in rows if r["product"]]
     four = [r for r in rows if not r["product"] and r["warps"] == 4 and not r.get("prefetch")]
-    text = (f"At {target}'s residency its product configs lose {span([r['emulated_vs_full'] for r in products], '{:.2f}')}x "
-            f"against the same config at this GPU's residency, the 4-warp configs "
-            f"{span([r['emulated_vs_full'] for r in four], '{:.2f}')}x.")
+    text = (f"At {target}'s residency its product configs take {span([r['emulated_vs_full'] for r in products], '{:.2f}')}x "
+            "the time of the same config at this GPU's residency"
+            + (f", the 4-warp configs {span([r['emulated_vs_full'] for r in four], '{:.2f}')}x." if four else "."))
     prefill = next((r for r in products if r["op"] == "prefill"), None)
     prefill4 = next((r for r in four if r["op"] == "prefill"), None)
     if prefill:

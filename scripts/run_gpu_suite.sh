@@ -16,6 +16,14 @@
 #   left out.
 #   QUERY_BENCH=1: issue 32's runs alone: `bench recall --suite diverse`, `bench serve --query fp8,bf16` with this GPU's
 #   configs and with sm_120's forced, and the query setting's GPU tests (their JSONs in $OUT, for bench/results/).
+#   MEASURE_ALL=1: re-measure every result the two READMEs render, in one call of at most MEASURE_S (540) seconds,
+#   and re-render them (blocks, plots, the README's mode table): the runs go straight into bench/results/ as
+#   <gpu>-*.json (h200 on an H200, h100 on an H100; the writers' guard refuses to replace another GPU's or another
+#   kind of run, so a step that cannot write says why), most-read first: the mode table's cost and recall runs,
+#   then the H200 tables, fp8-rescore's op, the sm_120 emulation, the diverse suite and the query's cost. Each step
+#   gets the time left (at most its own cap, MA_*_S below); a step that runs out keeps the committed file, and the
+#   summary lists every file as re-measured or kept. Re-rendered only on an H200 (the READMEs render the H200's
+#   files). Then: git add bench/results README.md && git commit (the summary prints the line). The rest is left out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -25,7 +33,7 @@ MEMCHECK_PART=""
 if [ -n "${TIMEBOX:-}" ]; then
   SKIP_FUZZ=1 SKIP_SGLANG=1 SKIP_STARTUP=1 SKIP_BENCH=1 SKIP_VARIANTS=1 SANITIZE_PARTS=logits MEMCHECK_PART=logits
 fi
-if [ -n "${RESCORE_BENCH:-}${QUERY_BENCH:-}" ]; then
+if [ -n "${RESCORE_BENCH:-}${QUERY_BENCH:-}${MEASURE_ALL:-}" ]; then
   SKIP_PYTEST=1 SKIP_FUZZ=1 SKIP_SANITIZE=1 SKIP_SGLANG=1 SKIP_STARTUP=1 SKIP_BENCH=1 SKIP_EMULATE=1 SKIP_VARIANTS=1
 fi
 # run "$@" under `timeout SECONDS` with TIMEBOX, plainly otherwise
@@ -181,6 +189,80 @@ if [ -n "${QUERY_BENCH:-}" ]; then
   QUERY_LINE="bench recall --suite diverse rc=$RECALL_RC, bench serve --query rc=$QSERVE_RC, with sm_120's configs \
 rc=$QSERVE120_RC (124: timed out), pytest: $(tail -1 "$OUT/pytest_gpu_query.log")"
 fi
+# MEASURE_ALL: every result the READMEs render, re-measured into bench/results/ and re-rendered
+MEASURE_LINES=""
+if [ -n "${MEASURE_ALL:-}" ]; then
+  GPU=$(head -1 "$OUT/device.txt" | tr 'A-Z' 'a-z')
+  case "$GPU" in *h200*) TAG=h200 ;; *h100*) TAG=h100 ;; *) TAG=$(echo "$GPU" | awk '{print $NF}' | tr -cd 'a-z0-9') ;; esac
+  R=bench/results
+  DEADLINE=$((T0 + ${MEASURE_S:-540}))
+  SITE=${SGLANG_SITE:-/tmp/site}   # SGLang's own top-k for the stock step (as RESCORE_BENCH)
+  if ls .whl_sgl/sglang-0.5.23-*.whl >/dev/null 2>&1 && [ ! -f "$SITE/sglang/version.py" ]; then
+    python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl_sgl/*.whl >"$OUT/sglang_wheels.log" 2>&1 \
+      || tail -3 "$OUT/sglang_wheels.log"
+  fi
+  [ -f "$SITE/sglang/version.py" ] && export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$SITE
+  # measure NAME CAP FILE CMD...: CMD under the time left (at most CAP s, 15 s kept for the re-render); the line
+  # says whether FILE was re-measured (its commit now this checkout's) or kept
+  measure() {
+    local name=$1 cap=$2 file=$3; shift 3
+    local left=$((DEADLINE - 15 - $(date +%s))); [ "$left" -gt "$cap" ] && left=$cap
+    if [ "$left" -lt 20 ]; then MEASURE_LINES+="$name: kept $file (no time left)"$'\n'; return; fi
+    local t=$(date +%s)
+    timeout "$left" "$@" >"$OUT/measure-$name.log" 2>&1; local rc=$?
+    local what="re-measured"; [ $rc -ne 0 ] && what="kept (rc=$rc$([ $rc -eq 124 ] && echo ', out of time'): $(grep -E 'Error|Invalid' "$OUT/measure-$name.log" | tail -1 | cut -c1-200))"
+    MEASURE_LINES+="$name: $file $what in $(($(date +%s) - t)) s"$'\n'
+  }
+  # the README's mode table first: the cost of a step (bf16, fp8-cupy; fp8-rescore against the stock top-k), recall
+  measure serve ${MA_SERVE_S:-120} $R/$TAG-serve.json python3 -m cupy_dsa bench serve --batch 64 \
+      --context 8K,16K,32K,128K --next-n 1,2,4 --chunk 4096,16K --layouts bf16,fp8-cupy,fp8 \
+      --json $R/$TAG-serve.json --plot $R/$TAG-serve.png
+  measure serve-rescore ${MA_RESCORE_SERVE_S:-150} $R/$TAG-serve-rescore.json python3 -m cupy_dsa bench serve \
+      --batch 48 --context 24K,96K --next-n 1,3 --chunk 8192 --layouts bf16+topk,fp8,fp8+topk,fp8-rescore,fp8-rescore-dg \
+      --json $R/$TAG-serve-rescore.json
+  # the H200 tables and the recall study from one `bench all` run; the recall study's file holds that run's recall
+  # rows (the same run, so the environment line describes every block)
+  measure all ${MA_ALL_S:-200} $R/$TAG.json python3 -m cupy_dsa bench all --backend cuda --json $R/$TAG.json \
+      --plot $R/$TAG.png
+  if grep -q "re-measured" <<<"$(echo "$MEASURE_LINES" | grep '^all:')"; then
+    python3 - "$R/$TAG.json" "$R/$TAG-recall.json" <<'PY' >>"$OUT/measure-all.log" 2>&1 \
+      && MEASURE_LINES+="recall: $R/$TAG-recall.json re-measured (the recall rows of $R/$TAG.json)"$'\n'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+doc.update(sections=["recall"], derived_from=sys.argv[1].rsplit("/", 1)[-1],
+           **{s: [] for s in ("bytes", "store", "query", "logits")})
+open(sys.argv[2], "w").write(json.dumps(doc, indent=1, default=str) + "\n")
+PY
+  fi
+  measure rescore ${MA_RESCORE_S:-90} $R/$TAG-rescore.json python3 -m cupy_dsa bench rescore --quick \
+      --json $R/$TAG-rescore.json
+  measure emulate ${MA_EMULATE_S:-90} $R/$TAG-emulate-sm120.json python3 -m cupy_dsa bench variants \
+      --emulate sm_120 --json $R/$TAG-emulate-sm120.json
+  measure recall-diverse ${MA_DIVERSE_S:-120} $R/$TAG-recall-diverse.json python3 -m cupy_dsa bench recall \
+      --suite diverse --json $R/$TAG-recall-diverse.json
+  QUERY_ARGS="--batch 48 --context 24K,96K --next-n 1,3 --chunk 8192 --layouts bf16 --query fp8,bf16"
+  measure serve-query ${MA_QUERY_S:-60} $R/$TAG-serve-query.json python3 -m cupy_dsa bench serve $QUERY_ARGS \
+      --json $R/$TAG-serve-query.json
+  measure serve-query-sm120 ${MA_QUERY_S:-60} $R/$TAG-serve-query-sm120.json python3 -m cupy_dsa bench serve \
+      $QUERY_ARGS --arch-configs sm_120 --json $R/$TAG-serve-query-sm120.json
+  if [ "$TAG" = h200 ]; then   # the READMEs render the H200's files: every block, plot and the mode table
+    {
+      for f in $R/h200.json "$R/h200-rescore.json --allow-cpu-or-quick" $R/h200-emulate-sm120.json \
+               $R/h200-recall.json $R/h200-serve.json $R/h200-serve-rescore.json $R/h200-recall-diverse.json \
+               $R/h200-serve-query.json $R/h200-serve-query-sm120.json; do
+        python3 -m cupy_dsa bench report $f --readme $R/README.md
+      done
+      python3 -m cupy_dsa bench report $R/h200.json --plot $R/h200.png
+      python3 -m cupy_dsa bench report $R/h200-recall.json --plot $R/h200-recall.png
+      python3 -m cupy_dsa bench report $R/h200-serve.json --plot $R/h200-serve.png
+      python3 -m cupy_dsa.bench.which_mode README.md
+    } >"$OUT/rerender.log" 2>&1
+    MEASURE_LINES+="re-rendered: $(grep -cE 'rewrote|unchanged' "$OUT/rerender.log") blocks / tables, $(grep -c '^wrote' "$OUT/rerender.log") plots; errors: $(grep -cE 'Error' "$OUT/rerender.log") ($OUT/rerender.log)"$'\n'
+    MEASURE_LINES+="commit: git add bench/results README.md && git commit -m 'Re-measured at $(git rev-parse --short=12 HEAD 2>/dev/null) on the H200 (MEASURE_ALL)'"$'\n'
+  else
+    MEASURE_LINES+="not re-rendered: the READMEs render the H200's files; these runs are $R/$TAG-*.json"$'\n'
+  fi
+fi
 echo "================ SUMMARY ($(($(date +%s) - T0)) s) ================"
 echo "device: $(cat "$OUT/device.txt")"
 echo "commit: ${CUPY_DSA_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}"
@@ -196,6 +278,7 @@ echo "SGLang path: $SGL_LINE"
 [ -f "$OUT/emulate-sm120.md" ] && cat "$OUT/emulate-sm120.md"
 echo "issue-31 benches: $RESCORE_LINE"
 echo "issue-32 runs: $QUERY_LINE"
+[ -n "${MEASURE_ALL:-}" ] && printf "MEASURE_ALL:\n%s" "$MEASURE_LINES"
 if [ -n "${QUERY_BENCH:-}" ]; then
   grep -vE "^\s*$" "$OUT/recall-diverse.md" 2>/dev/null | head -40 | cut -c1-300
   awk '/bf16 q \/ fp8 q/{on=1} on && /^\| (decode|verify|prefill)/' "$OUT/serve-query.md" 2>/dev/null | head -12

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # SGLang 0.5.23's own DeepSeek-V4 indexer code driving cupy_dsa's CUDA kernels (scripts/gpu_sglang_path.py), on
 # a GPU machine without SGLang: installs the wheels of .whl_sgl/ (Python 3.12, --no-deps; how to download
-# them: README, "SGLang's own code on a GPU machine without SGLang") into a throwaway --target directory put first on
+# them: bench/results/README.md, "SGLang's own code on a GPU machine without SGLang") into a throwaway --target directory put first on
 # PYTHONPATH, then runs the script. Last line: "SGLANG GPU PATH: PASS ..." or "FAIL ...".
 #   usage: bash scripts/run_sglang_gpu.sh [--device cuda|cpu] [--seed N] [--only fp8-cupy|fp8-rescore ...]
 #   (log under $OUT, default ./out; SGLANG_WHEELS / SGLANG_SITE override .whl_sgl and /tmp/site)

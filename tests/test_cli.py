@@ -2,6 +2,7 @@
 markdown outputs, click's errors for bad options, and the torch baseline / fp4 helper the bench relies on."""
 import io
 import json
+import re
 import math
 import os
 import shutil
@@ -209,7 +210,7 @@ def test_all_is_the_default(monkeypatch, tmp_path):
     for args in (["bench", "--quick", "--backend", "cpu"], ["bench", "all", "--quick", "--backend", "cpu"]):
         assert _invoke(args).exit_code == 0
     assert [s for s, _ in seen] == [cli.SECTIONS_ALL] * 2
-    assert all(o["quick"] and o["backend"] == "cpu" and o["seed"] == 0 and o["gpu_mem_gb"] == 100.0
+    assert all(o["quick"] and o["backend"] == "cpu" and o["seed"] == 0 and o["gpu_mem_gib"] == 80.0
                for _, o in seen)
 
 
@@ -287,7 +288,7 @@ def test_commit_of_an_installed_copy_is_unknown(tmp_path, monkeypatch):
     assert provenance.git_commit() is None
     assert provenance.no_commit_reason() == provenance.INSTALLED_COPY
     assert "installed copy, commit unknown" in provenance.INSTALLED_COPY
-    doc = provenance.new_document(backend="none", device_name="x", quick=False, seed=0, gpu_mem_gb=1.0)
+    doc = provenance.new_document(backend="none", device_name="x", quick=False, seed=0, gpu_mem_gib=1.0)
     assert doc["git_commit"] is None and provenance.commit_text(doc) == provenance.INSTALLED_COPY
 
 
@@ -316,6 +317,9 @@ def test_cpu_tables_print_no_ratios(runs):
         out = runs[sub][0].output
         assert "not measured on the CPU backend" in out and "no ratios" in out
         assert "%" not in "".join(ln for ln in out.splitlines() if "│" in ln and ("bf16" in ln or "fp8" in ln)), out
+        # nor a timing ratio: a layout "20.96x" another on the torch reference reads as a GPU cost (issue 50)
+        rows = [ln for ln in out.splitlines() if "│" in ln and ("bf16" in ln or "fp8" in ln)]
+        assert rows and not [ln for ln in rows if re.search(r"\d\.\d+x\b", ln)], out
 
 
 def test_cpu_runs_evaluate_no_targets(runs):
@@ -355,7 +359,7 @@ def test_tables_fit_the_width(columns):
     assert max(len(ln) for ln in r.stdout.splitlines()) <= width, r.stdout
     text = " ".join(r.stdout.split())
     headers = [str(c.header) for c in report.decode_table(provenance.new_document(
-        backend="cpu", device_name="x", quick=True, seed=0, gpu_mem_gb=1.0)).columns]
+        backend="cpu", device_name="x", quick=True, seed=0, gpu_mem_gib=1.0)).columns]
     assert all(h in text for h in headers), [h for h in headers if h not in text]
     assert "not shown (empty in every row): % read, target, result, DeepGEMM" in text
     if columns == 80:
@@ -411,7 +415,7 @@ def test_bytes_figures():
     flash8, flash16 = rows[("DeepSeek-V4-Flash", "fp8")], rows[("DeepSeek-V4-Flash", "bf16")]
     assert flash8["index_bytes_per_token_per_layer"] == 33 and flash16["index_bytes_per_token_per_layer"] == 64
     assert flash16["index_bytes_per_token"] == 64 * flash16["index_layers"]
-    assert flash8["tokens_fit"] == math.floor(50e9 / flash8["total_kv_bytes_per_token"])
+    assert flash8["tokens_fit"] == math.floor(50 * 2**30 / flash8["total_kv_bytes_per_token"])   # GiB
     assert flash16["tokens_fit"] < flash8["tokens_fit"] < rows[("DeepSeek-V4-Flash", "fp4")]["tokens_fit"]
     v32 = rows[("DeepSeek-V3.2", "fp8")]
     assert v32["index_bytes_per_token"] == 61 * 132  # every layer, full token rate
@@ -422,8 +426,11 @@ def test_bytes_figures():
 @pytest.mark.parametrize("args, message", [
     (["bench", "--backend", "tpu"], "Invalid value for '--backend'"),
     (["bench", "store", "--backend", "gpu"], "Invalid value for '--backend'"),
-    (["bench", "bytes", "--gpu-mem-gb", "0"], "Invalid value for '--gpu-mem-gb'"),
-    (["bench", "bytes", "--gpu-mem-gb", "lots"], "Invalid value for '--gpu-mem-gb'"),
+    (["bench", "bytes", "--gpu-mem-gib", "0"], "Invalid value for '--gpu-mem-gib'"),
+    (["bench", "bytes", "--gpu-mem-gib", "lots"], "Invalid value for '--gpu-mem-gib'"),
+    # issue 50: GB and GiB were two units for one budget (serve's --memory-gib): the old name is refused
+    (["bench", "bytes", "--gpu-mem-gb", "80"], "renamed to --gpu-mem-gib, in GiB (2^30 B) like `bench serve "
+                                               "--memory-gib`: 80 GB is --gpu-mem-gib 74.51"),
     (["bench", "logits", "--seed", "-1"], "Invalid value for '--seed'"),
     (["bench", "recall", "--device", "gpu0", "--quick"], "Invalid value for '--device'"),
     (["bench", "store", "--backend", "cpu", "--device", "cuda:0"], "Invalid value for '--device'"),
@@ -481,10 +488,10 @@ def test_report_rejects_foreign_json(tmp_path):
 
 
 def test_python_m_cupy_dsa_bench_bytes():
-    out = subprocess.run([sys.executable, "-m", "cupy_dsa", "bench", "bytes", "--gpu-mem-gb", "80"],
+    out = subprocess.run([sys.executable, "-m", "cupy_dsa", "bench", "bytes", "--gpu-mem-gib", "80"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "V4-Flash" in out.stdout and "80 GB" in out.stdout and "ASSUMED" in out.stdout
+    assert "V4-Flash" in out.stdout and "80 GiB" in out.stdout and "ASSUMED" in out.stdout
 
 
 # --------------------------------------------------------------------------------------------------

@@ -30,10 +30,11 @@ def _no_work(monkeypatch):
     (["bench", "serve", "--memory-gib", "nan"], "--memory-gib", "not a finite number"),
     (["bench", "serve", "--memory-gib", "inf"], "--memory-gib", "range"),
     (["bench", "serve", "--memory-gib", "-inf"], "--memory-gib", "range"),
-    (["bench", "bytes", "--gpu-mem-gb", "nan"], "--gpu-mem-gb", "not a finite number"),
-    (["bench", "bytes", "--gpu-mem-gb", "inf"], "--gpu-mem-gb", "range"),
-    (["bench", "bytes", "--gpu-mem-gb", "1e300"], "--gpu-mem-gb", "range"),
-    (["bench", "--gpu-mem-gb", "nan", "bytes"], "--gpu-mem-gb", "not a finite number"),
+    (["bench", "bytes", "--gpu-mem-gib", "nan"], "--gpu-mem-gib", "not a finite number"),
+    (["bench", "bytes", "--gpu-mem-gib", "inf"], "--gpu-mem-gib", "range"),
+    (["bench", "bytes", "--gpu-mem-gib", "1e300"], "--gpu-mem-gib", "range"),
+    (["bench", "--gpu-mem-gib", "nan", "bytes"], "--gpu-mem-gib", "not a finite number"),
+    (["bench", "--gpu-mem-gb", "40", "bytes"], "--gpu-mem-gb", "renamed to --gpu-mem-gib"),
     (["bench", "store", "--seed", "99999999999999999999"], "--seed", "range"),
     (["bench", "serve", "--seed", str(2**32)], "--seed", "range"),
     (["bench", "variants", "--seed", str(2**64)], "--seed", "range"),
@@ -47,6 +48,18 @@ def test_bad_values_are_click_errors_before_any_work(args, option, words, monkey
     assert res.exit_code == 2, res.output
     assert f"Invalid value for '{option}'" in res.output and words in res.output, res.output
     assert "Traceback" not in res.output
+
+
+def test_serve_sizes_are_bounded_by_the_model(monkeypatch):
+    """`bench serve --batch 99999999999 --context 999999999999999999999K` exited 0 (issue 50): bounds, and the
+    model's context window (DeepSeek-V4: 1M tokens, max_position_embeddings)."""
+    _no_work(monkeypatch)
+    for extra, option, words in ((["--batch", "99999999999"], "--batch", "1<=x<=4096"),
+                                 (["--context", "999999999999999999999K"], "--context", "at most 1G"),
+                                 (["--context", "2M"], "--context", "DeepSeek-V4-Flash's context window (1,048,576"),
+                                 (["--model", "v4-pro", "--chunk", "1025K"], "--chunk", "DeepSeek-V4-Pro's context")):
+        res = _run(["bench", "serve", *extra])
+        assert res.exit_code == 2 and f"Invalid value for '{option}'" in res.output and words in res.output, res.output
 
 
 def test_device_wording_is_consistent():
@@ -77,8 +90,8 @@ def test_group_options_before_a_command_that_ignores_them_are_refused(args, give
 def test_group_options_still_reach_the_sections(monkeypatch):
     seen = []
     monkeypatch.setattr(cli_sections, "run", lambda ctx, sections, o: seen.append(o))
-    assert _run(["bench", "--seed", "5", "--gpu-mem-gb", "40", "bytes"]).exit_code == 0
-    assert seen[0]["seed"] == 5 and seen[0]["gpu_mem_gb"] == 40.0
+    assert _run(["bench", "--seed", "5", "--gpu-mem-gib", "40", "bytes"]).exit_code == 0
+    assert seen[0]["seed"] == 5 and seen[0]["gpu_mem_gib"] == 40.0
 
 
 def test_serve_json_into_a_new_folder(tmp_path, monkeypatch):
@@ -131,7 +144,7 @@ def test_tables_say_whether_they_count_entries_or_tokens(monkeypatch):
     from cupy_dsa.bench import provenance, report
 
     decode = report.decode_table(provenance.new_document(backend="cpu", device_name="x", quick=True, seed=0,
-                                                         gpu_mem_gb=1.0))
+                                                         gpu_mem_gib=1.0))
     assert "index entries per request" in decode.title and "`bench serve` counts raw tokens" in decode.title
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     out = " ".join(_run(["bench", "serve"]).output.split())
@@ -324,3 +337,12 @@ def test_report_refuses_a_broken_structure(base, change, words, tmp_path):
     res = _run(["bench", "report", str(j)])
     assert res.exit_code == 2 and words in res.output and str(j) in " ".join(res.output.split()), res.output
     assert "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("section, unused", [("bytes", ("--backend", "--device", "--quick", "--seed")),
+                                             ("store", ("--gpu-mem-gib",)), ("recall", ("--gpu-mem-gib",))])
+def test_section_help_lists_only_options_it_uses(section, unused):
+    """`bench bytes --help` listed options that do nothing for it (issue 50); `bench --help` keeps them all."""
+    text = _run(["bench", section, "--help"]).output
+    assert not [o for o in unused if f"{o} " in text], text
+    assert all(f"{o} " in _run(["bench", "--help"]).output for o in unused)

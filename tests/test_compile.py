@@ -100,6 +100,32 @@ def product_residency(arch):
     return out
 
 
+# the archs of the limits table that ARCHS does not compile every declared config for: their product configs (what
+# ships) are compiled here too, the README's "What ran where" claims it for every arch of the table
+PRODUCT_ONLY_ARCHS = [a for a in arch_limits.ARCH_LIMITS if a not in ARCHS]
+
+
+def test_every_arch_the_readme_names_is_compiled():
+    assert set(ARCHS) | set(PRODUCT_ONLY_ARCHS) == set(arch_limits.ARCH_LIMITS)
+    assert {"sm_86", "sm_103", "sm_121"} <= set(PRODUCT_ONLY_ARCHS)
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    row = next(ln for ln in readme.splitlines() if ln.startswith("| sm_80,"))
+    assert set(re.findall(r"sm_\d+", row.split("|")[1])) == set(arch_limits.ARCH_LIMITS), row
+
+
+@pytest.mark.parametrize("arch", PRODUCT_ONLY_ARCHS)
+@pytest.mark.parametrize("filename", SOURCES)
+def test_product_configs_compile_without_spill_on_every_arch(filename, arch):
+    """sm_86, sm_103, sm_121 (and any arch of the limits table beyond ARCHS): the shipped configs compile and do
+    not spill (the same compile the residency test below reads)."""
+    resources = product_resources(filename, arch)
+    assert set(resources) == set(launch.product_expressions(arch)[filename])
+    spills = {e: r for e, r in resources.items() if r["spill_stores"] or r["spill_loads"]}
+    assert not spills, f"{arch}: product configs spill: {spills}"
+
+
 @pytest.mark.parametrize("arch", list(arch_limits.ARCH_LIMITS))
 def test_product_configs_keep_eight_warps_resident(arch):
     low = {str(c): str(r) for c, r in product_residency(arch).items() if r.warps < arch_limits.MIN_WARPS_PER_SM}

@@ -138,3 +138,27 @@ def test_kernel_registry_is_complete_after_a_bare_import():
                           "paged_topk", "prepare_index_q", "rescore_topk", "store_index_k"]
     assert eval(sources) == ["mqa_logits.cu", "prepare_index_q.cu", "rescore_topk.cu", "store_index_k.cu",
                              "topk.cu"]
+
+
+def test_measure_all_re_measures_every_result_the_readmes_render():
+    """run_gpu_suite.sh MEASURE_ALL=1 (issue 50): every JSON and plot the re-rendering list of bench/results/README.md
+    names, and the README's mode table's sources, has a step that measures it (as <gpu>-NAME) and is re-rendered."""
+    suite = (ROOT / "scripts" / "run_gpu_suite.sh").read_text()
+    mode = suite[suite.index('if [ -n "${MEASURE_ALL:-}" ]; then'):]
+    rerender = re.search(r"```\n(cupy-dsa bench report .*?)```", (ROOT / "bench/results/README.md").read_text(), re.S)[1]
+    from cupy_dsa.bench import which_mode
+
+    rendered = set(re.findall(r"bench/results/(h200[\w-]*\.(?:json|png))", rerender)) | set(which_mode.SOURCES.values())
+    assert {"h200.json", "h200-serve.json", "h200-recall.json", "h200.png"} <= rendered, rendered
+    for name in sorted(rendered):
+        measured = "$R/$TAG" + name[len("h200"):]
+        if name == "h200-recall.json":   # the recall rows of the same `bench all` run
+            assert '"$R/$TAG.json" "$R/$TAG-recall.json"' in mode
+        elif name == "h200-recall.png":
+            assert "$R/h200-recall.json --plot $R/h200-recall.png" in mode
+        elif name.endswith(".png"):
+            assert f"--plot {measured}" in mode, name
+        else:
+            assert f"--json {measured}" in mode, name
+        assert f"$R/{name}" in mode, f"{name} is not re-rendered"
+    assert "python3 -m cupy_dsa.bench.which_mode README.md" in mode and "MEASURE_S:-540" in mode

@@ -309,3 +309,52 @@ def test_gpu_check_self_test():
             assert check.self_test(torch.device("cuda"), mode, query) <= check.SELF_TEST_TOLERANCE, (mode, query)
     code, lines = check.run()
     assert any("store + logits match the CPU reference" in t for s, t in lines if s == check.OK), lines
+
+
+# --------------------------------------------------------------------------------------------------
+# issue 50: K' counts per model, a renamed setting, an invalid query variable, a --query refusal
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kprime, status, words", [
+    ("100", "PROBLEM", "start-up refuses it with DeepSeek-V4-Flash and DeepSeek-V4-Pro"),
+    ("512", "note", "start-up refuses it with DeepSeek-V4-Pro. Use a multiple such as 4x (the default), or a count "
+                    "of at least 1024"),
+    ("1024", "ok", "at least every DeepSeek-V4 model's index_topk (DeepSeek-V4-Flash 512, DeepSeek-V4-Pro 1024)"),
+])
+def test_check_says_what_k_prime_each_model_needs(self_check, monkeypatch, kprime, status, words):
+    """`check` said ok for a K' below index_topk, which start-up refuses; it cannot know the model the server
+    loads, so it names what each DeepSeek-V4 model needs (V4-Flash 512, V4-Pro 1024)."""
+    from cupy_dsa.sglang import check
+
+    monkeypatch.setenv(ENV, "fp8-rescore")
+    monkeypatch.setenv(core.RESCORE_KPRIME_ENV, kprime)
+    monkeypatch.setattr(check, "_gpu_lines", lambda mode: [])
+    code, lines = self_check()
+    assert any(f"{core.RESCORE_KPRIME_ENV}={kprime}: " in t and words in t for t in lines.get(status, [])), lines
+    assert code == (1 if status == "PROBLEM" else 0), lines
+
+
+@pytest.mark.parametrize("mode", ["fp8", "fp8-rescore", "bf16"])
+def test_renamed_rescore_query_variable_is_refused_naming_the_new_one(self_check, monkeypatch, mode):
+    """SGLANG_CUPY_DSA_RESCORE_Q was silently ignored after its rename (=fp8 ran stage 2 with the bf16 query)."""
+    monkeypatch.setenv(ENV, mode)
+    monkeypatch.setenv("SGLANG_CUPY_DSA_RESCORE_Q", "fp8")
+    assert "SGLANG_CUPY_DSA_RESCORE_Q='fp8' was renamed" in core.settings_problem(mode)
+    assert f"set {core.QUERY_ENV}=fp8 (or the server flag {core.QUERY_FLAG} fp8)" in core.settings_problem(mode)
+    code, lines = self_check()
+    assert code == 1 and any("SGLANG_CUPY_DSA_RESCORE_Q='fp8' was renamed" in t for t in lines["PROBLEM"]), lines
+
+
+def test_invalid_query_variable_is_a_problem_line_not_a_traceback(self_check, monkeypatch):
+    monkeypatch.setenv(core.QUERY_ENV, "fp16")
+    code, lines = self_check(flag="bf16", query="bf16")
+    assert code == 1 and any(t.startswith(f"{core.QUERY_ENV}='fp16': expected one of fp8, bf16") and
+                             "SGLang start-up is refused" in t for t in lines["PROBLEM"]), lines
+
+
+def test_query_flag_refusal_names_the_flag(self_check):
+    """`check --mode fp8 --query bf16` blamed SGLANG_CUPY_DSA_INDEX_Q, which was not set."""
+    code, lines = self_check(flag="fp8", query="bf16")
+    problem = next(t for t in lines["PROBLEM"] if "set with" in t)
+    assert problem.startswith(f"{core.QUERY_FLAG} bf16 (--query) set with {ENV}=fp8") and code == 1, problem
+    assert f"Drop {core.QUERY_FLAG}" in problem and core.QUERY_ENV not in problem.split(". ")[1], problem

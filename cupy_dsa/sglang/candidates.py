@@ -69,13 +69,11 @@ def sglang_topk_v2_enabled(arch: str | None) -> bool:
     return on and not (arch is not None and arch in ("sm_120", "sm_121"))
 
 
-# index_topk of the DeepSeek-V4 models fp8-rescore serves (their configs' index_topk)
-MODEL_INDEX_TOPK = {"V4-Flash": 512, "V4-Pro": 1024}
-
-
 def check_text(settings, arch: str | None) -> str:
     """What ``check`` says of the candidates: the select each model gets with these fp8-rescore ``settings``
     (``modes.RescoreSettings``) under SGLang's default top-k backend on ``arch`` (None: no GPU visible)."""
+    from .modes import MODEL_INDEX_TOPK
+
     use_v2 = sglang_topk_v2_enabled(arch)
     parts = []
     for model, index_topk in MODEL_INDEX_TOPK.items():

@@ -26,7 +26,8 @@ ENTRY_POINT_GROUP = "sglang.srt.plugins"
 ENTRY_POINT = "cupy_dsa.sglang.plugin:register"
 PLUGINS_FILTER = "SGLANG_PLUGINS"
 RUN_TESTED_ARCHS = ("sm_90",)                                # H200
-COMPILE_TESTED_ARCHS = ("sm_80", "sm_89", "sm_100", "sm_120")  # tests/test_compile.py
+# tests/test_compile.py: every declared config on the first five, the product configs (no spill, residency) on all
+COMPILE_TESTED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_100", "sm_103", "sm_120", "sm_121")
 
 OK, PROBLEM, NOTE = "ok", "PROBLEM", "note"
 
@@ -55,9 +56,10 @@ def _loader_lines() -> list[tuple[str, str]]:
     return lines
 
 
-def _mode_lines(flag: str | None = None) -> tuple[str | None, list[tuple[str, str]]]:
+def _mode_lines(flag: str | None = None, query_flag: str | None = None) -> tuple[str | None, list[tuple[str, str]]]:
     """(mode, lines); mode None when the variable's value is refused, or disagrees with ``flag`` (the mode the
-    server gets from --cupy-dsa-index-k-dtype or its --config YAML key: ``check --mode``)."""
+    server gets from --cupy-dsa-index-k-dtype or its --config YAML key: ``check --mode``). ``query_flag``: the query
+    ``check --query`` gave (a refusal then names the flag, not the variable)."""
     from . import hooks
 
     raw = os.environ.get(ENV_NAME)
@@ -75,7 +77,7 @@ def _mode_lines(flag: str | None = None) -> tuple[str | None, list[tuple[str, st
         if not (raw and raw.strip()):
             raw = flag  # what the flag sets in the launcher before the schedulers start
         mode = flag
-    problem = core.settings_problem(mode)
+    problem = core.settings_problem(mode, f"{core.QUERY_FLAG} {query_flag} (--query)" if query_flag else None)
     if problem:
         return None, [(PROBLEM, f"{problem}. SGLang start-up is refused with this setting.")]
     source = f" (from {CLI_FLAG} {flag}, --mode)" if flag is not None else ""
@@ -89,9 +91,11 @@ def _mode_lines(flag: str | None = None) -> tuple[str | None, list[tuple[str, st
         text = f"{ENV_NAME}={raw}{source} -> {mode}: {rec.keys} ({rec.bytes_per_entry} B per entry"
         text += f", {rec.key_numerics} key numerics)" if rec.cache_layout == "bf16" else ")"
         text += f"; {core.describe_query(mode, query)}"
+        lines = [(OK, text)]
         if rec.two_level:
-            text += f"; {core.rescore_settings_from_env().describe()}; {_candidates_text()}"
-        lines = [(OK, text), (OK, _budget_text()), (OK, _nonfinite_text())]
+            lines[0] = (OK, text + f"; {core.rescore_settings_from_env().describe()}; {_candidates_text()}")
+            lines += _k_prime_lines(core.rescore_settings_from_env())
+        lines += [(OK, _budget_text()), (OK, _nonfinite_text())]
     parser = argparse.ArgumentParser()
     hooks._add_cli_args_hook(None, parser)
     flag = [a for a in parser._actions if CLI_FLAG in a.option_strings]
@@ -130,6 +134,22 @@ def _nonfinite_text() -> str:
     return (f"non-finite index keys are counted at the store; {core.DEBUG_NONFINITE_ENV}="
             + ("1: each new one is logged after its store (a host sync per layer: for debugging)" if on else
                "0 (default): set it to 1 to log them after each store (a host sync per layer)"))
+
+
+def _k_prime_lines(settings) -> list[tuple[str, str]]:
+    """K' as a count against the DeepSeek-V4 models' index_topk (start-up refuses a K' below the served model's;
+    ``check`` does not know which model the server loads, so it says which models take the count)."""
+    if settings.count is None:
+        return []
+    needs = ", ".join(f"{name} {topk}" for name, topk in core.MODEL_INDEX_TOPK.items())
+    refused = [name for name, topk in core.MODEL_INDEX_TOPK.items() if settings.k_prime_problem(topk)]
+    if not refused:
+        return [(OK, f"{core.RESCORE_KPRIME_ENV}={settings.count}: at least every DeepSeek-V4 model's index_topk "
+                     f"({needs})")]
+    status = PROBLEM if len(refused) == len(core.MODEL_INDEX_TOPK) else NOTE
+    return [(status, f"{core.RESCORE_KPRIME_ENV}={settings.count}: K' must be at least the model's index_topk "
+                     f"({needs}); start-up refuses it with {' and '.join(refused)}. Use a multiple such as 4x (the "
+                     f"default), or a count of at least {max(core.MODEL_INDEX_TOPK[n] for n in refused)}")]
 
 
 def _sglang_lines(mode: str | None) -> list[tuple[str, str]]:
@@ -288,6 +308,14 @@ def run(flag: str | None = None, query: str | None = None) -> tuple[int, list[tu
     query set by ``--cupy-dsa-index-q`` or its YAML key (``check --query``)."""
     lines = _loader_lines()
     raw_query = os.environ.get(core.QUERY_ENV)
+    try:
+        core.parse_query(raw_query)
+    except ValueError as e:   # an invalid variable: the server would refuse it, whatever --query says
+        lines.append((PROBLEM, f"{e}. SGLang start-up is refused with this value: set {core.QUERY_ENV} to one of "
+                               f"{', '.join(core.QUERY_CHOICES)}, or unset it."))
+        with core.env_vars({core.QUERY_ENV: None}):
+            lines += _sglang_lines(None) + _gpu_lines(None)
+        return 1, lines
     if query is not None and raw_query and raw_query.strip() and core.parse_query(raw_query) != core.parse_query(query):
         lines.append((PROBLEM, f"{core.QUERY_FLAG} {query} (--query) and {core.QUERY_ENV}={raw_query} differ: SGLang "
                                f"start-up is refused with both values named. Unset {core.QUERY_ENV} or make the two "
@@ -296,7 +324,8 @@ def run(flag: str | None = None, query: str | None = None) -> tuple[int, list[tu
     else:
         # what the flag sets in the launcher before the schedulers start
         with core.env_vars({core.QUERY_ENV: raw_query if query is None else query}):
-            mode, mode_lines = _mode_lines(flag)
+            mode, mode_lines = _mode_lines(flag, query if query is not None and not (raw_query or "").strip()
+                                           else None)
     lines += mode_lines
     lines += _sglang_lines(mode)
     with core.env_vars({core.QUERY_ENV: query if query is not None and mode is not None else raw_query}):

@@ -29,7 +29,8 @@ from .modes import (  # noqa: F401
     describe, QUERY_TEXT, parse_query, query_of, index_query, describe_query, RescoreSettings, parse_stage1,
     parse_k_prime, parse_rescore_settings, rescore_settings_from_env, rescore_settings, settings_problem,
     pd_layout_tag, pd_layout_hint, LOGITS_BUDGET_ENV, DEFAULT_LOGITS_BUDGET_MIB, DEBUG_NONFINITE_ENV,
-    HOOKED_SETTING_ENVS, parse_logits_budget_mib, logits_budget_bytes, parse_debug_nonfinite, debug_nonfinite
+    HOOKED_SETTING_ENVS, parse_logits_budget_mib, logits_budget_bytes, parse_debug_nonfinite, debug_nonfinite,
+    RENAMED_ENVS, MODEL_INDEX_TOPK
 )
 
 logger = logging.getLogger(__name__)

@@ -391,9 +391,9 @@ def validate_config(server_args, previous) -> None:
 
     index_topk = model_index_topk(server_args) if core.record(mode).two_level else None
     reasons = refusal_reasons(resolving_view(server_args), mode, index_topk)
-    if reasons:
-        raise ValueError(f"cupy_dsa ({ENV_NAME}={mode}, {core.describe(mode)}) cannot run with this "
-                         "configuration:\n  - " + "\n  - ".join(reasons))
+    if reasons:   # a SystemExit as every start-up refusal: one message, no traceback
+        raise StartupRefused(f"cupy_dsa ({ENV_NAME}={mode}, {core.describe(mode)}) cannot run with this "
+                             "configuration:\n  - " + "\n  - ".join(reasons) + f"\nRefusing to start. {off_hint()}")
     # No environment is written: SGLang's fp8-only non-paged prefill reader is reached only from SGLang's
     # own forward_c4_indexer body, which the H3 hook does not call while the switch is on.
 

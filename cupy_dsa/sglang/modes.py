@@ -34,6 +34,12 @@ STAGE1_CHOICES = ("sglang", "cupy")
 DEFAULT_STAGE1 = "sglang"
 DEFAULT_KPRIME = "4x"
 RESCORE_ENVS = (RESCORE_STAGE1_ENV, RESCORE_KPRIME_ENV)
+# settings that were renamed: set, they are refused with the new name (never silently ignored: the old fp8-rescore
+# stage-2 query variable set to fp8 would otherwise run stage 2 with the bf16 query)
+RENAMED_ENVS = {"SGLANG_CUPY_DSA_RESCORE_Q": (QUERY_ENV, QUERY_FLAG, "fp8-rescore's stage-2 query is the query "
+                                                                     "setting now")}
+# index_topk of the DeepSeek-V4 models (their HF config.json): fp8-rescore's K' as a count must reach it
+MODEL_INDEX_TOPK = {"DeepSeek-V4-Flash": 512, "DeepSeek-V4-Pro": 1024}
 
 # Settings of every hooked mode. The logits budget: without SGLang's row chunks (it plans them only on its DeepGEMM
 # route; SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1, sm_120's default, plans none) an eager prefill's fp32 logits are
@@ -263,9 +269,9 @@ def parse_query(value) -> str | None:
                          f"fp8: {QUERY_TEXT['fp8']}; bf16: {QUERY_TEXT['bf16']}")
 
 
-def query_of(mode: str, value=None) -> str:
+def query_of(mode: str, value=None, source: str | None = None) -> str:
     """The query a mode runs with the setting ``value`` (unset: the mode's default); ValueError for a value the
-    mode does not take."""
+    mode does not take, naming where it was set: ``source`` (e.g. the server flag) or :data:`QUERY_ENV`."""
     rec = MODE_RECORDS[mode]
     q = parse_query(value)
     if q is None:
@@ -274,8 +280,9 @@ def query_of(mode: str, value=None) -> str:
         why = ("the switch is off: SGLang's own kernels score its fp8 q" if not rec.hooked else
                f"its query ({rec.query}) is part of the mode")
         settable = ", ".join(m.name for m in _MODE_LIST if m.query_settable)
-        raise ValueError(f"{QUERY_ENV}={value!r} set with {ENV_NAME}={mode}: {why}. Unset {QUERY_ENV}, or set "
-                         f"{ENV_NAME} to one of {settable}")
+        where, drop = (f"{QUERY_ENV}={value!r}", f"Unset {QUERY_ENV}") if source is None else \
+            (source, f"Drop {source.split()[0]}")
+        raise ValueError(f"{where} set with {ENV_NAME}={mode}: {why}. {drop}, or set {ENV_NAME} to one of {settable}")
     return q
 
 
@@ -392,12 +399,18 @@ def debug_nonfinite() -> bool:
     return parse_debug_nonfinite(os.environ.get(DEBUG_NONFINITE_ENV))
 
 
-def settings_problem(mode: str) -> str | None:
+def settings_problem(mode: str, query_source: str | None = None) -> str | None:
     """Why the query setting or fp8-rescore's settings cannot be used with ``mode`` (an invalid value, or a value set
     for a mode that does not take it: refused, never ignored, the switch off included), else None. K' against the
-    model's index_topk is checked at the launcher's resolution step (``hooks.validate_config``)."""
+    model's index_topk is checked at the launcher's resolution step (``hooks.validate_config``). A renamed setting
+    is refused in every mode, naming the setting that replaced it."""
+    for old, (new, new_flag, why) in RENAMED_ENVS.items():
+        value = (os.environ.get(old) or "").strip()
+        if value:
+            return (f"{old}={value!r} was renamed: {why}. Unset {old} and set {new}={value} (or the server flag "
+                    f"{new_flag} {value}); {new} accepts {', '.join(QUERY_CHOICES)}")
     try:
-        query_of(mode, os.environ.get(QUERY_ENV))
+        query_of(mode, os.environ.get(QUERY_ENV), query_source)
         logits_budget_bytes()
         debug_nonfinite()
     except ValueError as e:

@@ -102,11 +102,14 @@ def assert_resolution_leaves_environment(**fields):
 
 
 def resolution_refusal(what, **fields):
-    """The message of the ValueError the resolution step raises on ``fields`` (``what`` names who accepted them
-    otherwise)."""
+    """The message of the start-up refusal (a SystemExit, no traceback: every refusal reads the same way) the
+    resolution step raises on ``fields`` (``what`` names who accepted them otherwise)."""
+    from cupy_dsa.sglang.core import StartupRefused
+
     try:
         run_resolution(**fields)
-    except ValueError as e:
+    except StartupRefused as e:
+        assert "Refusing to start" in str(e), str(e)
         return str(e)
     except (TypeError, AssertionError) as e:  # a field this SGLang validates before the hook
         raise AssertionError(f"{fields}: {e}") from e

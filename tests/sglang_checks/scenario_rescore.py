@@ -812,7 +812,7 @@ def scenario_rescore():
             with settings_env(kprime=kprime):
                 try:
                     run_resolution(index_topk=topk)
-                except ValueError as e:
+                except StartupRefused as e:   # a clean exit, as the settings refusals (it was a ValueError)
                     assert refused and f"{KPRIME}={kprime}: K' must be at least index_topk ({topk})" in str(e), str(e)
                     assert "the model's index_topk is" in str(e), str(e)
                 else:
