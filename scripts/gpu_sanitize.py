@@ -247,17 +247,6 @@ def _poisoned(rows, width, seed):
     return x
 
 
-class _AsSm120:
-    """runtime with sm_120 reported: the ops pick sm_120's configs (compiled for this GPU)."""
-
-    def __getattr__(self, name):
-        return getattr(runtime, name)
-
-    @staticmethod
-    def device_arch(device_index):
-        return "sm_120"
-
-
 def run_nonfinite():
     """Non-finite inputs (issue 49): kv rows with NaN / +-inf through every store layout (the non-finite counter's
     atomics), and paged_topk and fp8-rescore's selects (decode and prefill) on logits full of NaN / +-inf and on
@@ -276,7 +265,7 @@ def run_nonfinite():
         n += 1
     hi, lo = cache, lo   # the fp8 pair: some keys non-finite
     modules = (logits, rescore, topk)
-    for arch_runtime in (runtime, _AsSm120()):
+    for arch_runtime in (runtime, runtime.ReportedArch("sm_120")):
         saved = [m.runtime for m in modules]
         for m in modules:
             m.runtime = arch_runtime

@@ -16,6 +16,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(params=["native", "sm_120"])
+def forced_arch(request, monkeypatch):
+    """The configs the ops launch: this GPU's, or sm_120's (the RTX PRO 6000 class, sized for its 100 KB of shared
+    memory per SM) forced on it, compiled for this GPU: the logits, the top-k and the rescoring select as on sm_120."""
+    if request.param == "sm_120":
+        from cupy_dsa import logits, rescore, runtime, topk
+
+        for module in (logits, rescore, topk):
+            monkeypatch.setattr(module, "runtime", runtime.ReportedArch("sm_120"))
+    return request.param
+
+
 @pytest.fixture
 def seed():
     """A fresh seed per test run (printed on failure), overridable with CUPY_DSA_SEED."""

@@ -357,8 +357,11 @@ def test_the_contract_check_catches_an_index_outside_its_row():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_paged_topk_reference_keeps_indices_inside_rows(seed):
+@pytest.mark.parametrize("op", ["paged_topk_reference", "the plugin's torch top-k"])
+def test_cpu_topks_keep_indices_inside_rows(op, seed):
+    """cupy_dsa's top-k reference and the plugin's torch top-k (core.topk_page_indices) on poisoned logits."""
     from cupy_dsa import topk
+    from cupy_dsa.sglang import core
 
     rows, width, k = 9, 640, 64
     logits = _poisoned_logits(rows, width, seed)
@@ -366,23 +369,14 @@ def test_paged_topk_reference_keeps_indices_inside_rows(seed):
     lens = torch.randint(0, width + 1, (rows,), generator=g, dtype=torch.int32)
     lens[2], lens[3] = 0, k   # an empty row and a trivial one
     page_table = torch.randint(0, 50, (rows, width // 64), generator=g, dtype=torch.int32)
-    out = topk.paged_topk_reference(logits, lens, page_table, k, raw_indices=True)
-    assert_inside_rows(out.page_indices, out.raw_indices, torch.zeros(rows), lens, page_table)
-    full = (lens > k).nonzero().flatten()
-    assert ((out.raw_indices[full] >= 0).sum(1) == k).all()   # a full row still selects k keys, NaN or not
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_plugin_topk_helper_keeps_indices_inside_rows(seed):
-    from cupy_dsa.sglang import core
-
-    rows, width, k = 7, 512, 64
-    logits = _poisoned_logits(rows, width, seed)
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(0, width + 1, (rows,), generator=g, dtype=torch.int32)
-    page_table = torch.randint(0, 50, (rows, width // 64), generator=g, dtype=torch.int32)
-    page_idx, raw = core.topk_page_indices(logits, lens, page_table, k)
+    if op == "paged_topk_reference":
+        out = topk.paged_topk_reference(logits, lens, page_table, k, raw_indices=True)
+        page_idx, raw = out.page_indices, out.raw_indices
+    else:
+        page_idx, raw = core.topk_page_indices(logits, lens, page_table, k)
     assert_inside_rows(page_idx, raw, torch.zeros(rows), lens, page_table)
+    full = (lens > k).nonzero().flatten()
+    assert ((raw[full] >= 0).sum(1) == k).all()   # a full row still selects k keys, NaN or not
 
 
 def _two_level_case(n_pages, seed, poison_keys=True):
@@ -429,25 +423,6 @@ def test_rescore_reference_keeps_indices_inside_rows(seed):
 # GPU (the lead runs these): the kernels count as the reference, and the selects keep the contract on
 # non-finite logits with this GPU's configs and with sm_120's forced
 # --------------------------------------------------------------------------------------------------
-
-@pytest.fixture(params=["native", "sm_120"])
-def forced_arch(request, monkeypatch):
-    """The configs the selects launch: this GPU's, or sm_120's forced on it (compiled for this GPU)."""
-    if request.param == "sm_120":
-        from cupy_dsa import logits, rescore, runtime, topk
-
-        class AsSm120:
-            def __getattr__(self, name):
-                return getattr(runtime, name)
-
-            @staticmethod
-            def device_arch(device_index):
-                return "sm_120"
-
-        for module in (logits, rescore, topk):
-            monkeypatch.setattr(module, "runtime", AsSm120())
-    return request.param
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout,numerics", [("bf16", "exact"), ("bf16", "fp4sim"), ("fp8", "exact"),

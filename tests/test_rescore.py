@@ -584,27 +584,6 @@ def _query_pair(B, next_n, seed):
     return q8, (wf * s.reshape(B * next_n, 64)).contiguous(), qf.to(torch.bfloat16).contiguous(), wf
 
 
-@pytest.fixture(params=["native", "sm_120"])
-def stage1_arch(request, monkeypatch):
-    """The configs the ops launch: this GPU's, or sm_120's (the RTX PRO 6000 class: the mma.sync family sized for
-    its 100 KB of shared memory per SM) forced on it: stage 1's logits and the rescoring kernels select as on
-    sm_120, compiled for this GPU."""
-    if request.param == "sm_120":
-        from cupy_dsa import logits, runtime
-
-        class AsSm120:
-            def __getattr__(self, name):
-                return getattr(runtime, name)
-
-            @staticmethod
-            def device_arch(device_index):
-                return "sm_120"
-
-        for module in (logits, rescore):
-            monkeypatch.setattr(module, "runtime", AsSm120())
-    return request.param
-
-
 def _gpu_case(B, n, seed):
     """_case with two block-table entries that are not pages of the caches (-1, and one past them)."""
     k, hi, lo, table = _case(B, n, seed=seed % 100000)
@@ -705,7 +684,7 @@ def _decode_lens(B, next_n, n, two_d, seed):
 @pytest.mark.parametrize("next_n", [1, 2, 3, 4])
 @pytest.mark.parametrize("lens_2d", [False, True])
 @pytest.mark.parametrize("stage2", ["stage-1 q", "bf16 q"])
-def test_gpu_rescore_topk_vs_reference(seed, next_n, lens_2d, stage2, stage1_arch):
+def test_gpu_rescore_topk_vs_reference(seed, next_n, lens_2d, stage2, forced_arch):
     """Decode / verify: the op with its own stage 1 equals the op given the same logits; both agree with the
     reference on those logits (exactly for rows that see <= index_topk keys, up to stage-2 near-ties else)."""
     B, n, K, KP = 4, 1024, 64, 256
@@ -752,7 +731,7 @@ def test_gpu_rescore_topk_bf16_stage1_and_small_tables(seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("next_n", [1, 2])
-def test_gpu_given_candidates_select_as_the_own_select(seed, next_n, stage1_arch):
+def test_gpu_given_candidates_select_as_the_own_select(seed, next_n, forced_arch):
     """Candidates handed in by the caller (SGLang's top-k at k = K': arrival order, -1 padded) give the
     selection of cupy_dsa's own candidates, bit for bit, and the reference's up to near-ties."""
     B, n, K, KP = 4, 1536, 64, 256
@@ -797,7 +776,7 @@ def test_gpu_given_logits_with_junk_past_the_lengths(seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("per_row,ctas", [(False, None), (True, 1), (True, 4), (True, 8)],
                          ids=["column chunks", "one CTA per row", "4-CTA clusters", "8-CTA clusters"])
-def test_gpu_long_rows_select_over_column_chunks(seed, stage1_arch, per_row, ctas, monkeypatch):
+def test_gpu_long_rows_select_over_column_chunks(seed, forced_arch, per_row, ctas, monkeypatch):
     """Rows of thousands of keys, past the shared-memory cache: by column chunks (the candidates' first digit
     counted by several CTAs per row, the boundary bin collected by atomics), by one CTA per row (every radix
     pass reading the row again) and by a cluster of CTAs per row (sm_90+; one CTA elsewhere: each CTA a slice, the
@@ -841,7 +820,7 @@ def _prefill_case(seed, varlen):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("varlen", [False, True])
-def test_gpu_rescore_topk_prefill_vs_reference(seed, varlen, stage1_arch):
+def test_gpu_rescore_topk_prefill_vs_reference(seed, varlen, forced_arch):
     K, KP = 64, 256
     q, w, hi, lo, ks, ke, bt, cu = _prefill_case(seed, varlen)
     d = _cuda(q, w, hi, lo, ks, ke, bt)
