@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .contracts import check_int
+from .contracts import check_device, check_dtype, check_int
 
 PAGE_SLOTS = 64
 HEAD_DIM = 128
@@ -119,3 +119,120 @@ def fp8_quantize_reference(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     inv = 1.0 / scale
     v = (k * inv[:, None]).clamp(-FP8_MAX, FP8_MAX)
     return v.to(torch.float8_e4m3fn).view(torch.uint8), scale
+
+
+# --------------------------------------------------------------------------------------------------
+# fp8-rescore's two-level page pair: SGLang's fp8 page ("hi") and an int8 residual page ("lo") in the fp8 page
+# geometry (the encoding and why: cupy_dsa.rescore's docstring)
+# --------------------------------------------------------------------------------------------------
+
+LO_MAX = 127
+LO_BYTES_PER_TOKEN = HEAD_DIM + 4                    # 132: int8 codes + fp32 scale
+TWO_LEVEL_BYTES_PER_TOKEN = 2 * LO_BYTES_PER_TOKEN   # 264: hi (SGLang's fp8) + lo
+LO_PAGE_BYTES = FP8_PAGE_BYTES                       # 8448, the fp8 page geometry
+
+
+def _check_two_level_keys(k):
+    check_dtype("k", k, (torch.float32, torch.bfloat16))
+    if k.dim() != 2 or k.shape[1] != HEAD_DIM:
+        raise ValueError(f"k: expected shape [N, {HEAD_DIM}], got {tuple(k.shape)}")
+
+
+def residual_encode_reference(k: torch.Tensor):
+    """Two-level encoding of rotated keys ``k`` (float32/bfloat16 ``[N, 128]``: what the store quantizes).
+
+    Returns ``(hi uint8 [N, 128] e4m3 codes, hi_scale float32 [N], lo int8 [N, 128], lo_scale float32 [N])``; the
+    hi codes and scales are :func:`cupy_dsa.layouts.fp8_quantize_reference`'s (SGLang's fp8 bytes)."""
+    _check_two_level_keys(k)
+    kf = k.to(torch.float32)
+    hi, hi_scale = fp8_quantize_reference(kf)
+    r = kf - hi.view(torch.float8_e4m3fn).float() * hi_scale[:, None]
+    # a key holding a NaN or an infinity has no residual scale: zero codes, NaN scale (the store kernel's rule;
+    # otherwise the int8 conversion of a NaN code would be undefined)
+    finite = torch.isfinite(r).all(dim=-1)
+    amax = r.abs().amax(dim=-1)
+    # true divisions (a full tensor: torch on CUDA turns division by a Python scalar into a reciprocal multiply)
+    lo_scale = torch.where(amax > 0, amax / torch.full_like(amax, LO_MAX), torch.ones_like(amax))
+    lo_scale = torch.where(finite, lo_scale, torch.full_like(lo_scale, float("nan")))
+    codes = torch.round(r / lo_scale[:, None]).clamp_(-LO_MAX, LO_MAX)
+    lo = torch.where(finite[:, None], codes, torch.zeros_like(codes)).to(torch.int8)
+    return hi, hi_scale, lo, lo_scale
+
+
+def two_level_dequant_reference(hi, hi_scale, lo, lo_scale) -> torch.Tensor:
+    """``k_hat`` float32 ``[N, 128]`` = ``e4m3(hi) * hi_scale + lo * lo_scale`` (cupy_dsa.rescore's docstring)."""
+    check_dtype("hi", hi, (torch.uint8, torch.float8_e4m3fn))
+    if hi.dim() != 2 or hi.shape[1] != HEAD_DIM:
+        raise ValueError(f"hi: expected shape [N, {HEAD_DIM}], got {tuple(hi.shape)}")
+    n = hi.shape[0]
+    check_dtype("hi_scale", hi_scale, (torch.float32,))
+    if tuple(hi_scale.shape) != (n,):
+        raise ValueError(f"hi_scale: expected shape ({n},) (N of hi), got {tuple(hi_scale.shape)}")
+    check_dtype("lo", lo, (torch.int8,))
+    if tuple(lo.shape) != (n, HEAD_DIM):
+        raise ValueError(f"lo: expected shape ({n}, {HEAD_DIM}) (as hi), got {tuple(lo.shape)}")
+    check_dtype("lo_scale", lo_scale, (torch.float32,))
+    if tuple(lo_scale.shape) != (n,):
+        raise ValueError(f"lo_scale: expected shape ({n},) (N of hi), got {tuple(lo_scale.shape)}")
+    for name, t in (("hi_scale", hi_scale), ("lo", lo), ("lo_scale", lo_scale)):
+        check_device(name, t, hi.device, "hi")
+    h = hi.view(torch.float8_e4m3fn).float() * hi_scale[:, None]
+    return h + lo.float() * lo_scale[:, None]
+
+
+def empty_lo_cache(num_pages: int, device="cpu") -> torch.Tensor:
+    """A zeroed lo cache ``uint8 [num_pages, 8448]`` (the fp8 page geometry, int8 codes)."""
+    num_pages = check_int("num_pages", num_pages)
+    return torch.zeros(num_pages, LO_PAGE_BYTES, dtype=torch.uint8, device=device)
+
+
+def lo_views(lo_cache: torch.Tensor):
+    """``(codes int8 [P, 64, 128], scales float32 [P, 64])`` views of a lo cache."""
+    values, scales = fp8_views(lo_cache)
+    return values.view(torch.int8), scales
+
+
+def check_two_level_pair(hi_cache, lo_cache, device=None):
+    """The checks of an fp8-rescore page pair: SGLang's fp8 hi cache and its lo cache of the same shape (on ``device``
+    when given, else on hi's)."""
+    if not isinstance(hi_cache, torch.Tensor):
+        raise TypeError(f"hi_cache: expected a torch.Tensor, got {type(hi_cache).__name__}")
+    if layout_of(hi_cache, "hi_cache") != "fp8":
+        raise ValueError(f"hi_cache: expected SGLang's fp8 layout (uint8 [P, 8448] or [P, 64, 1, 132]), got "
+                         f"{hi_cache.dtype} {tuple(hi_cache.shape)}")
+    if not isinstance(lo_cache, torch.Tensor):
+        raise TypeError(f"lo_cache: expected a torch.Tensor, got {type(lo_cache).__name__}")
+    check_dtype("lo_cache", lo_cache, (torch.uint8,))
+    if lo_cache.shape != hi_cache.shape:
+        raise ValueError(f"lo_cache: expected the shape of hi_cache {tuple(hi_cache.shape)}, got "
+                         f"{tuple(lo_cache.shape)}")
+    for name, t in (("hi_cache", hi_cache), ("lo_cache", lo_cache)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+        if device is not None:
+            check_device(name, t, device, "q")
+    if device is None:
+        check_device("lo_cache", lo_cache, hi_cache.device, "hi_cache")
+
+
+def store_two_level_reference(k: torch.Tensor, hi_cache: torch.Tensor, lo_cache: torch.Tensor,
+                              out_loc: torch.Tensor) -> None:
+    """Write rotated keys ``k [N, 128]`` at ``out_loc`` (int32/int64 ``[N]``, ``page * 64 + slot``) into the hi
+    (fp8 layout) and lo caches; rows with ``out_loc < 0`` or a page past the caches are skipped."""
+    _check_two_level_keys(k)
+    check_two_level_pair(hi_cache, lo_cache)
+    check_device("k", k, hi_cache.device, "hi_cache")
+    check_dtype("out_loc", out_loc, (torch.int32, torch.int64))
+    if tuple(out_loc.shape) != (k.shape[0],):
+        raise ValueError(f"out_loc: expected shape ({k.shape[0]},) (N of k), got {tuple(out_loc.shape)}")
+    hi_rows, lo_rows = as_page_rows(hi_cache, "hi_cache"), lo_cache.view(hi_cache.shape[0], LO_PAGE_BYTES)
+    num_pages = hi_rows.shape[0]
+    loc = out_loc.to(torch.int64).to(k.device)
+    ok = ((loc >= 0) & ((loc >> 6) < num_pages)).nonzero().flatten()
+    if ok.numel() == 0:
+        return
+    hi, hi_scale, lo, lo_scale = residual_encode_reference(k[ok])
+    page, slot = loc[ok] >> 6, loc[ok] & (PAGE_SLOTS - 1)
+    for rows, codes, scales in ((hi_rows, hi, hi_scale), (lo_rows, lo.view(torch.uint8), lo_scale)):
+        rows[:, :FP8_SCALE_OFFSET].view(num_pages, PAGE_SLOTS, HEAD_DIM)[page, slot] = codes
+        rows[:, FP8_SCALE_OFFSET:].view(torch.float32)[page, slot] = scales

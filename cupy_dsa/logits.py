@@ -48,7 +48,7 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _device_info(index: int) -> tuple[int, int]:
+def device_info(index: int) -> tuple[int, int]:
     props = torch.cuda.get_device_properties(index)
     optin = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
     return props.multi_processor_count, optin
@@ -85,7 +85,7 @@ def _alloc_out(out, rows, width, device):
     return out
 
 
-def _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len):
+def check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len):
     check_dtype("q", q, _Q_DTYPES)
     if q.dim() != 4 or q.shape[2] != N_HEADS or q.shape[3] != HEAD_DIM or not 1 <= q.shape[1] <= MAX_NEXT_N:
         raise ValueError(f"q: expected shape [B, next_n, {N_HEADS}, {HEAD_DIM}] with next_n an int in "
@@ -170,7 +170,7 @@ def _check_plan_args(context_lens, next_n, out):
     return B, next_n
 
 
-def _check_prefill(q, kv, weights, ks, ke, block_table, max_seqlen_k, rows, cu_rows=None):
+def check_prefill(q, kv, weights, ks, ke, block_table, max_seqlen_k, rows, cu_rows=None):
     """Host checks of a prefill call; returns (layout, block table, num_keys, width, start, end, cu_rows): the
     block table is 1-D for one request, 2-D [batch, max_pages] with ``cu_rows`` (varlen)."""
     check_dtype("q", q, _Q_DTYPES)
@@ -278,7 +278,7 @@ def _check_cu_rows(cu_rows, T, device):
 # --------------------------------------------------------------------------------------------------
 
 _REF_KEY_CHUNK = 4096
-_REF_ROW_CHUNK = 64
+REF_ROW_CHUNK = 64
 
 
 def _key_source(layout, kv):
@@ -313,7 +313,7 @@ def paged_mqa_logits_reference(q, kv_cache, weights, context_lens, block_table, 
     """Torch reference of :func:`paged_mqa_logits` (any device; writes -inf to every masked column; a
     ``plan`` is checked, not needed)."""
     clean_logits = check_bool("clean_logits", clean_logits)
-    layout, B, next_n, width = _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len)
+    layout, B, next_n, width = check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len)
     if plan is not None:
         _check_plan(plan, B, q.device)
         _check_plan_next_n(plan, next_n)
@@ -354,7 +354,7 @@ def mqa_logits_reference(q, kv, weights, ks, ke, *, block_table=None, cu_rows=No
     """Torch reference of :func:`mqa_logits` (any device; writes -inf to every masked column, and to the rows
     of no request of ``cu_rows``; a ``plan`` is checked, not needed)."""
     clean_logits = check_bool("clean_logits", clean_logits)
-    layout, bt, num_keys, width, start, end, cu_rows = _check_prefill(q, kv, weights, ks, ke, block_table,
+    layout, bt, num_keys, width, start, end, cu_rows = check_prefill(q, kv, weights, ks, ke, block_table,
                                                                       max_seqlen_k, rows, cu_rows)
     if plan is not None:
         _check_varlen_plan(plan, cu_rows, q.device)
@@ -371,8 +371,8 @@ def mqa_logits_reference(q, kv, weights, ks, ke, *, block_table=None, cu_rows=No
 
     def fill(bt, lo_row, hi_row):
         """Rows [lo_row, hi_row) of one request (block table ``bt``) into out."""
-        for r0 in range(lo_row, hi_row, _REF_ROW_CHUNK):
-            r1 = min(hi_row, r0 + _REF_ROW_CHUNK)
+        for r0 in range(lo_row, hi_row, REF_ROW_CHUNK):
+            r1 = min(hi_row, r0 + REF_ROW_CHUNK)
             lo = ks_l[r0:r1].clamp(0, num_keys)
             hi = torch.minimum(ke_l[r0:r1], torch.tensor(num_keys)).clamp_min(0)
             nonempty = hi > lo
@@ -452,7 +452,7 @@ def _one_wave(cfg, device) -> int:
     key = (device.index, cfg)
     grid = _DECODE_GRID.get(key)
     if grid is None:
-        n_sms, _ = _device_info(device.index)
+        n_sms, _ = device_info(device.index)
         per_sm = cfg.resident_ctas_per_sm(device.index)
         cap = cfg.values.get("ctas_per_sm", 0)
         grid = _DECODE_GRID[key] = n_sms * (min(per_sm, cap) if cap else per_sm)
@@ -478,7 +478,7 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_contex
     if not q.is_cuda:
         return paged_mqa_logits_reference(q, kv_cache, weights, context_lens, block_table, max_context_len,
                                           clean_logits=clean_logits, out=out, plan=plan)
-    layout, B, next_n, width = _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len)
+    layout, B, next_n, width = check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len)
     if plan is not None:
         _check_plan(plan, B, q.device)
         _check_plan_next_n(plan, next_n)
@@ -604,7 +604,7 @@ def mqa_logits(q, kv, weights, ks, ke, *, block_table=None, cu_rows=None, plan=N
     if not q.is_cuda:
         return mqa_logits_reference(q, kv, weights, ks, ke, block_table=block_table, cu_rows=cu_rows, plan=plan,
                                     max_seqlen_k=max_seqlen_k, clean_logits=clean_logits, rows=rows, out=out)
-    layout, bt, num_keys, width, start, end, cu_rows = _check_prefill(q, kv, weights, ks, ke, block_table,
+    layout, bt, num_keys, width, start, end, cu_rows = check_prefill(q, kv, weights, ks, ke, block_table,
                                                                       max_seqlen_k, rows, cu_rows)
     varlen = cu_rows is not None
     if plan is not None:
@@ -627,7 +627,7 @@ def mqa_logits(q, kv, weights, ks, ke, *, block_table=None, cu_rows=None, plan=N
     problem = (layout, int(q.dtype == _FP8), int(varlen))
     arch = runtime.device_arch(q.device.index)
     cfg = PREFILL.select(problem, arch)
-    n_sms, optin = _device_info(q.device.index)
+    n_sms, optin = device_info(q.device.index)
     if cfg.smem > optin:
         raise ValueError(f"mqa_logits: {cfg} needs {cfg.smem} B of shared memory, the device has {optin} B")
     paged = layout != "contiguous"

@@ -91,18 +91,16 @@ from . import arch as arch_limits
 from . import launch, runtime
 from .contracts import check_aligned, check_bool, check_contiguous, check_device, check_dtype, check_int
 from .launch import I32, I64, PTR
+# the two-level page pair lives with the other layouts (cupy_dsa.layouts); re-exported here, its numerics above
+from .layouts import (LO_BYTES_PER_TOKEN, LO_MAX, LO_PAGE_BYTES, TWO_LEVEL_BYTES_PER_TOKEN, empty_lo_cache, lo_views,
+                      residual_encode_reference, store_two_level_reference, two_level_dequant_reference)
+from .layouts import check_two_level_pair as _check_pair
 from .layouts import (FP8_PAGE_BYTES, FP8_SCALE_OFFSET, HEAD_DIM, N_HEADS, PAGE_SLOTS, as_page_rows,
                       fp8_quantize_reference, fp8_views, layout_of)
-from .logits import (_check_paged, _check_prefill, _device_info, _REF_ROW_CHUNK, mqa_logits, mqa_logits_reference,
+from .logits import (check_paged, check_prefill, device_info, REF_ROW_CHUNK, mqa_logits, mqa_logits_reference,
                      paged_mqa_logits, paged_mqa_logits_reference)
 from .topk import (ROW_SELECT_PROBLEMS, SELECT_THREADS, SLICE_CACHE_KEYS, row_cache_keys, row_select_problem,
                    row_select_smem, row_select_values)
-
-LO_MAX = 127
-LO_BYTES_PER_TOKEN = HEAD_DIM + 4                    # 132: int8 codes + fp32 scale
-TWO_LEVEL_BYTES_PER_TOKEN = 2 * LO_BYTES_PER_TOKEN   # 264: hi (SGLang's fp8) + lo
-LO_PAGE_BYTES = FP8_PAGE_BYTES                       # 8448, the fp8 page geometry
-
 
 class RescoreTopK(NamedTuple):
     """int32 ``[rows, index_topk]`` each, -1 padded: ``page_indices`` (SGLang's form, ``page_table[r, i // 64] *
@@ -111,54 +109,6 @@ class RescoreTopK(NamedTuple):
     page_indices: torch.Tensor
     raw_indices: torch.Tensor
     fp8_rank: torch.Tensor
-
-
-def _check_keys(k):
-    check_dtype("k", k, (torch.float32, torch.bfloat16))
-    if k.dim() != 2 or k.shape[1] != HEAD_DIM:
-        raise ValueError(f"k: expected shape [N, {HEAD_DIM}], got {tuple(k.shape)}")
-
-
-def residual_encode_reference(k: torch.Tensor):
-    """Two-level encoding of rotated keys ``k`` (float32/bfloat16 ``[N, 128]``: what the store quantizes).
-
-    Returns ``(hi uint8 [N, 128] e4m3 codes, hi_scale float32 [N], lo int8 [N, 128], lo_scale float32 [N])``; the
-    hi codes and scales are :func:`cupy_dsa.layouts.fp8_quantize_reference`'s (SGLang's fp8 bytes)."""
-    _check_keys(k)
-    kf = k.to(torch.float32)
-    hi, hi_scale = fp8_quantize_reference(kf)
-    r = kf - hi.view(torch.float8_e4m3fn).float() * hi_scale[:, None]
-    # a key holding a NaN or an infinity has no residual scale: zero codes, NaN scale (the store kernel's rule;
-    # otherwise the int8 conversion of a NaN code would be undefined)
-    finite = torch.isfinite(r).all(dim=-1)
-    amax = r.abs().amax(dim=-1)
-    # true divisions (a full tensor: torch on CUDA turns division by a Python scalar into a reciprocal multiply)
-    lo_scale = torch.where(amax > 0, amax / torch.full_like(amax, LO_MAX), torch.ones_like(amax))
-    lo_scale = torch.where(finite, lo_scale, torch.full_like(lo_scale, float("nan")))
-    codes = torch.round(r / lo_scale[:, None]).clamp_(-LO_MAX, LO_MAX)
-    lo = torch.where(finite[:, None], codes, torch.zeros_like(codes)).to(torch.int8)
-    return hi, hi_scale, lo, lo_scale
-
-
-def two_level_dequant_reference(hi, hi_scale, lo, lo_scale) -> torch.Tensor:
-    """``k_hat`` float32 ``[N, 128]`` = ``e4m3(hi) * hi_scale + lo * lo_scale`` (see the module docstring)."""
-    check_dtype("hi", hi, (torch.uint8, torch.float8_e4m3fn))
-    if hi.dim() != 2 or hi.shape[1] != HEAD_DIM:
-        raise ValueError(f"hi: expected shape [N, {HEAD_DIM}], got {tuple(hi.shape)}")
-    n = hi.shape[0]
-    check_dtype("hi_scale", hi_scale, (torch.float32,))
-    if tuple(hi_scale.shape) != (n,):
-        raise ValueError(f"hi_scale: expected shape ({n},) (N of hi), got {tuple(hi_scale.shape)}")
-    check_dtype("lo", lo, (torch.int8,))
-    if tuple(lo.shape) != (n, HEAD_DIM):
-        raise ValueError(f"lo: expected shape ({n}, {HEAD_DIM}) (as hi), got {tuple(lo.shape)}")
-    check_dtype("lo_scale", lo_scale, (torch.float32,))
-    if tuple(lo_scale.shape) != (n,):
-        raise ValueError(f"lo_scale: expected shape ({n},) (N of hi), got {tuple(lo_scale.shape)}")
-    for name, t in (("hi_scale", hi_scale), ("lo", lo), ("lo_scale", lo_scale)):
-        check_device(name, t, hi.device, "hi")
-    h = hi.view(torch.float8_e4m3fn).float() * hi_scale[:, None]
-    return h + lo.float() * lo_scale[:, None]
 
 
 def combined_key_reference(hi, hi_scale, lo, lo_scale) -> torch.Tensor:
@@ -172,62 +122,6 @@ def combined_key_reference(hi, hi_scale, lo, lo_scale) -> torch.Tensor:
     ratio8 = torch.where(stored, lo_scale / torch.where(stored, hi_scale, torch.ones_like(hi_scale)),
                          torch.zeros_like(lo_scale)) * (2.0 ** -8)
     return (hi8 + lo.float() * ratio8[:, None]).to(torch.float16)
-
-
-def empty_lo_cache(num_pages: int, device="cpu") -> torch.Tensor:
-    """A zeroed lo cache ``uint8 [num_pages, 8448]`` (the fp8 page geometry, int8 codes)."""
-    num_pages = check_int("num_pages", num_pages)
-    return torch.zeros(num_pages, LO_PAGE_BYTES, dtype=torch.uint8, device=device)
-
-
-def lo_views(lo_cache: torch.Tensor):
-    """``(codes int8 [P, 64, 128], scales float32 [P, 64])`` views of a lo cache."""
-    values, scales = fp8_views(lo_cache)
-    return values.view(torch.int8), scales
-
-
-def _check_pair(hi_cache, lo_cache, device=None):
-    if not isinstance(hi_cache, torch.Tensor):
-        raise TypeError(f"hi_cache: expected a torch.Tensor, got {type(hi_cache).__name__}")
-    if layout_of(hi_cache, "hi_cache") != "fp8":
-        raise ValueError(f"hi_cache: expected SGLang's fp8 layout (uint8 [P, 8448] or [P, 64, 1, 132]), got "
-                         f"{hi_cache.dtype} {tuple(hi_cache.shape)}")
-    if not isinstance(lo_cache, torch.Tensor):
-        raise TypeError(f"lo_cache: expected a torch.Tensor, got {type(lo_cache).__name__}")
-    check_dtype("lo_cache", lo_cache, (torch.uint8,))
-    if lo_cache.shape != hi_cache.shape:
-        raise ValueError(f"lo_cache: expected the shape of hi_cache {tuple(hi_cache.shape)}, got "
-                         f"{tuple(lo_cache.shape)}")
-    for name, t in (("hi_cache", hi_cache), ("lo_cache", lo_cache)):
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
-        if device is not None:
-            check_device(name, t, device, "q")
-    if device is None:
-        check_device("lo_cache", lo_cache, hi_cache.device, "hi_cache")
-
-
-def store_two_level_reference(k: torch.Tensor, hi_cache: torch.Tensor, lo_cache: torch.Tensor,
-                              out_loc: torch.Tensor) -> None:
-    """Write rotated keys ``k [N, 128]`` at ``out_loc`` (int32/int64 ``[N]``, ``page * 64 + slot``) into the hi
-    (fp8 layout) and lo caches; rows with ``out_loc < 0`` or a page past the caches are skipped."""
-    _check_keys(k)
-    _check_pair(hi_cache, lo_cache)
-    check_device("k", k, hi_cache.device, "hi_cache")
-    check_dtype("out_loc", out_loc, (torch.int32, torch.int64))
-    if tuple(out_loc.shape) != (k.shape[0],):
-        raise ValueError(f"out_loc: expected shape ({k.shape[0]},) (N of k), got {tuple(out_loc.shape)}")
-    hi_rows, lo_rows = as_page_rows(hi_cache, "hi_cache"), lo_cache.view(hi_cache.shape[0], LO_PAGE_BYTES)
-    num_pages = hi_rows.shape[0]
-    loc = out_loc.to(torch.int64).to(k.device)
-    ok = ((loc >= 0) & ((loc >> 6) < num_pages)).nonzero().flatten()
-    if ok.numel() == 0:
-        return
-    hi, hi_scale, lo, lo_scale = residual_encode_reference(k[ok])
-    page, slot = loc[ok] >> 6, loc[ok] & (PAGE_SLOTS - 1)
-    for rows, codes, scales in ((hi_rows, hi, hi_scale), (lo_rows, lo.view(torch.uint8), lo_scale)):
-        rows[:, :FP8_SCALE_OFFSET].view(num_pages, PAGE_SLOTS, HEAD_DIM)[page, slot] = codes
-        rows[:, FP8_SCALE_OFFSET:].view(torch.float32)[page, slot] = scales
 
 
 # --------------------------------------------------------------------------------------------------
@@ -408,7 +302,7 @@ def _check_decode(q, weights, hi_cache, lo_cache, context_lens, block_table, ind
     """Checks of a decode / verify call; returns (B, next_n, index_topk, k_prime, stage-2 q [R, 64, 128], weights)."""
     _check_pair(hi_cache, lo_cache)
     try:
-        _check_paged(q, hi_cache, weights, context_lens, block_table, 0)
+        check_paged(q, hi_cache, weights, context_lens, block_table, 0)
     except ValueError as e:
         raise _renamed(e, "kv_cache:", "hi_cache:") from None
     _check_pair(hi_cache, lo_cache, q.device)
@@ -431,7 +325,7 @@ def _check_prefill_call(q, weights, hi_cache, lo_cache, ks, ke, block_table, ind
         raise ValueError("block_table: two-level keys are paged: expected int32 [num_pages] (one request) or "
                          "[batch, max_pages] with cu_rows")
     try:
-        _, bt, num_keys, _, _, _, cu_rows = _check_prefill(q, hi_cache, weights, ks, ke, block_table, 0, None, cu_rows)
+        _, bt, num_keys, _, _, _, cu_rows = check_prefill(q, hi_cache, weights, ks, ke, block_table, 0, None, cu_rows)
     except ValueError as e:
         raise _renamed(_renamed(e, "kv (paged cache):", "hi_cache:"), "kv:", "hi_cache:") from None
     _check_pair(hi_cache, lo_cache, q.device)
@@ -485,8 +379,8 @@ def _select_reference(stage1, lo, hi, bt_rows, q2, w2, hi_cache, lo_cache, index
     lo_d, hi_d = lo.to(dev), hi.to(dev)
     cols = torch.arange(L, device=dev)
     kp = min(k_prime, L) if candidates is None else candidates.shape[1]
-    for r0 in range(0, R, _REF_ROW_CHUNK):
-        r1 = min(R, r0 + _REF_ROW_CHUNK)
+    for r0 in range(0, R, REF_ROW_CHUNK):
+        r1 = min(R, r0 + REF_ROW_CHUNK)
         lo_r, hi_r = lo_d[r0:r1, None], hi_d[r0:r1, None]
         seen = (cols[None, :] >= lo_r) & (cols[None, :] < hi_r)
         s1 = stage1[r0:r1, :L].masked_fill(~seen, float("-inf"))
@@ -740,7 +634,7 @@ def _stage2(q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt_width, rows, 
     resident CTAs (a CTA stages q once and keeps its ring full over several tiles per warp), chunks a multiple
     of the CTA's step (16 candidates per warp)."""
     R, dev = q2.shape[0], q2.device
-    n_sms, _ = _device_info(dev.index)
+    n_sms, _ = device_info(dev.index)
     problem = ("stage2", int(q2.dtype == _FP8))
     cfg = RESCORE.select(problem, runtime.device_arch(dev.index))
     step = _TILE_CANDS * cfg.Warps
@@ -785,7 +679,7 @@ def _select(logits, rows, q2, w2, hi_cache, lo_cache, block_table, bt_stride, bt
                          f"2048), got {index_topk}")
     _check_aligned_caches(hi_cache, lo_cache)
     kp = max(1, min(k_prime, width)) if given is None else k_prime
-    n_sms, _ = _device_info(dev.index)
+    n_sms, _ = device_info(dev.index)
     logit_args = dict(logits=logits if width > 0 else None, logits_stride=logits.stride(0) if width > 0 else 0,
                       **rows)
     arch = runtime.device_arch(dev.index)

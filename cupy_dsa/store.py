@@ -30,7 +30,7 @@ from . import launch, runtime
 from .contracts import check_aligned, check_bool, check_contiguous, check_device, check_dtype, check_shape
 from .launch import F32, I32, I64, PTR
 from .layouts import FP8_SCALE_OFFSET, HEAD_DIM, PAGE_SLOTS, ROPE_DIM, as_page_rows, fp8_quantize_reference, layout_of
-from .rescore import store_two_level_reference
+from .layouts import store_two_level_reference
 
 # Template parameters of store_index_k<Layout, Numerics, Style, Hadamard, TIn, Source>; the index dtype
 # (int32/int64 positions or plan out_loc) is a run-time kernel argument. "two-level" = the fp8 page and its

@@ -26,7 +26,7 @@ from . import launch, runtime
 from .contracts import check_bool, check_contiguous, check_device, check_dtype, check_int
 from .launch import I32, I64, PTR
 from .layouts import PAGE_SLOTS
-from .logits import _device_info
+from .logits import device_info
 
 SELECT_THREADS = 512                 # the radix kernels' block (kSelectThreads in kernels/radix_select.cuh)
 LIST_CAP = 2048                      # keys of the k-th key's first-digit bin collected in shared memory (kListCap)
@@ -215,7 +215,7 @@ def paged_topk(logits, lens, page_table, index_topk, *, raw_indices=False) -> To
         return TopK(page_out, raw_out)
     width = min(logits.shape[1], page_table.shape[1] * PAGE_SLOTS)
     arch = runtime.device_arch(dev.index)
-    n_sms, _ = _device_info(dev.index)
+    n_sms, _ = device_info(dev.index)
     cfg = TOPK.select(row_select_problem(width, R, n_sms, arch), arch)
     cfg.launch(dev, (R * cfg.Cluster, 1, 1), logits=logits if width > 0 else None, logits_stride=logits.stride(0), width=width,
                lens=lens, page_table=page_table if page_table.shape[1] > 0 else None,
