@@ -57,6 +57,7 @@ import cupy_dsa
 from cupy_dsa import layouts, rescore
 
 from . import peers
+from .provenance import commit_label
 
 SCHEMA = "cupy-dsa-rescore/1"
 INDEX_TOPK = 512
@@ -644,7 +645,7 @@ def markdown(doc: dict) -> str:
     dg = FP8_DG in cols
     topk = doc.get("index_topk") or (doc["rows"][0].get("index_topk") if doc["rows"] else INDEX_TOPK)
     head = (f"{doc.get('device') or 'no GPU'}{', quick sizes' if doc.get('quick') else ''}, commit "
-            f"`{(doc.get('git_commit') or 'not recorded')[:12]}`: top-{topk} of each query row, time per call "
+            f"`{commit_label(doc)}`: top-{topk} of each query row, time per call "
             f"({', '.join(sorted({r['timing'] for r in doc['rows'] if r.get('timing')})) or 'timing method not recorded'})"
             f"{'' if dg else '; DeepGEMM: ' + str(doc.get('deepgemm') or 'not recorded')}.")
     if topk_run:

@@ -212,6 +212,8 @@ def _new_doc(dg=True):
 
 def test_rescore_markdown_new_and_old_results():
     new = rb.markdown(_new_doc())
+    # a run from a checkout with uncommitted changes keeps its mark (a cut at 12 characters dropped it)
+    assert "commit `abcdef123456-dirty`" in rb.markdown(dict(_new_doc(), git_commit="abcdef1234567-dirty"))
     assert ("| case | bf16 | fp8 | fp8 DeepGEMM | fp8-rescore | fp8-rescore (DeepGEMM stage 1) | fp8-rescore (DeepGEMM "
             "stage 1, SGLang v2 candidates) | stage 1 |") in new
     # fp8-rescore 40 us over fp8 DeepGEMM 30 us; the DeepGEMM stage-1 variant 50 us, with v2 candidates 60 us; per
