@@ -82,6 +82,8 @@ def run_of(doc: dict) -> Run | None:
         return Run(schema, f"emulating {doc.get('target')}", doc.get("device"), quick)
     if schema.startswith(("cupy-dsa-rescore/", "cupy-dsa-variants/")):
         return Run(schema, schema.split("-")[-1].split("/")[0], doc.get("device"), quick)
+    if schema.startswith("cupy-dsa-split-invariance/"):   # scripts/gpu_split_invariance.py (a --device cpu dry run: no GPU)
+        return Run(schema, "split invariance", doc.get("device") if doc.get("measured") else None, False)
     if schema.startswith("cupy-dsa-needle/"):   # a server's recall: what it holds is its label's run
         return Run(schema, f"label {doc.get('label')}", None, False)
     return None

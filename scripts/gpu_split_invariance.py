@@ -44,6 +44,8 @@ MODES = ("fp8", "bf16", "bf16-fp4sim", "bf16-reference", "fp8-cupy", "fp8-rescor
 SWA_PAGE_SIZE = 256   # SGLang's sliding-window page; the state ring keeps `ring` rows of each
 
 
+SCHEMA = "cupy-dsa-split-invariance/1"
+
 def import_sglang_compress():
     """SGLang's compressor module, with the kernel packages this machine lacks stubbed (they raise if called)."""
     import _sglang_env
@@ -182,6 +184,8 @@ def main() -> int:
         traceback.print_exc()
         print(f"SPLIT INVARIANCE: FAIL ({type(e).__name__}: {e})")
         return 1
+    # the run it holds, for the writers' guard (bench/output_guard.py): the schema, and the GPU where one ran it
+    result = {"schema": SCHEMA, "measured": args.device != "cpu", **result}
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1, default=str)
     print(f"{result['compressor']} on {result['device']}: {result['total_tokens']} tokens, {result['entries']} "
