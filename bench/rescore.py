@@ -422,8 +422,8 @@ def _v2_candidate_calls(c: Case, x: Inputs, dg_rows, dg_stage1, module) -> dict:
     plan = module.plan_topk_v2(lens, out=lens.new_empty(lens.shape[0] + 1, 2))   # once, outside the timing
 
     def rescored(i, logits):
-        kp = max(c.index_topk, min(c.k_prime, logits.shape[1]))
-        given = candidates.select_candidates(choice, logits, lens, x.row_tables[i], kp, plan, topk=module)
+        given = candidates.select_candidates(choice, logits, lens, x.row_tables[i], c.index_topk, c.k_prime, plan,
+                                             topk=module)
         return rescore.rescore_topk(x.q_rows, x.weights, x.hi, x.lo, x.lens_rows, x.row_tables[i], c.index_topk,
                                     stage1_logits=logits, candidates=given)
 

@@ -484,8 +484,8 @@ def select_candidates(pick, topk, logits, lens, table, model: ServeModel, plan):
         return None
     from cupy_dsa.sglang import candidates
 
-    kp = max(model.index_topk, min(K_PRIME_MULTIPLE * model.index_topk, logits.shape[1]))
-    return candidates.select_candidates(pick, logits, lens, table, kp, plan, topk=topk.module)
+    return candidates.select_candidates(pick, logits, lens, table, model.index_topk,
+                                        K_PRIME_MULTIPLE * model.index_topk, plan, topk=topk.module)
 
 
 def _add_error(row: dict, case: str, exc: Exception) -> None:

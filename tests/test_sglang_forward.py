@@ -195,7 +195,7 @@ def test_rescore_candidate_select_follows_sglangs_top_k():
     assert cand.v2_plan(cand.CandidateSelect(cand.SGLANG_V1, "test"), md, lens, slice(0, 4), True, None) is None
     with pytest.raises(ValueError, match="^choice: expected one of SGLang's kernels"):
         cand.select_candidates(cand.CandidateSelect(cand.CUPY_DSA, "test"), torch.zeros(4, 8), lens, lens[:, None],
-                               4, None, topk=types.SimpleNamespace())
+                               2, 4, None, topk=types.SimpleNamespace())
 
 
 # --------------------------------------------------------------------------------------------------

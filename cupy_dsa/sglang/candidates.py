@@ -116,15 +116,17 @@ def v2_plan(choice: CandidateSelect, indexer_metadata, lens: torch.Tensor, rows:
 
 
 def select_candidates(choice: CandidateSelect, logits: torch.Tensor, lens: torch.Tensor, page_table: torch.Tensor,
-                      k_prime: int, plan: torch.Tensor | None, topk=None) -> torch.Tensor:
-    """int32 ``[rows, k_prime]``: each row's ``k_prime`` greatest ``logits`` (fp32 ``[rows, >= max len]``, row stride
-    a multiple of 4) among its first ``lens[r]`` columns, as positions, -1 padded, by SGLang's kernel ``choice``
-    (``plan``: v2's, from ``plan_topk_v2`` over these rows' lengths). ``topk``: SGLang's top-k module (default: the
-    one SGLang's forward imports; the benches pass the one they loaded)."""
+                      index_topk: int, k_prime: int, plan: torch.Tensor | None, topk=None) -> torch.Tensor:
+    """int32 ``[rows, K']``: each row's K' greatest ``logits`` (fp32 ``[rows, >= max len]``, row stride a multiple of
+    4) among its first ``lens[r]`` columns, as positions, -1 padded, by SGLang's kernel ``choice`` (``plan``: v2's,
+    from ``plan_topk_v2`` over these rows' lengths). K' is ``k_prime`` capped at the logits' width, and at least
+    ``index_topk`` (what rescore_topk takes). ``topk``: SGLang's top-k module (default: the one SGLang's forward
+    imports; the benches pass the one they loaded)."""
     if topk is None:
         from sglang.kernels.ops.attention.dsv4 import topk
 
-    out = torch.empty(logits.shape[0], k_prime, dtype=torch.int32, device=logits.device)
+    kp = max(index_topk, min(k_prime, logits.shape[1]))
+    out = torch.empty(logits.shape[0], kp, dtype=torch.int32, device=logits.device)
     if choice.kernel == SGLANG_V2:
         topk.topk_transform_paged_v2(logits, lens, None, out, layouts.PAGE_SLOTS, plan)
     elif choice.kernel == SGLANG_V1:

@@ -335,11 +335,11 @@ def _rescored_topk(self, ix, forward_batch, c4_indexer, *, q, weights, lens, pag
                         indexer_metadata.max_compressed_seq_len, False)
             given = None
             if choice.sglang:
-                kp = max(index_topk, min(k_prime, logits.shape[1]))
                 # SGLang's own plan for its row chunks (or all rows); a chunk of the plugin's budget gets its own
                 plan = candidates.v2_plan(choice, indexer_metadata, lens, r, len(chunks) == 1,
                                           i if isinstance(schedule, list) else None)
-                given = candidates.select_candidates(choice, logits, lens[r], page_table[r], kp, plan)
+                given = candidates.select_candidates(choice, logits, lens[r], page_table[r], index_topk, k_prime,
+                                                      plan)
             put(r, core.rescore_rows(q, weights, lens, page_table, kvcache, lo, r, index_topk, k_prime,
                                      stage1_logits=logits, candidates=given, **stage2))
             del logits, given
